@@ -1,0 +1,1 @@
+"""FSDP conformance cases, adapters and the matrix report."""

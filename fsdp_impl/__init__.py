@@ -1,0 +1,1 @@
+"""A minimal, readable reference implementation of Fully Sharded Data Parallel."""

@@ -1,0 +1,1 @@
+"""pytest integration for the multi-rank harness."""
