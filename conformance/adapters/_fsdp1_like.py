@@ -1,0 +1,168 @@
+"""Shared adapter logic for implementations with ``FullyShardedDataParallel``'s API.
+
+The reference (:mod:`fsdp_impl`) mirrors torch's FSDP1 constructor, context
+managers and state-dict entry points, so both adapters differ only in where the
+API lives and how a unit's flat parameter is introspected.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import (
+    STRATEGIES,
+    Capability,
+    UnitInfo,
+    WrapSpec,
+)
+
+__all__ = ["FSDP1LikeAdapter", "clean_fqn"]
+
+_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter name as the unwrapped module would spell it."""
+    return _WRAPPER_PREFIXES.sub("", name)
+
+
+class FSDP1LikeAdapter:
+    """Adapter for an FSDP whose API mirrors ``torch.distributed.fsdp`` (FSDP1).
+
+    Subclasses set :attr:`name`, :attr:`capabilities` and implement
+    :meth:`_api` (the ``torch.distributed.fsdp``-like module), :meth:`_wrap_api`
+    (its ``wrap`` module) and :meth:`_unit_info`.
+    """
+
+    name = "fsdp1-like"
+    capabilities: frozenset[Capability] = frozenset()
+
+    # -- subclass hooks ---------------------------------------------------
+    def _api(self) -> ModuleType:
+        raise NotImplementedError
+
+    def _wrap_api(self) -> ModuleType:
+        raise NotImplementedError
+
+    def _unit_info(self, fqn: str, unit: nn.Module) -> UnitInfo:
+        raise NotImplementedError
+
+    def _default_device_id(self) -> torch.device | None:
+        """The device_id used when a spec gives none (``None``: pass nothing)."""
+        return None
+
+    # -- protocol -----------------------------------------------------------
+    def unavailable_reason(self) -> str | None:
+        try:
+            self._api()
+        except Exception as exc:  # noqa: BLE001 - any import failure makes the adapter unusable
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def supports_strategy(self, strategy: str | None) -> bool:
+        return strategy is None or strategy in STRATEGIES
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        api = self._api()
+        return api.FullyShardedDataParallel(module, **self._wrap_kwargs(spec))
+
+    def _wrap_kwargs(self, spec: WrapSpec) -> dict[str, Any]:
+        api = self._api()
+        kwargs: dict[str, Any] = {
+            "use_orig_params": spec.use_orig_params,
+            "sync_module_states": spec.sync_module_states,
+            "forward_prefetch": spec.forward_prefetch,
+            "limit_all_gathers": spec.limit_all_gathers,
+            "backward_prefetch": (
+                None if spec.backward_prefetch is None else api.BackwardPrefetch[spec.backward_prefetch]
+            ),
+        }
+        if spec.strategy is not None:
+            kwargs["sharding_strategy"] = api.ShardingStrategy[spec.strategy]
+        if spec.auto_wrap is not None:
+            kwargs["auto_wrap_policy"] = self._policy(spec)
+        if spec.process_group is not None:
+            kwargs["process_group"] = spec.process_group
+        if spec.device_mesh is not None:
+            kwargs["device_mesh"] = spec.device_mesh
+        device_id = spec.device_id if spec.device_id is not None else self._default_device_id()
+        if device_id is not None:
+            kwargs["device_id"] = device_id
+        if spec.cpu_offload:
+            kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
+        if spec.ignored_modules:
+            kwargs["ignored_modules"] = list(spec.ignored_modules)
+        if spec.param_init_fn is not None:
+            kwargs["param_init_fn"] = spec.param_init_fn
+        kwargs.update(spec.extra)
+        return kwargs
+
+    def _policy(self, spec: WrapSpec) -> Any:
+        wrap = self._wrap_api()
+        auto = spec.auto_wrap
+        assert auto is not None
+        if auto.kind == "always":
+            return wrap.always_wrap_policy
+        if auto.kind == "transformer":
+            return functools.partial(
+                wrap.transformer_auto_wrap_policy, transformer_layer_cls=set(auto.module_classes)
+            )
+        return wrap.ModuleWrapPolicy(set(auto.module_classes))
+
+    def units(self, model: nn.Module) -> list[UnitInfo]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        return [
+            self._unit_info(clean_fqn(fqn), module)
+            for fqn, module in model.named_modules()
+            if isinstance(module, fsdp_cls)
+        ]
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        with fsdp_cls.summon_full_params(model, writeback=False):
+            return {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()}
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        with self._state_dict_type(model, sharded=False):
+            return {clean_fqn(k): v for k, v in model.state_dict().items()}
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        with self._state_dict_type(model, sharded=True):
+            return dict(model.state_dict())
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, Any], *, sharded: bool) -> None:
+        with self._state_dict_type(model, sharded=sharded):
+            model.load_state_dict(state)
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool
+    ) -> dict[str, Any]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        with self._state_dict_type(model, sharded=sharded):
+            return fsdp_cls.optim_state_dict(model, optim)
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state: dict[str, Any],
+        *,
+        sharded: bool,
+    ) -> None:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        with self._state_dict_type(model, sharded=sharded):
+            optim.load_state_dict(fsdp_cls.optim_state_dict_to_load(model, optim, state))
+
+    def _state_dict_type(self, model: nn.Module, *, sharded: bool) -> Any:
+        api = self._api()
+        kind = api.StateDictType.SHARDED_STATE_DICT if sharded else api.StateDictType.FULL_STATE_DICT
+        return api.FullyShardedDataParallel.state_dict_type(model, kind)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

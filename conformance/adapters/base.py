@@ -1,0 +1,212 @@
+"""The adapter contract: how a case drives an FSDP implementation.
+
+A case never imports an FSDP directly. It asks the adapter to wrap a module for
+a :class:`WrapSpec`, to enumerate the resulting units, to summon full
+parameters, and to save/load state dicts. What an implementation cannot express
+is declared up front in :attr:`FSDPAdapter.capabilities`; a case that needs a
+missing capability is reported *not applicable* naming that capability, never
+passed.
+
+Adapters are looked up by name through the ``fsdp_conformance.adapters`` entry
+point group (see :mod:`conformance.registry`). Process ranks receive the adapter
+by pickling, so an adapter must be a module-level class whose instances hold
+only plain data.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = [
+    "Capability",
+    "STRATEGIES",
+    "HYBRID_STRATEGIES",
+    "AutoWrap",
+    "WrapSpec",
+    "UnitInfo",
+    "FSDPAdapter",
+]
+
+#: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+class Capability(str, enum.Enum):
+    """Behaviours a case may require; an adapter lists the ones it has."""
+
+    EXEC_ORDER_VALIDATION = "exec_order_validation"
+    """Checks, with debug level DETAIL, that ranks all-gather units in the same order."""
+    FLAT_PARAM = "flat_param"
+    """Can expose one flat parameter per unit (``use_orig_params=False``)."""
+    FLAT_PARAM_INTROSPECTION = "flat_param_introspection"
+    """:meth:`FSDPAdapter.units` reports each unit's flat shard and resharded state."""
+    HYBRID_VIA_PG_TUPLE = "hybrid_via_pg_tuple"
+    """Hybrid strategies accept a ``(shard_group, replicate_group)`` tuple."""
+    HYBRID_AUTO_GROUPS = "hybrid_auto_groups"
+    """Hybrid + auto-wrap with no group builds intra/inter-node groups itself."""
+    HYBRID_MANUAL_WRAP_CHECK = "hybrid_manual_wrap_check"
+    """Manual hybrid wrapping without groups raises the catalogued ValueError."""
+    SYNC_MODULE_STATES = "sync_module_states"
+    CPU_OFFLOAD = "cpu_offload"
+    IGNORED_MODULES = "ignored_modules"
+    PARAM_INIT_FN = "param_init_fn"
+    DEVICE_ID = "device_id"
+    """Accepts ``device_id`` and moves managed parameters there."""
+    WORLD_SIZE_1_SWITCH = "world_size_1_no_shard_switch"
+    CONTAINER_WARNING = "container_warning"
+    HOMOGENEOUS_ATTRIBUTES = "homogeneous_attributes"
+    UNSAFE_SETATTR = "unsafe_setattr"
+    OPTIM_IN_BACKWARD_CHECK = "optim_in_backward_check"
+    FORWARD_PREFETCH = "forward_prefetch"
+    BACKWARD_PREFETCH = "backward_prefetch"
+    POST_OPTIM_EVENT = "post_optim_event"
+    FULL_STATE_DICT = "full_state_dict"
+    SHARDED_STATE_DICT = "sharded_state_dict"
+    THREAD_RANKS = "thread_ranks"
+    """Runs under the harness's threaded process group (one process, N threads)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class AutoWrap:
+    """Which submodules become their own unit.
+
+    ``module_classes``: every instance of these classes (ModuleWrapPolicy).
+    ``transformer``: the same set, but through ``transformer_auto_wrap_policy``
+    (a callable policy), to check implementations accept both forms.
+    ``always``: every submodule (``always_wrap_policy``).
+    """
+
+    module_classes: tuple[type[nn.Module], ...] = ()
+    kind: str = "module_classes"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("module_classes", "transformer", "always"):
+            raise ValueError(f"AutoWrap.kind must be module_classes|transformer|always, got {self.kind!r}")
+        if self.kind != "always" and not self.module_classes:
+            raise ValueError(f"AutoWrap(kind={self.kind!r}) needs at least one module class")
+
+
+@dataclass(frozen=True)
+class WrapSpec:
+    """Everything a case can ask of a wrap, in ``FullyShardedDataParallel`` terms.
+
+    ``strategy=None`` means "the implementation's default". ``process_group`` is
+    a group, or a ``(shard, replicate)`` tuple for hybrid strategies.
+    ``device_mesh`` is a 1-D or 2-D (replicate, shard) mesh. ``extra`` passes
+    implementation-specific keyword arguments through untouched.
+    """
+
+    strategy: str | None = "FULL_SHARD"
+    auto_wrap: AutoWrap | None = None
+    process_group: Any = None
+    device_mesh: Any = None
+    device_id: torch.device | int | None = None
+    cpu_offload: bool = False
+    use_orig_params: bool = False
+    sync_module_states: bool = False
+    ignored_modules: Sequence[nn.Module] = ()
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    forward_prefetch: bool = False
+    backward_prefetch: str | None = "BACKWARD_PRE"
+    limit_all_gathers: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; expected one of {STRATEGIES}")
+        if self.backward_prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST"):
+            raise ValueError(
+                f"backward_prefetch must be None, 'BACKWARD_PRE' or 'BACKWARD_POST', "
+                f"got {self.backward_prefetch!r}"
+            )
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.strategy in HYBRID_STRATEGIES
+
+
+@dataclass
+class UnitInfo:
+    """One FSDP unit as a case sees it.
+
+    ``shard_group`` is the group parameters are sharded over (the replicate
+    group is ``None`` unless the strategy is hybrid). ``resharded`` is ``None``
+    when the implementation cannot tell (no introspection capability).
+    ``local_shards`` are this rank's sharded parameter storage (one flat shard
+    for flat-parameter implementations, one local tensor per parameter for
+    per-parameter sharding) and ``local_grads`` their gradients, aligned.
+    """
+
+    fqn: str
+    module: nn.Module
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+    compute_device: torch.device | None
+    local_shards: list[torch.Tensor]
+    local_grads: list[torch.Tensor | None]
+    resharded: bool | None
+
+
+@runtime_checkable
+class FSDPAdapter(Protocol):
+    """What the suite needs from an FSDP implementation."""
+
+    name: str
+    capabilities: frozenset[Capability]
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when importable and usable here, else why not (shown by ``impls``)."""
+
+    def supports_strategy(self, strategy: str | None) -> bool:
+        """Whether :meth:`wrap` can express ``strategy`` at all."""
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        """Shard ``module`` according to ``spec`` and return the root to train."""
+
+    def units(self, model: nn.Module) -> list[UnitInfo]:
+        """Every unit of a wrapped model, root first then in module order."""
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Copies of every full, unsharded parameter, keyed as the unwrapped module names them."""
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Unflattened, unpadded state dict with the unwrapped module's keys, on every rank."""
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """This rank's shards, loadable into a model of the same layout."""
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, Any], *, sharded: bool) -> None:
+        """Load the output of :meth:`full_state_dict` / :meth:`sharded_state_dict`."""
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool
+    ) -> dict[str, Any]:
+        """Optimizer state keyed by original parameter names."""
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state: dict[str, Any],
+        *,
+        sharded: bool,
+    ) -> None:
+        """Load the output of :meth:`optim_state_dict` into ``optim``."""
+
+
+def iter_named_units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, module)`` for every unit in ``named_modules`` order (root first)."""
+    for fqn, module in model.named_modules():
+        if is_unit(module):
+            yield fqn, module

@@ -1,0 +1,59 @@
+"""Adapter for PyTorch's ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+
+from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
+from conformance.adapters.base import Capability, UnitInfo
+
+__all__ = ["TorchFSDP1Adapter"]
+
+
+class TorchFSDP1Adapter(FSDP1LikeAdapter):
+    """FSDP1 as shipped with the installed torch.
+
+    Without an accelerator, FSDP1 needs ``device_id=torch.device("cpu")`` to
+    compute on CPU, so the adapter passes it whenever a spec names no device.
+    """
+
+    name = "torch-fsdp1"
+    capabilities = frozenset(Capability) - {Capability.POST_OPTIM_EVENT}
+
+    def _api(self) -> ModuleType:
+        import torch.distributed.fsdp as api
+
+        return api
+
+    def _wrap_api(self) -> ModuleType:
+        import torch.distributed.fsdp.wrap as wrap
+
+        return wrap
+
+    def _default_device_id(self) -> torch.device | None:
+        return None if torch.cuda.is_available() else torch.device("cpu")
+
+    def _unit_info(self, fqn: str, unit: nn.Module) -> UnitInfo:
+        handle = getattr(unit, "_handle", None)
+        inter = getattr(unit, "_inter_node_pg", None)
+        hybrid = unit.sharding_strategy.name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        if handle is None:
+            return UnitInfo(fqn, unit, unit.process_group, inter if hybrid else None,
+                            unit.compute_device, [], [], True)
+        flat = handle.flat_param
+        resharded = flat.data_ptr() == flat._local_shard.data_ptr()
+        if handle.uses_sharded_strategy:
+            resharded = resharded and flat._full_param_padded.untyped_storage().size() == 0
+        return UnitInfo(
+            fqn=fqn,
+            module=unit,
+            shard_group=unit.process_group,
+            replicate_group=inter if hybrid else None,
+            compute_device=unit.compute_device,
+            local_shards=[flat._local_shard],
+            local_grads=[flat.grad],
+            resharded=resharded,
+        )

@@ -1,0 +1,242 @@
+"""Adapter for PyTorch's per-parameter FSDP (``fully_shard``, "FSDP2").
+
+[Note: FSDP2 strategy mapping]
+FSDP2 has no ``ShardingStrategy``; the FSDP1 strategies map onto a mesh and
+``reshard_after_forward``:
+
+==================== ========================== =======================
+strategy             mesh                        reshard_after_forward
+==================== ========================== =======================
+FULL_SHARD           1-D (world,)               True
+SHARD_GRAD_OP        1-D (world,)               False
+NO_SHARD             2-D (world, 1) replicate   True (nothing to free)
+HYBRID_SHARD         2-D (replicate, shard)     True
+_HYBRID_SHARD_ZERO2  2-D (replicate, shard)     False
+==================== ========================== =======================
+
+A hybrid wrap needs a 2-D mesh or a ``(shard, replicate)`` group pair; FSDP2
+does not build node-local groups itself, so cases that need that are not
+applicable. Units are ``fully_shard`` applied bottom-up to every module the
+auto-wrap spec selects, then to the root.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.adapters.base import HYBRID_STRATEGIES, Capability, UnitInfo, WrapSpec
+
+__all__ = ["TorchFSDP2Adapter"]
+
+
+class TorchFSDP2Adapter:
+    """``torch.distributed.fsdp.fully_shard`` over a DeviceMesh."""
+
+    name = "torch-fsdp2"
+    capabilities = frozenset(
+        {
+            Capability.HYBRID_VIA_PG_TUPLE,
+            Capability.FORWARD_PREFETCH,
+            Capability.BACKWARD_PREFETCH,
+            Capability.POST_OPTIM_EVENT,
+            Capability.CPU_OFFLOAD,
+            Capability.IGNORED_MODULES,
+            Capability.FULL_STATE_DICT,
+            Capability.SHARDED_STATE_DICT,
+            Capability.THREAD_RANKS,
+        }
+    )
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def supports_strategy(self, strategy: str | None) -> bool:
+        return True
+
+    # -- wrapping -------------------------------------------------------------
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        # FSDP2 always exposes the original parameters, so use_orig_params=False
+        # is accepted; cases that rely on a flat parameter require Capability.FLAT_PARAM.
+        unsupported = {
+            "sync_module_states": spec.sync_module_states,
+            "param_init_fn": spec.param_init_fn is not None,
+        }
+        bad = [name for name, used in unsupported.items() if used]
+        if bad:
+            raise ValueError(f"torch-fsdp2 adapter cannot express {bad}")
+        device = self._device(spec)
+        if device.type != "cpu" or spec.device_id is not None:
+            module.to(device)
+        mesh = self._mesh(spec, device)
+        kwargs: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": spec.strategy not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"),
+        }
+        if spec.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        if spec.ignored_modules:
+            kwargs["ignored_params"] = {p for m in spec.ignored_modules for p in m.parameters()}
+        kwargs.update(spec.extra)
+        if spec.auto_wrap is not None:
+            for submodule in reversed(list(self._selected(module, spec))):
+                fully_shard(submodule, **kwargs)
+        return fully_shard(module, **kwargs)
+
+    @staticmethod
+    def _selected(module: nn.Module, spec: WrapSpec) -> list[nn.Module]:
+        auto = spec.auto_wrap
+        assert auto is not None
+        ignored = {id(m) for ig in spec.ignored_modules for m in ig.modules()}
+        chosen = []
+        for child in module.modules():
+            if child is module or id(child) in ignored:
+                continue
+            if auto.kind == "always" or isinstance(child, auto.module_classes):
+                chosen.append(child)
+        return chosen
+
+    @staticmethod
+    def _device(spec: WrapSpec) -> torch.device:
+        if spec.device_id is not None:
+            dev = spec.device_id
+            return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @staticmethod
+    def _mesh(spec: WrapSpec, device: torch.device) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if spec.device_mesh is not None:
+            return spec.device_mesh
+        world = dist.get_world_size()
+        pg = spec.process_group
+        if isinstance(pg, tuple):
+            shard, replicate = pg
+            ranks = torch.tensor(_mesh_ranks(shard, replicate))
+            return DeviceMesh.from_group(
+                [replicate, shard], device.type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+            )
+        if pg is not None:
+            return DeviceMesh.from_group(pg, device.type)
+        if spec.strategy == "NO_SHARD":
+            return init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        if spec.strategy in HYBRID_STRATEGIES:
+            raise ValueError(
+                "torch-fsdp2 needs a 2-D device_mesh or a (shard, replicate) process_group "
+                f"for {spec.strategy}; it does not build node-local groups itself"
+            )
+        return init_device_mesh(device.type, (world,))
+
+    # -- introspection ----------------------------------------------------------
+    def units(self, model: nn.Module) -> list[UnitInfo]:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [
+            self._unit_info(fqn, module)
+            for fqn, module in model.named_modules()
+            if isinstance(module, FSDPModule)
+        ]
+
+    @staticmethod
+    def _unit_info(fqn: str, unit: nn.Module) -> UnitInfo:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        if group is None:
+            return UnitInfo(fqn, unit, None, None, None, [], [], True)
+        info = group.mesh_info
+        params = group.fsdp_params
+        return UnitInfo(
+            fqn=fqn,
+            module=unit,
+            shard_group=info.shard_process_group,
+            replicate_group=getattr(info, "replicate_process_group", None)
+            if info.mesh.ndim == 2 and info.mesh.size(1) > 1
+            else None,
+            compute_device=group.device,
+            local_shards=[p.sharded_param.to_local() for p in params],
+            local_grads=[
+                None if p.sharded_param.grad is None else p.sharded_param.grad.to_local()
+                for p in params
+            ],
+            resharded=all(p.sharded_state == ShardedState.SHARDED for p in params),
+        )
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            out[name] = full.detach().clone()
+        return out
+
+    # -- state dicts ------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return dict(model.state_dict())
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, Any], *, sharded: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=not sharded))
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        return get_optimizer_state_dict(
+            model, optim, options=StateDictOptions(full_state_dict=not sharded)
+        )
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state: dict[str, Any],
+        *,
+        sharded: bool,
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(
+            model, optim, state, options=StateDictOptions(full_state_dict=not sharded)
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _mesh_ranks(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> list[list[int]]:
+    """The (replicate, shard) rank grid this rank's two groups span.
+
+    Row ``i`` holds the shard group of the ``i``-th replica; this rank's shard
+    group is the row at its replicate-group index, other rows follow by the
+    contiguous-block layout hybrid groups use.
+    """
+    shard_ranks = dist.get_process_group_ranks(shard)
+    replicate_ranks = dist.get_process_group_ranks(replicate)
+    block = len(shard_ranks)
+    offset = shard_ranks[0] % block
+    return [[r - (r % block) + offset + i for i in range(block)] for r in replicate_ranks]

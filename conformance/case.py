@@ -1,0 +1,137 @@
+"""Declaring a conformance case.
+
+A case is a test function in ``conformance/cases/test_<area>.py``::
+
+    @case("exec_order/train_eval", world_size=2, requires=[Capability.EXEC_ORDER_VALIDATION])
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+    def test_train_eval(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+        ...
+
+The grid is always ``pytest.mark.parametrize``. The body runs on every rank
+(the harness's ``ranks`` marker, which :func:`case` adds); ``impl`` is the
+adapter under test, parametrized by the conformance plugin. Requirements and
+hardware needs are checked in the parent *before* any rank starts:
+
+- a missing capability -> :class:`NotApplicable` ("n/a", capability named);
+- missing hardware -> a plain skip ("needs 2 accelerators, found 0").
+
+Neither is ever reported as passed. A body may also raise
+:class:`NotApplicable` itself (via :func:`not_applicable`) when only the
+run-time combination is inexpressible; all ranks must agree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from conformance.adapters.base import Capability
+
+__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "hardware_skip_reason"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
+_MODES = ("process", "thread")
+
+Requires = Iterable[Capability] | Callable[[Mapping[str, Any]], Iterable[Capability]]
+
+
+class NotApplicable(pytest.skip.Exception):  # type: ignore[name-defined,misc]
+    """The implementation cannot express this case; reported as ``n/a``, never as passed."""
+
+
+def not_applicable(reason: str) -> None:
+    """Stop the case as not applicable (call on every rank alike)."""
+    raise NotApplicable(reason, _use_item_location=True)
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """A case's declaration, validated when the module is imported."""
+
+    id: str
+    world_size: int = 2
+    modes: tuple[str, ...] = _MODES
+    requires: Requires = ()
+    accelerators: int = 0
+    timeout_s: float = 120.0
+    isolated: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _ID.match(self.id):
+            raise ValueError(f"case id {self.id!r} must look like 'area/name' (lowercase, digits, _)")
+        if self.world_size < 1:
+            raise ValueError(f"case {self.id}: world_size must be >= 1, got {self.world_size}")
+        bad = [m for m in self.modes if m not in _MODES]
+        if bad or not self.modes:
+            raise ValueError(f"case {self.id}: modes must be a non-empty subset of {_MODES}, got {self.modes}")
+        if self.accelerators < 0:
+            raise ValueError(f"case {self.id}: accelerators must be >= 0, got {self.accelerators}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"case {self.id}: timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def area(self) -> str:
+        return self.id.split("/", 1)[0]
+
+    def required(self, params: Mapping[str, Any]) -> list[Capability]:
+        """The capabilities this grid point needs."""
+        caps = self.requires(params) if callable(self.requires) else self.requires
+        return list(caps)
+
+    def needs_text(self) -> str:
+        """Hardware needs as ``list`` shows them."""
+        if self.accelerators:
+            return f"{self.accelerators} accelerator(s), ws {self.world_size}"
+        return f"cpu, ws {self.world_size}"
+
+
+def case(
+    case_id: str,
+    *,
+    world_size: int = 2,
+    modes: Iterable[str] = _MODES,
+    requires: Requires = (),
+    accelerators: int = 0,
+    timeout_s: float = 120.0,
+    isolated: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> Callable[[_F], _F]:
+    """Declare a conformance case (see the module docstring)."""
+    spec = CaseSpec(
+        id=case_id,
+        world_size=world_size,
+        modes=tuple(modes),
+        requires=requires if callable(requires) else tuple(requires),
+        accelerators=accelerators,
+        timeout_s=timeout_s,
+        isolated=isolated,
+        env=dict(env or {}),
+    )
+
+    def decorate(fn: _F) -> _F:
+        fn = pytest.mark.conformance(spec)(fn)
+        return pytest.mark.ranks(
+            world_size=spec.world_size,
+            modes=spec.modes,
+            timeout_s=spec.timeout_s,
+            isolated=spec.isolated,
+            env=spec.env or None,
+        )(fn)
+
+    return decorate
+
+
+def hardware_skip_reason(spec: CaseSpec) -> str | None:
+    """Why this machine cannot run ``spec``, or ``None``."""
+    if spec.accelerators:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < spec.accelerators:
+            return f"needs {spec.accelerators} accelerators, found {found}"
+    return None

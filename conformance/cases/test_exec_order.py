@@ -1,0 +1,111 @@
+"""exec_order: ranks must all-gather units in the same order, or be told they do not.
+
+The model has two paths, ``layer0 -> layer1`` and ``layer0 -> layer2``, whose
+inner units flatten to the same size (36), so an implementation without
+order checks would silently pair the wrong collectives. Checks are on when the
+``torch.distributed`` debug level is DETAIL (set before wrapping, as an
+implementation may read it at construction).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
+from conformance.case import case
+from fixtures.models import ExecOrderModel
+from fixtures.seeding import generator, rank_seed
+from harness import RankContext
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP"]
+FIRST_ITER_ERROR = r"^(Forward order differs across ranks)"
+ORDER_WARNING = "Forward order differs"
+REQUIRES = [Capability.EXEC_ORDER_VALIDATION]
+
+
+def _wrap(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> nn.Module:
+    """The seed's manual nesting: layer1 and layer2 are their own units under a root unit."""
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    spec = WrapSpec(strategy=strategy)
+    model = ExecOrderModel(seed=0)
+    model.layer1 = impl.wrap(model.layer1, spec)
+    model.layer2 = impl.wrap(model.layer2, spec)
+    return impl.wrap(model, spec).to(ctx.device)
+
+
+def _inner(model: nn.Module) -> ExecOrderModel:
+    inner = getattr(model, "module", model)
+    assert isinstance(inner, ExecOrderModel), type(inner)
+    return inner
+
+
+def _step(ctx: RankContext, model: nn.Module, gen: torch.Generator, *, backward: bool = True) -> None:
+    (inp,) = ExecOrderModel.get_input(ctx.device, gen)
+    loss = ExecOrderModel.get_loss(model(inp))
+    if backward:
+        loss.backward()
+
+
+@case("exec_order/invalid_first_iter_order", world_size=2, requires=REQUIRES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_invalid_first_iter_order(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    model = _wrap(ctx, impl, strategy)
+    if ctx.rank != 0:
+        _inner(model).flip_path()
+    gen = generator(rank_seed(0, ctx.rank))
+    (inp,) = ExecOrderModel.get_input(ctx.device, gen)
+    with pytest.raises(RuntimeError, match=FIRST_ITER_ERROR):
+        model(inp)
+
+
+@case("exec_order/invalid_later_iter_order", world_size=2, requires=REQUIRES)
+@pytest.mark.parametrize("iters_before_path_change", [1, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_invalid_later_iter_order(
+    ctx: RankContext, impl: FSDPAdapter, strategy: str, iters_before_path_change: int
+) -> None:
+    model = _wrap(ctx, impl, strategy)
+    gen = generator(rank_seed(0, ctx.rank))
+    for _ in range(iters_before_path_change):
+        _step(ctx, model, gen)
+    if ctx.rank != 0:
+        _inner(model).flip_path()
+    expected = re.escape(
+        f"Forward order differs from that of the first iteration on rank {ctx.rank}. "
+        "Collectives are unchecked and may give incorrect results or hang"
+    )
+    with ctx.catch_warnings() as caught:
+        _step(ctx, model, gen)
+    order_warnings = [w for w in caught if str(w.message).startswith(ORDER_WARNING)]
+    if ctx.rank == 0:
+        assert not order_warnings, f"rank 0 kept its order but was warned: {order_warnings[0].message}"
+    else:
+        assert any(
+            issubclass(w.category, UserWarning) and re.match(f"^({expected})", str(w.message))
+            for w in order_warnings
+        ), f"rank {ctx.rank}: no matching UserWarning; got {[str(w.message) for w in caught]}"
+    # Training continues after the warning: another full step completes on every rank.
+    _step(ctx, model, gen)
+    ctx.barrier()
+
+
+@case("exec_order/train_eval", world_size=2, requires=REQUIRES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_train_eval(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    model = _wrap(ctx, impl, strategy)
+    gen = generator(rank_seed(0, ctx.rank))
+    with ctx.catch_warnings() as caught:
+        for _epoch in range(2):
+            model.train()
+            for _ in range(3):
+                _step(ctx, model, gen)
+            model.eval()
+            for _ in range(3):
+                _step(ctx, model, gen, backward=False)
+    wrong = [str(w.message) for w in caught if str(w.message).startswith(ORDER_WARNING)]
+    assert not wrong, f"rank {ctx.rank}: order warning issued on a train/eval switch: {wrong[0]}"

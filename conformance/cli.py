@@ -1,0 +1,140 @@
+"""``fsdp-conformance``: run the case matrix, list cases, list implementations.
+
+A thin layer over ``pytest.main`` and the conformance plugin: every option here
+maps onto a pytest option, so ``pytest conformance/cases --fsdp-impl X`` gives
+the same results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance import registry
+
+__all__ = ["main", "CASES_DIR"]
+
+CASES_DIR = Path(__file__).resolve().parent / "cases"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)")
+    run.add_argument("--impl", action="append", metavar="NAME", help="adapter name, repeatable; 'all' for every one")
+    run.add_argument("--rank-mode", choices=("process", "thread", "both"), default="both")
+    run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
+    run.add_argument("--json", metavar="PATH", help="write results as JSON")
+    run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
+    run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
+    run.add_argument("--timing-repeats", type=int, default=None, metavar="N")
+    run.add_argument(
+        "--launcher",
+        choices=("spawn", "torchrun"),
+        default="spawn",
+        help="spawn: the harness starts ranks; torchrun: this process is already one rank of a job",
+    )
+    run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
+    lst = sub.add_parser("list", help="list case ids with their parameters and hardware needs")
+    lst.add_argument("-k", dest="keyword", metavar="EXPR")
+    sub.add_parser("impls", help="list registered implementations and whether they load here")
+    return parser
+
+
+def _run_args(ns: argparse.Namespace) -> list[str]:
+    args = [str(CASES_DIR), "-q", "--conformance-progress", "-p", "no:cacheprovider"]
+    for name in ns.impl or ["reference"]:
+        args += ["--fsdp-impl", name]
+    args += ["--rank-mode", ns.rank_mode]
+    if ns.keyword:
+        args += ["-k", ns.keyword]
+    if ns.json:
+        args += ["--conformance-json", ns.json]
+    if ns.markdown:
+        args += ["--conformance-markdown", ns.markdown]
+    if ns.junitxml:
+        args += ["--junitxml", ns.junitxml]
+    if ns.timing_repeats is not None:
+        args += ["--timing-repeats", str(ns.timing_repeats)]
+    if ns.launcher == "torchrun":
+        args += ["--launcher", "torchrun"]
+    extra = [a for a in ns.pytest_args if a != "--"]
+    return args + extra
+
+
+def _run(ns: argparse.Namespace) -> int:
+    for name in registry.expand(ns.impl or ["reference"]):
+        if name not in registry.registered():
+            print(f"fsdp-conformance: unknown implementation {name!r}; "
+                  f"registered: {', '.join(sorted(registry.registered()))}", file=sys.stderr)
+            return 2
+    code = int(pytest.main(_run_args(ns)))
+    if code == int(pytest.ExitCode.NO_TESTS_COLLECTED):
+        print("fsdp-conformance: no case matched the selection", file=sys.stderr)
+    return code
+
+
+class _Lister:
+    """Collects case ids during a collect-only session."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str]] = []
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        from conformance.plugin import _params, _spec
+
+        seen: set[str] = set()
+        for item in session.items:
+            spec = _spec(item)
+            if spec is None:
+                continue
+            params = {k: v for k, v in _params(item).items() if k not in ("impl", "rank_mode")}
+            label = "-".join(str(v) for v in params.values())
+            case_id = f"{spec.id}[{label}]" if label else spec.id
+            if case_id not in seen:
+                seen.add(case_id)
+                self.rows.append((case_id, f"{spec.needs_text()}; modes {'/'.join(spec.modes)}"))
+
+
+def _list(ns: argparse.Namespace) -> int:
+    lister = _Lister()
+    args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider"]
+    if ns.keyword:
+        args += ["-k", ns.keyword]
+    code = int(pytest.main(args, plugins=[lister]))
+    width = max((len(case_id) for case_id, _ in lister.rows), default=0)
+    for case_id, needs in lister.rows:
+        print(f"{case_id.ljust(width)}  {needs}")
+    print(f"{len(lister.rows)} cases")
+    return 0 if code in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)) else code
+
+
+def _impls(_: argparse.Namespace) -> int:
+    for name, entry in registry.registered().items():
+        status: Any
+        try:
+            adapter = registry.load(name)
+            reason = adapter.unavailable_reason()
+            status = "ok" if reason is None else f"unavailable: {reason}"
+            caps = ", ".join(sorted(str(c) for c in adapter.capabilities))
+        except Exception as exc:  # noqa: BLE001 - report, do not crash the listing
+            status, caps = f"import failed: {type(exc).__name__}: {exc}", ""
+        print(f"{name:14s} {status}\n    {entry.target}\n    capabilities: {caps or '-'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.command is None:
+        _parser().print_help()
+        return 2
+    return {"run": _run, "list": _list, "impls": _impls}[ns.command](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Finding adapters by name.
+
+Adapters register under the ``fsdp_conformance.adapters`` entry-point group,
+name -> ``module:Class``. The built-in ones register the same way in this
+project's ``pyproject.toml``; :data:`BUILTIN` is only a fallback for running
+from a source tree whose metadata predates an adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from conformance.adapters.base import FSDPAdapter
+
+__all__ = ["ENTRY_POINT_GROUP", "BUILTIN", "UnknownAdapter", "AdapterEntry", "registered", "load"]
+
+ENTRY_POINT_GROUP = "fsdp_conformance.adapters"
+
+BUILTIN: dict[str, str] = {
+    "reference": "conformance.adapters.reference:ReferenceAdapter",
+    "torch-fsdp1": "conformance.adapters.torch_fsdp1:TorchFSDP1Adapter",
+    "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+}
+
+
+class UnknownAdapter(LookupError):
+    """No adapter is registered under the requested name."""
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    name: str
+    target: str  # "module:Class"
+
+
+def registered() -> dict[str, AdapterEntry]:
+    """Every adapter name -> entry, built-ins first, then third parties by name."""
+    found = {name: AdapterEntry(name, target) for name, target in BUILTIN.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name] = AdapterEntry(ep.name, ep.value)
+    return found
+
+
+def load(name: str) -> FSDPAdapter:
+    """Instantiate the adapter registered as ``name``.
+
+    Raises :class:`UnknownAdapter` listing the known names, or the import error
+    of a registered adapter whose module cannot be imported.
+    """
+    entries = registered()
+    if name not in entries:
+        raise UnknownAdapter(
+            f"no FSDP adapter named {name!r}; registered: {', '.join(sorted(entries))} "
+            f"(third parties register under the {ENTRY_POINT_GROUP!r} entry-point group)"
+        )
+    module_name, _, attr = entries[name].target.partition(":")
+    adapter_cls = getattr(importlib.import_module(module_name), attr)
+    adapter = adapter_cls()
+    if not isinstance(adapter, FSDPAdapter):
+        raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter")
+    return adapter
+
+
+def expand(names: list[str]) -> list[str]:
+    """Resolve ``all`` and drop duplicates, keeping the order given."""
+    out: list[str] = []
+    for name in names:
+        for item in registered() if name == "all" else [name]:
+            if item not in out:
+                out.append(item)
+    return out

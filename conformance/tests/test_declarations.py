@@ -1,0 +1,90 @@
+"""Case declarations, the adapter registry and the adapter contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+from conformance import registry
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.case import CaseSpec, NotApplicable, case
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"id": "no_slash"}, "must look like 'area/name'"),
+        ({"id": "a/b", "world_size": 0}, "world_size must be >= 1, got 0"),
+        ({"id": "a/b", "modes": ("fork",)}, "modes must be a non-empty subset"),
+        ({"id": "a/b", "timeout_s": 0}, "timeout_s must be > 0"),
+        ({"id": "a/b", "accelerators": -1}, "accelerators must be >= 0"),
+    ],
+)
+def test_case_spec_rejects_bad_declarations(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        CaseSpec(**kwargs)
+
+
+def test_case_adds_ranks_and_conformance_marks() -> None:
+    @case("area/name", world_size=4, modes=("process",), timeout_s=30)
+    def test_x(ctx: object, impl: object) -> None: ...
+
+    marks = {m.name: m for m in test_x.pytestmark}  # type: ignore[attr-defined]
+    assert marks["ranks"].kwargs["world_size"] == 4
+    assert marks["ranks"].kwargs["modes"] == ("process",)
+    spec = marks["conformance"].args[0]
+    assert spec.id == "area/name" and spec.area == "area"
+
+
+def test_requires_may_depend_on_parameters() -> None:
+    spec = CaseSpec(
+        id="a/b",
+        requires=lambda p: [] if p["use_orig_params"] else [Capability.FLAT_PARAM],
+    )
+    assert spec.required({"use_orig_params": True}) == []
+    assert spec.required({"use_orig_params": False}) == [Capability.FLAT_PARAM]
+
+
+def test_not_applicable_is_a_skip_but_distinguishable() -> None:
+    assert issubclass(NotApplicable, pytest.skip.Exception)
+
+
+def test_wrap_spec_validates_strategy_and_prefetch() -> None:
+    with pytest.raises(ValueError, match="unknown strategy 'FULL'"):
+        WrapSpec(strategy="FULL")
+    with pytest.raises(ValueError, match="backward_prefetch must be"):
+        WrapSpec(backward_prefetch="PRE")
+    with pytest.raises(ValueError, match="needs at least one module class"):
+        AutoWrap()
+    assert WrapSpec(strategy="HYBRID_SHARD").is_hybrid
+    assert AutoWrap(kind="always").module_classes == ()
+    assert AutoWrap((nn.Linear,)).kind == "module_classes"
+
+
+def test_registry_lists_builtins_and_rejects_unknown_names() -> None:
+    names = registry.registered()
+    assert {"reference", "torch-fsdp1", "torch-fsdp2"} <= set(names)
+    with pytest.raises(registry.UnknownAdapter, match="no FSDP adapter named 'nope'; registered: .*reference"):
+        registry.load("nope")
+    assert registry.expand(["torch-fsdp2", "all"])[0] == "torch-fsdp2"
+    assert len(registry.expand(["all", "all"])) == len(names)
+
+
+def test_builtin_entry_points_are_registered_in_metadata() -> None:
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group=registry.ENTRY_POINT_GROUP)}
+    assert eps == registry.BUILTIN
+
+
+@pytest.mark.parametrize("name", ["torch-fsdp1", "torch-fsdp2"])
+def test_torch_adapters_implement_the_protocol(name: str) -> None:
+    adapter = registry.load(name)
+    assert isinstance(adapter, FSDPAdapter)
+    assert adapter.unavailable_reason() is None
+    assert all(isinstance(c, Capability) for c in adapter.capabilities)
+
+
+def test_fsdp2_has_no_exec_order_validation() -> None:
+    assert Capability.EXEC_ORDER_VALIDATION not in registry.load("torch-fsdp2").capabilities
+    assert Capability.EXEC_ORDER_VALIDATION in registry.load("torch-fsdp1").capabilities

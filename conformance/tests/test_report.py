@@ -1,0 +1,62 @@
+"""Matrix, markdown and JSON renderings of conformance results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from expecttest import TestCase
+
+from conformance.report import Result, render_markdown, render_matrix, summary_line, write_json
+
+RESULTS = [
+    Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25),
+    Result("exec_order/train_eval[FULL_SHARD]", "torch-fsdp2", "process", 2, "n/a",
+           "torch-fsdp2 lacks capability exec_order_validation", 0.0),
+    Result("misc/device_id[]", "reference", "process", 1, "skip", "needs 1 accelerators, found 0", 0.0),
+    Result("exec_order/invalid_first_iter_order[SHARD_GRAD_OP]", "reference", "process", 2, "FAIL",
+           "AssertionError: no matching UserWarning", 2.5),
+]
+
+
+class TestRender(TestCase):
+    def test_matrix(self) -> None:
+        self.assertExpectedInline(
+            render_matrix(RESULTS),
+            """\
+case                                                reference/process  torch-fsdp2/process
+--------------------------------------------------  -----------------  -------------------
+exec_order/invalid_first_iter_order[SHARD_GRAD_OP]  FAIL
+exec_order/train_eval[FULL_SHARD]                   pass               n/a
+misc/device_id[]                                    skip""",
+        )
+
+    def test_summary_counts_every_outcome(self) -> None:
+        self.assertExpectedInline(
+            summary_line(RESULTS),
+            """conformance: 1 pass, 1 FAIL, 1 n/a, 1 skip in 3.8 s of case time""",
+        )
+
+    def test_markdown_lists_reasons_of_non_passing_cells(self) -> None:
+        text = render_markdown(RESULTS)
+        assert "| `exec_order/train_eval[FULL_SHARD]` | pass | n/a |" in text
+        assert "**n/a** — torch-fsdp2 lacks capability exec_order_validation" in text
+        assert "**FAIL** — AssertionError: no matching UserWarning" in text
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "results.json"
+    write_json(RESULTS, path)
+    rows = json.loads(path.read_text())
+    assert [r["outcome"] for r in rows] == ["pass", "n/a", "skip", "FAIL"]
+    assert set(rows[0]) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s"}
+
+
+def test_unknown_outcome_is_rejected() -> None:
+    with pytest.raises(ValueError, match="outcome 'passed' not in"):
+        Result("a/b", "reference", "process", 2, "passed", "", 0.0)
+
+
+def test_empty_matrix() -> None:
+    assert render_matrix([]) == "(no conformance results)"
