@@ -10,6 +10,7 @@ implementation may read it at construction).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
 from conformance.case import case
 from fixtures.models import ExecOrderModel
 from fixtures.seeding import generator, rank_seed
-from harness import RankContext
+
+if TYPE_CHECKING:
+    from harness import RankContext
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP"]
 FIRST_ITER_ERROR = r"^(Forward order differs across ranks)"
