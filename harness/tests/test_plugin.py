@@ -45,8 +45,10 @@ def test_outcomes_in_both_modes(suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4, failed=4, skipped=2)
     result.stdout.fnmatch_lines([
-        "*test_fails_on_rank_1?process?*rank 1 raised AssertionError: rank one disagrees*",
-        "*test_partial_skip?thread?*rank 0 skipped: Skipped: only rank 0 skips*",
+        "*_ test_fails_on_rank_1?process? _*",
+        "rank 1 raised AssertionError: rank one disagrees (world_size=2, mode=process)",
+        "*_ test_partial_skip?thread? _*",
+        "rank 0 skipped: Skipped: only rank 0 skips (ranks [[]1[]] did not skip) (world_size=2, mode=thread)",
     ])
 
 
