@@ -151,14 +151,6 @@ class FlatParamHandle:
 
     # -- introspection -------------------------------------------------------------------
     @property
-    def local_shard(self) -> torch.Tensor:
-        """This rank's shard of the flat parameter (the storage kept between uses)."""
-        return self.flat_param.data if not self._in_summon else self._shard_backup
-
-    _in_summon = False
-    _shard_backup: torch.Tensor
-
-    @property
     def is_resharded(self) -> bool:
         """Unsharded storage freed and nothing outstanding: only the local shard exists."""
         return self.state is ShardedState.SHARDED and self.full.untyped_storage().size() == 0
@@ -283,18 +275,21 @@ class FlatParamHandle:
             param = self.flat_param
             param.grad = grad if param.grad is None else param.grad.add_(grad)
             return
+        # Existing per-parameter grads (None after zero_grad) are folded in, then every
+        # original parameter's .grad becomes a view of one shard-sized flat gradient.
+        previous = self.sharded_grad()
+        total = grad if previous is None else previous.add_(grad)
+        self.flat_param.grad = total
         for slot in self.slots:
             lo, hi = self.local_range(slot)
-            if hi == lo or not slot.param.requires_grad:
-                continue
-            piece = self.sharded_view(slot, grad)
-            slot.param.grad = piece.clone() if slot.param.grad is None else slot.param.grad.add_(piece)
+            if slot.param.requires_grad:  # empty pieces too, so every rank has optimizer state
+                slot.param.grad = self.sharded_view(slot, total)
 
     def sharded_grad(self) -> torch.Tensor | None:
         """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""
         if not self.use_orig_params:
             return self.flat_param.grad
-        grads = [(slot, slot.param.grad) for slot in self.slots if slot.param.grad is not None]
+        grads = [(s, s.param.grad) for s in self.slots if s.param.grad is not None and s.param.grad.numel()]
         if not grads:
             return None
         out = torch.zeros_like(self.flat_param.data)

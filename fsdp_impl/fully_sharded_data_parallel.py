@@ -114,6 +114,7 @@ class FullyShardedDataParallel(nn.Module):
         self._ran_pre_backward = False
         self.training_state = TrainingState.IDLE
         self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._saved_flat_grad: torch.Tensor | None = None
 
     # -- construction helpers ---------------------------------------------------------------
     def _set_groups(self, groups: init.Groups) -> None:
@@ -199,6 +200,20 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return unit.run_forward(self, args, kwargs)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """Root call: the layout chosen by ``state_dict_type``; nested calls: plain recursion."""
+        from fsdp_impl import state_dict
+
+        if prefix or destination is not None or args:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return state_dict.model_state_dict(self, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load the output of :meth:`state_dict` for the current ``state_dict_type``."""
+        from fsdp_impl import state_dict as sd
+
+        return sd.load_model_state_dict(self, state_dict, strict=strict)
 
     # -- introspection (see README: "Introspection") ------------------------------------------
     @property
