@@ -75,10 +75,12 @@ class FullyShardedDataParallel(nn.Module):
                 stacklevel=2,
             )
         ignored = init.collect_ignored(module, ignored_modules)
+        device = init.resolve_device_id(device_id)
+        if auto_wrap_policy is not None:
+            wrap.check_policy(auto_wrap_policy)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         groups = init.resolve_groups(process_group, strategy, device_mesh, auto_wrap_policy is not None)
         self.sharding_strategy = init.effective_strategy(sharding_strategy, groups)
-        device = init.resolve_device_id(device_id)
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = bool(forward_prefetch)

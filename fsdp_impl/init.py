@@ -253,7 +253,9 @@ def _materialize(
     if not owners:
         return
     if param_init_fn is not None:
-        param_init_fn(root)
+        # Called per module that owns meta tensors (never on ignored modules), as torch does.
+        for module in dict.fromkeys(owners):
+            param_init_fn(module)
         return
     target = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     for module in dict.fromkeys(owners):

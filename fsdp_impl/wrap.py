@@ -66,7 +66,8 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[cls.__name__ for cls in self._module_classes]})"
 
 
-def _check_policy(policy: Any) -> Policy:
+def check_policy(policy: Any) -> Policy:
+    """``policy`` if it is usable as an auto-wrap policy, else a TypeError naming it."""
     if isinstance(policy, ModuleWrapPolicy) or callable(policy):
         return policy
     raise TypeError(f"auto_wrap_policy must be a ModuleWrapPolicy or a callable, got {policy!r}")
@@ -79,7 +80,7 @@ def auto_wrap(
     make_unit: Callable[[nn.Module], nn.Module],
 ) -> None:
     """Replace, in post-order, every strict descendant of ``root`` the policy selects."""
-    policy = _check_policy(policy)
+    policy = check_policy(policy)
     _wrap_children(root, policy, ignored, make_unit)
 
 
