@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 def _worker(rank: int, world_size: int, store_path: str, env: dict[str, str], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     os.environ.update(env)
+    dist.set_debug_level_from_env()  # torch reads TORCH_DISTRIBUTED_DEBUG at import
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     try:
