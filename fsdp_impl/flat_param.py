@@ -110,9 +110,11 @@ class FlatParamHandle:
         if use_orig_params:
             self.install_sharded_params()
         else:
-            for slot in self.slots:
-                for module, name in slot.registrations:
-                    module._parameters.pop(name, None)
+            # Stale views (storage freed) keep attribute access and repr working between uses.
+            self._alloc_storage()
+            with torch.no_grad():
+                self.install_unsharded_views()
+            self._free_storage()
 
     # -- construction ---------------------------------------------------------------
     @staticmethod

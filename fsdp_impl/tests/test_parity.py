@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fsdp_impl import FSDP, ShardingStrategy
+from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
+from harness.context import RankContext
 from fsdp_impl.tests.models import Block, OddModel, batch
 from fsdp_impl.wrap import ModuleWrapPolicy
 
@@ -66,84 +66,68 @@ def _parity_body(rank: int, world: int, strategies: list[str], kw: dict[str, Any
             torch.testing.assert_close(_full_params(fsdp), want, msg=lambda m: f"{name} orig={orig}: params {m}")
 
 
-@pytest.mark.parametrize("world", [2])
-def test_parity_with_ddp_ws2(spawn_ranks: Callable[..., None], world: int) -> None:
-    spawn_ranks(_parity_body, world, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], {})
+@pytest.mark.ranks(world_size=2)
+def test_parity_with_ddp_ws2(ctx: RankContext) -> None:
+    _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], {})
 
 
-def test_parity_with_ddp_ws2_prefetch(spawn_ranks: Callable[..., None]) -> None:
-    kw = {"forward_prefetch": True, "backward_prefetch": None}
-    spawn_ranks(_parity_body, 2, ["FULL_SHARD", "SHARD_GRAD_OP"], kw)
+@pytest.mark.ranks(world_size=2, modes=("thread",))
+def test_parity_with_ddp_ws2_prefetch(ctx: RankContext) -> None:
+    kw = {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_POST}
+    _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "SHARD_GRAD_OP"], kw)
 
 
-def test_parity_with_ddp_hybrid_ws4(spawn_ranks: Callable[..., None]) -> None:
-    spawn_ranks(_parity_body, 4, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], {})
+@pytest.mark.ranks(world_size=4, modes=("thread",))
+def test_parity_with_ddp_hybrid_ws4(ctx: RankContext) -> None:
+    _parity_body(ctx.rank, ctx.world_size, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], {})
 
 
-def test_parity_ws1(ws1: None) -> None:
-    with pytest.warns(UserWarning, match="switching to use `NO_SHARD`"):
+@pytest.mark.ranks(world_size=1, modes=("thread",))
+def test_parity_ws1(ctx: RankContext) -> None:
+    with ctx.catch_warnings() as caught:
         _parity_body(0, 1, ["FULL_SHARD"], {})
+    assert any("switching to use `NO_SHARD`" in str(w.message) for w in caught)
 
 
 # -- collective traces --------------------------------------------------------------------------
-_TRACED = ("all_gather_single", "reduce_scatter_single", "all_reduce")
-
-
-def _record(log: list[tuple[str, int, int]]) -> dict[str, Any]:
-    """Patch the collectives fsdp_impl calls (looked up at call time) to log (op, group size, bytes)."""
-    originals = {name: getattr(dist, name) for name in _TRACED}
-
-    def make(name: str) -> Any:
-        def traced(*args: Any, group: Any = None, **kwargs: Any) -> Any:
-            big = args[0] if name != "reduce_scatter_single" else args[1]
-            log.append((name, dist.get_world_size(group), big.numel() * big.element_size()))
-            return originals[name](*args, group=group, **kwargs)
-        return traced
-
-    for name in _TRACED:
-        setattr(dist, name, make(name))
-    return originals
+AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
 
 
 def _expected(model: FSDP, strategy: ShardingStrategy, world: int) -> list[tuple[str, int, int]]:
+    """(op, group size, bytes) per step: AG input = local shard, RS input = padded flat grad."""
     units = FSDP.fsdp_modules(model)
     info = [u.shard_info for u in units]
     hybrid = strategy in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2)
     shard = world // 2 if hybrid else world
-    out: list[tuple[str, int, int]] = []
     if strategy is S.NO_SHARD:
-        return [("all_reduce", world, i["numel"] * 4) for i in info]
-    gathers = len(units) + (len(units) - 1 if strategy in (S.FULL_SHARD, S.HYBRID_SHARD) else 0)
-    out += [("all_gather_single", shard, 0)] * gathers
-    out += [("reduce_scatter_single", shard, i["padded_numel"] * 4) for i in info]
+        return [(AR, world, i["numel"] * 4) for i in info]
+    # Forward gathers every unit; backward re-gathers non-root units that freed after forward.
+    regather = info[1:] if strategy in (S.FULL_SHARD, S.HYBRID_SHARD) else []
+    out = [(AG, shard, i["shard_numel"] * 4) for i in info + regather]
+    out += [(RS, shard, i["padded_numel"] * 4) for i in info]
     if hybrid:
-        out += [("all_reduce", world // shard, i["shard_numel"] * 4) for i in info]
+        out += [(AR, world // shard, i["shard_numel"] * 4) for i in info]
     return out
 
 
-def _trace_body(rank: int, world: int, strategies: list[str]) -> None:
+def _trace_body(ctx: RankContext, strategies: list[str]) -> None:
     for name in strategies:
         strategy = S[name]
-        fsdp = _wrap(OddModel(seed=0), strategy, False, rank, world)
+        fsdp = _wrap(OddModel(seed=0), strategy, False, ctx.rank, ctx.world_size)
         for step in range(2):
-            log: list[tuple[str, int, int]] = []
-            originals = _record(log)
-            try:
-                fsdp(batch(step, rank)).sum().backward()
-            finally:
-                for key, fn in originals.items():
-                    setattr(dist, key, fn)
-            want = _expected(fsdp, strategy, world)
-            gathers = sorted(b for op, _, b in log if op == "all_gather_single")
-            got = sorted((op, g, 0 if op == "all_gather_single" else b) for op, g, b in log)
-            assert got == sorted(want), f"{name} step {step}: {got} != {sorted(want)}"
-            padded = sorted(u.shard_info["padded_numel"] * 4 for u in FSDP.fsdp_modules(fsdp))
-            assert set(gathers) <= set(padded), f"{name}: all-gather bytes {gathers} not in {padded}"
+            with ctx.record_collectives() as trace:
+                fsdp(batch(step, ctx.rank)).sum().backward()
+            got = sorted((c.op, len(c.group_ranks), c.bytes) for c in trace.calls)
+            want = sorted(_expected(fsdp, strategy, ctx.world_size))
+            assert got == want, f"{name} step {step}:\n{trace.render()}\nexpected {want}"
+            assert all(c.async_op for c in trace.calls), trace.render()
 
 
-def test_collective_trace_ws2(spawn_ranks: Callable[..., None]) -> None:
-    spawn_ranks(_trace_body, 2, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.ranks(world_size=2)
+def test_collective_trace_ws2(ctx: RankContext) -> None:
+    _trace_body(ctx, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 
 
-def test_collective_trace_hybrid_ws4(spawn_ranks: Callable[..., None]) -> None:
-    spawn_ranks(_trace_body, 4, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+@pytest.mark.ranks(world_size=4, modes=("thread",))
+def test_collective_trace_hybrid_ws4(ctx: RankContext) -> None:
+    _trace_body(ctx, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fixtures.models import ExecOrderModel, TwoOutputModel
+from harness.context import RankContext
 from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
 from fsdp_impl.tests.models import Block, OddModel, batch
 from fsdp_impl.wrap import ModuleWrapPolicy, always_wrap_policy
@@ -70,8 +70,10 @@ def _exec_order_body(rank: int, world: int) -> None:
     assert not [w for w in caught if "Forward order differs" in str(w.message)]
 
 
-def test_exec_order_validation(spawn_ranks: Callable[..., None]) -> None:
-    spawn_ranks(_exec_order_body, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+@pytest.mark.ranks(world_size=2, modes=("process",), env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, isolated=True)
+def test_exec_order_validation(ctx: RankContext) -> None:
+    dist.set_debug_level_from_env()  # torch reads TORCH_DISTRIBUTED_DEBUG at import
+    _exec_order_body(ctx.rank, ctx.world_size)
 
 
 def _misc_body(rank: int, world: int) -> None:
@@ -134,8 +136,9 @@ def _peak_unsharded(rank: int) -> None:
         assert min(seen) >= 1
 
 
-def test_misc_runtime_ws2(spawn_ranks: Callable[..., None]) -> None:
-    spawn_ranks(_misc_body, 2)
+@pytest.mark.ranks(world_size=2)
+def test_misc_runtime_ws2(ctx: RankContext) -> None:
+    _misc_body(ctx.rank, ctx.world_size)
 
 
 def _hybrid_setup_body(rank: int, world: int) -> None:
@@ -156,5 +159,6 @@ def _hybrid_setup_body(rank: int, world: int) -> None:
         assert all(u._inter_node_pg is units[0]._inter_node_pg for u in units)
 
 
-def test_hybrid_auto_groups_and_mesh_ws4(spawn_ranks: Callable[..., None]) -> None:
-    spawn_ranks(_hybrid_setup_body, 4, env={"LOCAL_WORLD_SIZE": "2"})
+@pytest.mark.ranks(world_size=4, modes=("process",), env={"LOCAL_WORLD_SIZE": "2"}, isolated=True)
+def test_hybrid_auto_groups_and_mesh_ws4(ctx: RankContext) -> None:
+    _hybrid_setup_body(ctx.rank, ctx.world_size)
