@@ -153,19 +153,22 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
 # -- model state dicts --------------------------------------------------------------------------
 def model_state_dict(root: FSDP, **kwargs: Any) -> dict[str, Any]:
     units = [u for u in _units(root) if u._handle is not None]
+    def snapshot() -> dict[str, Any]:
+        # Cloned inside the context: full views die with the unsharded storage.
+        raw = nn.Module.state_dict(root, **kwargs)
+        return {clean_fqn(k): (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
+
     if root._state_dict_type is StateDictType.FULL_STATE_DICT:
         with summon_full_params(root, writeback=False):
-            raw = nn.Module.state_dict(root, **kwargs)
-    else:
-        _check_idle(units)
+            return snapshot()
+    _check_idle(units)
+    for unit in units:
+        _register_orig(unit, full=False)
+    try:
+        return snapshot()
+    finally:
         for unit in units:
-            _register_orig(unit, full=False)
-        try:
-            raw = nn.Module.state_dict(root, **kwargs)
-        finally:
-            for unit in units:
-                _unregister_orig(unit)
-    return {clean_fqn(k): (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
+            _unregister_orig(unit)
 
 
 def load_model_state_dict(root: FSDP, state_dict: dict[str, Any], strict: bool = True) -> Any:
