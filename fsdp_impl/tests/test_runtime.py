@@ -159,6 +159,6 @@ def _hybrid_setup_body(rank: int, world: int) -> None:
         assert all(u._inter_node_pg is units[0]._inter_node_pg for u in units)
 
 
-@pytest.mark.ranks(world_size=4, modes=("process",), env={"LOCAL_WORLD_SIZE": "2"}, isolated=True)
+@pytest.mark.ranks(world_size=4, modes=("thread",), env={"LOCAL_WORLD_SIZE": "2"})
 def test_hybrid_auto_groups_and_mesh_ws4(ctx: RankContext) -> None:
     _hybrid_setup_body(ctx.rank, ctx.world_size)
