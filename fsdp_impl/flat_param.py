@@ -105,7 +105,9 @@ class FlatParamHandle:
         self._pending: collectives.Pending | None = None
         self._hook_registered = False
         self.flat_param = self._build_flat_param()
-        self.full = torch.empty(self.padded_numel, dtype=self.flat_param.dtype, device=compute_device)
+        self.full = torch.empty(
+            self.padded_numel, dtype=self.flat_param.dtype, device=compute_device
+        )
         self._free_storage()
         if use_orig_params:
             self.install_sharded_params()
@@ -118,12 +120,16 @@ class FlatParamHandle:
 
     # -- construction ---------------------------------------------------------------
     @staticmethod
-    def _build_slots(named_params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[ParamSlot]:
+    def _build_slots(
+        named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
+    ) -> list[ParamSlot]:
         slots: dict[int, ParamSlot] = {}
         offset = 0
         dtypes = {param.dtype for _, _, _, param in named_params}
         if len(dtypes) > 1:
-            raise ValueError(f"one unit's parameters must share a dtype, got {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"one unit's parameters must share a dtype, got {sorted(map(str, dtypes))}"
+            )
         for fqn, module, name, param in named_params:
             slot = slots.get(id(param))
             if slot is None:
@@ -163,7 +169,7 @@ class FlatParamHandle:
         return self.flat_param.requires_grad
 
     def local_range(self, slot: ParamSlot) -> tuple[int, int]:
-        """``slot``'s piece of the local shard as ``[lo, hi)`` shard offsets (``lo == hi``: none)."""
+        """``slot``'s piece of the local shard as ``[lo, hi)`` offsets (empty: ``lo == hi``)."""
         start = self.shard_rank * self.shard_numel
         lo = max(slot.offset, start)
         hi = min(slot.offset + slot.numel, start + self.shard_numel)
@@ -291,7 +297,11 @@ class FlatParamHandle:
         """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""
         if not self.use_orig_params:
             return self.flat_param.grad
-        grads = [(s, s.param.grad) for s in self.slots if s.param.grad is not None and s.param.grad.numel()]
+        grads = [
+            (s, s.param.grad)
+            for s in self.slots
+            if s.param.grad is not None and s.param.grad.numel()
+        ]
         if not grads:
             return None
         out = torch.zeros_like(self.flat_param.data)

@@ -36,11 +36,17 @@ __all__ = ["FullyShardedDataParallel", "FSDP_WRAPPED_MODULE"]
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 
 
-def _check_type(name: str, value: Any, expected: type | tuple[type, ...], allow_none: bool = True) -> None:
+def _check_type(
+    name: str, value: Any, expected: type | tuple[type, ...], allow_none: bool = True
+) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, expected):
-        names = expected.__name__ if isinstance(expected, type) else " or ".join(t.__name__ for t in expected)
+        names = (
+            expected.__name__
+            if isinstance(expected, type)
+            else " or ".join(t.__name__ for t in expected)
+        )
         raise TypeError(f"{name} must be {names}{' or None' if allow_none else ''}, got {value!r}")
 
 
@@ -71,7 +77,8 @@ class FullyShardedDataParallel(nn.Module):
         _check_type("backward_prefetch", backward_prefetch, BackwardPrefetch)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             warnings.warn(
-                f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
+                "FSDP will not all-gather parameters for containers that do not "
+                f"implement forward: {module}",
                 stacklevel=2,
             )
         ignored = init.collect_ignored(module, ignored_modules)
@@ -79,7 +86,9 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             wrap.check_policy(auto_wrap_policy)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        groups = init.resolve_groups(process_group, strategy, device_mesh, auto_wrap_policy is not None)
+        groups = init.resolve_groups(
+            process_group, strategy, device_mesh, auto_wrap_policy is not None
+        )
         self.sharding_strategy = init.effective_strategy(sharding_strategy, groups)
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
@@ -102,7 +111,9 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_modules=list(ignored),
                 param_init_fn=param_init_fn,
             )
-            wrap.auto_wrap(module, auto_wrap_policy, ignored, lambda m: type(self)(m, **child_kwargs))
+            wrap.auto_wrap(
+                module, auto_wrap_policy, ignored, lambda m: type(self)(m, **child_kwargs)
+            )
         self._fsdp_wrapped_module = module
         self.compute_device = init.place_module(module, ignored, device, param_init_fn)
         params, buffers = init.managed_tensors(module, ignored)
@@ -135,7 +146,9 @@ class FullyShardedDataParallel(nn.Module):
             self._shard_rank = collectives.group_rank(groups.shard)
         self._dp_world_size = self._shard_size * unit.replicate_world(self._replicate_group)
 
-    def _check_not_shared_with_nested(self, params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> None:
+    def _check_not_shared_with_nested(
+        self, params: list[tuple[str, nn.Module, str, nn.Parameter]]
+    ) -> None:
         nested: dict[int, str] = {}
         for fqn, sub in self._fsdp_wrapped_module.named_modules():
             if isinstance(sub, FullyShardedDataParallel) and sub._handle is not None:
@@ -143,11 +156,14 @@ class FullyShardedDataParallel(nn.Module):
         for fqn, _, _, param in params:
             if id(param) in nested:
                 raise ValueError(
-                    f"parameter {fqn!r} is shared with nested unit parameter {nested[id(param)]!r}; "
+                    f"parameter {fqn!r} is shared with nested unit parameter "
+                    f"{nested[id(param)]!r}; "
                     "shared parameters must belong to one unit (wrap their common ancestor instead)"
                 )
 
-    def _build_handle(self, params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> FlatParamHandle | None:
+    def _build_handle(
+        self, params: list[tuple[str, nn.Module, str, nn.Parameter]]
+    ) -> FlatParamHandle | None:
         if not params:
             return None
         handle = FlatParamHandle(
@@ -169,7 +185,9 @@ class FullyShardedDataParallel(nn.Module):
         if handle is None:
             return
         if not self._use_orig_params and hasattr(handle.flat_param, "_in_backward_optimizers"):
-            raise RuntimeError("FSDP optimizer in backward only supported with use_orig_params=True!")
+            raise RuntimeError(
+                "FSDP optimizer in backward only supported with use_orig_params=True!"
+            )
         device = handle.flat_param.device
         if handle.offload_params and device.type != "cpu":
             raise RuntimeError(
@@ -178,7 +196,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         if not handle.offload_params and device != self.compute_device:
             raise RuntimeError(
-                f"An FSDP-managed module unexpectedly has parameters on {device}. Make sure to move "
+                f"An FSDP-managed module unexpectedly has parameters on {device}. "
+                f"Make sure to move "
                 f"the module to {self.compute_device} before training."
             )
 
@@ -203,12 +222,16 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return unit.run_forward(self, args, kwargs)
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
         """Root call: the layout chosen by ``state_dict_type``; nested calls: plain recursion."""
         from fsdp_impl import state_dict
 
         if prefix or destination is not None or args:
-            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+            return super().state_dict(
+                *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
         return state_dict.model_state_dict(self, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -230,12 +253,23 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def shard_info(self) -> dict[str, int]:
-        """``numel`` (unpadded), ``padded_numel``, ``shard_numel``, ``shard_size``, ``shard_rank``."""
+        """Flat sizes: ``numel``, ``padded_numel``, ``shard_numel``; ``shard_size``/``_rank``."""
         h = self._handle
         if h is None:
-            return {"numel": 0, "padded_numel": 0, "shard_numel": 0, "shard_size": self._shard_size, "shard_rank": self._shard_rank}
-        return {"numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
-                "shard_size": h.shard_size, "shard_rank": h.shard_rank}
+            return {
+                "numel": 0,
+                "padded_numel": 0,
+                "shard_numel": 0,
+                "shard_size": self._shard_size,
+                "shard_rank": self._shard_rank,
+            }
+        return {
+            "numel": h.numel,
+            "padded_numel": h.padded_numel,
+            "shard_numel": h.shard_numel,
+            "shard_size": h.shard_size,
+            "shard_rank": h.shard_rank,
+        }
 
     # -- public static API -------------------------------------------------------------------
     @staticmethod
@@ -244,13 +278,22 @@ class FullyShardedDataParallel(nn.Module):
         units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
             return units
-        inner = {id(m) for u in units for m in u.modules() if m is not u and isinstance(m, FullyShardedDataParallel)}
+        inner = {
+            id(m)
+            for u in units
+            for m in u.modules()
+            if m is not u and isinstance(m, FullyShardedDataParallel)
+        }
         return [u for u in units if id(u) not in inner]
 
     @staticmethod
     def summon_full_params(
-        module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-        offload_to_cpu: bool = False, with_grads: bool = False,
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
         """Expose full parameters inside the context (see :mod:`fsdp_impl.state_dict`)."""
         from fsdp_impl import state_dict
@@ -259,8 +302,10 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type: StateDictType) -> Generator[None, None, None]:
-        """Make ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type`` inside the context."""
+    def state_dict_type(
+        module: nn.Module, state_dict_type: StateDictType
+    ) -> Generator[None, None, None]:
+        """Make ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type`` inside."""
         _check_type("state_dict_type", state_dict_type, StateDictType, allow_none=False)
         units = FullyShardedDataParallel.fsdp_modules(module)
         previous = [u._state_dict_type for u in units]
@@ -280,7 +325,9 @@ class FullyShardedDataParallel(nn.Module):
         return state_dict.optim_state_dict(model, optim)
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
         """Convert :meth:`optim_state_dict` output back to what ``optim.load_state_dict`` takes."""
         from fsdp_impl import state_dict
 

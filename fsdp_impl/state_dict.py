@@ -40,8 +40,14 @@ from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _s
 if TYPE_CHECKING:
     from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
-__all__ = ["summon_full_params", "model_state_dict", "load_model_state_dict", "optim_state_dict",
-           "optim_state_dict_to_load", "clean_fqn"]
+__all__ = [
+    "summon_full_params",
+    "model_state_dict",
+    "load_model_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "clean_fqn",
+]
 
 _WRAPPED = re.compile(r"_fsdp_wrapped_module\.")
 
@@ -70,7 +76,9 @@ def _register_orig(unit: FSDP, full: bool) -> None:
     if not handle.use_orig_params:
         unit._fsdp_wrapped_module._parameters.pop(FLAT_PARAM_NAME, None)
     shard = handle.flat_param.data
-    for slot, view in zip(handle.slots, handle.unsharded_views() if full else [None] * len(handle.slots), strict=True):
+    for slot, view in zip(
+        handle.slots, handle.unsharded_views() if full else [None] * len(handle.slots), strict=True
+    ):
         slot.param.data = view.detach() if view is not None else handle.sharded_view(slot, shard)
         for module, name in slot.registrations:
             _set_param(module, name, slot.param, unsafe=False)
@@ -89,7 +97,9 @@ def _unregister_orig(unit: FSDP) -> None:
 
 
 @contextlib.contextmanager
-def summon_full_params(module: nn.Module, writeback: bool = True, with_grads: bool = False) -> Generator[None, None, None]:
+def summon_full_params(
+    module: nn.Module, writeback: bool = True, with_grads: bool = False
+) -> Generator[None, None, None]:
     """Full original parameters (registered under their own names) inside the context.
 
     ``writeback`` copies in-place edits back into the local shards on exit;
@@ -120,7 +130,9 @@ def summon_full_params(module: nn.Module, writeback: bool = True, with_grads: bo
             if writeback:
                 start = handle.shard_rank * handle.shard_numel
                 with torch.no_grad():
-                    handle.flat_param.data.copy_(handle.full.data[start : start + handle.shard_numel])
+                    handle.flat_param.data.copy_(
+                        handle.full.data[start : start + handle.shard_numel]
+                    )
             for slot in handle.slots:
                 slot.param.grad = None
             _unregister_orig(unit)
@@ -153,10 +165,14 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
 # -- model state dicts --------------------------------------------------------------------------
 def model_state_dict(root: FSDP, **kwargs: Any) -> dict[str, Any]:
     units = [u for u in _units(root) if u._handle is not None]
+
     def snapshot() -> dict[str, Any]:
         # Cloned inside the context: full views die with the unsharded storage.
         raw = nn.Module.state_dict(root, **kwargs)
-        return {clean_fqn(k): (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
+        return {
+            clean_fqn(k): (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in raw.items()
+        }
 
     if root._state_dict_type is StateDictType.FULL_STATE_DICT:
         with summon_full_params(root, writeback=False):
@@ -191,7 +207,9 @@ def load_model_state_dict(root: FSDP, state_dict: dict[str, Any], strict: bool =
 
 
 # -- optimizer state dicts ----------------------------------------------------------------------
-def _param_slots(model: nn.Module) -> dict[int, list[tuple[str, FlatParamHandle | None, ParamSlot | None]]]:
+def _param_slots(
+    model: nn.Module,
+) -> dict[int, list[tuple[str, FlatParamHandle | None, ParamSlot | None]]]:
     """id(optimizer-visible param) -> the (name, handle, slot)s it stands for."""
     out: dict[int, list[tuple[str, FlatParamHandle | None, ParamSlot | None]]] = {}
     managed: set[int] = set()
@@ -199,7 +217,9 @@ def _param_slots(model: nn.Module) -> dict[int, list[tuple[str, FlatParamHandle 
         handle = getattr(unit, "_handle", None)
         if not isinstance(handle, FlatParamHandle):
             continue
-        base = clean_fqn(f"{prefix}.{'_fsdp_wrapped_module.'}" if prefix else "_fsdp_wrapped_module.")
+        base = clean_fqn(
+            f"{prefix}.{'_fsdp_wrapped_module.'}" if prefix else "_fsdp_wrapped_module."
+        )
         entries = [(f"{base}{slot.fqn}", handle, slot) for slot in handle.slots]
         if handle.use_orig_params:
             for entry in entries:
@@ -214,7 +234,9 @@ def _param_slots(model: nn.Module) -> dict[int, list[tuple[str, FlatParamHandle 
     return out
 
 
-def _piece(handle: FlatParamHandle, slot: ParamSlot, shard_state: torch.Tensor, full: bool) -> torch.Tensor:
+def _piece(
+    handle: FlatParamHandle, slot: ParamSlot, shard_state: torch.Tensor, full: bool
+) -> torch.Tensor:
     if not full:
         return handle.sharded_view(slot, shard_state).clone()
     gathered = _gather_shard_sized(handle, shard_state)
@@ -247,9 +269,13 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
                 state[name] = {}
                 for key, value in param_state.items():
                     if handle is None or slot is None or not _is_shard_state(value, param):
-                        state[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+                        state[name][key] = (
+                            value.clone() if isinstance(value, torch.Tensor) else value
+                        )
                         continue
-                    shard_state = value if not handle.use_orig_params else _as_shard(handle, slot, value)
+                    shard_state = (
+                        value if not handle.use_orig_params else _as_shard(handle, slot, value)
+                    )
                     state[name][key] = _piece(handle, slot, shard_state, full)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
     return {"state": state, "param_groups": groups}
@@ -259,7 +285,9 @@ def _is_shard_state(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+def optim_state_dict_to_load(
+    model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
+) -> dict[str, Any]:
     units = _units(model)
     full = not units or units[0]._state_dict_type is StateDictType.FULL_STATE_DICT
     slots = _param_slots(model)
@@ -279,8 +307,12 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     return {"state": state, "param_groups": groups}
 
 
-def _load_param_state(param: torch.Tensor, entries: list[tuple[str, FlatParamHandle | None, ParamSlot | None]],
-                      saved: dict[str, dict[str, Any]], full: bool) -> dict[str, Any]:
+def _load_param_state(
+    param: torch.Tensor,
+    entries: list[tuple[str, FlatParamHandle | None, ParamSlot | None]],
+    saved: dict[str, dict[str, Any]],
+    full: bool,
+) -> dict[str, Any]:
     present = [(name, h, s) for name, h, s in entries if name in saved]
     if not present:
         return {}

@@ -115,7 +115,9 @@ def run_forward(unit: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
+    return tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree
+    )
 
 
 def _pre_forward(unit: FSDP, state: RootState, recompute: bool) -> None:
@@ -177,7 +179,9 @@ def _pre_backward_hook(unit: FSDP, grad: torch.Tensor) -> None:
     assert state is not None
     if not state.callback_queued:
         state.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_final_callback, state))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_final_callback, state)
+        )
     if unit._ran_pre_backward:
         return
     unit._ran_pre_backward = True
@@ -218,7 +222,9 @@ def _issue_reduction(unit: FSDP, grad: torch.Tensor) -> _Reduction:
     assert handle is not None
     if handle.shard_size > 1:
         out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        return _Reduction(unit, collectives.reduce_scatter(out, grad, handle.shard_group), "reduce_scatter")
+        return _Reduction(
+            unit, collectives.reduce_scatter(out, grad, handle.shard_group), "reduce_scatter"
+        )
     return _start_all_reduce(unit, grad)
 
 

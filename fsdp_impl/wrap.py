@@ -25,7 +25,9 @@ __all__ = [
 Policy = Callable[..., bool]
 
 
-def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any) -> bool:
+def always_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any
+) -> bool:
     """Every submodule becomes a unit."""
     return True
 
@@ -59,7 +61,9 @@ class ModuleWrapPolicy:
                 raise TypeError(f"ModuleWrapPolicy expects nn.Module subclasses, got {cls!r}")
         self._module_classes = classes
 
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any) -> bool:
+    def __call__(
+        self, module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any
+    ) -> bool:
         return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, self._module_classes)
 
     def __repr__(self) -> str:
@@ -90,7 +94,10 @@ def _is_container(module: nn.Module) -> bool:
 
 
 def _wrap_children(
-    module: nn.Module, policy: Policy, ignored: set[nn.Module], make_unit: Callable[[nn.Module], nn.Module]
+    module: nn.Module,
+    policy: Policy,
+    ignored: set[nn.Module],
+    make_unit: Callable[[nn.Module], nn.Module],
 ) -> int:
     """Wrap selected descendants of ``module``; return the numel left unwrapped below it."""
     from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
@@ -103,7 +110,9 @@ def _wrap_children(
             remaining += _numel(child, ignored)
             continue
         child_remaining = _wrap_children(child, policy, ignored, make_unit)
-        if not _is_container(child) and policy(module=child, recurse=False, nonwrapped_numel=child_remaining):
+        if not _is_container(child) and policy(
+            module=child, recurse=False, nonwrapped_numel=child_remaining
+        ):
             module._modules[name] = make_unit(child)
         else:
             remaining += child_remaining

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -9,7 +11,7 @@ from fixtures.seeding import seeded_init_
 
 
 class Block(nn.Module):
-    """``Linear(i, o)`` scaled by an extra ``extra``-element parameter: ``i*o + o + extra`` elements."""
+    """``Linear(i, o)`` scaled by an ``extra``-element parameter (``i*o + o + extra`` elements)."""
 
     def __init__(self, i: int, o: int, extra: int) -> None:
         super().__init__()
@@ -33,6 +35,11 @@ class OddModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.b3(self.b2(self.b1(x))))
+
+
+def prefixed(label: str) -> Callable[[str], str]:
+    """An ``assert_close`` ``msg`` callable that keeps torch's message after ``label``."""
+    return lambda message: f"{label}: {message}"
 
 
 def batch(step: int, rank: int) -> torch.Tensor:

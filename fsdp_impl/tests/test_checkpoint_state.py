@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fixtures.checkpointing import FFN, CheckpointTower, ffn_layers
 from fsdp_impl import FSDP, CPUOffload, ShardingStrategy, StateDictType
-from fsdp_impl.tests.models import Block, OddModel, batch
+from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
 from harness.context import RankContext
 
@@ -27,14 +27,20 @@ S = ShardingStrategy
 
 def _variants(kw: dict[str, Any]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Same layers, differently checkpointed; each maps an input to an output."""
+
     def unit(module: nn.Module) -> FSDP:
         return FSDP(module, **kw)
 
     plain = FSDP(FFN(ffn_layers(), unit), **kw)
     outside = FSDP(FFN(ffn_layers(), lambda m: checkpoint_wrapper(unit(m))), **kw)
     inside = FSDP(FFN(ffn_layers(), lambda m: unit(checkpoint_wrapper(m))), **kw)
-    reentrant_inside = FSDP(FFN(ffn_layers(), lambda m: unit(
-        checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.REENTRANT))), **kw)
+    reentrant_inside = FSDP(
+        FFN(
+            ffn_layers(),
+            lambda m: unit(checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.REENTRANT)),
+        ),
+        **kw,
+    )
     offload = FSDP(FFN(ffn_layers(), lambda m: unit(offload_wrapper(m))), **kw)
     around = FSDP(FFN(ffn_layers(), unit), **kw)
     around2 = FSDP(FFN(ffn_layers(), unit), **kw)
@@ -63,7 +69,9 @@ def test_checkpointing_matches_plain(ctx: RankContext, orig: bool, offload_param
     variants = _variants(kw)
     models = variants.pop("_models")
     for step in range(2):
-        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step + 10 * ctx.rank), requires_grad=True)
+        x = torch.randn(
+            4, 3, generator=torch.Generator().manual_seed(step + 10 * ctx.rank), requires_grad=True
+        )
         results = {}
         for name, fn in variants.items():
             out = fn(x)
@@ -73,9 +81,11 @@ def test_checkpointing_matches_plain(ctx: RankContext, orig: bool, offload_param
             assert all(u.is_resharded for u in FSDP.fsdp_modules(model))
         grads = [_full_grads(m) for m in models]  # type: ignore[union-attr]
         for name, out in results.items():
-            torch.testing.assert_close(out, results["plain"], msg=lambda m: f"{name} step {step}: {m}")
+            torch.testing.assert_close(out, results["plain"], msg=prefixed(f"{name} step {step}"))
         for index, got in enumerate(grads[1:], start=1):
-            torch.testing.assert_close(got, grads[0], msg=lambda m: f"model {index} grads step {step}: {m}")
+            torch.testing.assert_close(
+                got, grads[0], msg=prefixed(f"model {index} grads step {step}")
+            )
         for model in models:  # type: ignore[union-attr]
             model.zero_grad(set_to_none=True)
 
@@ -95,18 +105,27 @@ def test_nonreentrant_checkpoint_inside_no_shard_units(ctx: RankContext) -> None
     reference(x).sum().backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
     with FSDP.summon_full_params(fsdp, with_grads=True):
-        got = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in fsdp.named_parameters()}
+        got = {
+            n.replace("_fsdp_wrapped_module.", ""): p.grad.clone()
+            for n, p in fsdp.named_parameters()
+        }
     torch.testing.assert_close(got, want)
 
 
 # -- state dicts -------------------------------------------------------------------------------
 def _make(orig: bool, strategy: ShardingStrategy, seed: int) -> tuple[FSDP, torch.optim.Optimizer]:
-    model = FSDP(OddModel(seed=seed), sharding_strategy=strategy, use_orig_params=orig,
-                 auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model = FSDP(
+        OddModel(seed=seed),
+        sharding_strategy=strategy,
+        use_orig_params=orig,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+    )
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def _train(model: FSDP, optim: torch.optim.Optimizer, steps: range, rank: int) -> list[torch.Tensor]:
+def _train(
+    model: FSDP, optim: torch.optim.Optimizer, steps: range, rank: int
+) -> list[torch.Tensor]:
     losses = []
     for step in steps:
         loss = model(batch(step, rank)).sum()
@@ -134,13 +153,20 @@ def _roundtrip_body(ctx: RankContext, strategies: list[ShardingStrategy]) -> Non
                 fresh, fresh_optim = _make(orig, strategy, seed=1)
                 with FSDP.state_dict_type(fresh, kind):
                     fresh.load_state_dict(state)
-                    fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, osd))
+                    fresh_optim.load_state_dict(
+                        FSDP.optim_state_dict_to_load(fresh, fresh_optim, osd)
+                    )
                 with FSDP.summon_full_params(model), FSDP.summon_full_params(fresh):
-                    torch.testing.assert_close(dict(fresh.named_parameters()), dict(model.named_parameters()),
-                                               msg=lambda m: f"{label}: params {m}")
+                    torch.testing.assert_close(
+                        dict(fresh.named_parameters()),
+                        dict(model.named_parameters()),
+                        msg=prefixed(f"{label}: params"),
+                    )
                 expected = _train(model, optim, range(2, 5), ctx.rank)
                 got = _train(fresh, fresh_optim, range(2, 5), ctx.rank)
-                torch.testing.assert_close(got, expected, msg=lambda m: f"{label}: losses after load {m}")
+                torch.testing.assert_close(
+                    got, expected, msg=prefixed(f"{label}: losses after load")
+                )
 
 
 @pytest.mark.ranks(world_size=2)

@@ -9,16 +9,18 @@ import torch
 import torch.nn as nn
 
 from fixtures.models import OptionalSecondOutputModel, PairOfLinears, SetattrLinear, TwoOutputModel
-from harness.context import RankContext
 from fsdp_impl import FSDP, CPUOffload, ShardingStrategy
 from fsdp_impl.wrap import ModuleWrapPolicy, always_wrap_policy
+from harness.context import RankContext
 
 S = ShardingStrategy
 pytestmark = pytest.mark.ranks(world_size=1, modes=("thread", "process"))
 
 
 @pytest.mark.parametrize("strategy", [None, S.FULL_SHARD, S.SHARD_GRAD_OP])
-def test_world_size_1_switches_to_no_shard_with_exact_warning(ctx: RankContext, strategy: ShardingStrategy | None) -> None:
+def test_world_size_1_switches_to_no_shard_with_exact_warning(
+    ctx: RankContext, strategy: ShardingStrategy | None
+) -> None:
     shown = S.FULL_SHARD if strategy is None else strategy
     expected = f"FSDP is switching to use `NO_SHARD` instead of {shown} since the world size is 1."
     with ctx.catch_warnings() as record:
@@ -44,7 +46,9 @@ def test_container_without_forward_warns(ctx: RankContext, kind: str) -> None:
 
 
 @pytest.mark.parametrize("attr", ["use_orig_params", "limit_all_gathers", "use_full_prec_in_eval"])
-def test_inconsistent_homogeneous_attrs_error_at_first_forward(ctx: RankContext, attr: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inconsistent_homogeneous_attrs_error_at_first_forward(
+    ctx: RankContext, attr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     if attr == "use_full_prec_in_eval":
         monkeypatch.setenv("FSDP_USE_FULL_PREC_IN_EVAL", "1")
@@ -60,7 +64,9 @@ def test_inconsistent_homogeneous_attrs_error_at_first_forward(ctx: RankContext,
 
 @pytest.mark.parametrize("strategy", [S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2])
 def test_manual_hybrid_needs_groups(ctx: RankContext, strategy: ShardingStrategy) -> None:
-    with pytest.raises(ValueError, match="requires explicit specification of process group or device_mesh."):
+    with pytest.raises(
+        ValueError, match="requires explicit specification of process group or device_mesh."
+    ):
         FSDP(nn.Linear(2, 2), sharding_strategy=strategy)
 
 
@@ -68,14 +74,22 @@ def test_hybrid_with_single_group_and_auto_wrap_rejected(ctx: RankContext) -> No
     import torch.distributed as dist
 
     with pytest.raises(ValueError, match="Expected process_group to be passed in"):
-        FSDP(nn.Sequential(nn.Linear(2, 2)), process_group=dist.group.WORLD,
-             sharding_strategy=S.HYBRID_SHARD, auto_wrap_policy=always_wrap_policy)
+        FSDP(
+            nn.Sequential(nn.Linear(2, 2)),
+            process_group=dist.group.WORLD,
+            sharding_strategy=S.HYBRID_SHARD,
+            auto_wrap_policy=always_wrap_policy,
+        )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"sharding_strategy": "FULL_SHARD"}, TypeError, "sharding_strategy must be ShardingStrategy"),
+        (
+            {"sharding_strategy": "FULL_SHARD"},
+            TypeError,
+            "sharding_strategy must be ShardingStrategy",
+        ),
         ({"device_id": -1}, ValueError, r"non-negative device index, got -1"),
         ({"device_id": "cpu"}, TypeError, "device_id must be"),
         ({"cpu_offload": True}, TypeError, "cpu_offload must be CPUOffload"),
@@ -83,14 +97,18 @@ def test_hybrid_with_single_group_and_auto_wrap_rejected(ctx: RankContext) -> No
         ({"ignored_modules": [3]}, TypeError, "ignored_modules must contain nn.Module"),
     ],
 )
-def test_bad_arguments_fail_at_construction(ctx: RankContext, kwargs: dict, error: type, match: str) -> None:
+def test_bad_arguments_fail_at_construction(
+    ctx: RankContext, kwargs: dict, error: type, match: str
+) -> None:
     with pytest.raises(error, match=match):
         FSDP(nn.Sequential(nn.Linear(2, 2)), **kwargs)
 
 
 @pytest.mark.parametrize("orig", [False, True])
 @pytest.mark.parametrize("unsafe", ["", "0", "1"])
-def test_unsafe_setattr_env(ctx: RankContext, orig: bool, unsafe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsafe_setattr_env(
+    ctx: RankContext, orig: bool, unsafe: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FSDP_USE_UNSAFE_SETATTR", unsafe)
     inner = SetattrLinear()
     model = FSDP(inner, sharding_strategy=S.NO_SHARD, use_orig_params=orig)
@@ -109,8 +127,13 @@ def test_ignored_meta_module_stays_on_meta(ctx: RankContext, with_init_fn: bool)
         calls.append(module)
         module.to_empty(device="cpu", recurse=False)
 
-    fsdp = FSDP(model, ignored_modules=[model.a], sharding_strategy=S.NO_SHARD,
-                param_init_fn=init_fn if with_init_fn else None, device_id=torch.device("cpu"))
+    fsdp = FSDP(
+        model,
+        ignored_modules=[model.a],
+        sharding_strategy=S.NO_SHARD,
+        param_init_fn=init_fn if with_init_fn else None,
+        device_id=torch.device("cpu"),
+    )
     assert model.a.weight.is_meta and model.a.buf.is_meta
     assert fsdp.flat_param is not None and not fsdp.flat_param.is_meta
     assert fsdp.shard_info["numel"] == 3 * 3 + 3
@@ -126,9 +149,14 @@ def test_module_without_params(ctx: RankContext, device_id: torch.device | None)
 
 @pytest.mark.parametrize("orig", [False, True])
 def test_cpu_offload_keeps_flat_params_on_cpu(ctx: RankContext, orig: bool) -> None:
-    model = FSDP(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), sharding_strategy=S.NO_SHARD,
-                 cpu_offload=CPUOffload(offload_params=True), device_id=torch.device("cpu"),
-                 use_orig_params=orig, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    model = FSDP(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+        sharding_strategy=S.NO_SHARD,
+        cpu_offload=CPUOffload(offload_params=True),
+        device_id=torch.device("cpu"),
+        use_orig_params=orig,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
         model(torch.randn(2, 3)).sum().backward()
@@ -168,9 +196,15 @@ def test_namedtuple_output_fields_get_backward_hooks(ctx: RankContext) -> None:
 
 @pytest.mark.parametrize("use_second", [False, True])
 @pytest.mark.parametrize("strategy", [S.NO_SHARD, None])
-def test_unused_submodule_gets_none_grad(ctx: RankContext, use_second: bool, strategy: ShardingStrategy | None) -> None:
+def test_unused_submodule_gets_none_grad(
+    ctx: RankContext, use_second: bool, strategy: ShardingStrategy | None
+) -> None:
     with ctx.catch_warnings():
-        fsdp = FSDP(OptionalSecondOutputModel(use_second), sharding_strategy=strategy, auto_wrap_policy=always_wrap_policy)
+        fsdp = FSDP(
+            OptionalSecondOutputModel(use_second),
+            sharding_strategy=strategy,
+            auto_wrap_policy=always_wrap_policy,
+        )
     x = y = torch.randn(10, 10)
     for _ in range(4):
         out = fsdp(x, y)

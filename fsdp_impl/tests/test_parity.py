@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
-from harness.context import RankContext
-from fsdp_impl.tests.models import Block, OddModel, batch
+from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
+from harness.context import RankContext
 
 S = ShardingStrategy
 
@@ -25,21 +25,38 @@ def _hybrid_groups(rank: int, world: int) -> tuple[dist.ProcessGroup, dist.Proce
     return shards[rank // half], reps[rank % half]
 
 
-def _wrap(model: torch.nn.Module, strategy: ShardingStrategy, orig: bool, rank: int, world: int, **kw: Any) -> FSDP:
-    pg = _hybrid_groups(rank, world) if strategy.name.startswith("_HYBRID") or strategy is S.HYBRID_SHARD else None
-    return FSDP(model, process_group=pg, sharding_strategy=strategy, use_orig_params=orig,
-                auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+def _wrap(
+    model: torch.nn.Module, strategy: ShardingStrategy, orig: bool, rank: int, world: int, **kw: Any
+) -> FSDP:
+    pg = (
+        _hybrid_groups(rank, world)
+        if strategy.name.startswith("_HYBRID") or strategy is S.HYBRID_SHARD
+        else None
+    )
+    return FSDP(
+        model,
+        process_group=pg,
+        sharding_strategy=strategy,
+        use_orig_params=orig,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        **kw,
+    )
 
 
 def _full_grads(model: FSDP) -> dict[str, torch.Tensor | None]:
     with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-        return {n.replace("_fsdp_wrapped_module.", ""): None if p.grad is None else p.grad.clone()
-                for n, p in model.named_parameters()}
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): None if p.grad is None else p.grad.clone()
+            for n, p in model.named_parameters()
+        }
 
 
 def _full_params(model: FSDP) -> dict[str, torch.Tensor]:
     with FSDP.summon_full_params(model, writeback=False):
-        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in model.named_parameters()
+        }
 
 
 def _parity_body(rank: int, world: int, strategies: list[str], kw: dict[str, Any]) -> None:
@@ -56,14 +73,18 @@ def _parity_body(rank: int, world: int, strategies: list[str], kw: dict[str, Any
                 loss_f.backward()
                 loss_d.backward()
                 label = f"{name} orig={orig} step={step} rank={rank}"
-                torch.testing.assert_close(loss_f, loss_d, msg=lambda m: f"{label}: loss {m}")
-                assert all(u.is_resharded for u in FSDP.fsdp_modules(fsdp)), f"{label}: not resharded"
+                torch.testing.assert_close(loss_f, loss_d, msg=prefixed(f"{label}: loss"))
+                assert all(u.is_resharded for u in FSDP.fsdp_modules(fsdp)), (
+                    f"{label}: not resharded"
+                )
                 want = {n.removeprefix("module."): p.grad for n, p in ddp.named_parameters()}
-                torch.testing.assert_close(_full_grads(fsdp), want, msg=lambda m: f"{label}: grads {m}")
+                torch.testing.assert_close(_full_grads(fsdp), want, msg=prefixed(f"{label}: grads"))
                 opt_f.step(), opt_d.step()
                 opt_f.zero_grad(), opt_d.zero_grad()
             want = {n.removeprefix("module."): p for n, p in ddp.named_parameters()}
-            torch.testing.assert_close(_full_params(fsdp), want, msg=lambda m: f"{name} orig={orig}: params {m}")
+            torch.testing.assert_close(
+                _full_params(fsdp), want, msg=prefixed(f"{name} orig={orig}: params")
+            )
 
 
 @pytest.mark.ranks(world_size=2)

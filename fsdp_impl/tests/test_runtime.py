@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fixtures.models import ExecOrderModel, TwoOutputModel
-from harness.context import RankContext
 from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
 from fsdp_impl.tests.models import Block, OddModel, batch
 from fsdp_impl.wrap import ModuleWrapPolicy, always_wrap_policy
+from harness.context import RankContext
 
 S = ShardingStrategy
 
@@ -51,8 +51,10 @@ def _exec_order_body(rank: int, world: int) -> None:
             for _ in range(3):
                 _step(fsdp, gen)
         msgs = [str(w.message) for w in caught if "Forward order differs" in str(w.message)]
-        prefix = (f"Forward order differs from that of the first iteration on rank {rank}. "
-                  "Collectives are unchecked and may give incorrect results or hang")
+        prefix = (
+            f"Forward order differs from that of the first iteration on rank {rank}. "
+            "Collectives are unchecked and may give incorrect results or hang"
+        )
         assert len(msgs) == (1 if rank != 0 else 0), msgs
         assert all(m.startswith(prefix) for m in msgs), msgs
     model, fsdp = _exec_order_model(S.FULL_SHARD)
@@ -70,7 +72,9 @@ def _exec_order_body(rank: int, world: int) -> None:
     assert not [w for w in caught if "Forward order differs" in str(w.message)]
 
 
-@pytest.mark.ranks(world_size=2, modes=("process",), env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, isolated=True)
+@pytest.mark.ranks(
+    world_size=2, modes=("process",), env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, isolated=True
+)
 def test_exec_order_validation(ctx: RankContext) -> None:
     dist.set_debug_level_from_env()  # torch reads TORCH_DISTRIBUTED_DEBUG at import
     _exec_order_body(ctx.rank, ctx.world_size)
@@ -91,7 +95,9 @@ def _misc_body(rank: int, world: int) -> None:
     # Outputs not all used in the loss: every unit resharded, params track a local model.
     for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD):
         local = TwoOutputModel(seed=0)
-        fsdp = FSDP(copy.deepcopy(local), sharding_strategy=strategy, auto_wrap_policy=always_wrap_policy)
+        fsdp = FSDP(
+            copy.deepcopy(local), sharding_strategy=strategy, auto_wrap_policy=always_wrap_policy
+        )
         opt_f = torch.optim.SGD(fsdp.parameters(), lr=0.1)
         opt_l = torch.optim.SGD(local.parameters(), lr=0.1)
         for step in range(4):
@@ -104,24 +110,39 @@ def _misc_body(rank: int, world: int) -> None:
             opt_f.step(), opt_l.step()
             opt_f.zero_grad(), opt_l.zero_grad()
             with FSDP.summon_full_params(fsdp):
-                got = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in fsdp.named_parameters()}
+                got = {
+                    n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                    for n, p in fsdp.named_parameters()
+                }
             torch.testing.assert_close(got, dict(local.named_parameters()))
     # A (shard, replicate) tuple whose sizes do not multiply to the world.
     with pytest.raises(ValueError, match=r"shard\(2\) \* replicate\(2\) != world_size\(2\)"):
-        FSDP(nn.Linear(2, 2), process_group=(dist.group.WORLD, dist.group.WORLD), sharding_strategy=S.HYBRID_SHARD)
+        FSDP(
+            nn.Linear(2, 2),
+            process_group=(dist.group.WORLD, dist.group.WORLD),
+            sharding_strategy=S.HYBRID_SHARD,
+        )
     _peak_unsharded(rank)
 
 
 def _peak_unsharded(rank: int) -> None:
     """Unsharded at once: the root, the computing unit, and (with prefetch) the one prefetched."""
-    configs = ((False, None, 2), (True, BackwardPrefetch.BACKWARD_PRE, 3), (False, BackwardPrefetch.BACKWARD_POST, 2))
+    configs = (
+        (False, None, 2),
+        (True, BackwardPrefetch.BACKWARD_PRE, 3),
+        (False, BackwardPrefetch.BACKWARD_POST, 2),
+    )
     for forward_prefetch, backward_prefetch, bound in configs:
-        fsdp = FSDP(OddModel(seed=0), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                    forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+        fsdp = FSDP(
+            OddModel(seed=0),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+        )
         units = FSDP.fsdp_modules(fsdp)
         seen: list[int] = []
 
-        def count(*_: object) -> None:
+        def count(*_: object, seen: list[int] = seen, units: list[FSDP] = units) -> None:
             seen.append(sum(not u.is_resharded for u in units))
 
         for module in fsdp.modules():
@@ -147,9 +168,15 @@ def _hybrid_setup_body(rank: int, world: int) -> None:
         if use_mesh:
             from torch.distributed.device_mesh import init_device_mesh
 
-            kwargs["device_mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        fsdp = FSDP(OddModel(seed=0), sharding_strategy=S.HYBRID_SHARD,
-                    auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
+            kwargs["device_mesh"] = init_device_mesh(
+                "cpu", (2, 2), mesh_dim_names=("replicate", "shard")
+            )
+        fsdp = FSDP(
+            OddModel(seed=0),
+            sharding_strategy=S.HYBRID_SHARD,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            **kwargs,
+        )
         units = FSDP.fsdp_modules(fsdp)
         shard_ranks = dist.get_process_group_ranks(units[0].process_group)
         rep_ranks = dist.get_process_group_ranks(units[0]._inter_node_pg)
