@@ -125,6 +125,7 @@ class FullyShardedDataParallel(nn.Module):
         self._root_state: unit.RootState | None = None
         self._fqn_prefix = ""
         self._ran_pre_backward = False
+        self._backward_task = -1
         self.training_state = TrainingState.IDLE
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._saved_flat_grad: torch.Tensor | None = None
@@ -298,6 +299,17 @@ class FullyShardedDataParallel(nn.Module):
         """Expose full parameters inside the context (see :mod:`fsdp_impl.state_dict`)."""
         from fsdp_impl import state_dict
 
+        unsupported = {
+            "recurse": not recurse,
+            "rank0_only": rank0_only,
+            "offload_to_cpu": offload_to_cpu,
+        }
+        if any(unsupported.values()):
+            raise NotImplementedError(
+                f"summon_full_params supports only recurse=True, rank0_only=False, "
+                f"offload_to_cpu=False; got recurse={recurse}, rank0_only={rank0_only}, "
+                f"offload_to_cpu={offload_to_cpu}"
+            )
         return state_dict.summon_full_params(module, writeback=writeback, with_grads=with_grads)
 
     @staticmethod

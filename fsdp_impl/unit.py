@@ -185,6 +185,7 @@ def _pre_backward_hook(unit: FSDP, grad: torch.Tensor) -> None:
     if unit._ran_pre_backward:
         return
     unit._ran_pre_backward = True
+    unit._backward_task = torch._C._current_graph_task_id()
     unit.training_state = TrainingState.BACKWARD_PRE
     handle = unit._handle
     if handle is None:
@@ -212,6 +213,11 @@ def _post_backward_hook(unit: FSDP, full: torch.Tensor) -> None:
     unit.training_state = TrainingState.BACKWARD_POST
     _advance_reductions(state)
     state.reductions.append(_issue_reduction(unit, grad))
+    if torch._C._current_graph_task_id() != unit._backward_task and unit._ran_pre_backward:
+        # A reentrant checkpoint inside this unit runs its own (nested) backward: more of
+        # this unit's gradient may arrive in the outer backward, which still needs the
+        # parameters. Reductions of the pieces add up; the final callback reshards.
+        return
     handle.reshard()
     if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, state.exec_order.next_backward(unit), unit.limit_all_gathers)
@@ -264,6 +270,7 @@ def _final_callback(state: RootState) -> None:
         elif unit._handle is not None and unit._handle.use_orig_params:
             unit._handle.install_sharded_params()
         unit._ran_pre_backward = False
+        unit._backward_task = -1
         unit.training_state = TrainingState.IDLE
     state.prefetched.clear()
     state.exec_order.next_iter()

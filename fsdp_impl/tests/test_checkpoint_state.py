@@ -91,18 +91,24 @@ def test_checkpointing_matches_plain(ctx: RankContext, orig: bool, offload_param
 
 
 @pytest.mark.ranks(world_size=2, modes=("thread",))
-def test_nonreentrant_checkpoint_inside_no_shard_units(ctx: RankContext) -> None:
+@pytest.mark.parametrize("strategy", [S.NO_SHARD, S.FULL_SHARD])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_inside_part_of_a_unit(
+    ctx: RankContext, strategy: ShardingStrategy, use_reentrant: bool
+) -> None:
+    """Checkpointed blocks cover only part of each unit (the stage's l1/l2 are outside)."""
     reference = CheckpointTower(seed=0, dim=8)
     model = copy.deepcopy(reference)
     model.enable_checkpointing()
     for m in (model.stage1.s1, model.stage1.s2, model.stage2.s1, model.stage2.s2):
-        m.use_reentrant = False
-    model.stage1 = FSDP(model.stage1, sharding_strategy=S.NO_SHARD)
-    model.stage2 = FSDP(model.stage2, sharding_strategy=S.NO_SHARD)
-    fsdp = FSDP(model, sharding_strategy=S.NO_SHARD)
-    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+        m.use_reentrant = use_reentrant
+    model.stage1 = FSDP(model.stage1, sharding_strategy=strategy)
+    model.stage2 = FSDP(model.stage2, sharding_strategy=strategy)
+    fsdp = FSDP(model, sharding_strategy=strategy)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
     fsdp(x).sum().backward()
     reference(x).sum().backward()
+    assert all(u.is_resharded for u in FSDP.fsdp_modules(fsdp))
     want = {n: p.grad for n, p in reference.named_parameters()}
     with FSDP.summon_full_params(fsdp, with_grads=True):
         got = {
