@@ -8,6 +8,8 @@ the same results.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,12 +109,17 @@ def _list(ns: argparse.Namespace) -> int:
     args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider"]
     if ns.keyword:
         args += ["-k", ns.keyword]
-    code = int(pytest.main(args, plugins=[lister]))
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        code = int(pytest.main(args, plugins=[lister]))
+    if code not in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)):
+        print(captured.getvalue())
+        return code
     width = max((len(case_id) for case_id, _ in lister.rows), default=0)
     for case_id, needs in lister.rows:
         print(f"{case_id.ljust(width)}  {needs}")
     print(f"{len(lister.rows)} cases")
-    return 0 if code in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)) else code
+    return 0
 
 
 def _impls(_: argparse.Namespace) -> int:
