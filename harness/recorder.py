@@ -175,7 +175,7 @@ def patch_collectives(interceptor: Interceptor, *, barrier: bool = True) -> Iter
         dist.barrier()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fn)
 

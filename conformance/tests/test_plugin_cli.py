@@ -64,8 +64,9 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     assert result.ret == 1
     rows = {(r["case"], r["impl"], r["rank_mode"]): r for r in json.loads(out.read_text())}
     assert rows[("demo/passes", "reference", "process")]["outcome"] == "pass"
-    assert rows[("demo/fails", "bare", "thread")]["outcome"] == "FAIL"
-    assert "rank 1 raised AssertionError: rank 1 sees a different world" in rows[("demo/fails", "bare", "thread")]["reason"]
+    failed = rows[("demo/fails", "bare", "thread")]
+    assert failed["outcome"] == "FAIL"
+    assert "rank 1 raised AssertionError: rank 1 sees a different world" in failed["reason"]
     na = rows[("demo/needs_capability", "bare", "process")]
     assert na["outcome"] == "n/a" and na["reason"] == "bare lacks capability exec_order_validation"
     assert rows[("demo/needs_capability", "reference", "process")]["outcome"] == "pass"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
-                                reason="torchrun is not installed next to this interpreter")
+_HAS_TORCHRUN = shutil.which("torchrun") is not None or Path(sys.executable).with_name("torchrun").exists()
+pytestmark = pytest.mark.skipif(not _HAS_TORCHRUN, reason="torchrun is not installed next to this interpreter")
 
 
 def _torchrun() -> str:

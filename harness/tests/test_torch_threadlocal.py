@@ -99,7 +99,9 @@ def _train(ctx: harness.RankContext, flavour: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize(("flavour", "world_size"), [("fsdp1", 2), ("fsdp1", 4), ("fsdp2", 2), ("fsdp2", 4), ("hsdp", 4)])
+@pytest.mark.parametrize(
+    ("flavour", "world_size"), [("fsdp1", 2), ("fsdp1", 4), ("fsdp2", 2), ("fsdp2", 4), ("hsdp", 4)]
+)
 def test_torch_fsdp_trains_on_thread_ranks(flavour: str, world_size: int) -> None:
     thread = harness.run(_train, world_size=world_size, mode="thread", args=(flavour,))
     assert all(run[-1] < run[0] for run in thread), f"loss did not decrease: {thread}"
