@@ -99,6 +99,11 @@ def test_parity_with_ddp_ws2_prefetch(ctx: RankContext) -> None:
 
 
 @pytest.mark.ranks(world_size=4, modes=("thread",))
+def test_parity_with_ddp_ws4(ctx: RankContext) -> None:
+    _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], {})
+
+
+@pytest.mark.ranks(world_size=4, modes=("thread",))
 def test_parity_with_ddp_hybrid_ws4(ctx: RankContext) -> None:
     _parity_body(ctx.rank, ctx.world_size, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], {})
 
@@ -106,8 +111,10 @@ def test_parity_with_ddp_hybrid_ws4(ctx: RankContext) -> None:
 @pytest.mark.ranks(world_size=1, modes=("thread",))
 def test_parity_ws1(ctx: RankContext) -> None:
     with ctx.catch_warnings() as caught:
-        _parity_body(0, 1, ["FULL_SHARD"], {})
-    assert any("switching to use `NO_SHARD`" in str(w.message) for w in caught)
+        _parity_body(0, 1, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], {})
+    switched = [w for w in caught if "switching to use `NO_SHARD`" in str(w.message)]
+    # One warning per wrap (nested units inherit the switched strategy): 2 strategies x 2 modes.
+    assert len(switched) == 2 * 2, [str(w.message) for w in caught]
 
 
 # -- collective traces --------------------------------------------------------------------------
