@@ -239,3 +239,12 @@ def test_size_based_policy_counts_only_unwrapped_params(ctx: RankContext) -> Non
     units = {name: u.shard_info["numel"] for name, u in fsdp.named_modules() if isinstance(u, FSDP)}
     # Each 110-element Linear is wrapped; their parent then holds nothing to wrap.
     assert units == {"": 6, "_fsdp_wrapped_module.0.0": 110, "_fsdp_wrapped_module.0.1": 110}, units
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_parameter_shared_with_nested_unit_is_rejected(ctx: RankContext, orig: bool) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = model[0].weight
+    model[0] = FSDP(model[0], sharding_strategy=S.NO_SHARD, use_orig_params=orig)
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is shared with nested unit"):
+        FSDP(model, sharding_strategy=S.NO_SHARD, use_orig_params=orig)

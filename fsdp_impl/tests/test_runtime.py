@@ -156,7 +156,7 @@ def _peak_unsharded(rank: int) -> None:
                 module.register_forward_pre_hook(count)
                 module.register_full_backward_pre_hook(count)
         for step in range(3):
-            fsdp(batch(step, rank)).sum().backward()
+            fsdp(batch(step, rank).requires_grad_()).sum().backward()
         assert seen and max(seen) <= bound, (forward_prefetch, backward_prefetch, seen)
         if bound == 3:
             assert max(seen) == bound, f"prefetch never overlapped: {seen}"
