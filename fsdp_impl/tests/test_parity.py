@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
+from fsdp_impl import FSDP, BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
 from harness.context import RankContext
@@ -96,6 +96,12 @@ def test_parity_with_ddp_ws2(ctx: RankContext) -> None:
 def test_parity_with_ddp_ws2_prefetch(ctx: RankContext) -> None:
     kw = {"forward_prefetch": True, "backward_prefetch": BackwardPrefetch.BACKWARD_POST}
     _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "SHARD_GRAD_OP"], kw)
+
+
+@pytest.mark.ranks(world_size=2, modes=("thread",))
+def test_parity_with_ddp_ws2_cpu_offload(ctx: RankContext) -> None:
+    kw = {"cpu_offload": CPUOffload(offload_params=True), "device_id": torch.device("cpu")}
+    _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "NO_SHARD"], kw)
 
 
 @pytest.mark.ranks(world_size=4, modes=("thread",))
