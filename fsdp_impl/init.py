@@ -266,9 +266,8 @@ def _materialize(
     device: torch.device | None,
     param_init_fn: Callable[[nn.Module], None] | None,
 ) -> None:
-    owners = [m for _, m, _, p in params if p.is_meta] + [
-        m for m, n in buffers if m._buffers[n].is_meta
-    ]
+    meta_buffers = [m for m, n in buffers if (b := m._buffers[n]) is not None and b.is_meta]
+    owners = [m for _, m, _, p in params if p.is_meta] + meta_buffers
     if not owners:
         return
     if param_init_fn is not None:
@@ -311,7 +310,8 @@ def sync_module_states(
     compute_device: torch.device,
 ) -> None:
     """Broadcast global rank 0's managed params and buffers (over shard, then replicate group)."""
-    tensors = [param.detach() for _, _, _, param in params] + [m._buffers[n] for m, n in buffers]
+    tensors = [param.detach() for _, _, _, param in params]
+    tensors += [b for m, n in buffers if (b := m._buffers[n]) is not None]
     if compute_device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
         raise ValueError(
             "The module has CPU parameters or buffers when `sync_module_states=True`, "
@@ -323,6 +323,6 @@ def sync_module_states(
         if group is None or collectives.group_size(group) == 1:
             continue
         src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
-        pending = [collectives.broadcast(t, src, group) for t in tensors if t is not None]
+        pending = [collectives.broadcast(t, src, group) for t in tensors]
         for item in pending:
             item.wait()

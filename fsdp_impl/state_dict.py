@@ -217,13 +217,13 @@ def _param_slots(
         handle = getattr(unit, "_handle", None)
         if not isinstance(handle, FlatParamHandle):
             continue
-        base = clean_fqn(
-            f"{prefix}.{'_fsdp_wrapped_module.'}" if prefix else "_fsdp_wrapped_module."
-        )
-        entries = [(f"{base}{slot.fqn}", handle, slot) for slot in handle.slots]
+        base = clean_fqn(f"{prefix}.") if prefix else ""
+        entries: list[tuple[str, FlatParamHandle | None, ParamSlot | None]] = [
+            (f"{base}{slot.fqn}", handle, slot) for slot in handle.slots
+        ]
         if handle.use_orig_params:
-            for entry in entries:
-                out[id(entry[2].param)] = [entry]  # type: ignore[union-attr]
+            for slot, entry in zip(handle.slots, entries, strict=True):
+                out[id(slot.param)] = [entry]
         else:
             out[id(handle.flat_param)] = entries
         managed.update(id(slot.param) for slot in handle.slots)
@@ -313,25 +313,30 @@ def _load_param_state(
     saved: dict[str, dict[str, Any]],
     full: bool,
 ) -> dict[str, Any]:
+    """One optimizer-visible parameter's state rebuilt from per-name saved state."""
     present = [(name, h, s) for name, h, s in entries if name in saved]
     if not present:
         return {}
+    first_name, handle, first_slot = present[0]
+    if handle is None or first_slot is None:  # not managed by a unit: stored as-is
+        return {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved[first_name].items()
+        }
     out: dict[str, Any] = {}
-    for key, value in saved[present[0][0]].items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or present[0][1] is None:
+    for key, value in saved[first_name].items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
-        shard = torch.zeros(present[0][1].shard_numel, dtype=value.dtype, device=param.device)
-        for name, handle, slot in present:
-            assert handle is not None and slot is not None
+        shard = torch.zeros(handle.shard_numel, dtype=value.dtype, device=param.device)
+        for name, _, slot in present:
+            assert slot is not None
             lo, hi = handle.local_range(slot)
             tensor = saved[name][key].to(param.device).reshape(-1)
-            if full:
+            if full:  # the full per-parameter tensor: take this rank's range of it
                 start = handle.shard_rank * handle.shard_numel + lo - slot.offset
                 tensor = tensor[start : start + hi - lo]
             shard[lo:hi] = tensor
-        if handle.use_orig_params:
-            out[key] = handle.sharded_view(present[0][2], shard).clone()  # type: ignore[arg-type]
-        else:
-            out[key] = shard
+        out[key] = (
+            handle.sharded_view(first_slot, shard).clone() if handle.use_orig_params else shard
+        )
     return out

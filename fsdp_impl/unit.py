@@ -278,4 +278,5 @@ def _final_callback(state: RootState) -> None:
 
 
 def replicate_world(group: dist.ProcessGroup | None) -> int:
+    """Size of the replicate group (1 when a unit has none)."""
     return 1 if group is None else collectives.group_size(group)

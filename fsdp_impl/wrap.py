@@ -120,11 +120,14 @@ def _wrap_children(
 
 
 def _numel(module: nn.Module, ignored: set[nn.Module]) -> int:
+    """Parameters under ``module`` not already owned by a unit or ignored."""
     from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
 
-    total = 0
-    for sub in module.modules():
+    total, stack = 0, [module]
+    while stack:
+        sub = stack.pop()
         if sub in ignored or isinstance(sub, FullyShardedDataParallel):
             continue
         total += sum(p.numel() for p in sub.parameters(recurse=False))
+        stack.extend(child for child in sub.children())
     return total

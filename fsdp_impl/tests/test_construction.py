@@ -226,3 +226,25 @@ def test_grad_accumulates_without_zero_grad_and_respects_it(ctx: RankContext, or
     model.zero_grad(set_to_none=True)
     model(x)[0].sum().backward()
     torch.testing.assert_close([p.grad for p in model.parameters() if p.grad is not None], first)
+
+
+def test_size_based_policy_counts_only_unwrapped_params(ctx: RankContext) -> None:
+    import functools
+
+    from fsdp_impl.wrap import size_based_auto_wrap_policy
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10)), nn.Linear(2, 2))
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=100)
+    fsdp = FSDP(model, sharding_strategy=S.NO_SHARD, auto_wrap_policy=policy)
+    units = {name: u.shard_info["numel"] for name, u in fsdp.named_modules() if isinstance(u, FSDP)}
+    # Each 110-element Linear is wrapped; their parent then holds nothing to wrap.
+    assert units == {"": 6, "_fsdp_wrapped_module.0.0": 110, "_fsdp_wrapped_module.0.1": 110}, units
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_parameter_shared_with_nested_unit_is_rejected(ctx: RankContext, orig: bool) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].weight = model[0].weight
+    model[0] = FSDP(model[0], sharding_strategy=S.NO_SHARD, use_orig_params=orig)
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is shared with nested unit"):
+        FSDP(model, sharding_strategy=S.NO_SHARD, use_orig_params=orig)

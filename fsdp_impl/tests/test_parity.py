@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
+from fsdp_impl import FSDP, BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
 from harness.context import RankContext
@@ -98,6 +98,17 @@ def test_parity_with_ddp_ws2_prefetch(ctx: RankContext) -> None:
     _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "SHARD_GRAD_OP"], kw)
 
 
+@pytest.mark.ranks(world_size=2, modes=("thread",))
+def test_parity_with_ddp_ws2_cpu_offload(ctx: RankContext) -> None:
+    kw = {"cpu_offload": CPUOffload(offload_params=True), "device_id": torch.device("cpu")}
+    _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "NO_SHARD"], kw)
+
+
+@pytest.mark.ranks(world_size=4, modes=("thread",))
+def test_parity_with_ddp_ws4(ctx: RankContext) -> None:
+    _parity_body(ctx.rank, ctx.world_size, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], {})
+
+
 @pytest.mark.ranks(world_size=4, modes=("thread",))
 def test_parity_with_ddp_hybrid_ws4(ctx: RankContext) -> None:
     _parity_body(ctx.rank, ctx.world_size, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], {})
@@ -106,8 +117,10 @@ def test_parity_with_ddp_hybrid_ws4(ctx: RankContext) -> None:
 @pytest.mark.ranks(world_size=1, modes=("thread",))
 def test_parity_ws1(ctx: RankContext) -> None:
     with ctx.catch_warnings() as caught:
-        _parity_body(0, 1, ["FULL_SHARD"], {})
-    assert any("switching to use `NO_SHARD`" in str(w.message) for w in caught)
+        _parity_body(0, 1, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], {})
+    switched = [w for w in caught if "switching to use `NO_SHARD`" in str(w.message)]
+    # One warning per wrap (nested units inherit the switched strategy): 2 strategies x 2 modes.
+    assert len(switched) == 2 * 2, [str(w.message) for w in caught]
 
 
 # -- collective traces --------------------------------------------------------------------------

@@ -122,6 +122,12 @@ def _misc_body(rank: int, world: int) -> None:
             process_group=(dist.group.WORLD, dist.group.WORLD),
             sharding_strategy=S.HYBRID_SHARD,
         )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    with pytest.raises(ValueError, match=r"2-D \(replicate, shard\) device_mesh, got ndim=1"):
+        FSDP(nn.Linear(2, 2), device_mesh=mesh, sharding_strategy=S.HYBRID_SHARD)
+    assert FSDP(nn.Linear(2, 2), device_mesh=mesh).shard_info["shard_size"] == 2
     _peak_unsharded(rank)
 
 
@@ -150,7 +156,7 @@ def _peak_unsharded(rank: int) -> None:
                 module.register_forward_pre_hook(count)
                 module.register_full_backward_pre_hook(count)
         for step in range(3):
-            fsdp(batch(step, rank)).sum().backward()
+            fsdp(batch(step, rank).requires_grad_()).sum().backward()
         assert seen and max(seen) <= bound, (forward_prefetch, backward_prefetch, seen)
         if bound == 3:
             assert max(seen) == bound, f"prefetch never overlapped: {seen}"
