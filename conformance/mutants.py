@@ -74,7 +74,7 @@ class NoReshardAfterBackward(_Mutant):
     def _patch_globally(self) -> None:
         import fsdp_impl.unit as unit_mod
 
-        if getattr(unit_mod, "_mutant_patched", False):
+        if getattr(unit_mod, "_mutant_patched", False):  # noqa: B009
             return
         from fsdp_impl.flat_param import FlatParamHandle as handle_cls
 
@@ -89,7 +89,7 @@ class NoReshardAfterBackward(_Mutant):
                 handle_cls.reshard = reshard  # type: ignore[method-assign]
 
         unit_mod._final_callback = final_callback_without_reshard
-        unit_mod._mutant_patched = True
+        setattr(unit_mod, "_mutant_patched", True)  # noqa: B010
 
 
 class NoSyncModuleStates(_Mutant):

@@ -124,9 +124,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     item.stash[_STATE_KEY] = _ItemState()
     impl = _params(item).get("impl")
+    if impl is None:
+        raise pytest.UsageError(f"{item.nodeid}: a conformance case must take the impl parameter")
     if isinstance(impl, _Unloadable):
         pytest.fail(f"adapter {impl.name!r} failed to load: {impl.error}", pytrace=False)
-    reason = impl.unavailable_reason() if impl is not None else None
+    reason = impl.unavailable_reason()
     if reason is not None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
     missing = [str(c) for c in spec.required(_params(item)) if c not in impl.capabilities]
@@ -188,6 +190,7 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     """Silence pytest's own progress characters when the plugin prints lines."""
     if not config.getoption("--conformance-progress"):
         return None
+    category: str
     if report.when == "call":
         category = report.outcome
     elif report.failed:

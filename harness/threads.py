@@ -104,8 +104,10 @@ def _run_locked(fn: Callable[..., Any], world_size: int, timeout_s: float, args:
 def _stop(threads: list[threading.Thread], late: list[int], timeout_s: float,
           out: dict[int, Outcome]) -> list[RankError]:
     frames = sys._current_frames()
-    stacks = {r: "".join(traceback.format_stack(frames[threads[r].ident])) if threads[r].ident in frames else ""
-              for r in late}
+    stacks = {}
+    for r in late:
+        frame = frames.get(threads[r].ident or -1)
+        stacks[r] = "".join(traceback.format_stack(frame)) if frame is not None else ""
     tl.abort()
     for r in late:
         ident = threads[r].ident

@@ -17,7 +17,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["capture"]
 
@@ -53,7 +53,7 @@ def _uninstall() -> None:
     with _lock:
         _active -= 1
         if _active == 0:
-            warnings.filters[:] = _saved_filters
+            cast(list, warnings.filters)[:] = _saved_filters
             warnings._filters_mutated()  # type: ignore[attr-defined]
             warnings.showwarning = _saved_showwarning
             _saved_showwarning = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch.nn as nn
 
@@ -29,15 +30,16 @@ class ReferenceAdapter(FSDP1LikeAdapter):
 
         return fsdp_impl.wrap
 
-    def _unit_info(self, fqn: str, unit: nn.Module) -> UnitInfo:
-        flat = unit.flat_param  # type: ignore[attr-defined]
+    def _unit_info(self, fqn: str, module: nn.Module) -> UnitInfo:
+        unit: Any = module
+        flat = unit.flat_param
         return UnitInfo(
             fqn=fqn,
             module=unit,
-            shard_group=unit.process_group,  # type: ignore[arg-type]
-            replicate_group=unit._inter_node_pg,  # type: ignore[arg-type]
-            compute_device=unit.compute_device,  # type: ignore[arg-type]
+            shard_group=unit.process_group,
+            replicate_group=unit._inter_node_pg,
+            compute_device=unit.compute_device,
             local_shards=[] if flat is None else [flat.detach()],
             local_grads=[] if flat is None else [flat.grad],
-            resharded=bool(unit.is_resharded),  # type: ignore[attr-defined]
+            resharded=bool(unit.is_resharded),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,8 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
     def _default_device_id(self) -> torch.device | None:
         return None if torch.cuda.is_available() else torch.device("cpu")
 
-    def _unit_info(self, fqn: str, unit: nn.Module) -> UnitInfo:
+    def _unit_info(self, fqn: str, module: nn.Module) -> UnitInfo:
+        unit: Any = module  # FSDP1's attributes are untyped through nn.Module.__getattr__
         handle = getattr(unit, "_handle", None)
         inter = getattr(unit, "_inter_node_pg", None)
         hybrid = unit.sharding_strategy.name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

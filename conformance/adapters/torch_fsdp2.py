@@ -22,7 +22,7 @@ auto-wrap spec selects, then to the root.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,7 @@ class TorchFSDP2Adapter:
         if spec.auto_wrap is not None:
             for submodule in reversed(list(self._selected(module, spec))):
                 fully_shard(submodule, **kwargs)
-        return fully_shard(module, **kwargs)
+        return cast(nn.Module, fully_shard(module, **kwargs))
 
     @staticmethod
     def _selected(module: nn.Module, spec: WrapSpec) -> list[nn.Module]:
@@ -150,7 +150,7 @@ class TorchFSDP2Adapter:
         ]
 
     @staticmethod
-    def _unit_info(fqn: str, unit: nn.Module) -> UnitInfo:
+    def _unit_info(fqn: str, unit: Any) -> UnitInfo:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
         group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]

@@ -45,7 +45,8 @@ def _multiprocessing_helpers() -> set[int]:
 
 
 def _harness_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "fsdp-harness-*")))
+    """Pool directories of this process (other suites may be running on the machine)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"fsdp-harness-{os.getpid()}-*")))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
