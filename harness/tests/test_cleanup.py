@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -80,3 +82,64 @@ def test_two_suites_at_once_do_not_collide(tmp_path) -> None:
     outs = [p.communicate(timeout=240) for p in procs]
     for proc, (out, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0 and out.strip() == "ok", err[-2000:]
+
+
+_PARENT = """
+import os, sys, time
+import harness
+from harness.tests.test_cleanup import hang_forever
+print("ready", flush=True)
+try:
+    harness.run(hang_forever, world_size=2, timeout_s=120)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def hang_forever(ctx: harness.RankContext) -> None:
+    print(f"rank {ctx.rank} pid {os.getpid()}", flush=True)
+    while True:
+        time.sleep(0.1)
+
+
+def _rank_pids(proc: subprocess.Popen[str]) -> list[int]:
+    pids: list[int] = []
+    while len(pids) < 2:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line:
+            raise AssertionError("the parent exited before its ranks started")
+        if line.startswith("rank "):
+            pids.append(int(line.split()[-1]))
+    return pids
+
+
+def _gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["ctrl_c", "sigkill"])
+def test_ranks_do_not_outlive_an_interrupted_or_killed_parent(how: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-u", "-c", _PARENT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=os.getcwd())
+    try:
+        pids = _rank_pids(proc)
+        proc.send_signal(signal.SIGINT if how == "ctrl_c" else signal.SIGKILL)
+        proc.wait(timeout=30)
+        # Ctrl-C: the parent tears the pool down; SIGKILL: each rank's parent watchdog notices.
+        assert _gone(pids, within_s=10.0), f"ranks {pids} outlived the parent ({how})"
+    finally:
+        proc.kill()
