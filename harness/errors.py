@@ -39,6 +39,8 @@ class RankError:
     exitcode: int | None = None
     signal_name: str | None = None
     stack: str = ""
+    #: Wall-clock time (``time.time()``) at which the parent observed the failure.
+    detected_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

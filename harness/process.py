@@ -148,13 +148,14 @@ class ProcessPool:
         return None
 
     def _death(self, rank: int) -> RankError:
+        detected_at = time.time()
         proc = self.procs[rank]
         proc.join(timeout=2.0)
         code = proc.exitcode
         signal_name = signal.Signals(-code).name if code is not None and code < 0 else None
         crash = _read(self._path("crash", rank))
         return RankError(rank, "died", "process exited without reporting a result", exitcode=code,
-                         signal_name=signal_name, stack=crash)
+                         signal_name=signal_name, stack=crash, detected_at=detected_at)
 
     def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
         for rank in ranks:
