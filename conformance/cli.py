@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:
-    args = [str(CASES_DIR), "-q", "--conformance-progress", "-p", "no:cacheprovider"]
+    args = [str(CASES_DIR), "-q", "--conformance-progress", "-p", "no:cacheprovider",
+            "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     for name in ns.impl or ["reference"]:
         args += ["--fsdp-impl", name]
     args += ["--rank-mode", ns.rank_mode]

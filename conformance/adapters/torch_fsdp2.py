@@ -162,9 +162,7 @@ class TorchFSDP2Adapter:
             fqn=fqn,
             module=unit,
             shard_group=info.shard_process_group,
-            replicate_group=getattr(info, "replicate_process_group", None)
-            if info.mesh.ndim == 2 and info.mesh.size(1) > 1
-            else None,
+            replicate_group=getattr(info, "replicate_process_group", None),
             compute_device=group.device,
             local_shards=[p.sharded_param.to_local() for p in params],
             local_grads=[

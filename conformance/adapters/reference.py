@@ -1,0 +1,43 @@
+"""Adapter for this project's reference FSDP, :mod:`fsdp_impl`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch.nn as nn
+
+from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
+from conformance.adapters.base import Capability, UnitInfo
+
+__all__ = ["ReferenceAdapter"]
+
+
+class ReferenceAdapter(FSDP1LikeAdapter):
+    """``fsdp_impl.FullyShardedDataParallel``; introspected through its public surface
+    (``flat_param``, ``is_resharded``, ``process_group``, ``compute_device``)."""
+
+    name = "reference"
+    capabilities = frozenset(Capability) - {Capability.POST_OPTIM_EVENT}
+
+    def _api(self) -> ModuleType:
+        import fsdp_impl
+
+        return fsdp_impl
+
+    def _wrap_api(self) -> ModuleType:
+        import fsdp_impl.wrap
+
+        return fsdp_impl.wrap
+
+    def _unit_info(self, fqn: str, unit: nn.Module) -> UnitInfo:
+        flat = unit.flat_param  # type: ignore[attr-defined]
+        return UnitInfo(
+            fqn=fqn,
+            module=unit,
+            shard_group=unit.process_group,  # type: ignore[arg-type]
+            replicate_group=unit._inter_node_pg,  # type: ignore[arg-type]
+            compute_device=unit.compute_device,  # type: ignore[arg-type]
+            local_shards=[] if flat is None else [flat.detach()],
+            local_grads=[] if flat is None else [flat.grad],
+            resharded=bool(unit.is_resharded),  # type: ignore[attr-defined]
+        )

@@ -1,0 +1,96 @@
+"""Public enums and config dataclasses, spelled as ``torch.distributed.fsdp`` spells them.
+
+Only the members this reference implements exist, so a user who swaps the import
+gets an ``AttributeError`` instead of a silently ignored option.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "StateDictType",
+    "CPUOffload",
+    "TrainingState",
+    "ShardedState",
+    "RESHARD_AFTER_FORWARD",
+    "HYBRID_STRATEGIES",
+]
+
+
+class ShardingStrategy(enum.Enum):
+    """How a unit's parameters, gradients and optimizer state are partitioned."""
+
+    FULL_SHARD = enum.auto()
+    """Shard params, grads and optimizer state; free full params after forward and backward."""
+    SHARD_GRAD_OP = enum.auto()
+    """Like FULL_SHARD but keep full params from forward until the end of backward."""
+    NO_SHARD = enum.auto()
+    """Replicate everything (DDP); gradients are all-reduced."""
+    HYBRID_SHARD = enum.auto()
+    """FULL_SHARD within the shard group, replicate across the replicate group."""
+    _HYBRID_SHARD_ZERO2 = enum.auto()
+    """SHARD_GRAD_OP within the shard group, replicate across the replicate group."""
+
+
+#: Strategies that free the unsharded parameter after a (non-root) unit's forward.
+RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
+#: Strategies that use a (shard, replicate) pair of groups.
+HYBRID_STRATEGIES = frozenset({ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2})
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward.
+
+    Both orders follow the reverse of the recorded forward order.
+    """
+
+    BACKWARD_PRE = enum.auto()
+    """Before the current unit's gradient computation (most overlap, most memory)."""
+    BACKWARD_POST = enum.auto()
+    """After the current unit's gradient computation, before its reduce-scatter is awaited."""
+
+
+class StateDictType(enum.Enum):
+    """Which layout ``state_dict()`` / ``load_state_dict()`` use inside ``state_dict_type``."""
+
+    FULL_STATE_DICT = enum.auto()
+    """Unflattened, unpadded original parameters on every rank, keyed as the unwrapped module."""
+    SHARDED_STATE_DICT = enum.auto()
+    """Each original parameter's local piece plus the metadata to place it (see state_dict.py)."""
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep flat parameter shards and their gradients on CPU between uses."""
+
+    offload_params: bool = False
+
+
+class TrainingState(enum.Enum):
+    """What a unit is doing right now; guards hooks against running in the wrong phase."""
+
+    IDLE = enum.auto()
+    """Between iterations, or in forward before this unit ran."""
+    FORWARD = enum.auto()
+    """Inside this unit's forward."""
+    BACKWARD_PRE = enum.auto()
+    """Gradients reached this unit's outputs; its parameters are (being) unsharded."""
+    BACKWARD_POST = enum.auto()
+    """This unit's gradient was accumulated and its reduction issued."""
+    SUMMON_FULL_PARAMS = enum.auto()
+    """Inside ``summon_full_params``; forward/backward are not allowed."""
+
+
+class ShardedState(enum.Enum):
+    """Whether a unit's full (unsharded) parameter storage is allocated."""
+
+    SHARDED = enum.auto()
+    """Only the local shard exists; the unsharded storage has size 0."""
+    UNSHARDING = enum.auto()
+    """An all-gather into the unsharded storage was issued but not yet awaited."""
+    UNSHARDED = enum.auto()
+    """The unsharded storage holds the full parameter."""

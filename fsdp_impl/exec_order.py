@@ -1,0 +1,144 @@
+"""Forward-order checking across ranks and across iterations, and the recorded order prefetch uses.
+
+[Note: execution order]
+Units must all-gather in the same order on every rank, or collectives pair up
+wrongly (two units with equal flat sizes would even "succeed"). The root records
+the order in which units run their pre-forward during the first training
+iteration; forward and backward prefetch follow that recorded order. When
+``torch.distributed``'s debug level is DETAIL, checking is on, as in torch:
+
+* first iteration: before a unit all-gathers, every rank all-gathers the unit's
+  index; a mismatch raises ``RuntimeError("Forward order differs across ranks:
+  ...")`` naming what each rank gathers, on every rank (so no rank hangs);
+* later iterations: each rank compares with its own first-iteration order and
+  warns once, on the deviating rank only, then stops checking.
+
+Eval-mode forwards (``module.training`` False) are neither checked nor
+recorded, and an iteration ends at the end of backward, so train/eval switches
+never warn.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fsdp_impl import collectives
+
+if TYPE_CHECKING:
+    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = ["ExecOrderData", "checking_enabled"]
+
+
+def checking_enabled() -> bool:
+    """Whether cross-rank order checks run (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)."""
+    try:
+        return dist.get_debug_level() == dist.DebugLevel.DETAIL
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _Warn(enum.Enum):
+    NONE = enum.auto()
+    WARNING = enum.auto()
+    WARNED = enum.auto()
+
+
+class ExecOrderData:
+    """Shared by every unit of one root: the recorded order and the checking state."""
+
+    def __init__(self, units: list[FullyShardedDataParallel], group: dist.ProcessGroup | None) -> None:
+        self.units = [unit for unit in units if unit._handle is not None]
+        self.group = group
+        self.rank = dist.get_rank()
+        self.world_size = collectives.group_size(group)
+        self.checking = checking_enabled()
+        self.iteration = 0
+        self.forward_order: list[FullyShardedDataParallel] = []
+        self.current_index = 0
+        self.warn_status = _Warn.NONE
+
+    @property
+    def is_first_iter(self) -> bool:
+        return self.iteration == 0
+
+    def record_pre_forward(self, unit: FullyShardedDataParallel, is_training: bool) -> None:
+        """Check ``unit`` against the expected order, then record it (first iteration only)."""
+        if unit._handle is None:
+            return
+        if is_training and self.checking:
+            self._check(unit)
+        if is_training and self.is_first_iter and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def next_iter(self) -> None:
+        """End of backward: later forwards compare against the first iteration's order."""
+        self.iteration += 1
+        self.current_index = 0
+        if self.warn_status is _Warn.WARNING:
+            self.warn_status = _Warn.WARNED
+
+    def next_forward(self, unit: FullyShardedDataParallel) -> FullyShardedDataParallel | None:
+        """The unit recorded after ``unit`` in forward (prefetch target)."""
+        return self._neighbour(unit, +1)
+
+    def next_backward(self, unit: FullyShardedDataParallel) -> FullyShardedDataParallel | None:
+        """The unit recorded before ``unit`` in forward, i.e. next in backward."""
+        return self._neighbour(unit, -1)
+
+    def _neighbour(self, unit: FullyShardedDataParallel, step: int) -> FullyShardedDataParallel | None:
+        if self.is_first_iter or unit not in self.forward_order:
+            return None
+        index = self.forward_order.index(unit) + step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+    # -- checks -------------------------------------------------------------------------
+    def _names(self, index: int) -> list[str]:
+        unit = self.units[index]
+        assert unit._handle is not None
+        return [f"{unit._fqn_prefix}{slot.fqn}" for slot in unit._handle.slots]
+
+    def _check(self, unit: FullyShardedDataParallel) -> None:
+        if self.is_first_iter:
+            self._check_across_ranks(unit)
+        else:
+            self._check_against_first_iter(unit)
+
+    def _check_across_ranks(self, unit: FullyShardedDataParallel) -> None:
+        device = unit.compute_device
+        local = torch.tensor([self.units.index(unit)], dtype=torch.int32, device=device)
+        world = torch.zeros(self.world_size, dtype=torch.int32, device=device)
+        collectives.all_gather(world, local, self.group).wait()
+        indices = world.cpu().tolist()
+        for (r1, i1), (r2, i2) in itertools.combinations(enumerate(indices), 2):
+            if i1 != i2:
+                raise RuntimeError(
+                    f"Forward order differs across ranks: rank {r1} is all-gathering parameters "
+                    f"for {self._names(i1)} while rank {r2} is all-gathering parameters for "
+                    f"{self._names(i2)}"
+                )
+
+    def _check_against_first_iter(self, unit: FullyShardedDataParallel) -> None:
+        if self.warn_status is _Warn.WARNED:
+            return
+        detail = None
+        names = self._names(self.units.index(unit))
+        if self.current_index >= len(self.forward_order):
+            detail = f"Expected to not all-gather any more parameters in the forward but trying to all-gather parameters for {names}"
+        elif self.forward_order[self.current_index] is not unit:
+            expected = self._names(self.units.index(self.forward_order[self.current_index]))
+            detail = f"Expected to all-gather for {expected} but trying to all-gather parameters for {names}"
+        if detail is not None:
+            warnings.warn(
+                f"Forward order differs from that of the first iteration on rank {self.rank}. "
+                f"Collectives are unchecked and may give incorrect results or hang.\n{detail}",
+                stacklevel=4,
+            )
+            self.warn_status = _Warn.WARNING
+        self.current_index += 1

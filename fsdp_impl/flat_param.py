@@ -1,0 +1,304 @@
+"""One unit's parameters as a single padded flat tensor, sharded across the shard group.
+
+[Note: flat parameter layout]
+A unit's unique original parameters are concatenated (registration order, each
+flattened) into ``numel`` elements, then zero-padded to ``padded_numel``, a
+multiple of the shard-group size. Rank ``r`` of the shard group owns elements
+``[r * shard_numel, (r + 1) * shard_numel)``: its *local shard*, which is the
+data of :attr:`FlatParamHandle.flat_param`. The *unsharded* flat parameter
+:attr:`FlatParamHandle.full` is one persistent leaf tensor per unit whose storage
+is resized to 0 when resharded and re-allocated before each all-gather, so
+autograd's saved views of it stay valid across free/re-gather cycles. It is only
+written through ``.data`` (a separate version counter), so re-gathering in
+backward never trips autograd's in-place checks. Module parameters are set to
+views of ``full`` for compute; gradients accumulate into ``full.grad``, which
+is reduce-scattered into the local shard's gradient.
+
+With ``use_orig_params=True`` the original ``nn.Parameter`` objects stay
+registered while sharded: their ``.data`` is this rank's 1-D piece of the local
+shard (possibly empty) and their ``.grad`` the matching piece of the sharded
+gradient. With a shard group of size 1 (NO_SHARD) the pieces keep their
+original shapes. With ``use_orig_params=False`` the module exposes only
+``flat_param`` (registered as ``_flat_param``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_impl import collectives
+from fsdp_impl.api import ShardedState
+
+__all__ = ["ParamSlot", "FlatParamHandle", "FLAT_PARAM_NAME", "unsafe_setattr_enabled"]
+
+FLAT_PARAM_NAME = "_flat_param"
+
+
+def unsafe_setattr_enabled() -> bool:
+    """``FSDP_USE_UNSAFE_SETATTR=1`` bypasses modules' ``__setattr__`` overrides, as torch does."""
+    return os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") == "1"
+
+
+@dataclass
+class ParamSlot:
+    """One unique original parameter and every (module, attribute) that refers to it."""
+
+    param: nn.Parameter
+    fqn: str
+    shape: torch.Size
+    offset: int
+    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bool) -> None:
+    """Make ``module.name`` a plain tensor (a view), removing a registered parameter first."""
+    module._parameters.pop(name, None)
+    if unsafe:
+        object.__setattr__(module, name, tensor)
+    else:
+        setattr(module, name, tensor)
+
+
+def _set_param(module: nn.Module, name: str, param: nn.Parameter, unsafe: bool) -> None:
+    """Re-register ``param`` as ``module.name``, dropping any plain-tensor attribute."""
+    module.__dict__.pop(name, None)
+    if unsafe:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
+class FlatParamHandle:
+    """Owns one unit's flat parameter: layout, storage lifecycle, views and sharded grads."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
+        *,
+        compute_device: torch.device,
+        offload_params: bool,
+        shard_group: dist.ProcessGroup | None,
+        shard_size: int,
+        shard_rank: int,
+        use_orig_params: bool,
+    ) -> None:
+        self.compute_device = compute_device
+        self.offload_params = offload_params
+        self.shard_group = shard_group
+        self.shard_size = shard_size
+        self.shard_rank = shard_rank
+        self.use_orig_params = use_orig_params
+        self.slots = self._build_slots(named_params)
+        self.numel = sum(slot.numel for slot in self.slots)
+        self.shard_numel = -(-self.numel // shard_size)
+        self.padded_numel = self.shard_numel * shard_size
+        self.state = ShardedState.SHARDED
+        self._pending: collectives.Pending | None = None
+        self._hook_registered = False
+        self.flat_param = self._build_flat_param()
+        self.full = torch.empty(self.padded_numel, dtype=self.flat_param.dtype, device=compute_device)
+        self._free_storage()
+        if use_orig_params:
+            self.install_sharded_params()
+        else:
+            for slot in self.slots:
+                for module, name in slot.registrations:
+                    module._parameters.pop(name, None)
+
+    # -- construction ---------------------------------------------------------------
+    @staticmethod
+    def _build_slots(named_params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[ParamSlot]:
+        slots: dict[int, ParamSlot] = {}
+        offset = 0
+        dtypes = {param.dtype for _, _, _, param in named_params}
+        if len(dtypes) > 1:
+            raise ValueError(f"one unit's parameters must share a dtype, got {sorted(map(str, dtypes))}")
+        for fqn, module, name, param in named_params:
+            slot = slots.get(id(param))
+            if slot is None:
+                slot = ParamSlot(param, fqn, param.shape, offset)
+                slots[id(param)] = slot
+                offset += slot.numel
+            slot.registrations.append((module, name))
+        return list(slots.values())
+
+    def _build_flat_param(self) -> nn.Parameter:
+        storage_device = torch.device("cpu") if self.offload_params else self.compute_device
+        with torch.no_grad():
+            pieces = [slot.param.detach().reshape(-1).to(storage_device) for slot in self.slots]
+            dtype = self.slots[0].param.dtype if self.slots else torch.float32
+            padded = torch.zeros(self.padded_numel, dtype=dtype, device=storage_device)
+            if pieces:
+                torch.cat(pieces, out=padded[: self.numel])
+            start = self.shard_rank * self.shard_numel
+            shard = padded[start : start + self.shard_numel].clone()
+        requires = {slot.param.requires_grad for slot in self.slots}
+        if not self.use_orig_params and len(requires) > 1:
+            names = [(slot.fqn, slot.param.requires_grad) for slot in self.slots]
+            raise ValueError(
+                f"use_orig_params=False needs uniform requires_grad within a unit, got {names}"
+            )
+        return nn.Parameter(shard, requires_grad=any(requires) if requires else False)
+
+    # -- introspection -------------------------------------------------------------------
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard of the flat parameter (the storage kept between uses)."""
+        return self.flat_param.data if not self._in_summon else self._shard_backup
+
+    _in_summon = False
+    _shard_backup: torch.Tensor
+
+    @property
+    def is_resharded(self) -> bool:
+        """Unsharded storage freed and nothing outstanding: only the local shard exists."""
+        return self.state is ShardedState.SHARDED and self.full.untyped_storage().size() == 0
+
+    def requires_grad(self) -> bool:
+        if self.use_orig_params:
+            return any(slot.param.requires_grad for slot in self.slots)
+        return self.flat_param.requires_grad
+
+    def local_range(self, slot: ParamSlot) -> tuple[int, int]:
+        """``slot``'s piece of the local shard as ``[lo, hi)`` shard offsets (``lo == hi``: none)."""
+        start = self.shard_rank * self.shard_numel
+        lo = max(slot.offset, start)
+        hi = min(slot.offset + slot.numel, start + self.shard_numel)
+        return (lo - start, hi - start) if lo < hi else (0, 0)
+
+    # -- storage lifecycle -------------------------------------------------------------
+    def _free_storage(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def _alloc_storage(self) -> None:
+        storage = self.full.untyped_storage()
+        nbytes = self.padded_numel * self.full.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def start_unshard(self) -> None:
+        """Allocate the unsharded storage and issue its all-gather (no wait)."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        self._writeback_orig_params()
+        self._alloc_storage()
+        shard = self.flat_param.data
+        if shard.device != self.compute_device:
+            shard = shard.to(self.compute_device)
+        if self.shard_size == 1:
+            self.full.data.copy_(shard)
+            self._pending = None
+        else:
+            self._pending = collectives.all_gather(self.full.data, shard, self.shard_group)
+        self.state = ShardedState.UNSHARDING
+
+    def wait_unshard(self) -> None:
+        """Block until the unsharded parameter is valid (issuing the all-gather if needed)."""
+        if self.state is ShardedState.SHARDED:
+            self.start_unshard()
+        if self.state is ShardedState.UNSHARDING:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+            self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded storage and expose the sharded parameters again."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_unshard()
+        self._free_storage()
+        self.state = ShardedState.SHARDED
+        if self.use_orig_params:
+            self.install_sharded_params()
+
+    def _writeback_orig_params(self) -> None:
+        """Copy an original parameter's ``.data`` back if something replaced it."""
+        if not self.use_orig_params:
+            return
+        shard = self.flat_param.data
+        for slot in self.slots:
+            lo, hi = self.local_range(slot)
+            if hi > lo and slot.param.data.data_ptr() != shard[lo:hi].data_ptr():
+                with torch.no_grad():
+                    shard[lo:hi].copy_(slot.param.data.reshape(-1))
+
+    # -- views -------------------------------------------------------------------------
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """One view of ``full`` per slot, in its original shape (autograd-linked in grad mode)."""
+        views = []
+        for slot in self.slots:
+            view = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if self.use_orig_params and not slot.param.requires_grad:
+                view = view.detach()
+            views.append(view)
+        return views
+
+    def install_unsharded_views(self) -> None:
+        """Point every registration at its view of ``full`` (the module computes on these)."""
+        if self.requires_grad() and torch.is_grad_enabled():
+            self.full.requires_grad_(True)
+        else:
+            self.full.requires_grad_(False)
+        unsafe = unsafe_setattr_enabled()
+        for slot, view in zip(self.slots, self.unsharded_views(), strict=True):
+            for module, name in slot.registrations:
+                _set_tensor(module, name, view, unsafe)
+
+    def sharded_view(self, slot: ParamSlot, tensor: torch.Tensor) -> torch.Tensor:
+        """``slot``'s piece of a shard-sized ``tensor`` (original shape when unsharded groups)."""
+        lo, hi = self.local_range(slot)
+        piece = tensor[lo:hi]
+        return piece.view(slot.shape) if self.shard_size == 1 else piece
+
+    def install_sharded_params(self) -> None:
+        """use_orig_params: re-register the original parameters over their local pieces."""
+        unsafe = unsafe_setattr_enabled()
+        shard = self.flat_param.data
+        for slot in self.slots:
+            slot.param.data = self.sharded_view(slot, shard)
+            for module, name in slot.registrations:
+                _set_param(module, name, slot.param, unsafe)
+
+    # -- gradients ---------------------------------------------------------------------
+    def register_post_accumulate_hook(self, hook: object) -> None:
+        """Register ``hook(full)`` once, when ``full`` first requires grad."""
+        if not self._hook_registered and self.full.requires_grad:
+            self.full.register_post_accumulate_grad_hook(hook)  # type: ignore[arg-type]
+            self._hook_registered = True
+
+    def accumulate_sharded_grad(self, grad: torch.Tensor) -> None:
+        """Add a reduced, averaged shard-sized gradient into the exposed gradients."""
+        if self.offload_params:
+            grad = grad.cpu()
+        if not self.use_orig_params:
+            param = self.flat_param
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+            return
+        for slot in self.slots:
+            lo, hi = self.local_range(slot)
+            if hi == lo or not slot.param.requires_grad:
+                continue
+            piece = self.sharded_view(slot, grad)
+            slot.param.grad = piece.clone() if slot.param.grad is None else slot.param.grad.add_(piece)
+
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""
+        if not self.use_orig_params:
+            return self.flat_param.grad
+        grads = [(slot, slot.param.grad) for slot in self.slots if slot.param.grad is not None]
+        if not grads:
+            return None
+        out = torch.zeros_like(self.flat_param.data)
+        for slot, grad in grads:
+            lo, hi = self.local_range(slot)
+            out[lo:hi] = grad.reshape(-1)
+        return out

@@ -1,0 +1,56 @@
+"""The one place the harness touches torch's internal threaded process group.
+
+torch ships ``torch.testing._internal.distributed.multi_threaded_pg``: a
+``ProcessGroup`` whose ranks are threads of one process (backend name
+``"threaded"``), plus a thread-local replacement for c10d's global world so
+each thread has its own default group. It is internal API, so everything the
+harness relies on is used only through this module and pinned by
+``harness/tests/test_torch_threadlocal.py``:
+
+- ``install()`` swaps in the thread-local world, makes c10d's group-name
+  registry per thread (ranks register the same names) and turns autograd's
+  multithreading off (backward must run on the rank's own thread);
+  ``uninstall()`` undoes both.
+- ``abort()`` wakes every thread blocked in a collective; each raises
+  ``SystemExit`` with :data:`ABORT_TEXT`. ``reset()`` clears that state for
+  the next run.
+- Collectives used by FSDP implementations work on it: all_gather(_single),
+  reduce_scatter(_single), all_reduce (SUM/AVG/MAX/MIN), broadcast, barrier,
+  subgroups and a 2-D DeviceMesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.testing._internal.distributed import multi_threaded_pg as _mtpg
+
+__all__ = ["BACKEND", "ABORT_TEXT", "install", "uninstall", "abort", "reset", "is_abort"]
+
+BACKEND = "threaded"
+ABORT_TEXT = "Test termination event occurs."
+
+
+def install() -> Any:
+    """Thread-local c10d world, thread-isolated group-name registry, autograd multithreading off."""
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    return _mtpg._install_threaded_pg()
+
+
+def uninstall() -> None:
+    _mtpg._uninstall_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+def abort() -> None:
+    """Wake every rank blocked in a threaded collective (they raise SystemExit)."""
+    _mtpg.ProcessLocalGroup.exception_handle(None)
+
+
+def reset() -> None:
+    _mtpg.ProcessLocalGroup.reset()
+
+
+def is_abort(exc: BaseException) -> bool:
+    return isinstance(exc, SystemExit) and str(exc.code) == ABORT_TEXT

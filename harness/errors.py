@@ -1,0 +1,129 @@
+"""What a multi-rank run reports when a rank fails.
+
+[Note: failure attribution]
+The *primary* failure is the rank that went wrong first: it raised, died or
+(at the timeout) had not finished. Ranks that were only waiting for it in a
+collective are *secondary*: listed as ``aborted`` ("aborted after rank 1
+failed"), never blamed. The first line of the message names the primary
+rank and kind, so a one-line CI summary is enough to know where to look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "KINDS",
+    "RankError",
+    "RankFailure",
+    "RankRaised",
+    "RankTimedOut",
+    "RankDied",
+    "InconsistentSkip",
+    "make_failure",
+]
+
+#: ``aborted`` is only ever secondary.
+KINDS = ("raised", "timed_out", "died", "aborted", "skipped")
+
+
+@dataclass
+class RankError:
+    """One rank's failure."""
+
+    rank: int
+    kind: str
+    summary: str
+    traceback: str = ""
+    exitcode: int | None = None
+    signal_name: str | None = None
+    stack: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"RankError.kind must be one of {KINDS}, got {self.kind!r}")
+
+    def headline(self) -> str:
+        if self.kind == "raised":
+            return f"rank {self.rank} raised {self.summary}"
+        if self.kind == "died":
+            how = f"signal {self.signal_name}" if self.signal_name else f"exit code {self.exitcode}"
+            return f"rank {self.rank} died ({how}){': ' + self.summary if self.summary else ''}"
+        if self.kind == "timed_out":
+            return f"rank {self.rank} timed out: {self.summary}"
+        if self.kind == "skipped":
+            return f"rank {self.rank} skipped: {self.summary}"
+        return f"rank {self.rank} aborted: {self.summary}"
+
+    def details(self) -> str:
+        parts = [f"--- {self.headline()}"]
+        if self.traceback:
+            parts.append(self.traceback.rstrip())
+        if self.stack:
+            parts.append(f"stack of rank {self.rank}:\n{self.stack.rstrip()}")
+        return "\n".join(parts)
+
+
+class RankFailure(Exception):
+    """A multi-rank run failed; ``failures[0]`` is the primary failure."""
+
+    def __init__(self, failures: Sequence[RankError], *, world_size: int, mode: str) -> None:
+        if not failures:
+            raise ValueError("RankFailure needs at least one RankError")
+        self.failures = list(failures)
+        self.world_size = world_size
+        self.mode = mode
+        super().__init__(self._message())
+
+    @property
+    def rank(self) -> int:
+        return self.failures[0].rank
+
+    @property
+    def kind(self) -> str:
+        return self.failures[0].kind
+
+    def _message(self) -> str:
+        head = f"{self.failures[0].headline()} (world_size={self.world_size}, mode={self.mode})"
+        others = [f.headline() for f in self.failures[1:]]
+        lines = [head]
+        if others:
+            lines.append("also: " + "; ".join(others))
+        lines += [f.details() for f in self.failures]
+        return "\n".join(lines)
+
+
+class RankRaised(RankFailure):
+    """The primary rank raised an exception."""
+
+
+class RankTimedOut(RankFailure):
+    """The run did not finish within its timeout; every unfinished rank's stack is attached."""
+
+
+class RankDied(RankFailure):
+    """A rank process exited or was killed without reporting."""
+
+
+class InconsistentSkip(RankFailure):
+    """Some ranks skipped and others did not: a case bug, reported as an error."""
+
+
+_BY_KIND: dict[str, type[RankFailure]] = {
+    "raised": RankRaised,
+    "timed_out": RankTimedOut,
+    "died": RankDied,
+    "skipped": InconsistentSkip,
+}
+
+
+def make_failure(failures: Sequence[RankError], *, world_size: int, mode: str) -> RankFailure:
+    """The :class:`RankFailure` subclass matching the primary failure.
+
+    ``failures`` come in the caller's order (arrival order); only aborted ranks
+    are moved last, since they are never the cause.
+    """
+    ordered = sorted(failures, key=lambda f: f.kind == "aborted")
+    cls = _BY_KIND.get(ordered[0].kind, RankFailure)
+    return cls(ordered, world_size=world_size, mode=mode)

@@ -1,0 +1,82 @@
+"""Launched ranks: this process already is one rank of a job (e.g. started by torchrun).
+
+[Note: launched mode]
+``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` and a rendezvous (``MASTER_ADDR``/``MASTER_PORT``). Every
+rank runs the same pytest session, so cases are collected in the same order
+and run in lockstep: each case body runs in-process on the job's default
+group, then all ranks exchange their outcomes over a separate gloo group, so
+every rank reports the same result for the case (and rank 0 writes the
+report). A case declared for another world size is skipped with the reason.
+A rank blocked in a collective because a peer failed is released by the
+backend's timeout (``timeout_s`` of the first case initialises it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.context import RankContext
+from harness.outcome import Outcome, capture, resolve
+from harness.reset import case_scope
+
+__all__ = ["run_launched", "job_env", "ENV_VARS"]
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_control: list[Any] = []
+
+
+def job_env() -> dict[str, int]:
+    """The job's rank layout from the launcher's environment; a clear error when absent."""
+    missing = [name for name in ENV_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"launched mode needs {', '.join(ENV_VARS)} in the environment (missing {missing}); "
+            "start the suite with torchrun, e.g. torchrun --nproc-per-node=2 -m conformance run --launcher torchrun"
+        )
+    env = {name: int(os.environ[name]) for name in ENV_VARS}
+    env["LOCAL_WORLD_SIZE"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+    return env
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _ensure_initialised(timeout_s: float, device: torch.device) -> Any:
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    if not _control:
+        _control.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+    return _control[0]
+
+
+def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any], seed: int, env: Mapping[str, str] | None) -> list[Any]:
+    job = job_env()
+    if world_size != job["WORLD_SIZE"]:
+        raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}")
+    device = _device(job["LOCAL_RANK"])
+    control = _ensure_initialised(max(timeout_s, 60.0), device)
+    ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
+                      local_world_size=job["LOCAL_WORLD_SIZE"], device=device,
+                      backend=dist.get_backend(), mode="launched", seed=seed)
+    try:
+        with case_scope(seed, env):
+            outcome = Outcome(rank=ctx.rank, ok=True, value=fn(ctx, *args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - exchanged with the other ranks below
+        outcome = capture(ctx.rank, exc)
+    outcomes: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(outcomes, outcome, group=control)
+    return resolve(outcomes, world_size=ctx.world_size, mode="launched")

@@ -1,0 +1,232 @@
+"""Process ranks: a pool of spawned rank processes, reused across cases.
+
+[Note: process pool lifecycle]
+A pool is keyed by (world size, backend, device type). Its ranks rendezvous
+once through a ``FileStore`` in the pool's private temporary directory (no
+ports, so concurrent suites never collide) and then run one task after another
+(per-case reset: [Note: per-case reset]). The parent waits on every rank's
+result pipe *and* process sentinel, so a death is seen at once. After any
+failure or timeout the pool is torn down (ranks may be stuck in a collective
+or hold a broken group) and the next case starts a fresh one; nothing
+poisons later cases. Teardown kills survivors and removes the directory;
+ranks also exit on their own if the parent dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from harness._rank_main import RankSetup, Task, rank_main
+from harness.errors import RankError, make_failure
+from harness.outcome import Outcome, resolve
+
+__all__ = ["ProcessPool", "get_pool", "shutdown_pools", "FAILURE_GRACE_S"]
+
+#: After the first rank fails, how long the others get to report before they
+#: are counted as aborted (they are usually blocked in a collective).
+FAILURE_GRACE_S = 1.0
+
+_pools: dict[tuple[int, str, str], ProcessPool] = {}
+
+
+class ProcessPool:
+    """``world_size`` spawned rank processes sharing one default process group."""
+
+    def __init__(self, world_size: int, backend: str, device_type: str) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.device_type = device_type
+        self.tmpdir = tempfile.mkdtemp(prefix="fsdp-harness-")
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        self.closed = False
+        ctx = mp.get_context("spawn")
+        store_path = os.path.join(self.tmpdir, "store")
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe()
+            setup = RankSetup(
+                rank=rank,
+                world_size=world_size,
+                backend=backend,
+                device_type=device_type,
+                store_path=store_path,
+                sys_path=list(sys.path),
+                parent_pid=os.getpid(),
+                stack_path=self._path("stack", rank),
+                crash_path=self._path("crash", rank),
+            )
+            proc = ctx.Process(target=rank_main, args=(setup, child_end), name=f"rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.procs.append(proc)
+
+    def _path(self, what: str, rank: int) -> str:
+        return os.path.join(self.tmpdir, f"{what}.{rank}")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # -- running a task ----------------------------------------------------------
+    def run(self, task: Task, timeout_s: float) -> list[Any]:
+        """Run ``task`` on every rank; per-rank values or a :class:`RankFailure`."""
+        for conn in self.conns:
+            conn.send(task)
+        arrivals, pending = self._collect(timeout_s)
+        outcomes = [a for a in arrivals if isinstance(a, Outcome)]
+        if not pending and len(outcomes) == self.world_size:
+            return resolve(outcomes, world_size=self.world_size, mode="process")
+        errors = [_as_error(a) for a in arrivals if not (isinstance(a, Outcome) and a.ok)]
+        culprits = [e for e in errors if e.kind in ("raised", "died")]
+        stacks = self._dump_stacks(pending)
+        for rank in sorted(pending):
+            if culprits:
+                summary = f"did not finish after rank {culprits[0].rank} failed"
+                errors.append(RankError(rank, "aborted", summary, stack=stacks[rank]))
+            else:
+                errors.append(RankError(rank, "timed_out", f"no result after {timeout_s:g} s", stack=stacks[rank]))
+        raise make_failure(_primary_first(errors), world_size=self.world_size, mode="process")
+
+    def _collect(self, timeout_s: float) -> tuple[list[Outcome | RankError], set[int]]:
+        """Results in arrival order (deaths before results seen in the same wakeup)."""
+        deadline = time.monotonic() + timeout_s
+        first_failure: float | None = None
+        arrivals: list[Outcome | RankError] = []
+        pending = set(range(self.world_size))
+        while pending:
+            now = time.monotonic()
+            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE_S)
+            if now >= limit:
+                break
+            waitables: dict[Any, int] = {}
+            for rank in pending:
+                waitables[self.conns[rank]] = rank
+                waitables[self.procs[rank].sentinel] = rank
+            batch: list[Outcome | RankError] = []
+            for ready in wait(list(waitables), timeout=limit - now):
+                rank = waitables[ready]
+                if rank not in pending:
+                    continue
+                pending.discard(rank)
+                outcome = self._receive(rank)
+                batch.append(self._death(rank) if outcome is None else outcome)
+            batch.sort(key=lambda a: not isinstance(a, RankError))
+            arrivals += batch
+            if first_failure is None and any(_is_failure(a) for a in batch):
+                first_failure = time.monotonic()
+        return arrivals, pending
+
+    def _receive(self, rank: int) -> Outcome | None:
+        conn = self.conns[rank]
+        try:
+            if conn.poll():
+                return conn.recv()
+        except (EOFError, OSError):
+            return None
+        return None
+
+    def _death(self, rank: int) -> RankError:
+        proc = self.procs[rank]
+        proc.join(timeout=2.0)
+        code = proc.exitcode
+        signal_name = signal.Signals(-code).name if code is not None and code < 0 else None
+        crash = _read(self._path("crash", rank))
+        return RankError(rank, "died", "process exited without reporting a result", exitcode=code,
+                         signal_name=signal_name, stack=crash)
+
+    def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
+        for rank in ranks:
+            if self.procs[rank].is_alive():
+                try:
+                    os.kill(self.procs[rank].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.3 if ranks else 0)
+        return {rank: _read(self._path("stack", rank)) or "(no stack: the process did not respond)" for rank in ranks}
+
+    # -- teardown ---------------------------------------------------------------------
+    def close(self, *, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+            for proc in self.procs:
+                proc.join(timeout=5.0)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _is_failure(arrival: Outcome | RankError) -> bool:
+    return isinstance(arrival, RankError) or (not arrival.ok and not arrival.is_skip)
+
+
+def _as_error(arrival: Outcome | RankError) -> RankError:
+    if isinstance(arrival, RankError):
+        return arrival
+    kind = "skipped" if arrival.is_skip else "raised"
+    summary = f"{arrival.exc_type.rsplit('.', 1)[-1]}: {arrival.message}"
+    return RankError(arrival.rank, kind, summary, traceback=arrival.traceback)
+
+
+def _primary_first(errors: list[RankError]) -> list[RankError]:
+    """Culprits in arrival order, then timeouts, skips and aborted ranks ([Note: failure attribution])."""
+    order = {"raised": 0, "died": 0, "timed_out": 1, "skipped": 2, "aborted": 3}
+    return sorted(errors, key=lambda e: order[e.kind])
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def get_pool(world_size: int, backend: str, device_type: str, *, fresh: bool = False) -> ProcessPool:
+    """The pool for this key, started on first use (or anew with ``fresh``)."""
+    key = (world_size, backend, device_type)
+    pool = _pools.get(key)
+    if pool is not None and (fresh or pool.closed or not all(p.is_alive() for p in pool.procs)):
+        discard_pool(pool)
+        pool = None
+    if pool is None:
+        pool = ProcessPool(world_size, backend, device_type)
+        _pools[key] = pool
+    return pool
+
+
+def discard_pool(pool: ProcessPool, *, graceful: bool = False) -> None:
+    key = (pool.world_size, pool.backend, pool.device_type)
+    if _pools.get(key) is pool:
+        del _pools[key]
+    pool.close(graceful=graceful)
+
+
+def shutdown_pools() -> None:
+    """Stop every pool (also runs at interpreter exit and at the end of a pytest session)."""
+    for pool in list(_pools.values()):
+        discard_pool(pool, graceful=True)
+
+
+atexit.register(shutdown_pools)
