@@ -8,6 +8,9 @@ the same results.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,9 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reporting_rank(ns: argparse.Namespace) -> bool:
+    """Under torchrun every rank runs the session; only rank 0 prints and writes reports."""
+    return ns.launcher != "torchrun" or os.environ.get("RANK", "0") == "0"
+
+
 def _run_args(ns: argparse.Namespace) -> list[str]:
-    args = [str(CASES_DIR), "-q", "--conformance-progress", "-p", "no:cacheprovider",
-            "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    if not _reporting_rank(ns):
+        ns.json = ns.markdown = ns.junitxml = None
+    else:
+        args.append("--conformance-progress")
     for name in ns.impl or ["reference"]:
         args += ["--fsdp-impl", name]
     args += ["--rank-mode", ns.rank_mode]
@@ -74,7 +85,16 @@ def _run(ns: argparse.Namespace) -> int:
             print(f"fsdp-conformance: unknown implementation {name!r}; "
                   f"registered: {', '.join(sorted(registry.registered()))}", file=sys.stderr)
             return 2
-    code = int(pytest.main(_run_args(ns)))
+    if _reporting_rank(ns):
+        code = int(pytest.main(_run_args(ns)))
+    else:
+        # Every rank computes the same outcomes (they are exchanged per case); only
+        # rank 0 prints them. Other ranks stay quiet unless the session itself breaks.
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured):
+            code = int(pytest.main(_run_args(ns)))
+        if code not in (0, 1):
+            print(captured.getvalue()[-4000:], file=sys.stderr)
     if code == int(pytest.ExitCode.NO_TESTS_COLLECTED):
         print("fsdp-conformance: no case matched the selection", file=sys.stderr)
     return code
@@ -107,12 +127,17 @@ def _list(ns: argparse.Namespace) -> int:
     args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider"]
     if ns.keyword:
         args += ["-k", ns.keyword]
-    code = int(pytest.main(args, plugins=[lister]))
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        code = int(pytest.main(args, plugins=[lister]))
+    if code not in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)):
+        print(captured.getvalue())
+        return code
     width = max((len(case_id) for case_id, _ in lister.rows), default=0)
     for case_id, needs in lister.rows:
         print(f"{case_id.ljust(width)}  {needs}")
     print(f"{len(lister.rows)} cases")
-    return 0 if code in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)) else code
+    return 0
 
 
 def _impls(_: argparse.Namespace) -> int:

@@ -69,6 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "conformance(spec): a conformance case (added by conformance.case)"
     )
     config.stash[RESULTS_KEY] = []
+    selected_impls(config)  # a bad --fsdp-impl is a usage error before collection
 
 
 def selected_impls(config: pytest.Config) -> list[str]:
@@ -149,7 +150,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         excinfo = call.excinfo
         not_app = excinfo is not None and isinstance(excinfo.value, NotApplicable)
         state.outcome = "n/a" if not_app else "skip"
-        state.reason = _skip_reason(report)
+        message = getattr(excinfo.value, "msg", None) if excinfo is not None else None
+        state.reason = str(message) if message else _skip_reason(report)
     return report
 
 

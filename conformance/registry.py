@@ -9,6 +9,7 @@ from a source tree whose metadata predates an adapter.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -17,6 +18,7 @@ from conformance.adapters.base import FSDPAdapter
 __all__ = ["ENTRY_POINT_GROUP", "BUILTIN", "UnknownAdapter", "AdapterEntry", "registered", "load"]
 
 ENTRY_POINT_GROUP = "fsdp_conformance.adapters"
+ENV_VAR = "FSDP_CONFORMANCE_ADAPTERS"
 
 BUILTIN: dict[str, str] = {
     "reference": "conformance.adapters.reference:ReferenceAdapter",
@@ -36,10 +38,20 @@ class AdapterEntry:
 
 
 def registered() -> dict[str, AdapterEntry]:
-    """Every adapter name -> entry, built-ins first, then third parties by name."""
+    """Every adapter name -> entry: built-ins, entry points, then :data:`ENV_VAR` entries.
+
+    ``FSDP_CONFORMANCE_ADAPTERS="name=module:Class,other=pkg.mod:Cls"`` registers
+    adapters without packaging (handy while writing one); a malformed entry is
+    an error naming the variable.
+    """
     found = {name: AdapterEntry(name, target) for name, target in BUILTIN.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found[ep.name] = AdapterEntry(ep.name, ep.value)
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV_VAR, "").split(","))):
+        name, _, target = item.partition("=")
+        if not name or ":" not in target:
+            raise ValueError(f"{ENV_VAR}: expected name=module:Class entries, got {item!r}")
+        found[name.strip()] = AdapterEntry(name.strip(), target.strip())
     return found
 
 

@@ -62,7 +62,9 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> Pending:
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
+) -> Pending:
     """Gather equal ``shard`` pieces from every rank of ``group`` into ``output`` (rank order)."""
     if output.numel() != shard.numel() * group_size(group):
         raise ValueError(
@@ -73,7 +75,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return Pending(fn(output, shard, group=group, async_op=True), output)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> Pending:
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None
+) -> Pending:
     """SUM ``full`` over ``group`` and leave this rank's contiguous piece in ``output``."""
     if full.numel() != output.numel() * group_size(group):
         raise ValueError(

@@ -53,7 +53,9 @@ class _Warn(enum.Enum):
 class ExecOrderData:
     """Shared by every unit of one root: the recorded order and the checking state."""
 
-    def __init__(self, units: list[FullyShardedDataParallel], group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, units: list[FullyShardedDataParallel], group: dist.ProcessGroup | None
+    ) -> None:
         self.units = [unit for unit in units if unit._handle is not None]
         self.group = group
         self.rank = dist.get_rank()
@@ -92,7 +94,9 @@ class ExecOrderData:
         """The unit recorded before ``unit`` in forward, i.e. next in backward."""
         return self._neighbour(unit, -1)
 
-    def _neighbour(self, unit: FullyShardedDataParallel, step: int) -> FullyShardedDataParallel | None:
+    def _neighbour(
+        self, unit: FullyShardedDataParallel, step: int
+    ) -> FullyShardedDataParallel | None:
         if self.is_first_iter or unit not in self.forward_order:
             return None
         index = self.forward_order.index(unit) + step
@@ -130,10 +134,16 @@ class ExecOrderData:
         detail = None
         names = self._names(self.units.index(unit))
         if self.current_index >= len(self.forward_order):
-            detail = f"Expected to not all-gather any more parameters in the forward but trying to all-gather parameters for {names}"
+            detail = (
+                "Expected to not all-gather any more parameters in the forward but trying "
+                f"to all-gather parameters for {names}"
+            )
         elif self.forward_order[self.current_index] is not unit:
             expected = self._names(self.units.index(self.forward_order[self.current_index]))
-            detail = f"Expected to all-gather for {expected} but trying to all-gather parameters for {names}"
+            detail = (
+                f"Expected to all-gather for {expected} but trying to all-gather "
+                f"parameters for {names}"
+            )
         if detail is not None:
             warnings.warn(
                 f"Forward order differs from that of the first iteration on rank {self.rank}. "

@@ -105,23 +105,31 @@ class FlatParamHandle:
         self._pending: collectives.Pending | None = None
         self._hook_registered = False
         self.flat_param = self._build_flat_param()
-        self.full = torch.empty(self.padded_numel, dtype=self.flat_param.dtype, device=compute_device)
+        self.full = torch.empty(
+            self.padded_numel, dtype=self.flat_param.dtype, device=compute_device
+        )
         self._free_storage()
         if use_orig_params:
             self.install_sharded_params()
         else:
-            for slot in self.slots:
-                for module, name in slot.registrations:
-                    module._parameters.pop(name, None)
+            # Stale views (storage freed) keep attribute access and repr working between uses.
+            self._alloc_storage()
+            with torch.no_grad():
+                self.install_unsharded_views()
+            self._free_storage()
 
     # -- construction ---------------------------------------------------------------
     @staticmethod
-    def _build_slots(named_params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[ParamSlot]:
+    def _build_slots(
+        named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
+    ) -> list[ParamSlot]:
         slots: dict[int, ParamSlot] = {}
         offset = 0
         dtypes = {param.dtype for _, _, _, param in named_params}
         if len(dtypes) > 1:
-            raise ValueError(f"one unit's parameters must share a dtype, got {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"one unit's parameters must share a dtype, got {sorted(map(str, dtypes))}"
+            )
         for fqn, module, name, param in named_params:
             slot = slots.get(id(param))
             if slot is None:
@@ -151,14 +159,6 @@ class FlatParamHandle:
 
     # -- introspection -------------------------------------------------------------------
     @property
-    def local_shard(self) -> torch.Tensor:
-        """This rank's shard of the flat parameter (the storage kept between uses)."""
-        return self.flat_param.data if not self._in_summon else self._shard_backup
-
-    _in_summon = False
-    _shard_backup: torch.Tensor
-
-    @property
     def is_resharded(self) -> bool:
         """Unsharded storage freed and nothing outstanding: only the local shard exists."""
         return self.state is ShardedState.SHARDED and self.full.untyped_storage().size() == 0
@@ -169,7 +169,7 @@ class FlatParamHandle:
         return self.flat_param.requires_grad
 
     def local_range(self, slot: ParamSlot) -> tuple[int, int]:
-        """``slot``'s piece of the local shard as ``[lo, hi)`` shard offsets (``lo == hi``: none)."""
+        """``slot``'s piece of the local shard as ``[lo, hi)`` offsets (empty: ``lo == hi``)."""
         start = self.shard_rank * self.shard_numel
         lo = max(slot.offset, start)
         hi = min(slot.offset + slot.numel, start + self.shard_numel)
@@ -283,18 +283,25 @@ class FlatParamHandle:
             param = self.flat_param
             param.grad = grad if param.grad is None else param.grad.add_(grad)
             return
+        # Existing per-parameter grads (None after zero_grad) are folded in, then every
+        # original parameter's .grad becomes a view of one shard-sized flat gradient.
+        previous = self.sharded_grad()
+        total = grad if previous is None else previous.add_(grad)
+        self.flat_param.grad = total
         for slot in self.slots:
             lo, hi = self.local_range(slot)
-            if hi == lo or not slot.param.requires_grad:
-                continue
-            piece = self.sharded_view(slot, grad)
-            slot.param.grad = piece.clone() if slot.param.grad is None else slot.param.grad.add_(piece)
+            if slot.param.requires_grad:  # empty pieces too, so every rank has optimizer state
+                slot.param.grad = self.sharded_view(slot, total)
 
     def sharded_grad(self) -> torch.Tensor | None:
         """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""
         if not self.use_orig_params:
             return self.flat_param.grad
-        grads = [(slot, slot.param.grad) for slot in self.slots if slot.param.grad is not None]
+        grads = [
+            (s, s.param.grad)
+            for s in self.slots
+            if s.param.grad is not None and s.param.grad.numel()
+        ]
         if not grads:
             return None
         out = torch.zeros_like(self.flat_param.data)

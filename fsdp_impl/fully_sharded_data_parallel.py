@@ -36,11 +36,17 @@ __all__ = ["FullyShardedDataParallel", "FSDP_WRAPPED_MODULE"]
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 
 
-def _check_type(name: str, value: Any, expected: type | tuple[type, ...], allow_none: bool = True) -> None:
+def _check_type(
+    name: str, value: Any, expected: type | tuple[type, ...], allow_none: bool = True
+) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, expected):
-        names = expected.__name__ if isinstance(expected, type) else " or ".join(t.__name__ for t in expected)
+        names = (
+            expected.__name__
+            if isinstance(expected, type)
+            else " or ".join(t.__name__ for t in expected)
+        )
         raise TypeError(f"{name} must be {names}{' or None' if allow_none else ''}, got {value!r}")
 
 
@@ -71,14 +77,19 @@ class FullyShardedDataParallel(nn.Module):
         _check_type("backward_prefetch", backward_prefetch, BackwardPrefetch)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             warnings.warn(
-                f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
+                "FSDP will not all-gather parameters for containers that do not "
+                f"implement forward: {module}",
                 stacklevel=2,
             )
         ignored = init.collect_ignored(module, ignored_modules)
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        groups = init.resolve_groups(process_group, strategy, device_mesh, auto_wrap_policy is not None)
-        self.sharding_strategy = init.effective_strategy(sharding_strategy, groups)
         device = init.resolve_device_id(device_id)
+        if auto_wrap_policy is not None:
+            wrap.check_policy(auto_wrap_policy)
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        groups = init.resolve_groups(
+            process_group, strategy, device_mesh, auto_wrap_policy is not None
+        )
+        self.sharding_strategy = init.effective_strategy(sharding_strategy, groups)
         self.cpu_offload = cpu_offload or CPUOffload()
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = bool(forward_prefetch)
@@ -100,7 +111,9 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_modules=list(ignored),
                 param_init_fn=param_init_fn,
             )
-            wrap.auto_wrap(module, auto_wrap_policy, ignored, lambda m: type(self)(m, **child_kwargs))
+            wrap.auto_wrap(
+                module, auto_wrap_policy, ignored, lambda m: type(self)(m, **child_kwargs)
+            )
         self._fsdp_wrapped_module = module
         self.compute_device = init.place_module(module, ignored, device, param_init_fn)
         params, buffers = init.managed_tensors(module, ignored)
@@ -112,8 +125,10 @@ class FullyShardedDataParallel(nn.Module):
         self._root_state: unit.RootState | None = None
         self._fqn_prefix = ""
         self._ran_pre_backward = False
+        self._backward_task = -1
         self.training_state = TrainingState.IDLE
         self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._saved_flat_grad: torch.Tensor | None = None
 
     # -- construction helpers ---------------------------------------------------------------
     def _set_groups(self, groups: init.Groups) -> None:
@@ -132,7 +147,9 @@ class FullyShardedDataParallel(nn.Module):
             self._shard_rank = collectives.group_rank(groups.shard)
         self._dp_world_size = self._shard_size * unit.replicate_world(self._replicate_group)
 
-    def _check_not_shared_with_nested(self, params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> None:
+    def _check_not_shared_with_nested(
+        self, params: list[tuple[str, nn.Module, str, nn.Parameter]]
+    ) -> None:
         nested: dict[int, str] = {}
         for fqn, sub in self._fsdp_wrapped_module.named_modules():
             if isinstance(sub, FullyShardedDataParallel) and sub._handle is not None:
@@ -140,11 +157,14 @@ class FullyShardedDataParallel(nn.Module):
         for fqn, _, _, param in params:
             if id(param) in nested:
                 raise ValueError(
-                    f"parameter {fqn!r} is shared with nested unit parameter {nested[id(param)]!r}; "
+                    f"parameter {fqn!r} is shared with nested unit parameter "
+                    f"{nested[id(param)]!r}; "
                     "shared parameters must belong to one unit (wrap their common ancestor instead)"
                 )
 
-    def _build_handle(self, params: list[tuple[str, nn.Module, str, nn.Parameter]]) -> FlatParamHandle | None:
+    def _build_handle(
+        self, params: list[tuple[str, nn.Module, str, nn.Parameter]]
+    ) -> FlatParamHandle | None:
         if not params:
             return None
         handle = FlatParamHandle(
@@ -166,7 +186,9 @@ class FullyShardedDataParallel(nn.Module):
         if handle is None:
             return
         if not self._use_orig_params and hasattr(handle.flat_param, "_in_backward_optimizers"):
-            raise RuntimeError("FSDP optimizer in backward only supported with use_orig_params=True!")
+            raise RuntimeError(
+                "FSDP optimizer in backward only supported with use_orig_params=True!"
+            )
         device = handle.flat_param.device
         if handle.offload_params and device.type != "cpu":
             raise RuntimeError(
@@ -175,7 +197,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         if not handle.offload_params and device != self.compute_device:
             raise RuntimeError(
-                f"An FSDP-managed module unexpectedly has parameters on {device}. Make sure to move "
+                f"An FSDP-managed module unexpectedly has parameters on {device}. "
+                f"Make sure to move "
                 f"the module to {self.compute_device} before training."
             )
 
@@ -200,6 +223,24 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return unit.run_forward(self, args, kwargs)
 
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> Any:
+        """Root call: the layout chosen by ``state_dict_type``; nested calls: plain recursion."""
+        from fsdp_impl import state_dict
+
+        if prefix or destination is not None or args:
+            return super().state_dict(
+                *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
+        return state_dict.model_state_dict(self, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load the output of :meth:`state_dict` for the current ``state_dict_type``."""
+        from fsdp_impl import state_dict as sd
+
+        return sd.load_model_state_dict(self, state_dict, strict=strict)
+
     # -- introspection (see README: "Introspection") ------------------------------------------
     @property
     def flat_param(self) -> nn.Parameter | None:
@@ -213,12 +254,23 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def shard_info(self) -> dict[str, int]:
-        """``numel`` (unpadded), ``padded_numel``, ``shard_numel``, ``shard_size``, ``shard_rank``."""
+        """Flat sizes: ``numel``, ``padded_numel``, ``shard_numel``; ``shard_size``/``_rank``."""
         h = self._handle
         if h is None:
-            return {"numel": 0, "padded_numel": 0, "shard_numel": 0, "shard_size": self._shard_size, "shard_rank": self._shard_rank}
-        return {"numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
-                "shard_size": h.shard_size, "shard_rank": h.shard_rank}
+            return {
+                "numel": 0,
+                "padded_numel": 0,
+                "shard_numel": 0,
+                "shard_size": self._shard_size,
+                "shard_rank": self._shard_rank,
+            }
+        return {
+            "numel": h.numel,
+            "padded_numel": h.padded_numel,
+            "shard_numel": h.shard_numel,
+            "shard_size": h.shard_size,
+            "shard_rank": h.shard_rank,
+        }
 
     # -- public static API -------------------------------------------------------------------
     @staticmethod
@@ -227,23 +279,45 @@ class FullyShardedDataParallel(nn.Module):
         units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
             return units
-        inner = {id(m) for u in units for m in u.modules() if m is not u and isinstance(m, FullyShardedDataParallel)}
+        inner = {
+            id(m)
+            for u in units
+            for m in u.modules()
+            if m is not u and isinstance(m, FullyShardedDataParallel)
+        }
         return [u for u in units if id(u) not in inner]
 
     @staticmethod
     def summon_full_params(
-        module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-        offload_to_cpu: bool = False, with_grads: bool = False,
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
         """Expose full parameters inside the context (see :mod:`fsdp_impl.state_dict`)."""
         from fsdp_impl import state_dict
 
+        unsupported = {
+            "recurse": not recurse,
+            "rank0_only": rank0_only,
+            "offload_to_cpu": offload_to_cpu,
+        }
+        if any(unsupported.values()):
+            raise NotImplementedError(
+                f"summon_full_params supports only recurse=True, rank0_only=False, "
+                f"offload_to_cpu=False; got recurse={recurse}, rank0_only={rank0_only}, "
+                f"offload_to_cpu={offload_to_cpu}"
+            )
         return state_dict.summon_full_params(module, writeback=writeback, with_grads=with_grads)
 
     @staticmethod
     @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type: StateDictType) -> Generator[None, None, None]:
-        """Make ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type`` inside the context."""
+    def state_dict_type(
+        module: nn.Module, state_dict_type: StateDictType
+    ) -> Generator[None, None, None]:
+        """Make ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type`` inside."""
         _check_type("state_dict_type", state_dict_type, StateDictType, allow_none=False)
         units = FullyShardedDataParallel.fsdp_modules(module)
         previous = [u._state_dict_type for u in units]
@@ -263,7 +337,9 @@ class FullyShardedDataParallel(nn.Module):
         return state_dict.optim_state_dict(model, optim)
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
         """Convert :meth:`optim_state_dict` output back to what ``optim.load_state_dict`` takes."""
         from fsdp_impl import state_dict
 

@@ -59,21 +59,28 @@ def resolve_groups(
             raise ValueError(f"{strategy} expects a 1-D device_mesh, got ndim={device_mesh.ndim}")
         return Groups(device_mesh.get_group(0), None)
     if isinstance(process_group, tuple):
-        raise ValueError(f"a (shard, replicate) process_group tuple needs a hybrid strategy, got {strategy}")
+        raise ValueError(
+            f"a (shard, replicate) process_group tuple needs a hybrid strategy, got {strategy}"
+        )
     group = process_group if process_group is not None else dist.group.WORLD
     return Groups(group, None)
 
 
-def _hybrid_groups(process_group: Any, strategy: ShardingStrategy, mesh: Any, auto_wrapping: bool) -> Groups:
+def _hybrid_groups(
+    process_group: Any, strategy: ShardingStrategy, mesh: Any, auto_wrapping: bool
+) -> Groups:
     if process_group is None and mesh is None:
         if not auto_wrapping:
             raise ValueError(
-                f"Manual wrapping with {strategy} requires explicit specification of process group or device_mesh."
+                f"Manual wrapping with {strategy} "
+                "requires explicit specification of process group or device_mesh."
             )
         return _auto_hybrid_groups(ranks_per_node())
     if mesh is not None:
         if mesh.ndim != 2:
-            raise ValueError(f"{strategy} expects a 2-D (replicate, shard) device_mesh, got ndim={mesh.ndim}")
+            raise ValueError(
+                f"{strategy} expects a 2-D (replicate, shard) device_mesh, got ndim={mesh.ndim}"
+            )
         return Groups(mesh.get_group(1), mesh.get_group(0))
     if not (isinstance(process_group, tuple) and len(process_group) == 2):
         raise ValueError(
@@ -81,9 +88,15 @@ def _hybrid_groups(process_group: Any, strategy: ShardingStrategy, mesh: Any, au
             f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
         )
     shard, replicate = process_group
-    s, r, w = collectives.group_size(shard), collectives.group_size(replicate), dist.get_world_size()
+    s, r, w = (
+        collectives.group_size(shard),
+        collectives.group_size(replicate),
+        dist.get_world_size(),
+    )
     if s * r != w:
-        raise ValueError(f"hybrid process_group sizes: shard({s}) * replicate({r}) != world_size({w})")
+        raise ValueError(
+            f"hybrid process_group sizes: shard({s}) * replicate({r}) != world_size({w})"
+        )
     return Groups(shard, replicate)
 
 
@@ -217,14 +230,17 @@ def place_module(
     devices = {param.device for _, _, _, param in params}
     cpu = torch.device("cpu")
     if len(devices) == 2 and cpu in devices and device is None:
-        raise RuntimeError("To support a module with both CPU and GPU params, please pass in device_id argument.")
+        raise RuntimeError(
+            "To support a module with both CPU and GPU params, please pass in device_id argument."
+        )
     if len(devices - {cpu}) > 1 or (len(devices) > 1 and cpu not in devices):
         raise RuntimeError(f"FSDP only supports single device modules but got params on {devices}")
     on_device = next((d for d in devices if d.type != "cpu"), None)
     if device is not None:
         if on_device is not None and device.type != "cpu" and on_device != device:
             raise ValueError(
-                f"Inconsistent compute device and `device_id` on rank {dist.get_rank()}: {on_device} vs {device}"
+                "Inconsistent compute device and `device_id` on rank "
+                f"{dist.get_rank()}: {on_device} vs {device}"
             )
         _move(params, buffers, device)
         return device
@@ -232,7 +248,8 @@ def place_module(
         return on_device
     if torch.cuda.is_available():
         warnings.warn(
-            "The passed-in `module` is on CPU and will thus have FSDP's sharding initialization run "
+            "The passed-in `module` is on CPU and will thus have FSDP's sharding "
+            "initialization run "
             "on CPU, which may be slower than on GPU. We recommend passing in the `device_id` "
             "argument for FSDP to move `module` to GPU for the sharding initialization.",
             stacklevel=4,
@@ -249,13 +266,20 @@ def _materialize(
     device: torch.device | None,
     param_init_fn: Callable[[nn.Module], None] | None,
 ) -> None:
-    owners = [m for _, m, _, p in params if p.is_meta] + [m for m, n in buffers if m._buffers[n].is_meta]
+    meta_buffers = [m for m, n in buffers if (b := m._buffers[n]) is not None and b.is_meta]
+    owners = [m for _, m, _, p in params if p.is_meta] + meta_buffers
     if not owners:
         return
     if param_init_fn is not None:
-        param_init_fn(root)
+        # Called per module that owns meta tensors (never on ignored modules), as torch does.
+        for module in dict.fromkeys(owners):
+            param_init_fn(module)
         return
-    target = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    target = device or (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     for module in dict.fromkeys(owners):
         module.to_empty(device=target, recurse=False)
         reset = getattr(module, "reset_parameters", None)
@@ -264,7 +288,11 @@ def _materialize(
                 reset()
 
 
-def _move(params: list[tuple[str, nn.Module, str, nn.Parameter]], buffers: list[tuple[nn.Module, str]], device: torch.device) -> None:
+def _move(
+    params: list[tuple[str, nn.Module, str, nn.Parameter]],
+    buffers: list[tuple[nn.Module, str]],
+    device: torch.device,
+) -> None:
     with torch.no_grad():
         for _, _, _, param in params:
             if param.device != device:
@@ -282,10 +310,12 @@ def sync_module_states(
     compute_device: torch.device,
 ) -> None:
     """Broadcast global rank 0's managed params and buffers (over shard, then replicate group)."""
-    tensors = [param.detach() for _, _, _, param in params] + [m._buffers[n] for m, n in buffers]
+    tensors = [param.detach() for _, _, _, param in params]
+    tensors += [b for m, n in buffers if (b := m._buffers[n]) is not None]
     if compute_device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
         raise ValueError(
-            "The module has CPU parameters or buffers when `sync_module_states=True`, which requires "
+            "The module has CPU parameters or buffers when `sync_module_states=True`, "
+            "which requires "
             "them to be on GPU. Please specify the `device_id` argument or move the module to GPU "
             "before passing it to FSDP."
         )
@@ -293,6 +323,6 @@ def sync_module_states(
         if group is None or collectives.group_size(group) == 1:
             continue
         src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
-        pending = [collectives.broadcast(t, src, group) for t in tensors if t is not None]
+        pending = [collectives.broadcast(t, src, group) for t in tensors]
         for item in pending:
             item.wait()

@@ -115,7 +115,9 @@ def run_forward(unit: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree)
+    return tree_map(
+        lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree
+    )
 
 
 def _pre_forward(unit: FSDP, state: RootState, recompute: bool) -> None:
@@ -177,10 +179,13 @@ def _pre_backward_hook(unit: FSDP, grad: torch.Tensor) -> None:
     assert state is not None
     if not state.callback_queued:
         state.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_final_callback, state))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_final_callback, state)
+        )
     if unit._ran_pre_backward:
         return
     unit._ran_pre_backward = True
+    unit._backward_task = torch._C._current_graph_task_id()
     unit.training_state = TrainingState.BACKWARD_PRE
     handle = unit._handle
     if handle is None:
@@ -208,6 +213,11 @@ def _post_backward_hook(unit: FSDP, full: torch.Tensor) -> None:
     unit.training_state = TrainingState.BACKWARD_POST
     _advance_reductions(state)
     state.reductions.append(_issue_reduction(unit, grad))
+    if torch._C._current_graph_task_id() != unit._backward_task and unit._ran_pre_backward:
+        # A reentrant checkpoint inside this unit runs its own (nested) backward: more of
+        # this unit's gradient may arrive in the outer backward, which still needs the
+        # parameters. Reductions of the pieces add up; the final callback reshards.
+        return
     handle.reshard()
     if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, state.exec_order.next_backward(unit), unit.limit_all_gathers)
@@ -218,7 +228,9 @@ def _issue_reduction(unit: FSDP, grad: torch.Tensor) -> _Reduction:
     assert handle is not None
     if handle.shard_size > 1:
         out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        return _Reduction(unit, collectives.reduce_scatter(out, grad, handle.shard_group), "reduce_scatter")
+        return _Reduction(
+            unit, collectives.reduce_scatter(out, grad, handle.shard_group), "reduce_scatter"
+        )
     return _start_all_reduce(unit, grad)
 
 
@@ -258,6 +270,7 @@ def _final_callback(state: RootState) -> None:
         elif unit._handle is not None and unit._handle.use_orig_params:
             unit._handle.install_sharded_params()
         unit._ran_pre_backward = False
+        unit._backward_task = -1
         unit.training_state = TrainingState.IDLE
     state.prefetched.clear()
     state.exec_order.next_iter()
@@ -265,4 +278,5 @@ def _final_callback(state: RootState) -> None:
 
 
 def replicate_world(group: dist.ProcessGroup | None) -> int:
+    """Size of the replicate group (1 when a unit has none)."""
     return 1 if group is None else collectives.group_size(group)

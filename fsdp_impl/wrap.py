@@ -25,7 +25,9 @@ __all__ = [
 Policy = Callable[..., bool]
 
 
-def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any) -> bool:
+def always_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any
+) -> bool:
     """Every submodule becomes a unit."""
     return True
 
@@ -59,14 +61,17 @@ class ModuleWrapPolicy:
                 raise TypeError(f"ModuleWrapPolicy expects nn.Module subclasses, got {cls!r}")
         self._module_classes = classes
 
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any) -> bool:
+    def __call__(
+        self, module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs: Any
+    ) -> bool:
         return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, self._module_classes)
 
     def __repr__(self) -> str:
         return f"ModuleWrapPolicy({[cls.__name__ for cls in self._module_classes]})"
 
 
-def _check_policy(policy: Any) -> Policy:
+def check_policy(policy: Any) -> Policy:
+    """``policy`` if it is usable as an auto-wrap policy, else a TypeError naming it."""
     if isinstance(policy, ModuleWrapPolicy) or callable(policy):
         return policy
     raise TypeError(f"auto_wrap_policy must be a ModuleWrapPolicy or a callable, got {policy!r}")
@@ -79,7 +84,7 @@ def auto_wrap(
     make_unit: Callable[[nn.Module], nn.Module],
 ) -> None:
     """Replace, in post-order, every strict descendant of ``root`` the policy selects."""
-    policy = _check_policy(policy)
+    policy = check_policy(policy)
     _wrap_children(root, policy, ignored, make_unit)
 
 
@@ -89,7 +94,10 @@ def _is_container(module: nn.Module) -> bool:
 
 
 def _wrap_children(
-    module: nn.Module, policy: Policy, ignored: set[nn.Module], make_unit: Callable[[nn.Module], nn.Module]
+    module: nn.Module,
+    policy: Policy,
+    ignored: set[nn.Module],
+    make_unit: Callable[[nn.Module], nn.Module],
 ) -> int:
     """Wrap selected descendants of ``module``; return the numel left unwrapped below it."""
     from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
@@ -102,7 +110,9 @@ def _wrap_children(
             remaining += _numel(child, ignored)
             continue
         child_remaining = _wrap_children(child, policy, ignored, make_unit)
-        if not _is_container(child) and policy(module=child, recurse=False, nonwrapped_numel=child_remaining):
+        if not _is_container(child) and policy(
+            module=child, recurse=False, nonwrapped_numel=child_remaining
+        ):
             module._modules[name] = make_unit(child)
         else:
             remaining += child_remaining
@@ -110,11 +120,14 @@ def _wrap_children(
 
 
 def _numel(module: nn.Module, ignored: set[nn.Module]) -> int:
+    """Parameters under ``module`` not already owned by a unit or ignored."""
     from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
 
-    total = 0
-    for sub in module.modules():
+    total, stack = 0, [module]
+    while stack:
+        sub = stack.pop()
         if sub in ignored or isinstance(sub, FullyShardedDataParallel):
             continue
         total += sum(p.numel() for p in sub.parameters(recurse=False))
+        stack.extend(child for child in sub.children())
     return total

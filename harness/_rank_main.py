@@ -55,7 +55,9 @@ def resolve_fn(fn_ref: tuple[str, str]) -> Any:
 def _watch_parent(parent_pid: int) -> None:
     """Exit when the parent is gone (e.g. SIGKILLed), so no rank outlives its run."""
     while True:
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)  # the parent may not be our direct parent (forkserver)
+        except ProcessLookupError:
             os._exit(1)
         time.sleep(0.5)
 

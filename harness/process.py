@@ -33,7 +33,19 @@ __all__ = ["ProcessPool", "get_pool", "shutdown_pools", "FAILURE_GRACE_S"]
 
 #: After the first rank fails, how long the others get to report before they
 #: are counted as aborted (they are usually blocked in a collective).
-FAILURE_GRACE_S = 1.0
+FAILURE_GRACE_S = 0.5
+
+# [Note: process start]
+# Rank processes never inherit the test process's state: they come from
+# multiprocessing's *forkserver*, a separately spawned, single-threaded server
+# that has imported torch once and forks a clean child per rank. Children get
+# spawn's isolation (no CUDA context, no threads, no test state from the
+# parent) without paying torch's import on every start, which matters because
+# a pool is replaced after every failure. FSDP_HARNESS_START_METHOD=spawn
+# selects plain spawn.
+START_METHOD = os.environ.get("FSDP_HARNESS_START_METHOD", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"FSDP_HARNESS_START_METHOD must be forkserver or spawn, got {START_METHOD!r}")
 
 _pools: dict[tuple[int, str, str], ProcessPool] = {}
 
@@ -49,7 +61,7 @@ class ProcessPool:
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.closed = False
-        ctx = mp.get_context("spawn")
+        ctx = _mp_context()
         store_path = os.path.join(self.tmpdir, "store")
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
@@ -175,6 +187,14 @@ class ProcessPool:
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _mp_context() -> Any:
+    """A forkserver context whose server has torch imported ([Note: process start])."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "harness._rank_main"])
+    return ctx
 
 
 def _is_failure(arrival: Outcome | RankError) -> bool:

@@ -153,24 +153,29 @@ def patch_collectives(interceptor: Interceptor, *, barrier: bool = True) -> Iter
     With ``barrier`` (the default) every rank must enter and leave together:
     the swap sits between barriers ([Note: collective patching]).
     """
+    ident = threading.get_ident()
     if barrier:
         dist.barrier()
     _install()
-    _by_thread[threading.get_ident()] = interceptor
-    if barrier:
-        dist.barrier()
+    _by_thread[ident] = interceptor
+    clean_exit = False
     try:
+        if barrier:
+            dist.barrier()
         yield
+        if barrier:
+            dist.barrier()
+        clean_exit = True
     finally:
-        if barrier:
-            dist.barrier()
-        _by_thread.pop(threading.get_ident(), None)
+        # Always unpatch this rank, even if the block failed; only a clean exit
+        # synchronises with the other ranks (after a failure they may never arrive).
+        _by_thread.pop(ident, None)
         _uninstall()
-        if barrier:
-            dist.barrier()
+    if clean_exit and barrier:
+        dist.barrier()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fn)
 

@@ -58,14 +58,17 @@ def process_global_scope(env: Mapping[str, str] | None) -> Iterator[None]:
 
 
 def _restore_attrs(module: Any, saved: dict[str, Any]) -> None:
-    """Put back every attribute that existed before and was replaced.
+    """Put back every function or class that existed before and was replaced.
 
-    New attributes are left alone: importing a submodule during a case (e.g.
+    Only callables are restored: monkeypatches replace functions, while data
+    attributes are c10d's own bookkeeping (``_group_count`` must keep
+    counting, or a new group would reuse an old group's store keys). New
+    attributes are left alone: importing a submodule during a case (e.g.
     ``torch.distributed._functional_collectives``) legitimately adds one.
     """
     current = vars(module)
     for name, value in saved.items():
-        if current.get(name, _MISSING) is not value:
+        if callable(value) and current.get(name, _MISSING) is not value:
             setattr(module, name, value)
 
 

@@ -1,0 +1,122 @@
+"""Deliberately broken variants of the reference, to prove that cases can fail.
+
+Each mutant is the reference adapter with exactly one behaviour broken. The
+suite's own tests (``conformance/tests/test_mutants.py``) run the matching
+cases against each mutant and assert they report FAIL: a case that passes
+against a mutant it should catch is not testing what it claims.
+
+Mutants patch ``fsdp_impl`` in the process they run in, so they are only ever
+run in a separate pytest session (never next to the real reference). Register
+them with ``FSDP_CONFORMANCE_ADAPTERS="name=conformance.mutants:Class,..."``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from conformance.adapters.base import WrapSpec
+from conformance.adapters.reference import ReferenceAdapter
+
+__all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBackward",
+           "NoSyncModuleStates", "NoExecOrderCheck"]
+
+
+class _Mutant(ReferenceAdapter):
+    breaks = ""
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        self._patch_globally()
+        model = super().wrap(module, self._mutate_spec(spec))
+        for unit in self._api().FullyShardedDataParallel.fsdp_modules(model):
+            self._mutate_unit(unit)
+        return model
+
+    def _patch_globally(self) -> None:
+        """Module-level patches (idempotent)."""
+
+    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
+        return spec
+
+    def _mutate_unit(self, unit: Any) -> None:
+        """Per-unit breakage."""
+
+
+class NoGradDivide(_Mutant):
+    """Sums gradients across ranks but never divides by the data-parallel world size."""
+
+    name = "mutant-no-grad-divide"
+    breaks = "gradient averaging"
+
+    def _mutate_unit(self, unit: Any) -> None:
+        unit._dp_world_size = 1
+
+
+class WrongReplicateGroup(_Mutant):
+    """Hybrid units all-reduce over the shard group instead of the replicate group."""
+
+    name = "mutant-wrong-replicate-group"
+    breaks = "hybrid replicate all-reduce group"
+
+    def _mutate_unit(self, unit: Any) -> None:
+        if unit._inter_node_pg is not None:
+            unit._replicate_group = unit._shard_group
+            unit._inter_node_pg = unit._shard_group
+
+
+class NoReshardAfterBackward(_Mutant):
+    """The end-of-backward callback leaves units unsharded (e.g. ones whose output was unused)."""
+
+    name = "mutant-no-reshard-after-backward"
+    breaks = "resharding at the end of backward"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.unit as unit_mod
+
+        if getattr(unit_mod, "_mutant_patched", False):
+            return
+        from fsdp_impl.flat_param import FlatParamHandle as handle_cls
+
+        original = unit_mod._final_callback
+
+        def final_callback_without_reshard(state: Any) -> None:
+            reshard = handle_cls.reshard
+            handle_cls.reshard = lambda self: None  # type: ignore[method-assign]
+            try:
+                original(state)
+            finally:
+                handle_cls.reshard = reshard  # type: ignore[method-assign]
+
+        unit_mod._final_callback = final_callback_without_reshard
+        unit_mod._mutant_patched = True
+
+
+class NoSyncModuleStates(_Mutant):
+    """Accepts ``sync_module_states=True`` but never broadcasts rank 0's states."""
+
+    name = "mutant-no-sync-module-states"
+    breaks = "sync_module_states"
+
+    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
+        from dataclasses import replace
+
+        return replace(spec, sync_module_states=False)
+
+
+class NoExecOrderCheck(_Mutant):
+    """Never validates the all-gather order across ranks."""
+
+    name = "mutant-no-exec-order-check"
+    breaks = "execution-order validation"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.exec_order as exec_order
+
+        exec_order.checking_enabled = lambda: False
+
+
+MUTANTS: dict[str, type[_Mutant]] = {
+    cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
+                              NoSyncModuleStates, NoExecOrderCheck)
+}

@@ -1,0 +1,53 @@
+"""Every case fails against a reference with the behaviour it checks broken.
+
+Each mutant (``conformance/mutants.py``) runs in its own pytest session, since
+it patches the reference in-process. The expectation table says which cases a
+mutant must turn into FAIL; a case that still passes is not testing what it
+claims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.cli import CASES_DIR
+from conformance.mutants import MUTANTS
+
+#: mutant -> (pytest -k selection, rank mode, case-id prefixes that must all FAIL)
+EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "mutant-no-exec-order-check": (
+        "invalid_first_iter_order or invalid_later_iter_order", "thread",
+        ("exec_order/invalid_first_iter_order", "exec_order/invalid_later_iter_order"),
+    ),
+}
+
+
+def _run(mutant: str, keyword: str, rank_mode: str, tmp_path: Path) -> list[dict]:
+    report = tmp_path / f"{mutant}.json"
+    env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
+        f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
+    cmd = [sys.executable, "-m", "pytest", str(CASES_DIR), "-q", "-p", "no:cacheprovider",
+           "--fsdp-impl", mutant, "--rank-mode", rank_mode, "-k", keyword, "--conformance-json", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("mutant", sorted(EXPECTED))
+def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
+    keyword, rank_mode, must_fail = EXPECTED[mutant]
+    rows = _run(mutant, keyword, rank_mode, tmp_path)
+    selected = [r for r in rows if r["case"].startswith(must_fail)]
+    assert selected, f"no case matched {must_fail}; the expectation table is stale"
+    missed = [f"{r['case']} ({r['outcome']})" for r in selected if r["outcome"] != "FAIL"]
+    assert not missed, f"{mutant} ({MUTANTS[mutant].breaks}) was not caught by: {missed}"
+
+
+def test_every_mutant_has_an_expectation() -> None:
+    assert set(EXPECTED) <= set(MUTANTS)

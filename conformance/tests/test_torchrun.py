@@ -1,0 +1,43 @@
+"""Launched mode: the suite runs in lockstep on the ranks of a torchrun job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_HAS_TORCHRUN = shutil.which("torchrun") is not None or Path(sys.executable).with_name("torchrun").exists()
+pytestmark = pytest.mark.skipif(not _HAS_TORCHRUN, reason="torchrun is not installed next to this interpreter")
+
+
+def _torchrun() -> str:
+    local = Path(sys.executable).with_name("torchrun")
+    return str(local) if local.exists() else "torchrun"
+
+
+def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--launcher", "torchrun",
+           "--impl", "reference", "-k", "exec_order", "--json", str(report)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(report.read_text())
+    assert len(rows) == 8 and {r["outcome"] for r in rows} == {"pass"}
+    assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {2}
+    assert proc.stdout.count("conformance matrix") == 1, "only rank 0 prints the matrix"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_launched_mode_outside_a_job_explains_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.launched import job_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="launched mode needs RANK, WORLD_SIZE, LOCAL_RANK"):
+        job_env()

@@ -1,0 +1,342 @@
+"""summon_full_params, model state dicts (FULL / SHARDED) and optimizer state dicts.
+
+[Note: state dict formats]
+Keys are always the unwrapped module's names (``_fsdp_wrapped_module.`` removed,
+no ``_flat_param``), for both ``use_orig_params`` settings.
+
+* FULL_STATE_DICT: every original parameter unflattened and unpadded, plus
+  persistent buffers, on every rank (cloned: safe to keep after the call).
+* SHARDED_STATE_DICT: each managed parameter's value is this rank's 1-D piece of
+  the flattened parameter (exactly what ``use_orig_params=True`` exposes while
+  sharded; full shape for a shard group of one); buffers and unmanaged
+  parameters are full. The layout metadata is the model itself: load into a
+  model wrapped the same way on the same world, and ``load_state_dict`` rejects
+  mismatched pieces by shape.
+* ``optim_state_dict`` keys ``state`` by parameter name (FULL: per-parameter
+  tensors in the parameter's shape; SHARDED: local pieces) and lists names in
+  ``param_groups[i]["params"]``. ``optim_state_dict_to_load`` converts back to
+  ``optim.load_state_dict``'s format for this model's optimizer.
+
+Both model directions work by temporarily registering the original parameters
+with ``.data`` pointing at full views (FULL) or local pieces (SHARDED) and then
+using ``nn.Module.state_dict`` / ``load_state_dict`` unchanged, so buffers,
+ignored modules and non-persistent buffers behave exactly as for a plain module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_impl import collectives
+from fsdp_impl.api import StateDictType, TrainingState
+from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _set_param
+
+if TYPE_CHECKING:
+    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+__all__ = [
+    "summon_full_params",
+    "model_state_dict",
+    "load_model_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "clean_fqn",
+]
+
+_WRAPPED = re.compile(r"_fsdp_wrapped_module\.")
+
+
+def clean_fqn(name: str) -> str:
+    """``name`` as the unwrapped module spells it."""
+    return _WRAPPED.sub("", name)
+
+
+def _units(module: nn.Module) -> list[FSDP]:
+    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.fsdp_modules(module)
+
+
+def _check_idle(units: list[FSDP]) -> None:
+    busy = [u.training_state for u in units if u.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(f"summon_full_params / state dicts need idle units, got states {busy}")
+
+
+def _register_orig(unit: FSDP, full: bool) -> None:
+    """Register original params over full views (``full``) or local pieces."""
+    handle = unit._handle
+    assert handle is not None
+    if not handle.use_orig_params:
+        unit._fsdp_wrapped_module._parameters.pop(FLAT_PARAM_NAME, None)
+    shard = handle.flat_param.data
+    for slot, view in zip(
+        handle.slots, handle.unsharded_views() if full else [None] * len(handle.slots), strict=True
+    ):
+        slot.param.data = view.detach() if view is not None else handle.sharded_view(slot, shard)
+        for module, name in slot.registrations:
+            _set_param(module, name, slot.param, unsafe=False)
+
+
+def _unregister_orig(unit: FSDP) -> None:
+    handle = unit._handle
+    assert handle is not None
+    if handle.use_orig_params:
+        handle.install_sharded_params()
+        return
+    for slot in handle.slots:
+        for module, name in slot.registrations:
+            module._parameters.pop(name, None)
+    unit._fsdp_wrapped_module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module, writeback: bool = True, with_grads: bool = False
+) -> Generator[None, None, None]:
+    """Full original parameters (registered under their own names) inside the context.
+
+    ``writeback`` copies in-place edits back into the local shards on exit;
+    ``with_grads`` also exposes the full (averaged) gradients as ``.grad``.
+    """
+    units = [u for u in _units(module) if u._handle is not None]
+    _check_idle(units)
+    for unit in units:
+        unit._handle.start_unshard()  # type: ignore[union-attr]
+    saved_grads: list[list[torch.Tensor | None]] = []
+    for unit in units:
+        handle = unit._handle
+        assert handle is not None
+        handle.wait_unshard()
+        saved_grads.append([slot.param.grad for slot in handle.slots])
+        flat_grad = handle.flat_param.grad
+        _register_orig(unit, full=True)
+        if with_grads:
+            _expose_full_grads(handle)
+        unit._saved_flat_grad = flat_grad
+        unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        yield
+    finally:
+        for unit, grads in zip(units, saved_grads, strict=True):
+            handle = unit._handle
+            assert handle is not None
+            if writeback:
+                start = handle.shard_rank * handle.shard_numel
+                with torch.no_grad():
+                    handle.flat_param.data.copy_(
+                        handle.full.data[start : start + handle.shard_numel]
+                    )
+            for slot in handle.slots:
+                slot.param.grad = None
+            _unregister_orig(unit)
+            handle.reshard()
+            for slot, grad in zip(handle.slots, grads, strict=True):
+                slot.param.grad = grad
+            handle.flat_param.grad = unit._saved_flat_grad
+            unit.training_state = TrainingState.IDLE
+
+
+def _gather_shard_sized(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    """All-gather a shard-sized tensor of ``handle`` into the padded full layout."""
+    shard = shard.to(handle.compute_device)
+    if handle.shard_size == 1:
+        return shard.clone()
+    out = torch.empty(handle.padded_numel, dtype=shard.dtype, device=shard.device)
+    return collectives.all_gather(out, shard.contiguous(), handle.shard_group).wait()
+
+
+def _expose_full_grads(handle: FlatParamHandle) -> None:
+    local = handle.sharded_grad()
+    has_grad = local is not None
+    shard = local if local is not None else torch.zeros_like(handle.flat_param.data)
+    full = _gather_shard_sized(handle, shard)
+    for slot in handle.slots:
+        view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        slot.param.grad = view if has_grad else None
+
+
+# -- model state dicts --------------------------------------------------------------------------
+def model_state_dict(root: FSDP, **kwargs: Any) -> dict[str, Any]:
+    units = [u for u in _units(root) if u._handle is not None]
+
+    def snapshot() -> dict[str, Any]:
+        # Cloned inside the context: full views die with the unsharded storage.
+        raw = nn.Module.state_dict(root, **kwargs)
+        return {
+            clean_fqn(k): (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in raw.items()
+        }
+
+    if root._state_dict_type is StateDictType.FULL_STATE_DICT:
+        with summon_full_params(root, writeback=False):
+            return snapshot()
+    _check_idle(units)
+    for unit in units:
+        _register_orig(unit, full=False)
+    try:
+        return snapshot()
+    finally:
+        for unit in units:
+            _unregister_orig(unit)
+
+
+def load_model_state_dict(root: FSDP, state_dict: dict[str, Any], strict: bool = True) -> Any:
+    units = [u for u in _units(root) if u._handle is not None]
+    full = root._state_dict_type is StateDictType.FULL_STATE_DICT
+    context = summon_full_params(root, writeback=True) if full else contextlib.nullcontext()
+    with context:
+        if not full:
+            _check_idle(units)
+            for unit in units:
+                _register_orig(unit, full=False)
+        try:
+            names = {clean_fqn(k): k for k in nn.Module.state_dict(root, keep_vars=True)}
+            remapped = {names.get(k, k): v for k, v in state_dict.items()}
+            return nn.Module.load_state_dict(root, remapped, strict=strict)
+        finally:
+            if not full:
+                for unit in units:
+                    _unregister_orig(unit)
+
+
+# -- optimizer state dicts ----------------------------------------------------------------------
+def _param_slots(
+    model: nn.Module,
+) -> dict[int, list[tuple[str, FlatParamHandle | None, ParamSlot | None]]]:
+    """id(optimizer-visible param) -> the (name, handle, slot)s it stands for."""
+    out: dict[int, list[tuple[str, FlatParamHandle | None, ParamSlot | None]]] = {}
+    managed: set[int] = set()
+    for prefix, unit in model.named_modules():
+        handle = getattr(unit, "_handle", None)
+        if not isinstance(handle, FlatParamHandle):
+            continue
+        base = clean_fqn(f"{prefix}.") if prefix else ""
+        entries: list[tuple[str, FlatParamHandle | None, ParamSlot | None]] = [
+            (f"{base}{slot.fqn}", handle, slot) for slot in handle.slots
+        ]
+        if handle.use_orig_params:
+            for slot, entry in zip(handle.slots, entries, strict=True):
+                out[id(slot.param)] = [entry]
+        else:
+            out[id(handle.flat_param)] = entries
+        managed.update(id(slot.param) for slot in handle.slots)
+        managed.add(id(handle.flat_param))
+    for name, param in model.named_parameters():
+        if id(param) not in managed and id(param) not in out:
+            out[id(param)] = [(clean_fqn(name), None, None)]
+    return out
+
+
+def _piece(
+    handle: FlatParamHandle, slot: ParamSlot, shard_state: torch.Tensor, full: bool
+) -> torch.Tensor:
+    if not full:
+        return handle.sharded_view(slot, shard_state).clone()
+    gathered = _gather_shard_sized(handle, shard_state)
+    return gathered[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+
+
+def _as_shard(handle: FlatParamHandle, slot: ParamSlot, value: torch.Tensor) -> torch.Tensor:
+    """A per-slot piece (orig mode) placed into a zero shard-sized tensor."""
+    out = torch.zeros(handle.shard_numel, dtype=value.dtype, device=value.device)
+    lo, hi = handle.local_range(slot)
+    out[lo:hi] = value.reshape(-1)
+    return out
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    units = _units(model)
+    full = not units or units[0]._state_dict_type is StateDictType.FULL_STATE_DICT
+    slots = _param_slots(model)
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optim.param_groups:
+        names: list[str] = []
+        for param in group["params"]:
+            entries = slots[id(param)]
+            names.extend(name for name, _, _ in entries)
+            param_state = optim.state.get(param, {})
+            for name, handle, slot in entries:
+                if not param_state:
+                    continue
+                state[name] = {}
+                for key, value in param_state.items():
+                    if handle is None or slot is None or not _is_shard_state(value, param):
+                        state[name][key] = (
+                            value.clone() if isinstance(value, torch.Tensor) else value
+                        )
+                        continue
+                    shard_state = (
+                        value if not handle.use_orig_params else _as_shard(handle, slot, value)
+                    )
+                    state[name][key] = _piece(handle, slot, shard_state, full)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+def _is_shard_state(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def optim_state_dict_to_load(
+    model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
+) -> dict[str, Any]:
+    units = _units(model)
+    full = not units or units[0]._state_dict_type is StateDictType.FULL_STATE_DICT
+    slots = _param_slots(model)
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group, saved_group in zip(optim.param_groups, osd["param_groups"], strict=True):
+        ids = []
+        for param in group["params"]:
+            entries = slots[id(param)]
+            loaded = _load_param_state(param, entries, osd["state"], full)
+            if loaded:
+                state[index] = loaded
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def _load_param_state(
+    param: torch.Tensor,
+    entries: list[tuple[str, FlatParamHandle | None, ParamSlot | None]],
+    saved: dict[str, dict[str, Any]],
+    full: bool,
+) -> dict[str, Any]:
+    """One optimizer-visible parameter's state rebuilt from per-name saved state."""
+    present = [(name, h, s) for name, h, s in entries if name in saved]
+    if not present:
+        return {}
+    first_name, handle, first_slot = present[0]
+    if handle is None or first_slot is None:  # not managed by a unit: stored as-is
+        return {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved[first_name].items()
+        }
+    out: dict[str, Any] = {}
+    for key, value in saved[first_name].items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            continue
+        shard = torch.zeros(handle.shard_numel, dtype=value.dtype, device=param.device)
+        for name, _, slot in present:
+            assert slot is not None
+            lo, hi = handle.local_range(slot)
+            tensor = saved[name][key].to(param.device).reshape(-1)
+            if full:  # the full per-parameter tensor: take this rank's range of it
+                start = handle.shard_rank * handle.shard_numel + lo - slot.offset
+                tensor = tensor[start : start + hi - lo]
+            shard[lo:hi] = tensor
+        out[key] = (
+            handle.sharded_view(first_slot, shard).clone() if handle.use_orig_params else shard
+        )
+    return out
