@@ -87,7 +87,8 @@ def test_module_no_compute_grad(
     ctx: RankContext, impl: FSDPAdapter, strategy: str | None, use_second_layer: bool
 ) -> None:
     """A unit outside the loss (unused, or used only for an ignored output) keeps grad None."""
-    model = impl.wrap(OptionalSecondOutputModel(use_second_layer, seed=0), WrapSpec(strategy=strategy, auto_wrap=ALWAYS))
+    spec = WrapSpec(strategy=strategy, auto_wrap=ALWAYS)
+    model = impl.wrap(OptionalSecondOutputModel(use_second_layer, seed=0), spec)
     gen = generator(rank_seed(0, ctx.rank))
     x = torch.randn((10, 10), generator=gen).to(ctx.device)
     y = torch.randn((10, 10), generator=gen).to(ctx.device)
@@ -228,7 +229,11 @@ def test_world_size_1_no_shard_warning(ctx: RankContext, impl: FSDPAdapter, stra
     """At world size 1 a sharded strategy (explicit or default) warns that it falls back to NO_SHARD."""
     with ctx.catch_warnings() as caught:
         impl.wrap(nn.Linear(3, 3), WrapSpec(strategy=strategy))
-    switches = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and str(w.message).startswith(NO_SHARD_SWITCH)]
+    switches = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, UserWarning) and str(w.message).startswith(NO_SHARD_SWITCH)
+    ]
     if strategy == "NO_SHARD":
         assert not switches, f"NO_SHARD was asked for, yet warned: {switches}"
         return
