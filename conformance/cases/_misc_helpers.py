@@ -1,0 +1,98 @@
+"""Helpers shared by the ``misc`` case files (not a case module: no ``test_`` prefix).
+
+[Note: misc device placement]
+Cases that the catalogue pins to the CPU (``device_id=cpu`` on gloo) must stay
+on the CPU even in the nightly GPU job, where the default process group may be
+NCCL-only; they therefore take their groups from :func:`cpu_groups`, which
+builds gloo groups only when the default backend cannot move CPU tensors.
+GPU rows take their device from :func:`cuda_device`, which also makes it the
+current device, as FSDP resolves an index-less ``cuda`` device against it.
+
+The device-placement contract (``device_id`` moves a CPU module; a module left
+on the CPU without ``device_id`` stays there with a warning; device checks at
+wrap and at the first forward) is FSDP1's constructor contract, so every case
+exercising it requires :attr:`Capability.DEVICE_ID`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["cpu_groups", "cpu_world_group", "cuda_device", "env_on_all_ranks", "hybrid_cpu_groups"]
+
+
+def _default_backend_moves_cpu() -> bool:
+    backend = str(dist.get_backend()).lower()
+    return "gloo" in backend or "threaded" in backend or backend in ("fake", "mpi")
+
+
+def cpu_groups(ctx: RankContext, layout: Sequence[Sequence[int]]) -> list[dist.ProcessGroup]:
+    """One group per rank list in ``layout`` (created on every rank, in order) that moves CPU tensors."""
+    if _default_backend_moves_cpu():
+        return [ctx.new_group(list(ranks)) for ranks in layout]
+    return [dist.new_group(list(ranks), backend="gloo") for ranks in layout]
+
+
+def cpu_world_group(ctx: RankContext) -> dist.ProcessGroup | None:
+    """``None`` (the default group) when it moves CPU tensors, else a world-sized gloo group."""
+    if _default_backend_moves_cpu():
+        return None
+    return cpu_groups(ctx, [range(ctx.world_size)])[0]
+
+
+def hybrid_cpu_groups(ctx: RankContext, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's ``(shard, replicate)`` pair for contiguous shard blocks of ``shard_size``.
+
+    With world 4 and shard 2: shard groups {0,1},{2,3}; replicate groups {0,2},{1,3}.
+    """
+    world = ctx.world_size
+    if world % shard_size:
+        raise ValueError(f"world_size({world}) is not a multiple of shard_size({shard_size})")
+    shard_layout = [list(range(start, start + shard_size)) for start in range(0, world, shard_size)]
+    replicate_layout = [list(range(offset, world, shard_size)) for offset in range(shard_size)]
+    groups = cpu_groups(ctx, shard_layout + replicate_layout)
+    shard = groups[ctx.rank // shard_size]
+    replicate = groups[len(shard_layout) + ctx.rank % shard_size]
+    return shard, replicate
+
+
+def cuda_device(ctx: RankContext) -> torch.device:
+    """``cuda:{local_rank}``, made the current device."""
+    device = torch.device("cuda", ctx.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+@contextlib.contextmanager
+def env_on_all_ranks(ctx: RankContext, name: str, value: str | None) -> Iterator[None]:
+    """Set (``None``: unset) an environment variable identically on every rank, then restore it.
+
+    Under thread ranks the ranks share one ``os.environ``, so the barriers make
+    every rank see the new value before any rank proceeds, and the old value
+    come back only after every rank has finished with it.
+    """
+    old = os.environ.get(name)
+    ctx.barrier()
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    ctx.barrier()
+    try:
+        yield
+    finally:
+        ctx.barrier()
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+        ctx.barrier()

@@ -1,0 +1,298 @@
+"""misc: device placement — where parameters live before, during and after wrapping.
+
+CPU rows pin the compute device to the CPU; rows the catalogue marks GPU (or
+"GPU variant") declare ``accelerators=N`` and use ``cuda:{local_rank}``.
+Every case here requires :attr:`Capability.DEVICE_ID`; see
+[Note: misc device placement] in ``_misc_helpers.py`` for why, and for the
+gloo groups the CPU-pinned cases use.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.case import case
+from conformance.cases._misc_helpers import cpu_world_group, cuda_device
+from fixtures.misc_models import NoParamsModel, SeqAndLinear
+from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
+from fixtures.parity import assert_same_across_ranks
+from fixtures.seeding import generator, rank_seed
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+CPU = torch.device("cpu")
+DEVICE_ID = [Capability.DEVICE_ID]
+SYNC_CPU_ERROR = "The module has CPU parameters or buffers when `sync_module_states=True`"
+
+
+def _assert_units_on(impl: FSDPAdapter, model: nn.Module, device: torch.device, what: str) -> None:
+    """Every unit computes on ``device`` and every local shard lives there (at least one shard)."""
+    units = impl.units(model)
+    shards = [(u.fqn, s.device) for u in units for s in u.local_shards]
+    assert shards, f"{what}: no unit reports a local shard"
+    wrong = [(fqn, str(dev)) for fqn, dev in shards if dev != device]
+    assert not wrong, f"{what}: shards not on {device}: {wrong}"
+    compute = {u.fqn: u.compute_device for u in units}
+    off = {fqn: str(dev) for fqn, dev in compute.items() if dev != device}
+    assert not off, f"{what}: compute devices not {device}: {off}"
+
+
+def _warned(caught: Iterable[object], pattern: str) -> bool:
+    return any(
+        issubclass(w.category, UserWarning) and re.search(pattern, str(w.message))  # type: ignore[attr-defined]
+        for w in caught
+    )
+
+
+# -- sync_module_states with a CPU module ----------------------------------------------
+
+
+def _rank_buffers(model: NestedModel, rank: int) -> None:
+    model.register_buffer("buf", torch.full((2, 2), float(rank)))
+    model.module[0].register_buffer("buf", torch.full((3, 2), float(rank)))
+
+
+def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.device) -> None:
+    """Buffers registered per rank (value = rank) now hold rank 0's zeros, on ``device``."""
+    buffers = {"buf": model.buf, "module.0.buf": model.module[0].buf}
+    for name, buf in buffers.items():
+        assert buf.device == device, f"{name} on {buf.device}, expected {device}"
+        assert torch.equal(buf.cpu(), torch.zeros_like(buf, device="cpu")), (
+            f"rank {ctx.rank}: {name} = {buf.tolist()}, expected rank 0's zeros"
+        )
+
+
+@case("misc/cpu_init_with_sync_module_states", world_size=2, accelerators=2,
+      requires=[Capability.SYNC_MODULE_STATES, Capability.DEVICE_ID])
+def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A CPU module + sync_module_states needs device_id when computing on an accelerator."""
+    device = cuda_device(ctx)
+    with pytest.raises(ValueError, match=SYNC_CPU_ERROR):
+        impl.wrap(NestedModel(seed=ctx.rank), WrapSpec(sync_module_states=True))
+    inner = NestedModel(seed=ctx.rank)
+    _rank_buffers(inner, ctx.rank)
+    spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=device, sync_module_states=True)
+    fsdp = impl.wrap(inner, spec)
+    _check_synced_buffers(ctx, inner, device)
+    assert_same_across_ranks(impl.full_params(fsdp), what="params after sync_module_states")
+
+
+@case("misc/cpu_init_with_sync_module_states_cpu", world_size=2,
+      requires=[Capability.SYNC_MODULE_STATES, Capability.DEVICE_ID])
+def test_cpu_init_with_sync_module_states_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """CPU variant: with device_id=cpu, sync_module_states succeeds and syncs params and buffers."""
+    inner = NestedModel(seed=ctx.rank)
+    _rank_buffers(inner, ctx.rank)
+    spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=CPU, sync_module_states=True,
+                    process_group=cpu_world_group(ctx))
+    fsdp = impl.wrap(inner, spec)
+    _check_synced_buffers(ctx, inner, CPU)
+    assert_same_across_ranks(impl.full_params(fsdp), what="params after sync_module_states")
+
+
+# -- CPU offload, ignored modules, parameterless modules --------------------------------
+
+
+def _device_id_cpu_offload(impl: FSDPAdapter, device: torch.device, group: object, use_orig_params: bool) -> None:
+    spec = WrapSpec(auto_wrap=AutoWrap((nn.Sequential,)), cpu_offload=True, device_id=device,
+                    use_orig_params=use_orig_params, process_group=group)
+    fsdp = impl.wrap(SeqAndLinear(seed=0), spec)
+    units = impl.units(fsdp)
+    assert len([u for u in units if u.local_shards]) >= 2, "expected the root and seq to own parameters"
+    _assert_shards_on(units, CPU, "offloaded params")
+
+
+def _assert_shards_on(units: list, device: torch.device, what: str) -> None:
+    wrong = [(u.fqn, str(s.device)) for u in units for s in u.local_shards if s.device != device]
+    assert not wrong, f"{what}: shards not on {device}: {wrong}"
+
+
+@case("misc/device_id_cpu_offload", world_size=2, requires=[Capability.CPU_OFFLOAD, Capability.DEVICE_ID])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
+    _device_id_cpu_offload(impl, CPU, cpu_world_group(ctx), use_orig_params)
+
+
+@case("misc/device_id_cpu_offload_gpu", world_size=2, accelerators=2,
+      requires=[Capability.CPU_OFFLOAD, Capability.DEVICE_ID])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_device_id_cpu_offload_gpu(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
+    """device_id names the GPU, yet offloaded flat parameters stay on the CPU."""
+    _device_id_cpu_offload(impl, cuda_device(ctx), None, use_orig_params)
+
+
+@case("misc/ignored_module_meta", world_size=2,
+      requires=lambda p: [Capability.IGNORED_MODULES, Capability.DEVICE_ID]
+      + ([Capability.PARAM_INIT_FN] if p["use_param_init_fn"] else []))
+@pytest.mark.parametrize("use_param_init_fn", [False, True])
+def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
+    """Materialising a meta-device module leaves its ignored submodule on meta."""
+    with torch.device("meta"):
+        model = PairOfLinears()
+    init_fn = (lambda m: m.to_empty(device=ctx.device, recurse=False)) if use_param_init_fn else None
+    spec = WrapSpec(device_id=ctx.device, ignored_modules=[model.a], use_orig_params=True, param_init_fn=init_fn)
+    fsdp = impl.wrap(model, spec)
+    assert all(p.device.type == "meta" for p in model.a.parameters()), (
+        f"ignored module left meta: {[str(p.device) for p in model.a.parameters()]}"
+    )
+    _assert_shards_on(impl.units(fsdp), ctx.device, "materialised params")
+
+
+def _ignored_params_not_moved(impl: FSDPAdapter, device: torch.device, group: object) -> None:
+    model = PairOfLinears(buffer_on_a=True)
+    before = {id(t): (t.device, t.data_ptr()) for t in chain(model.a.parameters(), model.a.buffers())}
+    impl.wrap(model, WrapSpec(device_id=device, ignored_modules=[model.a], use_orig_params=True, process_group=group))
+    after = {id(t): (t.device, t.data_ptr()) for t in chain(model.a.parameters(), model.a.buffers())}
+    assert after == before, f"ignored module's tensors changed: before {before}, after {after}"
+    assert all(dev == CPU for dev, _ in after.values()), f"ignored tensors moved: {after}"
+
+
+@case("misc/ignored_params_not_moved", world_size=2, requires=[Capability.IGNORED_MODULES, Capability.DEVICE_ID])
+def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """The ignored module keeps its very tensors (same objects, same storage, still CPU)."""
+    _ignored_params_not_moved(impl, CPU, cpu_world_group(ctx))
+
+
+@case("misc/ignored_params_not_moved_gpu", world_size=2, accelerators=2,
+      requires=[Capability.IGNORED_MODULES, Capability.DEVICE_ID])
+def test_ignored_params_not_moved_gpu(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """device_id names the GPU: the ignored module's params and buffers still stay on the CPU."""
+    _ignored_params_not_moved(impl, cuda_device(ctx), None)
+
+
+@case("misc/no_params", world_size=2, requires=lambda p: DEVICE_ID if p["use_device_id"] else [])
+@pytest.mark.parametrize("use_device_id", [False, True])
+def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> None:
+    """A module with no parameters wraps and runs forward (nothing to shard is not an error)."""
+    fsdp = impl.wrap(NoParamsModel(), WrapSpec(device_id=ctx.device if use_device_id else None))
+    inp = torch.randn((3, 4), generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
+    torch.testing.assert_close(fsdp(inp), torch.relu(inp), rtol=0, atol=0)
+
+
+# -- GPU-only placement rows ------------------------------------------------------------
+
+
+@case("misc/device_id", world_size=2, accelerators=2, requires=DEVICE_ID)
+@pytest.mark.parametrize("use_index", [True, False])
+def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
+    device = cuda_device(ctx)
+    device_id: int | torch.device = device.index if use_index else device
+    spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=device_id)
+    _assert_units_on(impl, impl.wrap(NestedModel(seed=0), spec), device, "CPU module + device_id")
+    _assert_units_on(impl, impl.wrap(NestedModel(seed=0).to(device), spec), device, "GPU module + device_id")
+    with ctx.catch_warnings() as caught:
+        fsdp = impl.wrap(NestedModel(seed=0).to(device), WrapSpec(auto_wrap=AutoWrap((nn.Linear,)),
+                                                                   device_id=torch.device("cuda")))
+    assert _warned(caught, "does not have an explicit index"), [str(w.message) for w in caught]
+    _assert_units_on(impl, fsdp, device, "device_id=cuda without index")
+
+
+@case("misc/cpu_init_stays_on_cpu", world_size=2, accelerators=2, requires=DEVICE_ID)
+def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
+    device = cuda_device(ctx)
+    with ctx.catch_warnings() as caught:
+        fsdp = impl.wrap(NestedModel(seed=0), WrapSpec(auto_wrap=AutoWrap((nn.Linear,))))
+    assert _warned(caught, "passed-in `module` is on CPU"), [str(w.message) for w in caught]
+    devices = {p.device for p in fsdp.parameters()}
+    assert devices == {CPU}, f"params moved without device_id: {devices}"
+    fsdp = fsdp.to(device)
+    (inp,) = NestedModel.get_input(CPU, generator(rank_seed(0, ctx.rank)))
+    out = fsdp(inp)
+    assert out.device == device, f"CPU input not moved to {device}: output on {out.device}"
+    out.sum().backward()
+
+
+@case("misc/module_device_mismatches_device_id", world_size=2, accelerators=2, requires=DEVICE_ID)
+@pytest.mark.parametrize("has_params", [True, False])
+def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter, has_params: bool) -> None:
+    """A module on cuda:{rank} with device_id=0 is rejected on every rank but 0."""
+    device = cuda_device(ctx)
+    module = (NestedModel(seed=0) if has_params else NoParamsModel()).to(device)
+    pattern = f"cuda:{ctx.rank} vs cuda:0" if has_params else f"Inconsistent.*cuda:{ctx.rank} vs cuda:0"
+    if ctx.rank == 0:
+        impl.wrap(module, WrapSpec(device_id=0))
+    else:
+        with pytest.raises(ValueError, match=pattern):
+            impl.wrap(module, WrapSpec(device_id=0))
+
+
+@case("misc/cpu_gpu_module", world_size=2, accelerators=2, requires=DEVICE_ID)
+def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
+    device = cuda_device(ctx)
+
+    def mixed() -> PairOfLinears:
+        model = PairOfLinears()
+        model.a.to(device)
+        return model
+
+    fsdp = impl.wrap(mixed(), WrapSpec(device_id=device))
+    devices = {p.device for p in fsdp.parameters()}
+    assert devices == {device}, f"mixed module with device_id: params on {devices}, expected {device}"
+    with pytest.raises(RuntimeError, match="please pass in device_id"):
+        impl.wrap(mixed(), WrapSpec())
+
+
+@case("misc/multigpu_module", world_size=2, accelerators=2, requires=DEVICE_ID)
+def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
+    cuda_device(ctx)
+    model = PairOfLinears()
+    model.a.to(torch.device("cuda", ctx.local_rank))
+    model.b.to(torch.device("cuda", (ctx.local_rank + 1) % ctx.world_size))
+    with pytest.raises(RuntimeError, match="FSDP only supports single device modules"):
+        impl.wrap(model, WrapSpec())
+
+
+@case("misc/training_device_mismatch", world_size=1, accelerators=1,
+      requires=[Capability.DEVICE_ID, Capability.CPU_OFFLOAD])
+def test_training_device_mismatch(ctx: RankContext, impl: FSDPAdapter) -> None:
+    device = cuda_device(ctx)
+    inp = torch.randn((2, 10), generator=generator(0))
+    fsdp = impl.wrap(nn.Linear(10, 10), WrapSpec())
+    left_on_cpu = re.escape(
+        f"An FSDP-managed module unexpectedly has parameters on cpu. Make sure to move the module to {device} "
+        "before training."
+    )
+    with pytest.raises(RuntimeError, match=left_on_cpu):
+        fsdp(inp)
+    fsdp = impl.wrap(nn.Linear(10, 10), WrapSpec(cpu_offload=True)).to(torch.device("cuda"))
+    moved = re.escape(
+        f"An FSDP-managed module with parameter CPU offloading enabled has parameters on {device}. "
+        "Make sure to not move the module from CPU when offloading parameters."
+    )
+    with pytest.raises(RuntimeError, match=moved):
+        fsdp(inp)
+
+
+# -- device_id reaches auto-wrapped units -------------------------------------------------
+
+TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def _device_id_auto_wrap(impl: FSDPAdapter, device: torch.device, group: object, kind: str) -> None:
+    spec = WrapSpec(auto_wrap=AutoWrap(TRANSFORMER_LAYERS, kind=kind), device_id=device, process_group=group)
+    fsdp = impl.wrap(TiedTransformer(seed=0), spec)
+    units = impl.units(fsdp)
+    assert len(units) == 1 + 4, f"expected root + 2 encoder + 2 decoder units, got {[u.fqn for u in units]}"
+    _assert_units_on(impl, fsdp, device, f"auto wrap ({kind})")
+
+
+@case("misc/device_id_auto_wrap", world_size=2, requires=DEVICE_ID)
+@pytest.mark.parametrize("kind", ["module_classes", "transformer"])
+def test_device_id_auto_wrap(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+    """device_id=cpu reaches every nested unit, for a policy object and a policy callable."""
+    _device_id_auto_wrap(impl, CPU, cpu_world_group(ctx), kind)
+
+
+@case("misc/device_id_auto_wrap_gpu", world_size=2, accelerators=2, requires=DEVICE_ID)
+@pytest.mark.parametrize("kind", ["module_classes", "transformer"])
+def test_device_id_auto_wrap_gpu(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+    _device_id_auto_wrap(impl, cuda_device(ctx), None, kind)
