@@ -129,6 +129,11 @@ class TorchFSDP2Adapter:
                 [replicate, shard], device.type, mesh=ranks, mesh_dim_names=("replicate", "shard")
             )
         if pg is not None:
+            if spec.strategy == "NO_SHARD":
+                raise ValueError(
+                    "torch-fsdp2 adapter: NO_SHARD over a given process group needs a 2-D (replicate, 1) mesh; "
+                    "pass device_mesh instead of process_group"
+                )
             return DeviceMesh.from_group(pg, device.type)
         if spec.strategy == "NO_SHARD":
             return init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
