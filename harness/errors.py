@@ -4,7 +4,9 @@
 The *primary* failure is the rank that went wrong first: it raised, died or
 (at the timeout) had not finished. Ranks that were only waiting for it in a
 collective are *secondary*: listed as ``aborted`` ("aborted after rank 1
-failed"), never blamed. The first line of the message names the primary
+failed"), never blamed. A death outranks an exception: when a rank process
+dies, its peers' collectives fail with connection errors, which may reach
+the parent before the death does. The first line of the message names the primary
 rank and kind, so a one-line CI summary is enough to know where to look.
 """
 

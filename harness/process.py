@@ -211,8 +211,8 @@ def _as_error(arrival: Outcome | RankError) -> RankError:
 
 
 def _primary_first(errors: list[RankError]) -> list[RankError]:
-    """Culprits in arrival order, then timeouts, skips and aborted ranks ([Note: failure attribution])."""
-    order = {"raised": 0, "died": 0, "timed_out": 1, "skipped": 2, "aborted": 3}
+    """Deaths, then exceptions (each in arrival order), timeouts, skips, aborted ([Note: failure attribution])."""
+    order = {"died": 0, "raised": 1, "timed_out": 2, "skipped": 3, "aborted": 4}
     return sorted(errors, key=lambda e: order[e.kind])
 
 
