@@ -7,13 +7,16 @@ The same trivial case (one ``all_reduce`` of a one-element tensor) runs under:
 - PyTorch's ``MultiProcessTestCase`` (spawns and joins processes for every test);
 - PyTorch's ``MultiProcContinuousTest`` (persistent workers per class), if present.
 
-PyTorch's bases run as ``python -m unittest`` subprocesses with ``n`` and
-``n + extra`` tests; the per-case figure is the slope (time difference /
-extra), which removes interpreter start and imports from the comparison.
+PyTorch's bases run as subprocesses (``run_tests``) with ``n`` generated
+tests; the parent side records when the first test's ``setUp`` starts and when
+the class is torn down, so the per-case figure excludes interpreter start and
+imports (and, for ``MultiProcContinuousTest``, its one-off worker start, as
+our figure excludes the pool start).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -44,9 +47,11 @@ def ours(mode: str, world_size: int, cases: int) -> float:
 
 
 _MPTC = """
-import torch, torch.distributed as dist
+import os, time, torch, torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import run_tests
+
+STARTS = []
 
 class Trivial(MultiProcessTestCase):
     @property
@@ -54,8 +59,15 @@ class Trivial(MultiProcessTestCase):
         return {world_size}
 
     def setUp(self):
+        STARTS.append(time.perf_counter())
         super().setUp()
         self._spawn_processes()
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        with open(os.environ["BENCH_OUT"], "w") as f:
+            f.write(repr((time.perf_counter() - STARTS[0]) / len(STARTS)))
 
     def _case(self):
         store = dist.FileStore(self.file_name, self.world_size)
@@ -71,9 +83,11 @@ if __name__ == "__main__":
 """
 
 _CONTINUOUS = """
-import torch, torch.distributed as dist
+import os, time, torch, torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import run_tests
+
+STARTS = []
 
 class Trivial(MultiProcContinuousTest):
     world_size = {world_size}
@@ -81,6 +95,17 @@ class Trivial(MultiProcContinuousTest):
     @classmethod
     def backend_str(cls):
         return "gloo"
+
+    def setUp(self):
+        STARTS.append(time.perf_counter())
+        super().setUp()
+
+    @classmethod
+    def tearDownClass(cls):
+        end = time.perf_counter()
+        super().tearDownClass()
+        with open(os.environ["BENCH_OUT"], "w") as f:
+            f.write(repr((end - STARTS[0]) / len(STARTS)))
 
     def _case(self):
         t = torch.ones(1)
@@ -93,21 +118,19 @@ if __name__ == "__main__":
 """
 
 
-def _suite_time(template: str, world_size: int, cases: int) -> float:
+def torch_base(template: str, world_size: int, cases: int) -> float:
+    """Per-case seconds of a PyTorch test base, measured inside its own process."""
     tests = "\n".join(f"    def test_{i}(self):\n        self._case()\n" for i in range(cases))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trivial_suite.py"
+        out = Path(tmp) / "per_case.txt"
         path.write_text(textwrap.dedent(template.format(world_size=world_size, tests=tests)))
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=tmp, check=False)
-        elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"torch baseline failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return elapsed
-
-
-def torch_base(template: str, world_size: int, cases: int, extra: int) -> float:
-    return (_suite_time(template, world_size, cases + extra) - _suite_time(template, world_size, cases)) / extra
+        env = {**os.environ, "BENCH_OUT": str(out)}
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=tmp, env=env,
+                              check=False)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"torch baseline failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        return float(out.read_text())
 
 
 def _has_continuous() -> bool:
@@ -122,9 +145,8 @@ def measure(world_sizes: list[int], cases: int, extra: int) -> list[dict[str, An
         row: dict[str, Any] = {"world_size": ws}
         row["ours_process_s"] = ours("process", ws, cases)
         row["ours_thread_s"] = ours("thread", ws, cases)
-        row["multiprocess_testcase_s"] = torch_base(_MPTC, ws, 1, extra)
-        # Persistent workers make each extra test cheap, so its slope needs many more of them.
-        row["multiproc_continuous_s"] = torch_base(_CONTINUOUS, ws, 1, extra * 10) if _has_continuous() else None
+        row["multiprocess_testcase_s"] = torch_base(_MPTC, ws, extra)
+        row["multiproc_continuous_s"] = torch_base(_CONTINUOUS, ws, cases) if _has_continuous() else None
         row["speedup_vs_multiprocess_testcase"] = row["multiprocess_testcase_s"] / row["ours_process_s"]
         rows.append(row)
     return rows
@@ -134,7 +156,7 @@ def main() -> None:
     parser = base_parser("harness_overhead", __doc__)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cases", type=int, default=50, help="cases timed for our harness")
-    parser.add_argument("--extra", type=int, default=4, help="extra tests for the torch slope")
+    parser.add_argument("--extra", type=int, default=4, help="tests timed for MultiProcessTestCase (slow)")
     args = parser.parse_args()
     try:
         rows = measure(args.world_sizes, args.cases, args.extra)
