@@ -22,6 +22,7 @@ import pytest
 
 from conformance import registry
 from conformance.case import CaseSpec, NotApplicable, hardware_skip_reason
+from conformance.findings import annotate
 from conformance.report import Result, render_markdown, render_matrix, summary_line, write_json
 
 __all__ = ["RESULTS_KEY"]
@@ -147,7 +148,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return report
     if report.failed:
         state.outcome = "FAIL" if report.when == "call" else "error"
-        state.reason = _first_line(call.excinfo.exconly() if call.excinfo else report.longreprtext)
+        state.reason = _failure_reason(call, report)
     elif report.skipped:
         excinfo = call.excinfo
         not_app = excinfo is not None and isinstance(excinfo.value, NotApplicable)
@@ -166,13 +167,14 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     impl = params.pop("impl", None)
     mode = next((params.pop(k) for k in _RANK_MODE_PARAMS if k in params), "process")
     label = "-".join(str(v) for v in params.values())
+    case_id = f"{spec.id}[{label}]" if label else spec.id
     result = Result(
-        case=f"{spec.id}[{label}]" if label else spec.id,
+        case=case_id,
         impl=getattr(impl, "name", "?"),
         rank_mode=str(mode),
         world_size=spec.world_size,
         outcome=state.outcome,
-        reason=state.reason,
+        reason=annotate(getattr(impl, "name", "?"), case_id, state.reason) if state.outcome == "FAIL" else state.reason,
         duration_s=round(time.perf_counter() - state.started, 3),
     )
     item.config.stash[RESULTS_KEY].append(result)
@@ -217,6 +219,17 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
         Path(md_path).write_text(render_markdown(results))
+
+
+def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:
+    """First line of the failure; a rank failure's own summary already names the rank."""
+    from harness.errors import RankFailure
+
+    if call.excinfo is None:
+        return _first_line(report.longreprtext)
+    if isinstance(call.excinfo.value, RankFailure):
+        return _first_line(str(call.excinfo.value))
+    return _first_line(call.excinfo.exconly())
 
 
 def _first_line(text: str) -> str:

@@ -1,0 +1,24 @@
+"""Known, investigated disagreements between an implementation and a case.
+
+A known finding never changes an outcome: the case still reports FAIL. The
+matrix reason points at the write-up (minimal repro, exact output, why the
+case is right) so a reader does not have to rediscover it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["KNOWN", "annotate"]
+
+#: (implementation, case id prefix) -> write-up, relative to the repository root.
+KNOWN: dict[tuple[str, str], str] = {
+    ("torch-fsdp1", "misc/same_model_across_ranks"): "docs/findings/fsdp1-sync-module-states-cpu.md",
+    ("torch-fsdp1", "misc/cpu_init_with_sync_module_states_cpu"): "docs/findings/fsdp1-sync-module-states-cpu.md",
+}
+
+
+def annotate(impl: str, case: str, reason: str) -> str:
+    """``reason``, prefixed with the finding's write-up when this failure is a known one."""
+    for (name, prefix), doc in KNOWN.items():
+        if name == impl and case.startswith(prefix):
+            return f"known finding, see {doc}: {reason}"
+    return reason
