@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -85,32 +86,41 @@ def test_two_suites_at_once_do_not_collide(tmp_path) -> None:
 
 
 _PARENT = """
-import os, sys, time
+import threading, time
 import harness
+from harness import process
 from harness.tests.test_cleanup import hang_forever
-print("ready", flush=True)
+
+def announce():
+    while not process._pools:
+        time.sleep(0.05)
+    print("pids", *next(iter(process._pools.values())).pids, flush=True)
+
+threading.Thread(target=announce, daemon=True).start()
 try:
-    harness.run(hang_forever, world_size=2, timeout_s=120)
+    harness.run(hang_forever, world_size=2, timeout_s=60)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 """
 
 
 def hang_forever(ctx: harness.RankContext) -> None:
-    print(f"rank {ctx.rank} pid {os.getpid()}", flush=True)
     while True:
         time.sleep(0.1)
 
 
-def _rank_pids(proc: subprocess.Popen[str]) -> list[int]:
-    pids: list[int] = []
-    while len(pids) < 2:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line:
-            raise AssertionError("the parent exited before its ranks started")
-        if line.startswith("rank "):
-            pids.append(int(line.split()[-1]))
-    return pids
+def _rank_pids(proc: subprocess.Popen[str], within_s: float = 60.0) -> list[int]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("pids "):
+                return [int(pid) for pid in line.split()[1:]]
+            if not line:
+                break
+    raise AssertionError(f"the parent never reported its pool: {proc.stderr.read() if proc.poll() is not None else ''}")
 
 
 def _gone(pids: list[int], within_s: float) -> bool:
