@@ -70,7 +70,7 @@ def spy_save_on_cpu() -> Iterator[Callable[[], int]]:
     with _spy_lock:
         if _spy_depth == 0:
             _spy_original = ckpt_wrapper_module.save_on_cpu
-            ckpt_wrapper_module.save_on_cpu = _counting_save_on_cpu
+            ckpt_wrapper_module.save_on_cpu = _counting_save_on_cpu  # type: ignore[misc,assignment]
         _spy_depth += 1
     ident = threading.get_ident()
     _packed[ident] = 0
@@ -80,7 +80,7 @@ def spy_save_on_cpu() -> Iterator[Callable[[], int]]:
         with _spy_lock:
             _spy_depth -= 1
             if _spy_depth == 0:
-                ckpt_wrapper_module.save_on_cpu = _spy_original
+                ckpt_wrapper_module.save_on_cpu = _spy_original  # type: ignore[misc,assignment]
                 _spy_original = None
         _packed.pop(ident, None)
 
@@ -100,17 +100,29 @@ def _grid(fn: Callable[..., Any]) -> Callable[..., Any]:
     return pytest.mark.parametrize("cpu_offload", [True, False])(fn)
 
 
+def _layers() -> list[nn.Module]:
+    """The three seed-0 linears every model in a case starts from (equal values each call)."""
+    return list(ffn_layers(seed=0))
+
+
 def _activation_wrapper(offload_activations: bool) -> Callable[[nn.Module], nn.Module]:
     return offload_wrapper if offload_activations else checkpoint_wrapper
 
 
 def _input(ctx: RankContext) -> torch.Tensor:
     # Reentrant checkpointing needs an input that requires grad.
-    return torch.randn(10, 3, generator=generator(rank_seed(0, ctx.rank))).to(ctx.device).requires_grad_()
+    return (
+        torch.randn(10, 3, generator=generator(rank_seed(0, ctx.rank)))
+        .to(ctx.device)
+        .requires_grad_()
+    )
 
 
 def _assert_same_step(
-    ctx: RankContext, step: int, names: list[str], results: list[tuple[torch.Tensor, torch.Tensor]],
+    ctx: RankContext,
+    step: int,
+    names: list[str],
+    results: list[tuple[torch.Tensor, torch.Tensor]],
     models: list[nn.Module],
 ) -> None:
     """Every model's loss, output and accumulated grads equal the first model's, exactly."""
@@ -118,8 +130,12 @@ def _assert_same_step(
     ref_grads = [p.grad for p in models[0].parameters()]
     for name, (loss, out), model in zip(names[1:], results[1:], models[1:], strict=True):
         label = f"rank {ctx.rank} iteration {step}: {name} vs {names[0]}"
-        assert_close_seq([loss, out], [ref_loss, ref_out], what=f"{label} (loss, output)", exact=True)
-        assert_close_seq([p.grad for p in model.parameters()], ref_grads, what=f"{label} grads", exact=True)
+        assert_close_seq(
+            [loss, out], [ref_loss, ref_out], what=f"{label} (loss, output)", exact=True
+        )
+        assert_close_seq(
+            [p.grad for p in model.parameters()], ref_grads, what=f"{label} grads", exact=True
+        )
 
 
 def _check_offload(ctx: RankContext, step: int, name: str, packed: int, expect: bool) -> None:
@@ -129,14 +145,20 @@ def _check_offload(ctx: RankContext, step: int, name: str, packed: int, expect: 
             "through the offload wrapper's save_on_cpu"
         )
     else:
-        assert packed == 0, f"rank {ctx.rank} iteration {step}: {name} packed {packed} activations; expected none"
+        assert packed == 0, (
+            f"rank {ctx.rank} iteration {step}: {name} packed {packed} activations; expected none"
+        )
 
 
 # -- cases -------------------------------------------------------------------------------------
 @case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires)
 @_grid
 def test_checkpoint_fsdp_wrapping(
-    ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, offload_activations: bool, use_orig_params: bool
+    ctx: RankContext,
+    impl: FSDPAdapter,
+    cpu_offload: bool,
+    offload_activations: bool,
+    use_orig_params: bool,
 ) -> None:
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(offload_activations)
@@ -145,9 +167,9 @@ def test_checkpoint_fsdp_wrapping(
         return impl.wrap(layer, spec)
 
     models = {
-        "wrapper outside units": wrapper(FFN(ffn_layers(seed=0), unit)),
-        "wrapper inside each unit": FFN(ffn_layers(seed=0), lambda layer: unit(wrapper(layer))),
-        "units only": FFN(ffn_layers(seed=0), unit),
+        "wrapper outside units": wrapper(FFN(_layers(), unit)),
+        "wrapper inside each unit": FFN(_layers(), lambda layer: unit(wrapper(layer))),
+        "units only": FFN(_layers(), unit),
     }
     names, modules = list(models), list(models.values())
     inp = _input(ctx)
@@ -158,8 +180,13 @@ def test_checkpoint_fsdp_wrapping(
                 before = packed()
                 out = model(inp)
                 if step == 0:
-                    _check_offload(ctx, step, name, packed() - before,
-                                   expect=offload_activations and name != "units only")
+                    _check_offload(
+                        ctx,
+                        step,
+                        name,
+                        packed() - before,
+                        expect=offload_activations and name != "units only",
+                    )
                 loss = out.sum()
                 loss.backward()
                 results.append((loss.detach(), out.detach()))
@@ -169,11 +196,15 @@ def test_checkpoint_fsdp_wrapping(
 @case("checkpoint/basic_checkpoint_end_to_end", world_size=2, requires=_requires)
 @_grid
 def test_basic_checkpoint_end_to_end(
-    ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, offload_activations: bool, use_orig_params: bool
+    ctx: RankContext,
+    impl: FSDPAdapter,
+    cpu_offload: bool,
+    offload_activations: bool,
+    use_orig_params: bool,
 ) -> None:
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(offload_activations)
-    seq = FFN(ffn_layers(seed=0))
+    seq = FFN(_layers())
     models = {
         "unit only": impl.wrap(copy.deepcopy(seq), spec),
         "wrapper(unit)": wrapper(impl.wrap(copy.deepcopy(seq), spec)),
@@ -190,15 +221,23 @@ def test_basic_checkpoint_end_to_end(
                 before = packed()
                 if name.startswith("checkpoint("):
                     # Offload here is the caller's own save_on_cpu, not the wrapper's hook.
-                    offload = (torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_activations
-                               else contextlib.nullcontext())
+                    offload = (
+                        torch.autograd.graph.save_on_cpu(pin_memory=True)
+                        if offload_activations
+                        else contextlib.nullcontext()
+                    )
                     with offload:
                         out = checkpoint(model, inp, use_reentrant=True)
                 else:
                     out = model(inp)
                 if step == 0:
-                    _check_offload(ctx, step, name, packed() - before,
-                                   expect=offload_activations and name in through_wrapper)
+                    _check_offload(
+                        ctx,
+                        step,
+                        name,
+                        packed() - before,
+                        expect=offload_activations and name in through_wrapper,
+                    )
                 loss = out.sum()
                 loss.backward()
                 results.append((loss.detach(), out.detach()))
@@ -212,15 +251,23 @@ def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant
     checkpointed = copy.deepcopy(model)
     checkpointed.enable_checkpointing()
     blocks = [m for m in checkpointed.modules() if isinstance(m, CheckpointBlock)]
-    assert len(blocks) == 4 and all(b.checkpoint for b in blocks), "enable_checkpointing missed a block"
+    assert len(blocks) == 4 and all(b.checkpoint for b in blocks), (
+        "enable_checkpointing missed a block"
+    )
     spec = WrapSpec(strategy="NO_SHARD")
     for tower in (model, checkpointed):
-        tower.stage1 = impl.wrap(tower.stage1, spec)
-        tower.stage2 = impl.wrap(tower.stage2, spec)
+        tower.stage1 = impl.wrap(tower.stage1, spec)  # type: ignore[assignment]
+        tower.stage2 = impl.wrap(tower.stage2, spec)  # type: ignore[assignment]
     x = torch.randn(2, 32, generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
     model(x).sum().backward()
     checkpointed(x).sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    assert all(g is not None for g in grads.values()), f"unused parameters: {[n for n, g in grads.items() if g is None]}"
-    assert_close_named({n: p.grad for n, p in checkpointed.named_parameters()}, grads,
-                       what=f"rank {ctx.rank}: grads with non-reentrant checkpoint vs without", exact=True)
+    assert all(g is not None for g in grads.values()), (
+        f"unused parameters: {[n for n, g in grads.items() if g is None]}"
+    )
+    assert_close_named(
+        {n: p.grad for n, p in checkpointed.named_parameters()},
+        grads,
+        what=f"rank {ctx.rank}: grads with non-reentrant checkpoint vs without",
+        exact=True,
+    )

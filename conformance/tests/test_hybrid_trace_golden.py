@@ -11,9 +11,17 @@ from expecttest import TestCase
 
 import harness
 from conformance import registry
-from conformance.cases.test_hybrid_shard import NODE, WORLD, Setup, build_hybrid_transformer, fwd_bwd
+from conformance.cases.test_hybrid_shard import (
+    NODE,
+    WORLD,
+    Setup,
+    build_hybrid_transformer,
+    fwd_bwd,
+)
 
-SETUP = Setup(strategy="HYBRID_SHARD", mode="ALL_HYBRID", use_orig_params=False, use_device_mesh=True)
+SETUP = Setup(
+    strategy="HYBRID_SHARD", mode="ALL_HYBRID", use_orig_params=False, use_device_mesh=True
+)
 
 
 def _trace(ctx: harness.RankContext) -> str:
@@ -25,9 +33,13 @@ def _trace(ctx: harness.RankContext) -> str:
 
 class TestHybridTrace(TestCase):
     def test_reference_hybrid_shard_trace(self) -> None:
-        traces = harness.run(_trace, world_size=WORLD, mode="thread", env={"LOCAL_WORLD_SIZE": str(NODE)})
+        traces = harness.run(
+            _trace, world_size=WORLD, mode="thread", env={"LOCAL_WORLD_SIZE": str(NODE)}
+        )
         rendered = "\n".join(f"-- rank {rank}\n{text}" for rank, text in enumerate(traces))
-        self.assertExpectedInline(rendered, """\
+        self.assertExpectedInline(
+            rendered,
+            """\
 -- rank 0
 all_gather_into_tensor group=[0, 1] float32 912B async
 all_gather_into_tensor group=[0, 1] float32 2864B async
@@ -107,4 +119,5 @@ all_reduce SUM group=[1, 3] float32 2864B async
 reduce_scatter_tensor SUM group=[2, 3] float32 5728B async
 all_reduce SUM group=[1, 3] float32 2864B async
 reduce_scatter_tensor SUM group=[2, 3] float32 1824B async
-all_reduce SUM group=[1, 3] float32 912B async""")
+all_reduce SUM group=[1, 3] float32 912B async""",
+        )
