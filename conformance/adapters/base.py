@@ -54,6 +54,8 @@ class Capability(str, enum.Enum):
     """Hybrid + auto-wrap with no group builds intra/inter-node groups itself."""
     HYBRID_MANUAL_WRAP_CHECK = "hybrid_manual_wrap_check"
     """Manual hybrid wrapping without groups raises the catalogued ValueError."""
+    HYBRID_PG_VALIDATION = "hybrid_pg_validation"
+    """A hybrid strategy given one (non-tuple) process group raises the catalogued ValueError."""
     SYNC_MODULE_STATES = "sync_module_states"
     CPU_OFFLOAD = "cpu_offload"
     IGNORED_MODULES = "ignored_modules"

@@ -46,19 +46,21 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             return UnitInfo(fqn, unit, unit.process_group, inter if hybrid else None,
                             unit.compute_device, [], [], True)
         flat = handle.flat_param
-        # Before the first forward (lazy init) FSDP1 has not yet split off
-        # ``_local_shard``: the flat parameter itself is this rank's shard.
-        local_shard = getattr(flat, "_local_shard", flat)
-        resharded = flat.data_ptr() == local_shard.data_ptr()
-        if handle.uses_sharded_strategy and hasattr(flat, "_full_param_padded"):
-            resharded = resharded and flat._full_param_padded.untyped_storage().size() == 0
+        # Before the first forward (lazy init) a flat parameter already holds its
+        # shard but has no ``_local_shard`` / ``_full_param_padded`` yet; NO_SHARD
+        # never gets them (the flat parameter is the shard).
+        local = getattr(flat, "_local_shard", flat)
+        resharded = flat.data_ptr() == local.data_ptr()
+        padded = getattr(flat, "_full_param_padded", None)
+        if handle.uses_sharded_strategy and padded is not None:
+            resharded = resharded and padded.untyped_storage().size() == 0
         return UnitInfo(
             fqn=fqn,
             module=unit,
             shard_group=unit.process_group,
             replicate_group=inter if hybrid else None,
             compute_device=unit.compute_device,
-            local_shards=[local_shard],
+            local_shards=[local],
             local_grads=[flat.grad],
             resharded=resharded,
         )

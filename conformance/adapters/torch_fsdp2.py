@@ -83,7 +83,8 @@ class TorchFSDP2Adapter:
             "reshard_after_forward": spec.strategy not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"),
         }
         if spec.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            # Pinned host memory needs an accelerator; without one, offload unpinned.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         if spec.ignored_modules:
             kwargs["ignored_params"] = {p for m in spec.ignored_modules for p in m.parameters()}
         kwargs.update(spec.extra)

@@ -1,0 +1,273 @@
+"""checkpoint: activation checkpointing and activation offload compose with units.
+
+torch's ``checkpoint_wrapper`` / ``offload_wrapper`` and
+``torch.utils.checkpoint`` are placed outside units, inside them, or around a
+whole unit; every placement must train exactly like the model without them.
+
+[Note: save-on-CPU spy]
+"Activations really were offloaded" is checked on the hook the offload wrapper
+itself calls: ``OffloadWrapper.forward`` enters the ``save_on_cpu`` it finds as
+a global of ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``.
+:func:`spy_save_on_cpu` swaps that global for one that builds the real hooks
+and counts, per calling thread, the tensors its pack hook moves. Thread ranks
+share the module, so the swap is reference-counted under a lock and the counts
+are keyed by thread; a count above zero means autograd packed activations
+through the wrapper's hook, not merely that the wrapper was constructed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ckpt_wrapper_module
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+    offload_wrapper,
+)
+from torch.utils.checkpoint import checkpoint
+
+from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
+from conformance.case import case
+from fixtures.checkpointing import FFN, CheckpointBlock, CheckpointTower, ffn_layers
+from fixtures.parity import assert_close_named, assert_close_seq
+from fixtures.seeding import generator, rank_seed
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+# -- the save-on-CPU spy ([Note: save-on-CPU spy]) -------------------------------------------
+_spy_lock = threading.Lock()
+_spy_depth = 0
+_spy_original: Callable[..., Any] | None = None
+_packed: dict[int, int] = {}
+
+
+def _counting_save_on_cpu(*args: Any, **kwargs: Any) -> Any:
+    assert _spy_original is not None
+    hooks = _spy_original(*args, **kwargs)
+    pack = hooks.pack_hook
+
+    def counting_pack(tensor: torch.Tensor) -> Any:
+        ident = threading.get_ident()
+        _packed[ident] = _packed.get(ident, 0) + 1
+        return pack(tensor)
+
+    hooks.pack_hook = counting_pack
+    return hooks
+
+
+@contextlib.contextmanager
+def spy_save_on_cpu() -> Iterator[Callable[[], int]]:
+    """Count this thread's activations packed by the offload wrapper; yields a reader."""
+    global _spy_depth, _spy_original
+    with _spy_lock:
+        if _spy_depth == 0:
+            _spy_original = ckpt_wrapper_module.save_on_cpu
+            ckpt_wrapper_module.save_on_cpu = _counting_save_on_cpu  # type: ignore[misc,assignment]
+        _spy_depth += 1
+    ident = threading.get_ident()
+    _packed[ident] = 0
+    try:
+        yield lambda: _packed[ident]
+    finally:
+        with _spy_lock:
+            _spy_depth -= 1
+            if _spy_depth == 0:
+                ckpt_wrapper_module.save_on_cpu = _spy_original  # type: ignore[misc,assignment]
+                _spy_original = None
+        _packed.pop(ident, None)
+
+
+# -- shared pieces ---------------------------------------------------------------------------
+def _requires(params: Mapping[str, Any]) -> list[Capability]:
+    needs = [] if params["use_orig_params"] else [Capability.FLAT_PARAM]
+    if params["cpu_offload"]:
+        needs.append(Capability.CPU_OFFLOAD)
+    return needs
+
+
+def _grid(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """cpu_offload (parameters) x offload_activations x use_orig_params, as the seed."""
+    fn = pytest.mark.parametrize("use_orig_params", [False, True])(fn)
+    fn = pytest.mark.parametrize("offload_activations", [True, False])(fn)
+    return pytest.mark.parametrize("cpu_offload", [True, False])(fn)
+
+
+def _layers() -> list[nn.Module]:
+    """The three seed-0 linears every model in a case starts from (equal values each call)."""
+    return list(ffn_layers(seed=0))
+
+
+def _activation_wrapper(offload_activations: bool) -> Callable[[nn.Module], nn.Module]:
+    return offload_wrapper if offload_activations else checkpoint_wrapper
+
+
+def _input(ctx: RankContext) -> torch.Tensor:
+    # Reentrant checkpointing needs an input that requires grad.
+    return (
+        torch.randn(10, 3, generator=generator(rank_seed(0, ctx.rank)))
+        .to(ctx.device)
+        .requires_grad_()
+    )
+
+
+def _assert_same_step(
+    ctx: RankContext,
+    step: int,
+    names: list[str],
+    results: list[tuple[torch.Tensor, torch.Tensor]],
+    models: list[nn.Module],
+) -> None:
+    """Every model's loss, output and accumulated grads equal the first model's, exactly."""
+    ref_loss, ref_out = results[0]
+    ref_grads = [p.grad for p in models[0].parameters()]
+    for name, (loss, out), model in zip(names[1:], results[1:], models[1:], strict=True):
+        label = f"rank {ctx.rank} iteration {step}: {name} vs {names[0]}"
+        assert_close_seq(
+            [loss, out], [ref_loss, ref_out], what=f"{label} (loss, output)", exact=True
+        )
+        assert_close_seq(
+            [p.grad for p in model.parameters()], ref_grads, what=f"{label} grads", exact=True
+        )
+
+
+def _check_offload(ctx: RankContext, step: int, name: str, packed: int, expect: bool) -> None:
+    if expect:
+        assert packed > 0, (
+            f"rank {ctx.rank} iteration {step}: {name} offloads activations but packed none "
+            "through the offload wrapper's save_on_cpu"
+        )
+    else:
+        assert packed == 0, (
+            f"rank {ctx.rank} iteration {step}: {name} packed {packed} activations; expected none"
+        )
+
+
+# -- cases -------------------------------------------------------------------------------------
+@case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires)
+@_grid
+def test_checkpoint_fsdp_wrapping(
+    ctx: RankContext,
+    impl: FSDPAdapter,
+    cpu_offload: bool,
+    offload_activations: bool,
+    use_orig_params: bool,
+) -> None:
+    spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
+    wrapper = _activation_wrapper(offload_activations)
+
+    def unit(layer: nn.Module) -> nn.Module:
+        return impl.wrap(layer, spec)
+
+    models = {
+        "wrapper outside units": wrapper(FFN(_layers(), unit)),
+        "wrapper inside each unit": FFN(_layers(), lambda layer: unit(wrapper(layer))),
+        "units only": FFN(_layers(), unit),
+    }
+    names, modules = list(models), list(models.values())
+    inp = _input(ctx)
+    with spy_save_on_cpu() as packed:
+        for step in range(2):
+            results = []
+            for name, model in models.items():
+                before = packed()
+                out = model(inp)
+                if step == 0:
+                    _check_offload(
+                        ctx,
+                        step,
+                        name,
+                        packed() - before,
+                        expect=offload_activations and name != "units only",
+                    )
+                loss = out.sum()
+                loss.backward()
+                results.append((loss.detach(), out.detach()))
+            _assert_same_step(ctx, step, names, results, modules)
+
+
+@case("checkpoint/basic_checkpoint_end_to_end", world_size=2, requires=_requires)
+@_grid
+def test_basic_checkpoint_end_to_end(
+    ctx: RankContext,
+    impl: FSDPAdapter,
+    cpu_offload: bool,
+    offload_activations: bool,
+    use_orig_params: bool,
+) -> None:
+    spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
+    wrapper = _activation_wrapper(offload_activations)
+    seq = FFN(_layers())
+    models = {
+        "unit only": impl.wrap(copy.deepcopy(seq), spec),
+        "wrapper(unit)": wrapper(impl.wrap(copy.deepcopy(seq), spec)),
+        "unit(wrapper)": impl.wrap(wrapper(copy.deepcopy(seq)), spec),
+        "checkpoint(unit), reentrant": impl.wrap(copy.deepcopy(seq), spec),
+    }
+    names, modules = list(models), list(models.values())
+    through_wrapper = {"wrapper(unit)", "unit(wrapper)"}
+    inp = _input(ctx)
+    with spy_save_on_cpu() as packed:
+        for step in range(6):
+            results = []
+            for name, model in models.items():
+                before = packed()
+                if name.startswith("checkpoint("):
+                    # Offload here is the caller's own save_on_cpu, not the wrapper's hook.
+                    offload = (
+                        torch.autograd.graph.save_on_cpu(pin_memory=True)
+                        if offload_activations
+                        else contextlib.nullcontext()
+                    )
+                    with offload:
+                        out = checkpoint(model, inp, use_reentrant=True)
+                else:
+                    out = model(inp)
+                if step == 0:
+                    _check_offload(
+                        ctx,
+                        step,
+                        name,
+                        packed() - before,
+                        expect=offload_activations and name in through_wrapper,
+                    )
+                loss = out.sum()
+                loss.backward()
+                results.append((loss.detach(), out.detach()))
+            _assert_same_step(ctx, step, names, results, modules)
+
+
+@case("checkpoint/checkpoint_submodule", world_size=2)
+@pytest.mark.parametrize("use_reentrant", [False])
+def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant: bool) -> None:
+    model = CheckpointTower(seed=0, use_reentrant=use_reentrant)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.enable_checkpointing()
+    blocks = [m for m in checkpointed.modules() if isinstance(m, CheckpointBlock)]
+    assert len(blocks) == 4 and all(b.checkpoint for b in blocks), (
+        "enable_checkpointing missed a block"
+    )
+    spec = WrapSpec(strategy="NO_SHARD")
+    for tower in (model, checkpointed):
+        tower.stage1 = impl.wrap(tower.stage1, spec)  # type: ignore[assignment]
+        tower.stage2 = impl.wrap(tower.stage2, spec)  # type: ignore[assignment]
+    x = torch.randn(2, 32, generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
+    model(x).sum().backward()
+    checkpointed(x).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values()), (
+        f"unused parameters: {[n for n, g in grads.items() if g is None]}"
+    )
+    assert_close_named(
+        {n: p.grad for n, p in checkpointed.named_parameters()},
+        grads,
+        what=f"rank {ctx.rank}: grads with non-reentrant checkpoint vs without",
+        exact=True,
+    )
