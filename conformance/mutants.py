@@ -20,7 +20,7 @@ from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
 __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBackward",
-           "NoSyncModuleStates", "NoExecOrderCheck"]
+           "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -116,7 +116,28 @@ class NoExecOrderCheck(_Mutant):
         exec_order.checking_enabled = lambda: False
 
 
+class NoRegatherForRecompute(_Mutant):
+    """Recomputing a checkpointed forward inside backward reuses whatever parameter storage is there."""
+
+    name = "mutant-no-regather-for-recompute"
+    breaks = "unsharding before activation-checkpoint recomputation"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.unit as unit_mod
+
+        if getattr(unit_mod, "_mutant_recompute_patched", False):  # noqa: B009
+            return
+        pre_forward = unit_mod._pre_forward
+
+        def pre_forward_without_regather(unit: Any, state: Any, recompute: bool) -> None:
+            if not recompute:
+                pre_forward(unit, state, recompute)
+
+        unit_mod._pre_forward = pre_forward_without_regather
+        setattr(unit_mod, "_mutant_recompute_patched", True)  # noqa: B010
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
-                              NoSyncModuleStates, NoExecOrderCheck)
+                              NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute)
 }

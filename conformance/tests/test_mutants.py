@@ -31,15 +31,20 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",),
     ),
     "mutant-wrong-replicate-group": (
-        "cpu_training_parity_vs_ddp and HYBRID", "thread",
-        ("misc/cpu_training_parity_vs_ddp[HYBRID_SHARD]", "misc/cpu_training_parity_vs_ddp[_HYBRID_SHARD_ZERO2]"),
+        "HYBRID and (cpu_training_parity_vs_ddp or basic_setup or parity_with_fsdp)", "thread",
+        ("misc/cpu_training_parity_vs_ddp[HYBRID_SHARD]", "misc/cpu_training_parity_vs_ddp[_HYBRID_SHARD_ZERO2]",
+         "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
+    ),
+    "mutant-no-regather-for-recompute": (
+        "basic_checkpoint_end_to_end", "thread", ("checkpoint/basic_checkpoint_end_to_end",),
     ),
     "mutant-no-reshard-after-backward": (
         "not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",),
     ),
     "mutant-no-sync-module-states": (
-        "same_model_across_ranks or cpu_init_with_sync_module_states_cpu", "thread",
-        ("misc/same_model_across_ranks", "misc/cpu_init_with_sync_module_states_cpu"),
+        "same_model_across_ranks or sync_module_states", "thread",
+        ("misc/same_model_across_ranks", "misc/cpu_init_with_sync_module_states_cpu",
+         "hybrid_shard/sync_module_states"),
     ),
 }
 
