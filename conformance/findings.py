@@ -13,6 +13,11 @@ __all__ = ["KNOWN", "annotate"]
 KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp1", "misc/same_model_across_ranks"): "docs/findings/fsdp1-sync-module-states-cpu.md",
     ("torch-fsdp1", "misc/cpu_init_with_sync_module_states_cpu"): "docs/findings/fsdp1-sync-module-states-cpu.md",
+    ("torch-fsdp1", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
+    ("torch-fsdp2", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
+    ("torch-fsdp1", "hybrid_shard/basic_setup"): "docs/findings/fsdp1-hybrid-cpu.md",
+    ("torch-fsdp1", "hybrid_shard/sync_module_states"): "docs/findings/fsdp1-sync-module-states-cpu.md",
+    ("torch-fsdp1", "checkpoint/"): "docs/findings/fsdp1-cpu-offload-pinning.md",
 }
 
 

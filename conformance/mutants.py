@@ -20,7 +20,8 @@ from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
 __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBackward",
-           "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute"]
+           "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute",
+           "NoPrefetch"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -137,7 +138,20 @@ class NoRegatherForRecompute(_Mutant):
         setattr(unit_mod, "_mutant_recompute_patched", True)  # noqa: B010
 
 
+class NoPrefetch(_Mutant):
+    """Ignores forward/backward prefetch requests: every all-gather is issued when its unit runs."""
+
+    name = "mutant-no-prefetch"
+    breaks = "prefetching (communication/compute overlap)"
+
+    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
+        from dataclasses import replace
+
+        return replace(spec, forward_prefetch=False, backward_prefetch=None)
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
-                              NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute)
+                              NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute,
+                              NoPrefetch)
 }

@@ -59,7 +59,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--timing-repeats",
         type=int,
-        default=5,
+        default=3,
         metavar="N",
         help="repetitions of each timed region in overlap cases (median is used)",
     )
@@ -70,6 +70,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "conformance(spec): a conformance case (added by conformance.case)"
     )
     config.stash[RESULTS_KEY] = []
+    # Case bodies run in rank processes; the repeat count reaches them through the environment.
+    os.environ["FSDP_CONFORMANCE_TIMING_REPEATS"] = str(config.getoption("--timing-repeats"))
     selected_impls(config)  # a bad --fsdp-impl is a usage error before collection
 
 
@@ -168,6 +170,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     mode = next((params.pop(k) for k in _RANK_MODE_PARAMS if k in params), "process")
     label = "-".join(str(v) for v in params.values())
     case_id = f"{spec.id}[{label}]" if label else spec.id
+    reported = _reported(item)
+    if state.outcome == "pass" and reported.get("reason"):
+        state.reason = str(reported["reason"])
     result = Result(
         case=case_id,
         impl=getattr(impl, "name", "?"),
@@ -176,6 +181,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         outcome=state.outcome,
         reason=annotate(getattr(impl, "name", "?"), case_id, state.reason) if state.outcome == "FAIL" else state.reason,
         duration_s=round(time.perf_counter() - state.started, 3),
+        metrics=dict(reported.get("metrics", {})),
     )
     item.config.stash[RESULTS_KEY].append(result)
     if item.config.getoption("--conformance-progress"):
@@ -219,6 +225,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
         Path(md_path).write_text(render_markdown(results))
+
+
+def _reported(item: pytest.Item) -> dict[str, Any]:
+    """What rank 0's case body returned, when it returned a dict (reason, metrics)."""
+    from harness.pytest_plugin import RANK_VALUES
+
+    values = item.stash.get(RANK_VALUES, None)
+    return values[0] if values and isinstance(values[0], dict) else {}
 
 
 def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:

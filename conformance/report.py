@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = ["OUTCOMES", "Result", "render_matrix", "render_markdown", "summary_line", "write_json"]
@@ -24,6 +24,8 @@ class Result:
     outcome: str
     reason: str
     duration_s: float
+    #: Numbers a case reports (e.g. overlap efficiency); empty for most cases.
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

@@ -27,7 +27,10 @@ from typing import Any
 
 import pytest
 
-__all__ = ["POOL_START_MARGIN_S", "selected_modes"]
+__all__ = ["POOL_START_MARGIN_S", "RANK_VALUES", "selected_modes"]
+
+#: Per-rank return values of the last run of a ``ranks`` test (for plugins that report them).
+RANK_VALUES = pytest.StashKey[list[Any]]()
 
 POOL_START_MARGIN_S = 120.0
 _CHOICES = ("process", "thread", "both")
@@ -137,7 +140,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     options = _marker_kwargs(marker)
     argnames = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name not in ("ctx", "rank_mode")}
-    harness.run(
+    pyfuncitem.stash[RANK_VALUES] = harness.run(
         pyfuncitem.obj,
         world_size=options["world_size"],
         mode=str(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),

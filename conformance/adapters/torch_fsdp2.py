@@ -40,8 +40,6 @@ class TorchFSDP2Adapter:
     capabilities = frozenset(
         {
             Capability.HYBRID_VIA_PG_TUPLE,
-            Capability.FORWARD_PREFETCH,
-            Capability.BACKWARD_PREFETCH,
             Capability.POST_OPTIM_EVENT,
             Capability.CPU_OFFLOAD,
             Capability.IGNORED_MODULES,

@@ -35,6 +35,8 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("misc/cpu_training_parity_vs_ddp[HYBRID_SHARD]", "misc/cpu_training_parity_vs_ddp[_HYBRID_SHARD_ZERO2]",
          "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
     ),
+    # The timing case's negative control: the same model without prefetch exceeds the bound.
+    "mutant-no-prefetch": ("training_overlap", "process", ("overlap/training_overlap",)),
     "mutant-no-regather-for-recompute": (
         "basic_checkpoint_end_to_end", "thread", ("checkpoint/basic_checkpoint_end_to_end",),
     ),

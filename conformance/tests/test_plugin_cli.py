@@ -72,7 +72,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     assert rows[("demo/needs_capability", "reference", "process")]["outcome"] == "pass"
     gpu = rows[("demo/needs_gpus", "reference", "thread")]
     assert gpu["outcome"] == "skip" and gpu["reason"] == "needs 2 accelerators, found 0"
-    assert all(set(r) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s"}
+    assert all(set(r) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics"}
                for r in rows.values())
     result.stdout.fnmatch_lines(["*conformance matrix*", "case * reference/process*", "conformance: *FAIL*"])
     assert "| `demo/needs_capability` |" in md.read_text()

@@ -50,7 +50,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
     write_json(RESULTS, path)
     rows = json.loads(path.read_text())
     assert [r["outcome"] for r in rows] == ["pass", "n/a", "skip", "FAIL"]
-    assert set(rows[0]) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s"}
+    assert set(rows[0]) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics"}
 
 
 def test_unknown_outcome_is_rejected() -> None:

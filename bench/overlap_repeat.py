@@ -1,0 +1,62 @@
+"""Repeat the overlap case and its negative control; print pass counts and the spread.
+
+Runs ``overlap/training_overlap``'s measurement for the reference (prefetch on)
+and the no-prefetch control ``--runs`` times each on process ranks, alternating
+so both see the same machine load, and applies the case's bounds
+([Note: overlap timing] in ``conformance/cases/test_overlap.py``). Acceptance:
+the reference passes every run and the control fails every run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import harness
+from bench._common import base_parser, median, print_table, write_json
+from conformance import registry
+from conformance.cases import test_overlap as overlap
+
+
+def _rank(ctx: Any, impl_name: str, prefetch: bool) -> tuple[float, float]:
+    fwd_ms, fwd_bwd_ms, _ = overlap._measure(ctx, registry.load(impl_name), prefetch)
+    return fwd_ms, fwd_bwd_ms
+
+
+def _within(fwd_ms: float, fwd_bwd_ms: float) -> bool:
+    return fwd_ms <= overlap.FWD_BOUND_MS and fwd_bwd_ms <= overlap.FWD_BWD_BOUND_MS
+
+
+def main() -> None:
+    parser = base_parser("overlap_repeat", __doc__)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--impl", default="reference")
+    parser.add_argument("--timing-repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ[overlap.REPEATS_ENV] = str(args.timing_repeats)
+    runs: dict[str, list[list[tuple[float, float]]]] = {"prefetch": [], "control": []}
+    try:
+        for i in range(args.runs):
+            for label, prefetch in (("prefetch", True), ("control", False)):
+                per_rank = harness.run(_rank, world_size=2, args=(args.impl, prefetch), timeout_s=600)
+                runs[label].append(per_rank)
+                ok = all(_within(*r) for r in per_rank)
+                print(f"run {i + 1:2d} {label:8s} {'within bounds' if ok else 'exceeds bounds':14s} "
+                      + "  ".join(f"rank{r}: fwd {f:.0f} fwd+bwd {b:.0f} ms" for r, (f, b) in enumerate(per_rank)),
+                      flush=True)
+    finally:
+        harness.shutdown_pools()
+    rows = []
+    for label, results in runs.items():
+        passes = sum(all(_within(*r) for r in per_rank) for per_rank in results)
+        fwd = [f / overlap.FWD_BOUND_MS for per_rank in results for f, _ in per_rank]
+        both = [b / overlap.FWD_BWD_BOUND_MS for per_rank in results for _, b in per_rank]
+        rows.append([label, f"{passes}/{len(results)}", min(fwd), median(fwd), max(fwd),
+                     min(both), median(both), max(both)])
+    print_table(["variant", "within bounds", "fwd/bound min", "median", "max", "fwd+bwd/bound min", "median",
+                 "max"], rows)
+    write_json(args.json, {"impl": args.impl, "scale": overlap.SCALE, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()

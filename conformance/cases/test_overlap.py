@@ -1,0 +1,231 @@
+"""overlap: communication hides behind compute, and a non-overlapping run is detected.
+
+[Note: overlap timing]
+Three units of ``LinearWithSleep`` (forward sleeps ``compute_ms``, backward
+``2 * compute_ms``); every collective is delayed by ``comm_ms``: on CPU by the
+harness's communication worker ([Note: communication worker]), on GPU by a
+device sleep on a side stream, as in the seed. The seed's GPU numbers
+(compute 25 ms, comm 10 ms, buffer 2 ms per pass) are multiplied by one factor,
+:data:`SCALE`, so that timer and scheduler jitter on a loaded CPU box stays
+inside the buffer; the ratios are the seed's. Bounds:
+
+- forward <= comm + 3 * compute + buffer (only the first all-gather is exposed);
+- forward + backward <= that + 2 * comm + 6 * compute + 2 * buffer.
+
+Each pass is timed ``--timing-repeats`` times after a warm-up step (which
+also records the order prefetching follows); the median is compared. Every
+rank checks its own time. Efficiency = ideal time (the bound without buffers)
+/ measured median, reported in the matrix reason.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.case import case
+from fixtures.timing import LinearWithSleep
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+SCALE = 16
+COMPUTE_MS, COMM_MS, BUFFER_MS = 25.0 * SCALE, 10.0 * SCALE, 2.0 * SCALE
+FWD_IDEAL_MS = COMM_MS + 3 * COMPUTE_MS
+FWD_BOUND_MS = FWD_IDEAL_MS + BUFFER_MS
+FWD_BWD_IDEAL_MS = FWD_IDEAL_MS + 2 * COMM_MS + 6 * COMPUTE_MS
+FWD_BWD_BOUND_MS = FWD_BOUND_MS + 2 * COMM_MS + 6 * COMPUTE_MS + 2 * BUFFER_MS
+REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
+
+
+def _repeats() -> int:
+    return int(os.environ.get(REPEATS_ENV, "3"))
+
+
+def _model(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> nn.Module:
+    layers = nn.Sequential(*[LinearWithSleep(4, COMPUTE_MS, seed=i) for i in range(3)])
+    spec = WrapSpec(
+        strategy="FULL_SHARD",
+        auto_wrap=AutoWrap((LinearWithSleep,)),
+        use_orig_params=True,
+        forward_prefetch=prefetch,
+        backward_prefetch="BACKWARD_PRE" if prefetch else None,
+        device_id=ctx.device if ctx.device.type == "cuda" else None,
+    )
+    return impl.wrap(layers.to(ctx.device), spec)
+
+
+class _Timer:
+    """Times passes under delayed communication, on CPU (worker thread) or GPU (side stream)."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+        self.worker: Any = None
+
+    def __enter__(self) -> _Timer:
+        if self.ctx.device.type == "cuda":
+            self._gpu = _GpuDelay(self.ctx)
+            self._gpu.__enter__()
+        else:
+            from harness.comm_worker import comm_worker
+
+            self._cm = comm_worker(COMM_MS)
+            self.worker = self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx.device.type == "cuda":
+            self._gpu.__exit__(*exc)
+        else:
+            self._cm.__exit__(*exc)
+
+    def median_ms(self, fn: Callable[[], None]) -> float:
+        samples = []
+        for _ in range(_repeats()):
+            self._sync()
+            start = time.perf_counter()
+            fn()
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    def _sync(self) -> None:
+        if self.worker is not None:
+            self.worker.drain()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.ctx.barrier()
+
+
+class _GpuDelay:
+    """The seed's GPU delay: sleep on a side stream before every all-gather / reduce-scatter."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        from fixtures.timing import device_sleep
+        from harness.recorder import patch_collectives
+
+        stream = torch.cuda.Stream()
+
+        def delayed(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    device_sleep(COMM_MS, self.ctx.device)
+                torch.cuda.current_stream().wait_stream(stream)
+            return fn(*args, **kwargs)
+
+        self._patch = patch_collectives(delayed)
+        self._patch.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._patch.__exit__(*exc)
+
+
+def _measure(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> tuple[float, float, str]:
+    model = _model(ctx, impl, prefetch)
+    inp = torch.randn(2, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+
+    def fwd() -> None:
+        model(inp)
+
+    def fwd_bwd() -> None:
+        model(inp).sum().backward()
+
+    with _Timer(ctx) as timer:
+        fwd_bwd()  # warm-up: lazy init, recorded order for prefetching
+        fwd_ms = timer.median_ms(fwd)
+        fwd_bwd_ms = timer.median_ms(fwd_bwd)
+        trace = timer.worker.render() if timer.worker is not None else ""
+    return fwd_ms, fwd_bwd_ms, trace
+
+
+def _summary(fwd_ms: float, fwd_bwd_ms: float) -> str:
+    return (f"forward {fwd_ms:.0f} ms (bound {FWD_BOUND_MS:.0f}), forward+backward {fwd_bwd_ms:.0f} ms "
+            f"(bound {FWD_BWD_BOUND_MS:.0f}), efficiency {FWD_BWD_IDEAL_MS / fwd_bwd_ms:.2f}")
+
+
+@case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300)
+def test_training_overlap(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+    # Process ranks only: thread ranks share one GIL-bound process and the worker
+    # thread cannot resolve a thread rank's process group ([Note: communication worker]).
+    fwd_ms, fwd_bwd_ms, trace = _measure(ctx, impl, prefetch=True)
+    summary = _summary(fwd_ms, fwd_bwd_ms)
+    late = "\n".join(trace.splitlines()[-12:])
+    assert fwd_ms <= FWD_BOUND_MS, f"rank {ctx.rank}: forward does not overlap: {summary}\n{late}"
+    assert fwd_bwd_ms <= FWD_BWD_BOUND_MS, f"rank {ctx.rank}: backward does not overlap: {summary}\n{late}"
+    return {"reason": summary, "metrics": {"forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms,
+                                           "efficiency": FWD_BWD_IDEAL_MS / fwd_bwd_ms}}
+
+
+@case(
+    "overlap/no_overlap_detected",
+    world_size=2,
+    modes=("process",),
+    timeout_s=300,
+    requires=[Capability.FORWARD_PREFETCH, Capability.BACKWARD_PREFETCH],
+)
+def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+    """Negative control: with prefetching off, the same model must exceed the forward bound."""
+    fwd_ms, fwd_bwd_ms, _ = _measure(ctx, impl, prefetch=False)
+    summary = _summary(fwd_ms, fwd_bwd_ms)
+    assert fwd_ms > FWD_BOUND_MS, f"rank {ctx.rank}: the bound cannot fail, it is too loose: {summary}"
+    return {"reason": f"without prefetch: {summary}", "metrics": {"forward_ms": fwd_ms,
+                                                                  "forward_backward_ms": fwd_bwd_ms}}
+
+
+@case(
+    "overlap/post_optim_event_overlap",
+    world_size=2,
+    modes=("process",),
+    accelerators=2,
+    timeout_s=300,
+    requires=[Capability.POST_OPTIM_EVENT],
+)
+def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """With a post-optimizer event the next step's all-gather overlaps the optimizer step (GPU)."""
+    from fixtures.timing import device_sleep
+
+    model = nn.Sequential(LinearWithSleep(4, COMPUTE_MS / SCALE), nn.Linear(4, 4)).to(ctx.device)
+    model[1] = impl.wrap(model[1], WrapSpec(strategy="SHARD_GRAD_OP", use_orig_params=True, device_id=ctx.device))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inp = torch.randn(2, 4, device=ctx.device)
+    comm_ms, compute_ms, buffer_ms, steps = COMM_MS / SCALE, COMPUTE_MS / SCALE, 4.0, 5
+    from harness.recorder import patch_collectives
+
+    def delayed(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if op == "all_gather_into_tensor":
+            device_sleep(comm_ms, ctx.device)
+        return fn(*args, **kwargs)
+
+    def train(use_event: bool) -> float:
+        torch.cuda.synchronize()
+        ctx.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            optim.zero_grad()
+            with patch_collectives(delayed, barrier=False):
+                loss = model(inp).sum()
+            loss.backward()
+            optim.step()
+            if use_event:
+                model[1].set_post_optim_event(torch.cuda.current_stream().record_event())
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    train(False)
+    baseline, with_event = train(False), train(True)
+    assert baseline <= steps * (3 * compute_ms + comm_ms + buffer_ms)
+    expected = steps * (3 * compute_ms + buffer_ms) + comm_ms
+    assert with_event <= expected, f"{with_event:.1f} ms > {expected:.1f} ms"
+    assert baseline > expected, f"baseline {baseline:.1f} ms does not exceed {expected:.1f} ms"
