@@ -60,3 +60,12 @@ def test_unknown_outcome_is_rejected() -> None:
 
 def test_empty_matrix() -> None:
     assert render_matrix([]) == "(no conformance results)"
+
+
+def test_summary_counts_outcomes_per_area_and_lists_failures() -> None:
+    from conformance.summarize import summarize
+
+    text = summarize(RESULTS)
+    assert "| exec_order | 1 pass, 1 FAIL | 1 n/a |" in text
+    assert "| misc | 1 skip | - |" in text
+    assert "- `exec_order/invalid_first_iter_order` on reference: AssertionError: no matching UserWarning" in text
