@@ -21,7 +21,7 @@ from conformance.adapters.reference import ReferenceAdapter
 
 __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBackward",
            "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute",
-           "NoPrefetch"]
+           "NoPrefetch", "ChecksEvalForwards", "Silent"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -150,8 +150,46 @@ class NoPrefetch(_Mutant):
         return replace(spec, forward_prefetch=False, backward_prefetch=None)
 
 
+class ChecksEvalForwards(_Mutant):
+    """Validates (and records) the all-gather order of eval-mode forwards as if they were training."""
+
+    name = "mutant-checks-eval-forwards"
+    breaks = "skipping order checks for eval forwards"
+
+    def _patch_globally(self) -> None:
+        from fsdp_impl.exec_order import ExecOrderData
+
+        if getattr(ExecOrderData, "_mutant_patched", False):  # noqa: B009
+            return
+        record = ExecOrderData.record_pre_forward
+
+        def record_always_training(data: Any, unit: Any, is_training: bool) -> None:
+            record(data, unit, True)
+
+        ExecOrderData.record_pre_forward = record_always_training  # type: ignore[method-assign]
+        setattr(ExecOrderData, "_mutant_patched", True)  # noqa: B010
+
+
+class Silent(_Mutant):
+    """Never warns (container, world-size-1 switch, execution order): user-facing warnings lost."""
+
+    name = "mutant-silent"
+    breaks = "user-facing warnings"
+
+    def _patch_globally(self) -> None:
+        import types
+
+        import fsdp_impl.exec_order
+        import fsdp_impl.fully_sharded_data_parallel
+        import fsdp_impl.init
+
+        quiet = types.SimpleNamespace(warn=lambda *args, **kwargs: None)
+        for module in (fsdp_impl.exec_order, fsdp_impl.fully_sharded_data_parallel, fsdp_impl.init):
+            module.warnings = quiet  # type: ignore[attr-defined]
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
                               NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute,
-                              NoPrefetch)
+                              NoPrefetch, ChecksEvalForwards, Silent)
 }

@@ -35,6 +35,12 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("misc/cpu_training_parity_vs_ddp[HYBRID_SHARD]", "misc/cpu_training_parity_vs_ddp[_HYBRID_SHARD_ZERO2]",
          "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
     ),
+    "mutant-checks-eval-forwards": ("train_eval", "thread", ("exec_order/train_eval",)),
+    "mutant-silent": (
+        "unsupported_container_warning or world_size_1_no_shard_warning", "thread",
+        ("misc/unsupported_container_warning", "misc/world_size_1_no_shard_warning[FULL_SHARD",
+         "misc/world_size_1_no_shard_warning[SHARD_GRAD_OP", "misc/world_size_1_no_shard_warning[None"),
+    ),
     # The timing case's negative control: the same model without prefetch exceeds the bound.
     "mutant-no-prefetch": ("training_overlap", "process", ("overlap/training_overlap",)),
     "mutant-no-regather-for-recompute": (
