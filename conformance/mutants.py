@@ -166,7 +166,7 @@ class ChecksEvalForwards(_Mutant):
         def record_always_training(data: Any, unit: Any, is_training: bool) -> None:
             record(data, unit, True)
 
-        ExecOrderData.record_pre_forward = record_always_training  # type: ignore[method-assign]
+        ExecOrderData.record_pre_forward = record_always_training  # type: ignore[method-assign,assignment]
         setattr(ExecOrderData, "_mutant_patched", True)  # noqa: B010
 
 
