@@ -219,7 +219,8 @@ def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
             loss.backward()
             optim.step()
             if use_event:
-                model[1].set_post_optim_event(torch.cuda.current_stream().record_event())
+                tail: Any = model[1]  # an FSDP2 module (Capability.POST_OPTIM_EVENT)
+                tail.set_post_optim_event(torch.cuda.current_stream().record_event())
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
