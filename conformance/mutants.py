@@ -21,7 +21,8 @@ from conformance.adapters.reference import ReferenceAdapter
 
 __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBackward",
            "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute",
-           "NoPrefetch", "ChecksEvalForwards", "Silent"]
+           "NoPrefetch", "ChecksEvalForwards", "Silent",
+           "LenientHybridGroups", "NoHomogeneityCheck"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -188,8 +189,45 @@ class Silent(_Mutant):
             module.warnings = quiet  # type: ignore[attr-defined]
 
 
+class LenientHybridGroups(_Mutant):
+    """Hybrid without usable groups silently falls back instead of raising (manual wrap, single group)."""
+
+    name = "mutant-lenient-hybrid-groups"
+    breaks = "hybrid process-group argument checks"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.init as init
+
+        if getattr(init, "_mutant_patched", False):  # noqa: B009
+            return
+        strict = init._hybrid_groups
+
+        def lenient(process_group: Any, strategy: Any, mesh: Any, auto_wrapping: bool) -> Any:
+            if process_group is None and mesh is None:
+                return init._auto_hybrid_groups(init.ranks_per_node())
+            if process_group is not None and not isinstance(process_group, tuple):
+                return init.Groups(process_group, None)
+            return strict(process_group, strategy, mesh, auto_wrapping)
+
+        init._hybrid_groups = lenient
+        setattr(init, "_mutant_patched", True)  # noqa: B010
+
+
+class NoHomogeneityCheck(_Mutant):
+    """Units that disagree on use_orig_params / limit_all_gathers / full-precision eval are accepted."""
+
+    name = "mutant-no-homogeneity-check"
+    breaks = "homogeneous-attribute validation"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.unit as unit_mod
+
+        unit_mod.HOMOGENEOUS_ATTRS = ()  # type: ignore[assignment]
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
                               NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute,
-                              NoPrefetch, ChecksEvalForwards, Silent)
+                              NoPrefetch, ChecksEvalForwards, Silent,
+                              LenientHybridGroups, NoHomogeneityCheck)
 }

@@ -41,6 +41,11 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("misc/unsupported_container_warning", "misc/world_size_1_no_shard_warning[FULL_SHARD",
          "misc/world_size_1_no_shard_warning[SHARD_GRAD_OP", "misc/world_size_1_no_shard_warning[None"),
     ),
+    "mutant-lenient-hybrid-groups": (
+        "manual_wrap_requires_pg or invalid_pg_specification", "thread",
+        ("hybrid_shard/manual_wrap_requires_pg", "hybrid_shard/invalid_pg_specification"),
+    ),
+    "mutant-no-homogeneity-check": ("homogeneous_attributes", "thread", ("misc/homogeneous_attributes",)),
     # The timing case's negative control: the same model without prefetch exceeds the bound.
     "mutant-no-prefetch": ("training_overlap", "process", ("overlap/training_overlap",)),
     "mutant-no-regather-for-recompute": (
