@@ -22,7 +22,8 @@ from conformance.adapters.reference import ReferenceAdapter
 __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBackward",
            "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute",
            "NoPrefetch", "ChecksEvalForwards", "Silent",
-           "LenientHybridGroups", "NoHomogeneityCheck"]
+           "LenientHybridGroups", "NoHomogeneityCheck",
+           "UnsafeSetattrIgnored", "HooksOnPlainTensorOutputsOnly", "ShardedLoadIgnored"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -225,9 +226,50 @@ class NoHomogeneityCheck(_Mutant):
         unit_mod.HOMOGENEOUS_ATTRS = ()  # type: ignore[assignment]
 
 
+class UnsafeSetattrIgnored(_Mutant):
+    """Ignores FSDP_USE_UNSAFE_SETATTR: always installs views through the module's ``__setattr__``."""
+
+    name = "mutant-unsafe-setattr-ignored"
+    breaks = "FSDP_USE_UNSAFE_SETATTR"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.flat_param as flat_param
+
+        flat_param.unsafe_setattr_enabled = lambda: False
+
+
+class HooksOnPlainTensorOutputsOnly(_Mutant):
+    """Registers backward hooks only when a unit returns a bare tensor (not tuples, namedtuples)."""
+
+    name = "mutant-hooks-on-plain-outputs-only"
+    breaks = "pre-backward hooks on every tensor of structured outputs"
+
+    def _patch_globally(self) -> None:
+        import torch
+
+        import fsdp_impl.unit as unit_mod
+
+        def plain_tensors_only(tree: Any, is_leaf: Any = None) -> Any:
+            return ([tree] if isinstance(tree, torch.Tensor) else [], None)
+
+        unit_mod.tree_flatten = plain_tensors_only  # type: ignore[assignment]
+
+
+class ShardedLoadIgnored(_Mutant):
+    """Accepts a SHARDED model state dict but leaves the parameters as they were."""
+
+    name = "mutant-sharded-load-ignored"
+    breaks = "loading sharded model state dicts"
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, Any], *, sharded: bool) -> None:
+        if not sharded:
+            super().load_state_dict(model, state, sharded=sharded)
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
                               NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute,
                               NoPrefetch, ChecksEvalForwards, Silent,
-                              LenientHybridGroups, NoHomogeneityCheck)
+                              LenientHybridGroups, NoHomogeneityCheck, UnsafeSetattrIgnored,
+                              HooksOnPlainTensorOutputsOnly, ShardedLoadIgnored)
 }

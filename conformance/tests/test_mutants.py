@@ -46,6 +46,13 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("hybrid_shard/manual_wrap_requires_pg", "hybrid_shard/invalid_pg_specification"),
     ),
     "mutant-no-homogeneity-check": ("homogeneous_attributes", "thread", ("misc/homogeneous_attributes",)),
+    "mutant-unsafe-setattr-ignored": (
+        "unsafe_setattr", "thread", ("misc/unsafe_setattr[False-1]", "misc/unsafe_setattr[True-1]"),
+    ),
+    "mutant-hooks-on-plain-outputs-only": ("namedtuple_outputs", "thread", ("misc/namedtuple_outputs",)),
+    "mutant-sharded-load-ignored": (
+        "sharded_state_dict_roundtrip", "process", ("hybrid_shard/sharded_state_dict_roundtrip",),
+    ),
     # The timing case's negative control: the same model without prefetch exceeds the bound.
     "mutant-no-prefetch": ("training_overlap", "process", ("overlap/training_overlap",)),
     "mutant-no-regather-for-recompute": (
