@@ -23,7 +23,8 @@ __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBack
            "NoSyncModuleStates", "NoExecOrderCheck", "NoRegatherForRecompute",
            "NoPrefetch", "ChecksEvalForwards", "Silent",
            "LenientHybridGroups", "NoHomogeneityCheck",
-           "UnsafeSetattrIgnored", "HooksOnPlainTensorOutputsOnly", "ShardedLoadIgnored"]
+           "UnsafeSetattrIgnored", "HooksOnPlainTensorOutputsOnly", "ShardedLoadIgnored",
+           "NoOptimInBackwardCheck", "ZeroGradForUnused"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -266,10 +267,60 @@ class ShardedLoadIgnored(_Mutant):
             super().load_state_dict(model, state, sharded=sharded)
 
 
+class NoOptimInBackwardCheck(_Mutant):
+    """Accepts optimizer-in-backward on flat parameters (the optimizer would never see them)."""
+
+    name = "mutant-no-optim-in-backward-check"
+    breaks = "rejecting optimizer-in-backward with use_orig_params=False"
+
+    def _patch_globally(self) -> None:
+        from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+        if getattr(FSDP, "_mutant_patched", False):  # noqa: B009
+            return
+        check = FSDP._check_ready_for_training
+
+        def check_without_optim_in_backward(unit: Any) -> None:
+            flat = unit._handle.flat_param if unit._handle is not None else None
+            if flat is not None and hasattr(flat, "_in_backward_optimizers"):
+                del flat._in_backward_optimizers
+            check(unit)
+
+        FSDP._check_ready_for_training = check_without_optim_in_backward  # type: ignore[method-assign]
+        setattr(FSDP, "_mutant_patched", True)  # noqa: B010
+
+
+class ZeroGradForUnused(_Mutant):
+    """Gives units that took no part in the loss a zero gradient instead of ``None``."""
+
+    name = "mutant-zero-grad-for-unused"
+    breaks = "grad None for parameters unused in forward"
+
+    def _patch_globally(self) -> None:
+        import torch
+
+        import fsdp_impl.unit as unit_mod
+
+        if getattr(unit_mod, "_mutant_zero_patched", False):  # noqa: B009
+            return
+        final = unit_mod._final_callback
+
+        def final_with_zero_grads(state: Any) -> None:
+            final(state)
+            for unit in state.units:
+                handle = unit._handle
+                if handle is not None and handle.sharded_grad() is None:
+                    handle.accumulate_sharded_grad(torch.zeros_like(handle.flat_param))
+
+        unit_mod._final_callback = final_with_zero_grads
+        setattr(unit_mod, "_mutant_zero_patched", True)  # noqa: B010
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
                               NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute,
                               NoPrefetch, ChecksEvalForwards, Silent,
                               LenientHybridGroups, NoHomogeneityCheck, UnsafeSetattrIgnored,
-                              HooksOnPlainTensorOutputsOnly, ShardedLoadIgnored)
+                              HooksOnPlainTensorOutputsOnly, ShardedLoadIgnored, NoOptimInBackwardCheck,
+                              ZeroGradForUnused)
 }

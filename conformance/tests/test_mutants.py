@@ -53,6 +53,10 @@ EXPECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mutant-sharded-load-ignored": (
         "sharded_state_dict_roundtrip", "process", ("hybrid_shard/sharded_state_dict_roundtrip",),
     ),
+    "mutant-no-optim-in-backward-check": (
+        "optim_in_backward_requires_orig_params", "thread", ("misc/optim_in_backward_requires_orig_params",),
+    ),
+    "mutant-zero-grad-for-unused": ("module_no_compute_grad", "thread", ("misc/module_no_compute_grad",)),
     # The timing case's negative control: the same model without prefetch exceeds the bound.
     "mutant-no-prefetch": ("training_overlap", "process", ("overlap/training_overlap",)),
     "mutant-no-regather-for-recompute": (
