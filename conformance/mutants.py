@@ -286,7 +286,7 @@ class NoOptimInBackwardCheck(_Mutant):
                 del flat._in_backward_optimizers
             check(unit)
 
-        FSDP._check_ready_for_training = check_without_optim_in_backward  # type: ignore[method-assign]
+        FSDP._check_ready_for_training = check_without_optim_in_backward  # type: ignore[method-assign,assignment]
         setattr(FSDP, "_mutant_patched", True)  # noqa: B010
 
 
