@@ -139,8 +139,17 @@ class FlatParamHandle:
             slot.registrations.append((module, name))
         return list(slots.values())
 
+    def _storage_device(self) -> torch.device:
+        """Where the sharded flat parameter lives: the CPU when offloading, else where the
+        module's parameters are. Never ``compute_device`` by itself: a CPU module wrapped
+        without ``device_id`` stays on the CPU (torch's contract) until the user moves it,
+        and the first forward reports it if they do not."""
+        if self.offload_params:
+            return torch.device("cpu")
+        return self.slots[0].param.device if self.slots else self.compute_device
+
     def _build_flat_param(self) -> nn.Parameter:
-        storage_device = torch.device("cpu") if self.offload_params else self.compute_device
+        storage_device = self._storage_device()
         with torch.no_grad():
             pieces = [slot.param.detach().reshape(-1).to(storage_device) for slot in self.slots]
             dtype = self.slots[0].param.dtype if self.slots else torch.float32

@@ -237,10 +237,13 @@ def place_module(
         raise RuntimeError(f"FSDP only supports single device modules but got params on {devices}")
     on_device = next((d for d in devices if d.type != "cpu"), None)
     if device is not None:
+        if on_device is None and not params and device.type != "cpu":
+            # Nothing to move: the module computes on the current device, which must agree.
+            on_device = torch.device(device.type, getattr(torch, device.type).current_device())
         if on_device is not None and device.type != "cpu" and on_device != device:
             raise ValueError(
                 "Inconsistent compute device and `device_id` on rank "
-                f"{dist.get_rank()}: {on_device} vs {device}"
+                f"{_rank()}: {on_device} vs {device}"
             )
         _move(params, buffers, device)
         return device
@@ -256,6 +259,10 @@ def place_module(
         )
         return torch.device("cuda", torch.cuda.current_device())
     return cpu
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _materialize(
