@@ -131,7 +131,7 @@ def build_hybrid_transformer(ctx: RankContext, impl: FSDPAdapter, setup: Setup) 
         device_mesh=mesh,
         use_orig_params=setup.use_orig_params,
     )
-    model = TiedTransformer(seed=0)
+    model = TiedTransformer(seed=0).to(ctx.device)
     if setup.mode == "ALL_HYBRID":
         return impl.wrap(model, hybrid)
     model.transformer = impl.wrap(model.transformer, hybrid)  # type: ignore[assignment]
@@ -261,11 +261,11 @@ def test_parity_with_fsdp(
     # about how gradients are reduced, which any multi-unit model exercises).
     linears = AutoWrap((nn.Linear,))
     full_model = impl.wrap(
-        ThreeLinear(seed=0),
+        ThreeLinear(seed=0).to(ctx.device),
         WrapSpec(strategy="FULL_SHARD", auto_wrap=linears, use_orig_params=use_orig_params),
     )
     hybrid_model = impl.wrap(
-        ThreeLinear(seed=0),
+        ThreeLinear(seed=0).to(ctx.device),
         WrapSpec(
             strategy=strategy,
             auto_wrap=linears,
@@ -307,7 +307,7 @@ def _hybrid_three_linear(
     ctx: RankContext, impl: FSDPAdapter, seed: int, groups: Any, **spec: Any
 ) -> nn.Module:
     return impl.wrap(
-        ThreeLinear(seed=seed),
+        ThreeLinear(seed=seed).to(ctx.device),
         WrapSpec(strategy="HYBRID_SHARD", process_group=groups, use_orig_params=True, **spec),
     )
 
@@ -365,12 +365,12 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> No
     requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SYNC_MODULE_STATES],
 )
 def test_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
-    module = ThreeLinear(seed=rank_seed(3, ctx.rank))
+    module = ThreeLinear(seed=rank_seed(3, ctx.rank)).to(ctx.device)
     with torch.no_grad():
         for linear in (module.lin1, module.lin2, module.lin3):
             linear.weight.fill_(float(ctx.rank))
     rank0_biases = ctx.all_gather_object(
-        {n: p.detach().clone() for n, p in module.named_parameters() if n.endswith("bias")}
+        {n: p.detach().cpu() for n, p in module.named_parameters() if n.endswith("bias")}
     )[0]
     model = impl.wrap(
         module,

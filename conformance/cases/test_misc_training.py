@@ -88,7 +88,7 @@ def test_module_no_compute_grad(
 ) -> None:
     """A unit outside the loss (unused, or used only for an ignored output) keeps grad None."""
     spec = WrapSpec(strategy=strategy, auto_wrap=ALWAYS)
-    model = impl.wrap(OptionalSecondOutputModel(use_second_layer, seed=0), spec)
+    model = impl.wrap(OptionalSecondOutputModel(use_second_layer, seed=0).to(ctx.device), spec)
     gen = generator(rank_seed(0, ctx.rank))
     x = torch.randn((10, 10), generator=gen).to(ctx.device)
     y = torch.randn((10, 10), generator=gen).to(ctx.device)
@@ -111,7 +111,7 @@ def test_module_no_compute_grad(
 def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     """Loss uses (a, b) for 2 steps, then only a: units reshard and SGD matches a local model."""
     local = TwoOutputModel(seed=0).to(ctx.device)
-    model = TwoOutputModel(seed=0)
+    model = TwoOutputModel(seed=0).to(ctx.device)
     spec = WrapSpec(strategy=strategy)
     model.lin1 = impl.wrap(model.lin1, spec)
     fsdp = impl.wrap(model, spec)
@@ -155,7 +155,7 @@ def _assert_all_resharded(impl: FSDPAdapter, model: nn.Module, step: int) -> Non
 def test_optim_in_backward_requires_orig_params(ctx: RankContext, impl: FSDPAdapter) -> None:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
-    model = impl.wrap(SumOfInputsModel(seed=0), WrapSpec(auto_wrap=ALWAYS, use_orig_params=False))
+    model = impl.wrap(SumOfInputsModel(seed=0).to(ctx.device), WrapSpec(auto_wrap=ALWAYS, use_orig_params=False))
     _apply_optimizer_in_backward(
         optimizer_class=torch.optim.SGD,
         params=model.parameters(),
@@ -173,7 +173,7 @@ _Quad = namedtuple("_Quad", ["a", "b", "c", "d"])
 @case("misc/namedtuple_outputs", world_size=2)
 def test_namedtuple_outputs(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Every tensor field of a namedtuple returned by a unit carries a backward hook."""
-    model = impl.wrap(PassThroughModel(seed=0), WrapSpec())
+    model = impl.wrap(PassThroughModel(seed=0).to(ctx.device), WrapSpec())
     t = torch.ones(1, device=ctx.device, requires_grad=True)
     out = model(_Quad(t, t, t, t))
     assert isinstance(out, _Quad), f"namedtuple output came back as {type(out).__name__}"
@@ -189,7 +189,7 @@ HOMOGENEOUS_ATTRS = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in
 @pytest.mark.parametrize("attr", HOMOGENEOUS_ATTRS)
 def test_homogeneous_attributes(ctx: RankContext, impl: FSDPAdapter, attr: str) -> None:
     """Inner unit False, outer unit True for an attribute that must agree: the first forward raises."""
-    model = NestedModel(seed=0)
+    model = NestedModel(seed=0).to(ctx.device)
     if attr == "_use_full_prec_in_eval":
         model.module[1] = impl.wrap(model.module[1], WrapSpec())
         with env_on_all_ranks(ctx, "FSDP_USE_FULL_PREC_IN_EVAL", "1"):
@@ -270,7 +270,7 @@ def test_same_model_across_ranks(ctx: RankContext, impl: FSDPAdapter, use_device
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_unsafe_setattr(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, env_value: str | None) -> None:
     """FSDP_USE_UNSAFE_SETATTR=1 bypasses a module's __setattr__ in forward; unset or 0 goes through it."""
-    inner = SetattrLinear(5, 5, seed=0)
+    inner = SetattrLinear(5, 5, seed=0).to(ctx.device)
     inp = torch.randn((8, 5), generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
     # The variable is set for wrap and forward alike: the catalogue does not
     # say when an implementation reads it (torch reads it at wrap time).
