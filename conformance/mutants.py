@@ -24,7 +24,9 @@ __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBack
            "NoPrefetch", "ChecksEvalForwards", "Silent",
            "LenientHybridGroups", "NoHomogeneityCheck",
            "UnsafeSetattrIgnored", "HooksOnPlainTensorOutputsOnly", "ShardedLoadIgnored",
-           "NoOptimInBackwardCheck", "ZeroGradForUnused"]
+           "NoOptimInBackwardCheck", "ZeroGradForUnused", "FirstGradPieceOnly", "NoNestedBackwardGuard",
+           "IgnoredModulesManaged", "AssumesParameters", "DeviceIdIgnored", "DeviceIdNotPropagated",
+           "OffloadDroppedWithDeviceId", "MovesCpuModuleSilently", "ConsolidatesDevices"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -316,11 +318,194 @@ class ZeroGradForUnused(_Mutant):
         setattr(unit_mod, "_mutant_zero_patched", True)  # noqa: B010
 
 
+class FirstGradPieceOnly(_Mutant):
+    """Reduces only the first gradient a unit's flat parameter accumulates per backward."""
+
+    name = "mutant-first-grad-piece-only"
+    breaks = "reducing every gradient piece a unit receives in one backward"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.unit as unit_mod
+
+        if getattr(unit_mod, "_mutant_first_piece", False):  # noqa: B009
+            return
+        post_backward = unit_mod._post_backward_hook
+        final = unit_mod._final_callback
+
+        def post_backward_once(unit: Any, full: Any) -> None:
+            if getattr(unit, "_mutant_reduced", False):
+                full.grad = None
+                return
+            if full.grad is not None:
+                unit._mutant_reduced = True
+            post_backward(unit, full)
+
+        def final_clearing(state: Any) -> None:
+            final(state)
+            for unit in state.units:
+                unit._mutant_reduced = False
+
+        unit_mod._post_backward_hook = post_backward_once
+        unit_mod._final_callback = final_clearing
+        setattr(unit_mod, "_mutant_first_piece", True)  # noqa: B010
+
+
+class IgnoredModulesManaged(_Mutant):
+    """Accepts ``ignored_modules`` but manages (materializes, moves, flattens) them anyway."""
+
+    name = "mutant-ignored-modules-managed"
+    breaks = "ignored_modules"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.init as init
+
+        init.collect_ignored = lambda root, ignored_modules: set()
+
+
+class AssumesParameters(_Mutant):
+    """Reads the module's device from its first parameter, as if every module had one."""
+
+    name = "mutant-assumes-parameters"
+    breaks = "wrapping modules without parameters"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.init as init
+
+        if getattr(init, "_mutant_assumes_params", False):  # noqa: B009
+            return
+        place = init.place_module
+
+        def place_first_param(root: Any, ignored: Any, device: Any, param_init_fn: Any) -> Any:
+            next(root.parameters())  # StopIteration for a parameterless module
+            return place(root, ignored, device, param_init_fn)
+
+        init.place_module = place_first_param
+        setattr(init, "_mutant_assumes_params", True)  # noqa: B010
+
+
+class NoNestedBackwardGuard(_Mutant):
+    """Reshards a unit after the first gradient piece even when a nested (reentrant) backward delivered it."""
+
+    name = "mutant-no-nested-backward-guard"
+    breaks = "keeping parameters for the outer backward after a reentrant checkpoint's nested backward"
+
+    def _patch_globally(self) -> None:
+        import torch
+
+        import fsdp_impl.unit as unit_mod
+
+        if getattr(unit_mod, "_mutant_nested_patched", False):  # noqa: B009
+            return
+        post_backward = unit_mod._post_backward_hook
+
+        def post_backward_in_outer_task(unit: Any, full: Any) -> None:
+            unit._backward_task = torch._C._current_graph_task_id()
+            post_backward(unit, full)
+
+        unit_mod._post_backward_hook = post_backward_in_outer_task
+        setattr(unit_mod, "_mutant_nested_patched", True)  # noqa: B010
+
+
+# -- placement mutants: only GPU rows can see them (on a CPU-only machine the CPU is both
+# -- the target and the fallback device); their expectations declare the GPUs they need.
+class DeviceIdIgnored(_Mutant):
+    """Accepts ``device_id`` and drops it: modules stay where they are built."""
+
+    name = "mutant-device-id-ignored"
+    breaks = "device_id"
+
+    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
+        from dataclasses import replace
+
+        return replace(spec, device_id=None)
+
+
+class DeviceIdNotPropagated(_Mutant):
+    """Gives ``device_id`` to the unit it was passed to, not to the units auto-wrapping creates."""
+
+    name = "mutant-device-id-not-propagated"
+    breaks = "device_id reaching auto-wrapped units"
+
+    def _patch_globally(self) -> None:
+        import threading
+
+        import fsdp_impl.init as init
+        import fsdp_impl.wrap as wrap
+
+        if getattr(wrap, "_mutant_patched", False):  # noqa: B009
+            return
+        auto_wrap, resolve = wrap.auto_wrap, init.resolve_device_id
+        inside = threading.local()  # thread ranks share these modules
+
+        def auto_wrap_without_device(root: Any, policy: Any, ignored: Any, make_unit: Any) -> Any:
+            def make_unit_without_device(module: Any) -> Any:
+                inside.active = True
+                try:
+                    return make_unit(module)
+                finally:
+                    inside.active = False
+
+            return auto_wrap(root, policy, ignored, make_unit_without_device)
+
+        def resolve_outside_auto_wrap(device_id: Any) -> Any:
+            return None if getattr(inside, "active", False) else resolve(device_id)
+
+        wrap.auto_wrap = auto_wrap_without_device
+        init.resolve_device_id = resolve_outside_auto_wrap
+        setattr(wrap, "_mutant_patched", True)  # noqa: B010
+
+
+class OffloadDroppedWithDeviceId(_Mutant):
+    """With ``device_id`` given, parameter CPU offload is silently turned off."""
+
+    name = "mutant-offload-dropped-with-device-id"
+    breaks = "CPU offload together with device_id"
+
+    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
+        from dataclasses import replace
+
+        return replace(spec, cpu_offload=False) if spec.device_id is not None else spec
+
+
+class MovesCpuModuleSilently(_Mutant):
+    """Builds flat parameters on the compute device even when the module was left on the CPU."""
+
+    name = "mutant-moves-cpu-module-silently"
+    breaks = "leaving a CPU module (no device_id) on the CPU until the user moves it"
+
+    def _patch_globally(self) -> None:
+        import torch
+
+        from fsdp_impl.flat_param import FlatParamHandle
+
+        def compute_or_cpu(handle: Any) -> Any:
+            return torch.device("cpu") if handle.offload_params else handle.compute_device
+
+        FlatParamHandle._storage_device = compute_or_cpu  # type: ignore[method-assign,assignment]
+
+
+class ConsolidatesDevices(_Mutant):
+    """Moves a module spread over several devices onto its first accelerator instead of rejecting it."""
+
+    name = "mutant-consolidates-devices"
+    breaks = "rejecting modules spread over several devices"
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        devices = [p.device for p in module.parameters() if p.device.type != "cpu"]
+        if devices:
+            module.to(devices[0])
+        return super().wrap(module, spec)
+
+
 MUTANTS: dict[str, type[_Mutant]] = {
     cls.name: cls for cls in (NoGradDivide, WrongReplicateGroup, NoReshardAfterBackward,
                               NoSyncModuleStates, NoExecOrderCheck, NoRegatherForRecompute,
                               NoPrefetch, ChecksEvalForwards, Silent,
                               LenientHybridGroups, NoHomogeneityCheck, UnsafeSetattrIgnored,
                               HooksOnPlainTensorOutputsOnly, ShardedLoadIgnored, NoOptimInBackwardCheck,
-                              ZeroGradForUnused)
+                              ZeroGradForUnused, FirstGradPieceOnly, NoNestedBackwardGuard,
+                              IgnoredModulesManaged, AssumesParameters, DeviceIdIgnored,
+                              DeviceIdNotPropagated, OffloadDroppedWithDeviceId, MovesCpuModuleSilently,
+                              ConsolidatesDevices)
 }
+

@@ -100,9 +100,10 @@ def _grid(fn: Callable[..., Any]) -> Callable[..., Any]:
     return pytest.mark.parametrize("cpu_offload", [True, False])(fn)
 
 
-def _layers() -> list[nn.Module]:
-    """The three seed-0 linears every model in a case starts from (equal values each call)."""
-    return list(ffn_layers(seed=0))
+def _layers(device: torch.device) -> list[nn.Module]:
+    """The three seed-0 linears every model in a case starts from (equal values each call),
+    on the rank's device: units are given no ``device_id``, so modules start where they compute."""
+    return [layer.to(device) for layer in ffn_layers(seed=0)]
 
 
 def _activation_wrapper(offload_activations: bool) -> Callable[[nn.Module], nn.Module]:
@@ -153,23 +154,36 @@ def _check_offload(ctx: RankContext, step: int, name: str, packed: int, expect: 
 # -- cases -------------------------------------------------------------------------------------
 @case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires)
 @_grid
+@pytest.mark.parametrize("nesting", ["roots", "under_root"])
 def test_checkpoint_fsdp_wrapping(
     ctx: RankContext,
     impl: FSDPAdapter,
     cpu_offload: bool,
     offload_activations: bool,
     use_orig_params: bool,
+    nesting: str,
 ) -> None:
+    """Three placements of the activation wrapper around per-layer units train identically.
+
+    ``roots``: each layer's unit is its own root, as in the seed; roots keep their
+    parameters between forward and backward. ``under_root``: the same units nested
+    under one root unit (what auto-wrapping produces), so FULL_SHARD frees each
+    layer's parameters after forward and recomputation in backward must gather
+    them again.
+    """
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(offload_activations)
 
     def unit(layer: nn.Module) -> nn.Module:
         return impl.wrap(layer, spec)
 
+    def top(model: nn.Module) -> nn.Module:
+        return impl.wrap(model, spec) if nesting == "under_root" else model
+
     models = {
-        "wrapper outside units": wrapper(FFN(_layers(), unit)),
-        "wrapper inside each unit": FFN(_layers(), lambda layer: unit(wrapper(layer))),
-        "units only": FFN(_layers(), unit),
+        "wrapper outside units": top(wrapper(FFN(_layers(ctx.device), unit))),
+        "wrapper inside each unit": top(FFN(_layers(ctx.device), lambda layer: unit(wrapper(layer)))),
+        "units only": top(FFN(_layers(ctx.device), unit)),
     }
     names, modules = list(models), list(models.values())
     inp = _input(ctx)
@@ -204,7 +218,7 @@ def test_basic_checkpoint_end_to_end(
 ) -> None:
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(offload_activations)
-    seq = FFN(_layers())
+    seq = FFN(_layers(ctx.device))
     models = {
         "unit only": impl.wrap(copy.deepcopy(seq), spec),
         "wrapper(unit)": wrapper(impl.wrap(copy.deepcopy(seq), spec)),
@@ -245,9 +259,16 @@ def test_basic_checkpoint_end_to_end(
 
 
 @case("checkpoint/checkpoint_submodule", world_size=2)
-@pytest.mark.parametrize("use_reentrant", [False])
+@pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant: bool) -> None:
-    model = CheckpointTower(seed=0, use_reentrant=use_reentrant)
+    """``torch.utils.checkpoint`` inside NO_SHARD units gives the grads of the plain model.
+
+    The catalog row is the seed's non-reentrant variant. The reentrant one is added:
+    its nested backward flushes the unit's gradient before the outer backward is done
+    with the unit, so a unit's post-backward work runs more than once per backward,
+    the bug the seed's test was written for (and had to leave disabled).
+    """
+    model = CheckpointTower(seed=0, use_reentrant=use_reentrant).to(ctx.device)
     checkpointed = copy.deepcopy(model)
     checkpointed.enable_checkpointing()
     blocks = [m for m in checkpointed.modules() if isinstance(m, CheckpointBlock)]
@@ -268,6 +289,6 @@ def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant
     assert_close_named(
         {n: p.grad for n, p in checkpointed.named_parameters()},
         grads,
-        what=f"rank {ctx.rank}: grads with non-reentrant checkpoint vs without",
+        what=f"rank {ctx.rank}: grads with {'' if use_reentrant else 'non-'}reentrant checkpoint vs without",
         exact=True,
     )
