@@ -18,6 +18,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp1", "hybrid_shard/basic_setup"): "docs/findings/fsdp1-hybrid-cpu.md",
     ("torch-fsdp1", "hybrid_shard/sync_module_states"): "docs/findings/fsdp1-sync-module-states-cpu.md",
     ("torch-fsdp1", "checkpoint/"): "docs/findings/fsdp1-cpu-offload-pinning.md",
+    ("torch-fsdp1", "misc/device_id_cpu_offload["): "docs/findings/fsdp1-cpu-offload-pinning.md",
 }
 
 

@@ -26,7 +26,8 @@ __all__ = ["MUTANTS", "NoGradDivide", "WrongReplicateGroup", "NoReshardAfterBack
            "UnsafeSetattrIgnored", "HooksOnPlainTensorOutputsOnly", "ShardedLoadIgnored",
            "NoOptimInBackwardCheck", "ZeroGradForUnused", "FirstGradPieceOnly", "NoNestedBackwardGuard",
            "IgnoredModulesManaged", "AssumesParameters", "DeviceIdIgnored", "DeviceIdNotPropagated",
-           "OffloadDroppedWithDeviceId", "MovesCpuModuleSilently", "ConsolidatesDevices"]
+           "OffloadDroppedWithDeviceId", "MovesCpuModuleSilently", "ConsolidatesDevices",
+           "AutoWrapChildrenOnly", "OffloadedGradsDropped"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -406,6 +407,48 @@ class NoNestedBackwardGuard(_Mutant):
         setattr(unit_mod, "_mutant_nested_patched", True)  # noqa: B010
 
 
+class AutoWrapChildrenOnly(_Mutant):
+    """Applies the auto-wrap policy to the root's direct children only, never deeper."""
+
+    name = "mutant-auto-wrap-children-only"
+    breaks = "auto-wrapping nested submodules"
+
+    def _patch_globally(self) -> None:
+        import fsdp_impl.wrap as wrap
+        from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+        def children_only(module: Any, policy: Any, ignored: Any, make_unit: Any) -> int:
+            for name, child in list(module._modules.items()):
+                if child is None or child in ignored or isinstance(child, FSDP) or wrap._is_container(child):
+                    continue
+                if policy(module=child, recurse=False, nonwrapped_numel=wrap._numel(child, ignored)):
+                    module._modules[name] = make_unit(child)
+            return 0
+
+        wrap._wrap_children = children_only
+
+
+class OffloadedGradsDropped(_Mutant):
+    """With parameter CPU offload, reduced gradients never reach the offloaded parameters."""
+
+    name = "mutant-offloaded-grads-dropped"
+    breaks = "gradients of CPU-offloaded parameters"
+
+    def _patch_globally(self) -> None:
+        from fsdp_impl.flat_param import FlatParamHandle
+
+        if getattr(FlatParamHandle, "_mutant_offload_patched", False):  # noqa: B009
+            return
+        accumulate = FlatParamHandle.accumulate_sharded_grad
+
+        def accumulate_unless_offloaded(handle: Any, grad: Any) -> None:
+            if not handle.offload_params:
+                accumulate(handle, grad)
+
+        FlatParamHandle.accumulate_sharded_grad = accumulate_unless_offloaded  # type: ignore[method-assign,assignment]
+        setattr(FlatParamHandle, "_mutant_offload_patched", True)  # noqa: B010
+
+
 # -- placement mutants: only GPU rows can see them (on a CPU-only machine the CPU is both
 # -- the target and the fallback device); their expectations declare the GPUs they need.
 class DeviceIdIgnored(_Mutant):
@@ -506,6 +549,7 @@ MUTANTS: dict[str, type[_Mutant]] = {
                               ZeroGradForUnused, FirstGradPieceOnly, NoNestedBackwardGuard,
                               IgnoredModulesManaged, AssumesParameters, DeviceIdIgnored,
                               DeviceIdNotPropagated, OffloadDroppedWithDeviceId, MovesCpuModuleSilently,
-                              ConsolidatesDevices)
+                              ConsolidatesDevices, AutoWrapChildrenOnly,
+                              OffloadedGradsDropped)
 }
 

@@ -114,6 +114,14 @@ EXPECTED: dict[str, Expect] = {
         ("misc/ignored_module_meta", "misc/ignored_params_not_moved"),
     ),
     "mutant-assumes-parameters": Expect("no_params", "thread", ("misc/no_params",)),
+    # device_id_auto_wrap's CPU rows cannot see placement, but they do check that every
+    # nested layer became a unit (the GPU rows check that device_id reached each one).
+    "mutant-auto-wrap-children-only": Expect(
+        "device_id_auto_wrap", "thread", ("misc/device_id_auto_wrap",),
+    ),
+    "mutant-offloaded-grads-dropped": Expect(
+        "device_id_cpu_offload", "thread", ("misc/device_id_cpu_offload",),
+    ),
     # -- placement: GPU rows only (see the module docstring) --
     "mutant-device-id-ignored": Expect(
         "device_id or cpu_gpu_module or cpu_init_with_sync_module_states", "process",
