@@ -86,6 +86,8 @@ EXPECTED: dict[str, Expect] = {
     "mutant-zero-grad-for-unused": Expect("module_no_compute_grad", "thread", ("misc/module_no_compute_grad",)),
     # The timing case's negative control: the same model without prefetch exceeds the bound.
     "mutant-no-prefetch": Expect("training_overlap", "process", ("overlap/training_overlap",)),
+    # ... and the control itself fails for an implementation that prefetches when told not to.
+    "mutant-always-prefetch": Expect("no_overlap_detected", "process", ("overlap/no_overlap_detected",)),
     # Recomputation runs a unit's forward inside backward: caught where units were freed
     # after forward (nested under a root) and the wrapper recomputes (checkpoint, not
     # offload: the id's third field is offload_activations).
@@ -140,6 +142,13 @@ EXPECTED: dict[str, Expect] = {
         "cpu_init_stays_on_cpu or training_device_mismatch", "process",
         ("misc/cpu_init_stays_on_cpu", "misc/training_device_mismatch"), accelerators=2,
     ),
+    "mutant-ignored-modules-moved": Expect(
+        "ignored_params_not_moved_gpu", "process", ("misc/ignored_params_not_moved_gpu",), accelerators=2,
+    ),
+    # Only torch-fsdp2 has a post-optimizer event; this mutant derives from its adapter.
+    "mutant-fsdp2-post-optim-event-ignored": Expect(
+        "post_optim_event_overlap", "process", ("overlap/post_optim_event_overlap",), accelerators=2,
+    ),
     "mutant-consolidates-devices": Expect(
         "multigpu_module or cpu_gpu_module", "process", ("misc/multigpu_module", "misc/cpu_gpu_module"),
         accelerators=2,
@@ -186,21 +195,37 @@ def test_every_mutant_has_an_expectation() -> None:
     assert set(EXPECTED) == set(MUTANTS)
 
 
-def _declared_case_ids() -> set[str]:
+def _declared_cases() -> dict[str, int]:
+    """Every declared case id -> the accelerators it needs."""
     import importlib
 
-    ids = set()
+    cases = {}
     for path in sorted(CASES_DIR.glob("test_*.py")):
         module = importlib.import_module(f"conformance.cases.{path.stem}")
         for fn in vars(module).values():
-            ids.update(m.args[0].id for m in getattr(fn, "pytestmark", ()) if m.name == "conformance")
-    return ids
+            for mark in getattr(fn, "pytestmark", ()):
+                if mark.name == "conformance":
+                    cases[mark.args[0].id] = mark.args[0].accelerators
+    return cases
 
 
 def test_expectations_name_declared_cases() -> None:
     """Expectations that skip here (GPU) still have to name real cases, checked without running them."""
-    ids = _declared_case_ids()
+    ids = set(_declared_cases())
     assert "misc/device_id_auto_wrap_gpu" in ids, sorted(ids)
     stale = [(mutant, prefix) for mutant, expect in EXPECTED.items() for prefix in expect.must_fail
              if prefix.split("[", 1)[0] not in ids]
     assert not stale, f"expectations naming no declared case: {stale}"
+
+
+def test_every_case_has_a_mutant() -> None:
+    """Each case is caught by some mutant; a case that runs on CPU by one that runs on CPU."""
+    covered: dict[str, set[int]] = {}
+    for expect in EXPECTED.values():
+        for pattern in expect.must_fail:
+            covered.setdefault(pattern.split("[", 1)[0], set()).add(expect.accelerators)
+    cases = _declared_cases()
+    uncaught = sorted(case for case in cases if case not in covered)
+    assert not uncaught, f"cases no mutant is expected to fail: {uncaught}"
+    cpu_only_by_gpu = sorted(case for case, gpus in cases.items() if gpus == 0 and 0 not in covered[case])
+    assert not cpu_only_by_gpu, f"CPU cases whose only mutants need a GPU: {cpu_only_by_gpu}"
