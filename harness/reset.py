@@ -8,12 +8,22 @@ filters, the ``torch.distributed`` debug level, any attribute of
 ``torch.distributed`` / ``distributed_c10d`` a case monkeypatched (e.g. a
 collective recorder left installed after a failure), and it destroys every
 process group the case created, so the next case sees only the default group.
+
+[Note: mesh-keyed caches]
+A ``DeviceMesh`` hashes and compares by its ranks, layout, device type and dim
+names, not by the process groups behind it. DTensor caches keyed by a mesh
+(sharding propagation, mesh topology) therefore hand a later case an *equal*
+mesh object from an earlier case, whose groups the reset has destroyed: the
+later case fails with "Could not resolve the process group registered under the
+name N" for a group it never made. The reset clears those caches with the
+groups. They are torch internals; ``harness/tests/test_reset.py`` pins them.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["seed_everything", "case_scope", "process_global_scope"]
+__all__ = ["seed_everything", "case_scope", "process_global_scope", "clear_mesh_keyed_caches"]
 
 
 def seed_everything(seed: int) -> None:
@@ -84,7 +94,23 @@ def case_scope(seed: int, env: Mapping[str, str] | None) -> Iterator[None]:
         try:
             yield
         finally:
+            clear_mesh_keyed_caches()
             _destroy_new_groups(before)
+
+
+def clear_mesh_keyed_caches() -> None:
+    """Drop DTensor's caches keyed by (value-equal) meshes; see [Note: mesh-keyed caches]."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # nothing DTensor-related ran in this process
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    # Thread-local: clears this rank's cache (each thread rank runs its own reset).
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the native dispatch fast path's copy
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def _destroy_new_groups(before: set[Any]) -> None:

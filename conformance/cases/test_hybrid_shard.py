@@ -315,16 +315,10 @@ def _hybrid_three_linear(
 # Process ranks only: torch's ShardedTensor asks the shard subgroup for its default
 # device, and subgroups of the harness's threaded process group register none
 # ("Default device not found, because no backend has been registered").
-# Isolated: in a pooled rank process that ran parity_with_fsdp on torch-fsdp2
-# first, full_tensor() on the fresh model fails with "Could not resolve the
-# process group registered under the name 17" (a group this case just created);
-# alone, or in a fresh pool, it passes. Cross-case state left by FSDP2/DTensor
-# that the per-case reset does not clear; tracked for the harness.
 @case(
     "hybrid_shard/sharded_state_dict_roundtrip",
     world_size=WORLD,
     modes=("process",),
-    isolated=True,
     requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT],
 )
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
