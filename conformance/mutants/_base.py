@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch.nn as nn
@@ -9,7 +10,7 @@ import torch.nn as nn
 from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
-__all__ = ["_Mutant"]
+__all__ = ["_Mutant", "patch_once"]
 
 
 class _Mutant(ReferenceAdapter):
@@ -30,3 +31,20 @@ class _Mutant(ReferenceAdapter):
 
     def _mutate_unit(self, unit: Any) -> None:
         """Per-unit breakage."""
+
+
+_patch_lock = threading.Lock()
+_patched: set[tuple[int, str]] = set()
+
+
+def patch_once(owner: Any, attr: str, replacement: Any) -> None:
+    """``owner.attr = replacement``, unless it was already patched in this process.
+
+    ``wrap`` runs on every rank; under thread ranks the ranks share one process
+    and its modules. The first rank's patch wins, so a replacement that wraps the
+    original function is never wrapped around another rank's replacement.
+    """
+    with _patch_lock:
+        if (id(owner), attr) not in _patched:
+            setattr(owner, attr, replacement)
+            _patched.add((id(owner), attr))

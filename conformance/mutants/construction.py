@@ -7,7 +7,7 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.adapters.base import WrapSpec
-from conformance.mutants._base import _Mutant
+from conformance.mutants._base import _Mutant, patch_once
 
 __all__ = [
     "NoSyncModuleStates",
@@ -25,7 +25,6 @@ __all__ = [
 ]
 
 
-
 class NoSyncModuleStates(_Mutant):
     """Accepts ``sync_module_states=True`` but never broadcasts rank 0's states."""
 
@@ -36,7 +35,6 @@ class NoSyncModuleStates(_Mutant):
         from dataclasses import replace
 
         return replace(spec, sync_module_states=False)
-
 
 
 class NoExecOrderCheck(_Mutant):
@@ -51,7 +49,6 @@ class NoExecOrderCheck(_Mutant):
         exec_order.checking_enabled = lambda: False
 
 
-
 class ChecksEvalForwards(_Mutant):
     """Validates (and records) the all-gather order of eval-mode forwards as if they were training."""
 
@@ -61,16 +58,12 @@ class ChecksEvalForwards(_Mutant):
     def _patch_globally(self) -> None:
         from fsdp_impl.exec_order import ExecOrderData
 
-        if getattr(ExecOrderData, "_mutant_patched", False):  # noqa: B009
-            return
         record = ExecOrderData.record_pre_forward
 
         def record_always_training(data: Any, unit: Any, is_training: bool) -> None:
             record(data, unit, True)
 
-        ExecOrderData.record_pre_forward = record_always_training  # type: ignore[method-assign,assignment]
-        setattr(ExecOrderData, "_mutant_patched", True)  # noqa: B010
-
+        patch_once(ExecOrderData, "record_pre_forward", record_always_training)
 
 
 class Silent(_Mutant):
@@ -91,7 +84,6 @@ class Silent(_Mutant):
             module.warnings = quiet  # type: ignore[attr-defined]
 
 
-
 class LenientHybridGroups(_Mutant):
     """Hybrid without usable groups silently falls back instead of raising (manual wrap, single group)."""
 
@@ -101,8 +93,6 @@ class LenientHybridGroups(_Mutant):
     def _patch_globally(self) -> None:
         import fsdp_impl.init as init
 
-        if getattr(init, "_mutant_patched", False):  # noqa: B009
-            return
         strict = init._hybrid_groups
 
         def lenient(process_group: Any, strategy: Any, mesh: Any, auto_wrapping: bool) -> Any:
@@ -112,9 +102,7 @@ class LenientHybridGroups(_Mutant):
                 return init.Groups(process_group, None)
             return strict(process_group, strategy, mesh, auto_wrapping)
 
-        init._hybrid_groups = lenient
-        setattr(init, "_mutant_patched", True)  # noqa: B010
-
+        patch_once(init, "_hybrid_groups", lenient)
 
 
 class NoHomogeneityCheck(_Mutant):
@@ -129,7 +117,6 @@ class NoHomogeneityCheck(_Mutant):
         unit_mod.HOMOGENEOUS_ATTRS = ()  # type: ignore[assignment]
 
 
-
 class UnsafeSetattrIgnored(_Mutant):
     """Ignores FSDP_USE_UNSAFE_SETATTR: always installs views through the module's ``__setattr__``."""
 
@@ -140,7 +127,6 @@ class UnsafeSetattrIgnored(_Mutant):
         import fsdp_impl.flat_param as flat_param
 
         flat_param.unsafe_setattr_enabled = lambda: False
-
 
 
 class ShardedLoadIgnored(_Mutant):
@@ -154,7 +140,6 @@ class ShardedLoadIgnored(_Mutant):
             super().load_state_dict(model, state, sharded=sharded)
 
 
-
 class NoOptimInBackwardCheck(_Mutant):
     """Accepts optimizer-in-backward on flat parameters (the optimizer would never see them)."""
 
@@ -164,8 +149,6 @@ class NoOptimInBackwardCheck(_Mutant):
     def _patch_globally(self) -> None:
         from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
-        if getattr(FSDP, "_mutant_patched", False):  # noqa: B009
-            return
         check = FSDP._check_ready_for_training
 
         def check_without_optim_in_backward(unit: Any) -> None:
@@ -174,9 +157,7 @@ class NoOptimInBackwardCheck(_Mutant):
                 del flat._in_backward_optimizers
             check(unit)
 
-        FSDP._check_ready_for_training = check_without_optim_in_backward  # type: ignore[method-assign,assignment]
-        setattr(FSDP, "_mutant_patched", True)  # noqa: B010
-
+        patch_once(FSDP, "_check_ready_for_training", check_without_optim_in_backward)
 
 
 class IgnoredModulesManaged(_Mutant):
@@ -191,7 +172,6 @@ class IgnoredModulesManaged(_Mutant):
         init.collect_ignored = lambda root, ignored_modules: set()
 
 
-
 class AssumesParameters(_Mutant):
     """Reads the module's device from its first parameter, as if every module had one."""
 
@@ -201,17 +181,13 @@ class AssumesParameters(_Mutant):
     def _patch_globally(self) -> None:
         import fsdp_impl.init as init
 
-        if getattr(init, "_mutant_assumes_params", False):  # noqa: B009
-            return
         place = init.place_module
 
         def place_first_param(root: Any, ignored: Any, device: Any, param_init_fn: Any) -> Any:
             next(root.parameters())  # StopIteration for a parameterless module
             return place(root, ignored, device, param_init_fn)
 
-        init.place_module = place_first_param
-        setattr(init, "_mutant_assumes_params", True)  # noqa: B010
-
+        patch_once(init, "place_module", place_first_param)
 
 
 class AutoWrapChildrenOnly(_Mutant):

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from conformance.adapters.base import WrapSpec
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.mutants._base import _Mutant
+from conformance.mutants._base import _Mutant, patch_once
 
 __all__ = [
     "DeviceIdIgnored",
@@ -24,7 +24,6 @@ __all__ = [
     "IgnoredModulesMoved",
     "PostOptimEventIgnored",
 ]
-
 
 
 class DeviceIdIgnored(_Mutant):
@@ -39,7 +38,6 @@ class DeviceIdIgnored(_Mutant):
         return replace(spec, device_id=None)
 
 
-
 class DeviceIdNotPropagated(_Mutant):
     """Gives ``device_id`` to the unit it was passed to, not to the units auto-wrapping creates."""
 
@@ -52,8 +50,6 @@ class DeviceIdNotPropagated(_Mutant):
         import fsdp_impl.init as init
         import fsdp_impl.wrap as wrap
 
-        if getattr(wrap, "_mutant_patched", False):  # noqa: B009
-            return
         auto_wrap, resolve = wrap.auto_wrap, init.resolve_device_id
         inside = threading.local()  # thread ranks share these modules
 
@@ -70,10 +66,8 @@ class DeviceIdNotPropagated(_Mutant):
         def resolve_outside_auto_wrap(device_id: Any) -> Any:
             return None if getattr(inside, "active", False) else resolve(device_id)
 
-        wrap.auto_wrap = auto_wrap_without_device
-        init.resolve_device_id = resolve_outside_auto_wrap
-        setattr(wrap, "_mutant_patched", True)  # noqa: B010
-
+        patch_once(wrap, "auto_wrap", auto_wrap_without_device)
+        patch_once(init, "resolve_device_id", resolve_outside_auto_wrap)
 
 
 class OffloadDroppedWithDeviceId(_Mutant):
@@ -86,7 +80,6 @@ class OffloadDroppedWithDeviceId(_Mutant):
         from dataclasses import replace
 
         return replace(spec, cpu_offload=False) if spec.device_id is not None else spec
-
 
 
 class MovesCpuModuleSilently(_Mutant):
@@ -106,7 +99,6 @@ class MovesCpuModuleSilently(_Mutant):
         FlatParamHandle._storage_device = compute_or_cpu  # type: ignore[method-assign,assignment]
 
 
-
 class ConsolidatesDevices(_Mutant):
     """Moves a module spread over several devices onto its first accelerator instead of rejecting it."""
 
@@ -118,7 +110,6 @@ class ConsolidatesDevices(_Mutant):
         if devices:
             module.to(devices[0])
         return super().wrap(module, spec)
-
 
 
 class IgnoredModulesMoved(_Mutant):
@@ -136,7 +127,6 @@ class IgnoredModulesMoved(_Mutant):
             for ignored in spec.ignored_modules:
                 ignored.to(target)
         return super().wrap(module, spec)
-
 
 
 class PostOptimEventIgnored(TorchFSDP2Adapter):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.adapters.base import WrapSpec
-from conformance.mutants._base import _Mutant
+from conformance.mutants._base import _Mutant, patch_once
 
 __all__ = [
     "NoGradDivide",
@@ -13,14 +13,13 @@ __all__ = [
     "NoReshardAfterBackward",
     "NoRegatherForRecompute",
     "NoPrefetch",
-    "PrefetchesWhenTold",
+    "AlwaysPrefetch",
     "HooksOnPlainTensorOutputsOnly",
     "ZeroGradForUnused",
     "FirstGradPieceOnly",
     "NoNestedBackwardGuard",
     "OffloadedGradsDropped",
 ]
-
 
 
 class NoGradDivide(_Mutant):
@@ -31,7 +30,6 @@ class NoGradDivide(_Mutant):
 
     def _mutate_unit(self, unit: Any) -> None:
         unit._dp_world_size = 1
-
 
 
 class WrongReplicateGroup(_Mutant):
@@ -46,7 +44,6 @@ class WrongReplicateGroup(_Mutant):
             unit._inter_node_pg = unit._shard_group
 
 
-
 class NoReshardAfterBackward(_Mutant):
     """The end-of-backward callback leaves units unsharded (e.g. ones whose output was unused)."""
 
@@ -54,25 +51,27 @@ class NoReshardAfterBackward(_Mutant):
     breaks = "resharding at the end of backward"
 
     def _patch_globally(self) -> None:
+        import threading
+
         import fsdp_impl.unit as unit_mod
+        from fsdp_impl.flat_param import FlatParamHandle
 
-        if getattr(unit_mod, "_mutant_patched", False):  # noqa: B009
-            return
-        from fsdp_impl.flat_param import FlatParamHandle as handle_cls
-
-        original = unit_mod._final_callback
+        final_callback, reshard = unit_mod._final_callback, FlatParamHandle.reshard
+        in_final = threading.local()  # thread ranks run their callbacks concurrently
 
         def final_callback_without_reshard(state: Any) -> None:
-            reshard = handle_cls.reshard
-            handle_cls.reshard = lambda self: None  # type: ignore[method-assign]
+            in_final.active = True
             try:
-                original(state)
+                final_callback(state)
             finally:
-                handle_cls.reshard = reshard  # type: ignore[method-assign]
+                in_final.active = False
 
-        unit_mod._final_callback = final_callback_without_reshard
-        setattr(unit_mod, "_mutant_patched", True)  # noqa: B010
+        def reshard_outside_final_callback(handle: Any) -> None:
+            if not getattr(in_final, "active", False):
+                reshard(handle)
 
+        patch_once(FlatParamHandle, "reshard", reshard_outside_final_callback)
+        patch_once(unit_mod, "_final_callback", final_callback_without_reshard)
 
 
 class NoRegatherForRecompute(_Mutant):
@@ -84,17 +83,13 @@ class NoRegatherForRecompute(_Mutant):
     def _patch_globally(self) -> None:
         import fsdp_impl.unit as unit_mod
 
-        if getattr(unit_mod, "_mutant_recompute_patched", False):  # noqa: B009
-            return
         pre_forward = unit_mod._pre_forward
 
         def pre_forward_without_regather(unit: Any, state: Any, recompute: bool) -> None:
             if not recompute:
                 pre_forward(unit, state, recompute)
 
-        unit_mod._pre_forward = pre_forward_without_regather
-        setattr(unit_mod, "_mutant_recompute_patched", True)  # noqa: B010
-
+        patch_once(unit_mod, "_pre_forward", pre_forward_without_regather)
 
 
 class NoPrefetch(_Mutant):
@@ -109,8 +104,7 @@ class NoPrefetch(_Mutant):
         return replace(spec, forward_prefetch=False, backward_prefetch=None)
 
 
-
-class PrefetchesWhenTold(_Mutant):
+class AlwaysPrefetch(_Mutant):
     """Prefetches even when forward/backward prefetch are turned off (the user's memory limit is ignored)."""
 
     name = "mutant-always-prefetch"
@@ -120,7 +114,6 @@ class PrefetchesWhenTold(_Mutant):
         from dataclasses import replace
 
         return replace(spec, forward_prefetch=True, backward_prefetch="BACKWARD_PRE")
-
 
 
 class HooksOnPlainTensorOutputsOnly(_Mutant):
@@ -140,7 +133,6 @@ class HooksOnPlainTensorOutputsOnly(_Mutant):
         unit_mod.tree_flatten = plain_tensors_only  # type: ignore[assignment]
 
 
-
 class ZeroGradForUnused(_Mutant):
     """Gives units that took no part in the loss a zero gradient instead of ``None``."""
 
@@ -152,8 +144,6 @@ class ZeroGradForUnused(_Mutant):
 
         import fsdp_impl.unit as unit_mod
 
-        if getattr(unit_mod, "_mutant_zero_patched", False):  # noqa: B009
-            return
         final = unit_mod._final_callback
 
         def final_with_zero_grads(state: Any) -> None:
@@ -163,9 +153,7 @@ class ZeroGradForUnused(_Mutant):
                 if handle is not None and handle.sharded_grad() is None:
                     handle.accumulate_sharded_grad(torch.zeros_like(handle.flat_param))
 
-        unit_mod._final_callback = final_with_zero_grads
-        setattr(unit_mod, "_mutant_zero_patched", True)  # noqa: B010
-
+        patch_once(unit_mod, "_final_callback", final_with_zero_grads)
 
 
 class FirstGradPieceOnly(_Mutant):
@@ -177,8 +165,6 @@ class FirstGradPieceOnly(_Mutant):
     def _patch_globally(self) -> None:
         import fsdp_impl.unit as unit_mod
 
-        if getattr(unit_mod, "_mutant_first_piece", False):  # noqa: B009
-            return
         post_backward = unit_mod._post_backward_hook
         final = unit_mod._final_callback
 
@@ -195,10 +181,8 @@ class FirstGradPieceOnly(_Mutant):
             for unit in state.units:
                 unit._mutant_reduced = False
 
-        unit_mod._post_backward_hook = post_backward_once
-        unit_mod._final_callback = final_clearing
-        setattr(unit_mod, "_mutant_first_piece", True)  # noqa: B010
-
+        patch_once(unit_mod, "_post_backward_hook", post_backward_once)
+        patch_once(unit_mod, "_final_callback", final_clearing)
 
 
 class NoNestedBackwardGuard(_Mutant):
@@ -212,17 +196,13 @@ class NoNestedBackwardGuard(_Mutant):
 
         import fsdp_impl.unit as unit_mod
 
-        if getattr(unit_mod, "_mutant_nested_patched", False):  # noqa: B009
-            return
         post_backward = unit_mod._post_backward_hook
 
         def post_backward_in_outer_task(unit: Any, full: Any) -> None:
             unit._backward_task = torch._C._current_graph_task_id()
             post_backward(unit, full)
 
-        unit_mod._post_backward_hook = post_backward_in_outer_task
-        setattr(unit_mod, "_mutant_nested_patched", True)  # noqa: B010
-
+        patch_once(unit_mod, "_post_backward_hook", post_backward_in_outer_task)
 
 
 class OffloadedGradsDropped(_Mutant):
@@ -234,13 +214,10 @@ class OffloadedGradsDropped(_Mutant):
     def _patch_globally(self) -> None:
         from fsdp_impl.flat_param import FlatParamHandle
 
-        if getattr(FlatParamHandle, "_mutant_offload_patched", False):  # noqa: B009
-            return
         accumulate = FlatParamHandle.accumulate_sharded_grad
 
         def accumulate_unless_offloaded(handle: Any, grad: Any) -> None:
             if not handle.offload_params:
                 accumulate(handle, grad)
 
-        FlatParamHandle.accumulate_sharded_grad = accumulate_unless_offloaded  # type: ignore[method-assign,assignment]
-        setattr(FlatParamHandle, "_mutant_offload_patched", True)  # noqa: B010
+        patch_once(FlatParamHandle, "accumulate_sharded_grad", accumulate_unless_offloaded)

@@ -51,3 +51,12 @@ def test_gpu_check_fails_loudly_without_enough_devices() -> None:
 
     problem = check(min_devices=torch.cuda.device_count() + 1)
     assert problem is not None and ("needs" in problem or "no CUDA device" in problem)
+
+
+def test_gpu_env_checks_devices_then_runs_gpu_mutants_and_the_matrix() -> None:
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "tox.ini")
+    commands = [line.strip() for line in parser["testenv:gpu"]["commands"].splitlines() if line.strip()]
+    assert commands[0].startswith("python -m conformance.gpu_check"), commands
+    assert "pytest conformance/tests/test_mutants.py -m gpu" in commands, commands
+    assert any(line.startswith("fsdp-conformance run --impl all") for line in commands), commands

@@ -177,7 +177,10 @@ def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
     return json.loads(report.read_text())
 
 
-@pytest.mark.parametrize("mutant", sorted(EXPECTED))
+@pytest.mark.parametrize(
+    "mutant",
+    [pytest.param(name, marks=[pytest.mark.gpu] if EXPECTED[name].accelerators else []) for name in sorted(EXPECTED)],
+)
 def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
     expect = EXPECTED[mutant]
     found = _accelerators()
