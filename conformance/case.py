@@ -81,9 +81,14 @@ class CaseSpec:
         return self.id.split("/", 1)[0]
 
     def required(self, params: Mapping[str, Any]) -> list[Capability]:
-        """The capabilities this grid point needs."""
-        caps = self.requires(params) if callable(self.requires) else self.requires
-        return list(caps)
+        """The capabilities this grid point needs (``params`` includes ``rank_mode``).
+
+        Thread ranks add :attr:`Capability.THREAD_RANKS` to what the case declares.
+        """
+        caps = list(self.requires(params) if callable(self.requires) else self.requires)
+        if params.get("rank_mode") == "thread" and Capability.THREAD_RANKS not in caps:
+            caps.append(Capability.THREAD_RANKS)
+        return caps
 
     def needs_text(self) -> str:
         """Hardware needs as ``list`` shows them."""

@@ -73,7 +73,20 @@ class Capability(str, enum.Enum):
     FULL_STATE_DICT = "full_state_dict"
     SHARDED_STATE_DICT = "sharded_state_dict"
     THREAD_RANKS = "thread_ranks"
-    """Runs under the harness's threaded process group (one process, N threads)."""
+    """Runs under the harness's threaded process group (one process, N threads).
+
+    Every case needs it in the ``thread`` rank mode (:meth:`CaseSpec.required`);
+    an adapter without it gets ``n/a`` there instead of failures that say
+    nothing about FSDP.
+    """
+    OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
+    """Saves and loads optimizer state dicts while ranks are threads of one process.
+
+    torch's FSDP1 cannot: its optimizer state-dict code times its sections with
+    ``torch.distributed.fsdp._debug_utils.SimpleProfiler``, whose set of running
+    sections is a class attribute shared by every thread, so a second rank
+    entering the same section raises.
+    """
 
     def __str__(self) -> str:
         return self.value

@@ -46,6 +46,7 @@ class TorchFSDP2Adapter:
             Capability.FULL_STATE_DICT,
             Capability.SHARDED_STATE_DICT,
             Capability.THREAD_RANKS,
+            Capability.OPTIM_STATE_DICT_ON_THREADS,
         }
     )
 

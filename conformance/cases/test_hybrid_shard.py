@@ -312,15 +312,12 @@ def _hybrid_three_linear(
     )
 
 
-# Process ranks only: torch's ShardedTensor asks the shard subgroup for its default
-# device, and subgroups of the harness's threaded process group register none
-# ("Default device not found, because no backend has been registered").
-@case(
-    "hybrid_shard/sharded_state_dict_roundtrip",
-    world_size=WORLD,
-    modes=("process",),
-    requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT],
-)
+def _roundtrip_requires(params: Mapping[str, Any]) -> list[Capability]:
+    caps = [Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT]
+    return caps + ([Capability.OPTIM_STATE_DICT_ON_THREADS] if params.get("rank_mode") == "thread" else [])
+
+
+@case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, requires=_roundtrip_requires)
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     groups = hybrid_groups(ctx)
     model = _hybrid_three_linear(ctx, impl, 0, groups)

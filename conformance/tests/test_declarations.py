@@ -45,6 +45,12 @@ def test_requires_may_depend_on_parameters() -> None:
     assert spec.required({"use_orig_params": False}) == [Capability.FLAT_PARAM]
 
 
+def test_thread_ranks_are_a_capability_every_case_needs_in_thread_mode() -> None:
+    spec = CaseSpec(id="a/b", requires=[Capability.FLAT_PARAM])
+    assert spec.required({"rank_mode": "process"}) == [Capability.FLAT_PARAM]
+    assert spec.required({"rank_mode": "thread"}) == [Capability.FLAT_PARAM, Capability.THREAD_RANKS]
+
+
 def test_not_applicable_is_a_skip_but_distinguishable() -> None:
     assert issubclass(NotApplicable, pytest.skip.Exception)
 

@@ -78,7 +78,7 @@ EXPECTED: dict[str, Expect] = {
     ),
     "mutant-hooks-on-plain-outputs-only": Expect("namedtuple_outputs", "thread", ("misc/namedtuple_outputs",)),
     "mutant-sharded-load-ignored": Expect(
-        "sharded_state_dict_roundtrip", "process", ("hybrid_shard/sharded_state_dict_roundtrip",),
+        "sharded_state_dict_roundtrip", "thread", ("hybrid_shard/sharded_state_dict_roundtrip",),
     ),
     "mutant-no-optim-in-backward-check": Expect(
         "optim_in_backward_requires_orig_params", "thread", ("misc/optim_in_backward_requires_orig_params",),

@@ -12,11 +12,17 @@ import pytest
 pytest_plugins = ["pytester"]
 
 ADAPTERS = '''
+from conformance.adapters.base import Capability
 from conformance.adapters.reference import ReferenceAdapter
 
 class Bare(ReferenceAdapter):
-    """The reference without any declared capability."""
+    """The reference declaring nothing but thread ranks."""
     name = "bare"
+    capabilities = frozenset({Capability.THREAD_RANKS})
+
+class ProcessOnly(ReferenceAdapter):
+    """The reference declaring no capability at all, not even thread ranks."""
+    name = "process-only"
     capabilities = frozenset()
 '''
 
@@ -49,7 +55,8 @@ def test_needs_gpus(ctx, impl):
 @pytest.fixture
 def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(demo_adapters=ADAPTERS, test_demo=CASES)
-    monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", "bare=demo_adapters:Bare,broken=no_such_module:Nope")
+    adapters = "bare=demo_adapters:Bare,process-only=demo_adapters:ProcessOnly,broken=no_such_module:Nope"
+    monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", adapters)
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     return pytester
 
@@ -58,7 +65,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
     md = suite.path / "r.md"
     result = suite.runpytest_subprocess(
-        "--fsdp-impl", "reference", "--fsdp-impl", "bare", "--conformance-progress",
+        "--fsdp-impl", "reference", "--fsdp-impl", "bare", "--fsdp-impl", "process-only", "--conformance-progress",
         "--conformance-json", str(out), "--conformance-markdown", str(md), "-p", "no:cacheprovider",
     )
     assert result.ret == 1
@@ -70,6 +77,9 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     na = rows[("demo/needs_capability", "bare", "process")]
     assert na["outcome"] == "n/a" and na["reason"] == "bare lacks capability exec_order_validation"
     assert rows[("demo/needs_capability", "reference", "process")]["outcome"] == "pass"
+    assert rows[("demo/passes", "process-only", "process")]["outcome"] == "pass"
+    no_threads = rows[("demo/passes", "process-only", "thread")]
+    assert no_threads["outcome"] == "n/a" and no_threads["reason"] == "process-only lacks capability thread_ranks"
     gpu = rows[("demo/needs_gpus", "reference", "thread")]
     assert gpu["outcome"] == "skip" and gpu["reason"] == "needs 2 accelerators, found 0"
     assert all(set(r) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics"}

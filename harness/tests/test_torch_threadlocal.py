@@ -71,6 +71,28 @@ def test_two_dimensional_device_mesh() -> None:
     ]
 
 
+def _default_devices(ctx: harness.RankContext) -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp._shard_utils import _create_chunk_sharded_tensor
+
+    sub = ctx.new_group([0, 1])
+    devices = [d.type for g in (dist.group.WORLD, sub) for d in g._device_types]  # type: ignore[union-attr]
+    chunk = _create_chunk_sharded_tensor(torch.arange(4.0), ctx.rank, ctx.world_size, 1, sub)
+    devices.append(chunk.local_shards()[0].tensor.device.type)
+    model = FullyShardedDataParallel(nn.Linear(2, 2), device_id=torch.device("cpu"))
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        devices.append(model.state_dict()["weight"].local_shards()[0].tensor.device.type)
+    return devices
+
+
+def test_groups_report_cpu_as_their_device() -> None:
+    """FSDP1's sharded state dict asks the group for its default device."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    assert harness.run(_default_devices, world_size=2, mode="thread") == [["cpu"] * 4] * 2
+    assert "_device_types" not in vars(multi_threaded_pg.ProcessLocalGroup), "uninstall left the property"
+
+
 def _train(ctx: harness.RankContext, flavour: str) -> list[float]:
     with ctx.rng(0):  # identical init on every rank, also when ranks are threads
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

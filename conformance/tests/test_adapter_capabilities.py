@@ -1,0 +1,35 @@
+"""Capabilities an adapter withholds are withheld for a reason that still holds.
+
+Each test here reproduces the torch behaviour behind one withheld capability.
+When torch changes and a test starts failing, grant the capability and delete
+the test: the matrix then runs the cases it gates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import harness
+from conformance.adapters.base import Capability
+from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
+
+
+def _fsdp1_optim_state_dict(ctx: harness.RankContext) -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with ctx.rng(0):
+        model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    return sorted(FullyShardedDataParallel.optim_state_dict(model, optim)["state"])
+
+
+def test_fsdp1_optim_state_dict_collides_on_thread_ranks() -> None:
+    """FSDP1 profiles its optimizer state-dict sections in a class-level set every thread shares."""
+    assert Capability.OPTIM_STATE_DICT_ON_THREADS not in TorchFSDP1Adapter.capabilities
+    assert harness.run(_fsdp1_optim_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
+    with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
+        harness.run(_fsdp1_optim_state_dict, world_size=2, mode="thread")
