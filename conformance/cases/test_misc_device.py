@@ -24,7 +24,7 @@ from conformance.case import case
 from conformance.cases._misc_helpers import cpu_world_group, cuda_device
 from fixtures.misc_models import NoParamsModel, SeqAndLinear
 from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
-from fixtures.parity import assert_close_named, assert_close_seq, assert_same_across_ranks
+from fixtures.parity import assert_close_named, assert_runs_match, assert_same_across_ranks, run_steps
 from fixtures.seeding import generator, rank_seed
 
 if TYPE_CHECKING:
@@ -121,23 +121,18 @@ def _device_id_cpu_offload(
     plain = impl.wrap(SeqAndLinear(seed=0), replace(spec, cpu_offload=False))
     inp = torch.randn((4, 10), generator=generator(rank_seed(0, ctx.rank))).to(device)
     exact = device.type == "cpu"  # the same kernels either way; on a GPU the optimizer steps run elsewhere
-    assert_close_seq(_sgd_losses(fsdp, inp), _sgd_losses(plain, inp), what="losses with vs without offload",
-                     exact=exact)
+    runs = {
+        name: run_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), [(inp,)] * 2, _square_sum)
+        for name, model in (("offload", fsdp), ("no offload", plain))
+    }
+    assert_runs_match(runs, reference="no offload", exact=exact)
     assert_close_named(impl.full_params(fsdp), impl.full_params(plain), what="params with vs without offload",
                        exact=exact)
     _assert_shards_on(impl.units(fsdp), CPU, "offloaded params after training")
 
 
-def _sgd_losses(model: nn.Module, inp: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        optim.zero_grad()
-        loss = model(inp).square().sum()
-        loss.backward()
-        optim.step()
-        losses.append(loss.detach())
-    return losses
+def _square_sum(out: torch.Tensor, batch: object) -> torch.Tensor:
+    return out.square().sum()
 
 
 def _assert_shards_on(units: list, device: torch.device, what: str) -> None:
