@@ -32,7 +32,8 @@ import torch
 
 from conformance.adapters.base import Capability
 
-__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "hardware_skip_reason"]
+__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "hardware_skip_reason",
+           "accelerator_skip_reason"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
@@ -135,8 +136,13 @@ def case(
 
 def hardware_skip_reason(spec: CaseSpec) -> str | None:
     """Why this machine cannot run ``spec``, or ``None``."""
-    if spec.accelerators:
+    return accelerator_skip_reason(spec.accelerators)
+
+
+def accelerator_skip_reason(needed: int) -> str | None:
+    """Why this machine cannot run something that needs ``needed`` accelerators, or ``None``."""
+    if needed:
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found < spec.accelerators:
-            return f"needs {spec.accelerators} accelerators, found {found}"
+        if found < needed:
+            return f"needs {needed} accelerators, found {found}"
     return None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch.nn as nn
 
@@ -15,6 +17,8 @@ __all__ = ["_Mutant", "patch_once"]
 
 class _Mutant(ReferenceAdapter):
     breaks = ""
+    #: ``WrapSpec`` fields replaced on every wrap, whatever the case asked for.
+    spec_overrides: ClassVar[Mapping[str, Any]] = {}
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         self._patch_globally()
@@ -27,7 +31,7 @@ class _Mutant(ReferenceAdapter):
         """Module-level patches (idempotent)."""
 
     def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        return spec
+        return replace(spec, **self.spec_overrides) if self.spec_overrides else spec
 
     def _mutate_unit(self, unit: Any) -> None:
         """Per-unit breakage."""

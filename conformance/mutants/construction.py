@@ -6,7 +6,6 @@ from typing import Any
 
 import torch.nn as nn
 
-from conformance.adapters.base import WrapSpec
 from conformance.mutants._base import _Mutant, patch_once
 
 __all__ = [
@@ -30,11 +29,7 @@ class NoSyncModuleStates(_Mutant):
 
     name = "mutant-no-sync-module-states"
     breaks = "sync_module_states"
-
-    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        from dataclasses import replace
-
-        return replace(spec, sync_module_states=False)
+    spec_overrides = {"sync_module_states": False}
 
 
 class NoExecOrderCheck(_Mutant):

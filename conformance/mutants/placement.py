@@ -7,6 +7,7 @@ expectations declare the GPUs they need.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch.nn as nn
@@ -31,11 +32,7 @@ class DeviceIdIgnored(_Mutant):
 
     name = "mutant-device-id-ignored"
     breaks = "device_id"
-
-    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        from dataclasses import replace
-
-        return replace(spec, device_id=None)
+    spec_overrides = {"device_id": None}
 
 
 class DeviceIdNotPropagated(_Mutant):
@@ -77,8 +74,6 @@ class OffloadDroppedWithDeviceId(_Mutant):
     breaks = "CPU offload together with device_id"
 
     def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        from dataclasses import replace
-
         return replace(spec, cpu_offload=False) if spec.device_id is not None else spec
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.adapters.base import WrapSpec
 from conformance.mutants._base import _Mutant, patch_once
 
 __all__ = [
@@ -97,11 +96,7 @@ class NoPrefetch(_Mutant):
 
     name = "mutant-no-prefetch"
     breaks = "prefetching (communication/compute overlap)"
-
-    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        from dataclasses import replace
-
-        return replace(spec, forward_prefetch=False, backward_prefetch=None)
+    spec_overrides = {"forward_prefetch": False, "backward_prefetch": None}
 
 
 class AlwaysPrefetch(_Mutant):
@@ -109,11 +104,7 @@ class AlwaysPrefetch(_Mutant):
 
     name = "mutant-always-prefetch"
     breaks = "turning prefetch off"
-
-    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        from dataclasses import replace
-
-        return replace(spec, forward_prefetch=True, backward_prefetch="BACKWARD_PRE")
+    spec_overrides = {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE"}
 
 
 class HooksOnPlainTensorOutputsOnly(_Mutant):

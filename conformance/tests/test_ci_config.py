@@ -14,10 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 
 
-def _tox_envs() -> set[str]:
+def _tox() -> configparser.ConfigParser:
     parser = configparser.ConfigParser(interpolation=None)
     parser.read(ROOT / "tox.ini")
-    envs = {section.split(":", 1)[1] for section in parser.sections() if section.startswith("testenv:")}
+    return parser
+
+
+def _tox_envs() -> set[str]:
+    envs = {section.split(":", 1)[1] for section in _tox().sections() if section.startswith("testenv:")}
     return envs | {"py"}
 
 
@@ -54,9 +58,7 @@ def test_gpu_check_fails_loudly_without_enough_devices() -> None:
 
 
 def test_gpu_env_checks_devices_then_runs_gpu_mutants_and_the_matrix() -> None:
-    parser = configparser.ConfigParser(interpolation=None)
-    parser.read(ROOT / "tox.ini")
-    commands = [line.strip() for line in parser["testenv:gpu"]["commands"].splitlines() if line.strip()]
+    commands = [line.strip() for line in _tox()["testenv:gpu"]["commands"].splitlines() if line.strip()]
     assert commands[0].startswith("python -m conformance.gpu_check"), commands
     assert "pytest conformance/tests/test_mutants.py -m gpu" in commands, commands
     assert any(line.startswith("fsdp-conformance run --impl all") for line in commands), commands

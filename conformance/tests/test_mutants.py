@@ -1,6 +1,6 @@
 """Every case fails against a reference with the behaviour it checks broken.
 
-Each mutant (``conformance/mutants.py``) runs in its own pytest session, since
+Each mutant (``conformance/mutants/``) runs in its own pytest session, since
 it patches the reference in-process. The expectation table says which cases a
 mutant must turn into FAIL; a case that still passes is not testing what it
 claims.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
+from conformance.case import accelerator_skip_reason
 from conformance.cli import CASES_DIR
 from conformance.mutants import MUTANTS
 
@@ -161,10 +161,6 @@ def _matches(case_id: str, pattern: str) -> bool:
     return case_id.startswith(pattern) if "[" in pattern else case_id.split("[", 1)[0] == pattern
 
 
-def _accelerators() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
     report = tmp_path / f"{mutant}.json"
     env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
@@ -183,9 +179,9 @@ def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
 )
 def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
     expect = EXPECTED[mutant]
-    found = _accelerators()
-    if found < expect.accelerators:
-        pytest.skip(f"needs {expect.accelerators} accelerators, found {found}")
+    hardware = accelerator_skip_reason(expect.accelerators)
+    if hardware is not None:
+        pytest.skip(hardware)
     rows = _run(mutant, expect, tmp_path)
     unmatched = [p for p in expect.must_fail if not any(_matches(r["case"], p) for r in rows)]
     assert not unmatched, f"no case matched {unmatched}; the expectation table is stale"
