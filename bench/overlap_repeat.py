@@ -9,7 +9,6 @@ the reference passes every run and the control fails every run.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import harness
@@ -18,8 +17,8 @@ from conformance import registry
 from conformance.cases import test_overlap as overlap
 
 
-def _rank(ctx: Any, impl_name: str, prefetch: bool) -> tuple[float, float]:
-    fwd_ms, fwd_bwd_ms, _ = overlap._measure(ctx, registry.load(impl_name), prefetch)
+def _rank(ctx: Any, impl_name: str, prefetch: bool, repeats: int) -> tuple[float, float]:
+    fwd_ms, fwd_bwd_ms, _ = overlap._measure(ctx, registry.load(impl_name), prefetch, repeats)
     return fwd_ms, fwd_bwd_ms
 
 
@@ -33,12 +32,12 @@ def main() -> None:
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--timing-repeats", type=int, default=3)
     args = parser.parse_args()
-    os.environ[overlap.REPEATS_ENV] = str(args.timing_repeats)
     runs: dict[str, list[list[tuple[float, float]]]] = {"prefetch": [], "control": []}
     try:
         for i in range(args.runs):
             for label, prefetch in (("prefetch", True), ("control", False)):
-                per_rank = harness.run(_rank, world_size=2, args=(args.impl, prefetch), timeout_s=600)
+                per_rank = harness.run(_rank, world_size=2, args=(args.impl, prefetch, args.timing_repeats),
+                                       timeout_s=600)
                 runs[label].append(per_rank)
                 ok = all(_within(*r) for r in per_rank)
                 print(f"run {i + 1:2d} {label:8s} {'within bounds' if ok else 'exceeds bounds':14s} "

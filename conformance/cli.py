@@ -2,7 +2,10 @@
 
 A thin layer over ``pytest.main`` and the conformance plugin: every option here
 maps onto a pytest option, so ``pytest conformance/cases --fsdp-impl X`` gives
-the same results.
+the same results. Settings are resolved by
+:func:`conformance.settings.resolve_settings`, as in the plugin (environment
+variables such as ``FSDP_RANK_MODE`` apply to ``run`` too), printed with their
+sources, and passed to pytest explicitly.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 import pytest
 
 from conformance import registry
+from conformance.rows import case_row_id, case_spec
+from conformance.settings import SettingError, Settings, resolve_settings
 
 __all__ = ["main", "CASES_DIR"]
 
@@ -29,8 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)")
-    run.add_argument("--impl", action="append", metavar="NAME", help="adapter name, repeatable; 'all' for every one")
-    run.add_argument("--rank-mode", choices=("process", "thread", "both"), default="both")
+    run.add_argument("--impl", action="append", metavar="NAME",
+                     help="adapter name, repeatable; 'all' for every one (default: $FSDP_CONFORMANCE_IMPL "
+                     "or reference)")
+    run.add_argument("--rank-mode", choices=("process", "thread", "both"), default=None,
+                     help="default: $FSDP_RANK_MODE or both")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     run.add_argument("--json", metavar="PATH", help="write results as JSON")
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
@@ -54,15 +62,23 @@ def _reporting_rank(ns: argparse.Namespace) -> bool:
     return ns.launcher != "torchrun" or os.environ.get("RANK", "0") == "0"
 
 
-def _run_args(ns: argparse.Namespace) -> list[str]:
+def _settings(ns: argparse.Namespace) -> Settings:
+    return resolve_settings({
+        "impls": ("--impl", ns.impl),
+        "rank_mode": ("--rank-mode", ns.rank_mode),
+        "timing_repeats": ("--timing-repeats", ns.timing_repeats),
+    })
+
+
+def _run_args(ns: argparse.Namespace, settings: Settings) -> list[str]:
     args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     if not _reporting_rank(ns):
         ns.json = ns.markdown = ns.junitxml = None
     else:
         args.append("--conformance-progress")
-    for name in ns.impl or ["reference"]:
+    for name in settings.impls.value:
         args += ["--fsdp-impl", name]
-    args += ["--rank-mode", ns.rank_mode]
+    args += ["--rank-mode", settings.rank_mode.value, "--timing-repeats", str(settings.timing_repeats.value)]
     if ns.keyword:
         args += ["-k", ns.keyword]
     if ns.json:
@@ -71,8 +87,6 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
         args += ["--conformance-markdown", ns.markdown]
     if ns.junitxml:
         args += ["--junitxml", ns.junitxml]
-    if ns.timing_repeats is not None:
-        args += ["--timing-repeats", str(ns.timing_repeats)]
     if ns.launcher == "torchrun":
         args += ["--launcher", "torchrun"]
     extra = [a for a in ns.pytest_args if a != "--"]
@@ -80,19 +94,20 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    for name in registry.expand(ns.impl or ["reference"]):
-        if name not in registry.registered():
-            print(f"fsdp-conformance: unknown implementation {name!r}; "
-                  f"registered: {', '.join(sorted(registry.registered()))}", file=sys.stderr)
-            return 2
+    try:
+        settings = _settings(ns)
+    except SettingError as exc:
+        print(f"fsdp-conformance: {exc}", file=sys.stderr)
+        return 2
     if _reporting_rank(ns):
-        code = int(pytest.main(_run_args(ns)))
+        print(f"fsdp-conformance: {settings.describe()}", flush=True)
+        code = int(pytest.main(_run_args(ns, settings)))
     else:
         # Every rank computes the same outcomes (they are exchanged per case); only
         # rank 0 prints them. Other ranks stay quiet unless the session itself breaks.
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured):
-            code = int(pytest.main(_run_args(ns)))
+            code = int(pytest.main(_run_args(ns, settings)))
         if code not in (0, 1):
             print(captured.getvalue()[-4000:], file=sys.stderr)
     if code == int(pytest.ExitCode.NO_TESTS_COLLECTED):
@@ -107,16 +122,12 @@ class _Lister:
         self.rows: list[tuple[str, str]] = []
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        from conformance.plugin import _params, _spec
-
         seen: set[str] = set()
         for item in session.items:
-            spec = _spec(item)
+            spec = case_spec(item)
             if spec is None:
                 continue
-            params = {k: v for k, v in _params(item).items() if k not in ("impl", "rank_mode")}
-            label = "-".join(str(v) for v in params.values())
-            case_id = f"{spec.id}[{label}]" if label else spec.id
+            case_id = case_row_id(item)
             if case_id not in seen:
                 seen.add(case_id)
                 self.rows.append((case_id, f"{spec.needs_text()}; modes {'/'.join(spec.modes)}"))

@@ -7,9 +7,12 @@ case is right) so a reader does not have to rediscover it.
 
 from __future__ import annotations
 
+from conformance.rows import row_matches
+
 __all__ = ["KNOWN", "annotate"]
 
-#: (implementation, case id prefix) -> write-up, relative to the repository root.
+#: (implementation, row pattern as :func:`conformance.rows.row_matches` reads it) -> write-up,
+#: relative to the repository root.
 KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp1", "misc/same_model_across_ranks"): "docs/findings/fsdp1-sync-module-states-cpu.md",
     ("torch-fsdp1", "misc/cpu_init_with_sync_module_states_cpu"): "docs/findings/fsdp1-sync-module-states-cpu.md",
@@ -17,14 +20,14 @@ KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp2", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
     ("torch-fsdp1", "hybrid_shard/basic_setup"): "docs/findings/fsdp1-hybrid-cpu.md",
     ("torch-fsdp1", "hybrid_shard/sync_module_states"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "checkpoint/"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "misc/device_id_cpu_offload["): "docs/findings/fsdp1-cpu-offload-pinning.md",
+    ("torch-fsdp1", "checkpoint/*"): "docs/findings/fsdp1-cpu-offload-pinning.md",
+    ("torch-fsdp1", "misc/device_id_cpu_offload"): "docs/findings/fsdp1-cpu-offload-pinning.md",
 }
 
 
 def annotate(impl: str, case: str, reason: str) -> str:
     """``reason``, prefixed with the finding's write-up when this failure is a known one."""
-    for (name, prefix), doc in KNOWN.items():
-        if name == impl and case.startswith(prefix):
+    for (name, pattern), doc in KNOWN.items():
+        if name == impl and row_matches(case, pattern):
             return f"known finding, see {doc}: {reason}"
     return reason

@@ -5,13 +5,16 @@ Registered as the ``fsdp_conformance`` pytest11 entry point, so
 (:mod:`conformance.cli`) is a thin layer that adds options and calls
 ``pytest.main``.
 
-Settings precedence, stated once: command-line option > environment variable
-(``FSDP_CONFORMANCE_IMPL``, comma separated) > default (``reference``).
+Settings (implementations, rank mode, timing repeats) come from
+:func:`conformance.settings.resolve_settings`, which states the precedence.
+The plugin meets the harness's plugin through declared hooks: it implements
+``pytest_ranks_returned`` (:mod:`harness.hookspecs`) to receive a case's
+:class:`~conformance.report.CaseReport`, and calls
+``pytest_conformance_result`` (:mod:`conformance.hookspecs`) once per cell.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -21,15 +24,17 @@ from typing import Any
 import pytest
 
 from conformance import registry
-from conformance.case import CaseSpec, NotApplicable, hardware_skip_reason
+from conformance.case import NotApplicable, hardware_skip_reason
 from conformance.findings import annotate
-from conformance.report import Result, render_markdown, render_matrix, summary_line, write_json
+from conformance.report import CaseReport, Result, render_markdown, render_matrix, summary_line, write_json
+from conformance.rows import all_params, case_row_id, case_spec
+from conformance.settings import SettingError, Settings, resolve_settings
 
-__all__ = ["RESULTS_KEY"]
+__all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
 
 RESULTS_KEY = pytest.StashKey[list[Result]]()
+SETTINGS_KEY = pytest.StashKey[Settings]()
 _STATE_KEY = pytest.StashKey["_ItemState"]()
-_RANK_MODE_PARAMS = ("rank_mode",)
 
 
 @dataclass
@@ -37,6 +42,13 @@ class _ItemState:
     outcome: str = "pass"
     reason: str = ""
     started: float = field(default_factory=time.perf_counter)
+    report: CaseReport | None = None
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from conformance import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -58,10 +70,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--timing-repeats",
-        type=int,
-        default=3,
+        default=None,
         metavar="N",
-        help="repetitions of each timed region in overlap cases (median is used)",
+        help="repetitions of each timed region in timing cases (median is used). "
+        "Default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3.",
     )
 
 
@@ -70,31 +82,39 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "conformance(spec): a conformance case (added by conformance.case)"
     )
     config.stash[RESULTS_KEY] = []
-    # Case bodies run in rank processes; the repeat count reaches them through the environment.
-    os.environ["FSDP_CONFORMANCE_TIMING_REPEATS"] = str(config.getoption("--timing-repeats"))
-    selected_impls(config)  # a bad --fsdp-impl is a usage error before collection
-
-
-def selected_impls(config: pytest.Config) -> list[str]:
-    names = config.getoption("--fsdp-impl")
-    if not names:
-        env = os.environ.get("FSDP_CONFORMANCE_IMPL", "")
-        names = [n.strip() for n in env.split(",") if n.strip()] or ["reference"]
-    names = registry.expand(list(names))
-    known = registry.registered()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise pytest.UsageError(
-            f"--fsdp-impl: unknown implementation(s) {unknown}; registered: {', '.join(sorted(known))}"
+    try:  # a bad value is a usage error before collection, naming its source
+        config.stash[SETTINGS_KEY] = resolve_settings(
+            {
+                "impls": ("--fsdp-impl", config.getoption("--fsdp-impl")),
+                "rank_mode": ("--rank-mode", config.getoption("--rank-mode", None)),
+                "timing_repeats": ("--timing-repeats", config.getoption("--timing-repeats")),
+            },
+            ini={"rank_mode": config.getini("rank_mode")},
         )
-    return names
+    except SettingError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+
+
+def settings_of(config: pytest.Config) -> Settings:
+    """The settings this session resolved at configure time."""
+    return config.stash[SETTINGS_KEY]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"fsdp-conformance: {settings_of(config).describe()}"
+
+
+@pytest.fixture
+def timing_repeats(request: pytest.FixtureRequest) -> int:
+    """How many times a timing case repeats each timed region (the median is used)."""
+    return settings_of(request.config).timing_repeats.value
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" not in metafunc.fixturenames or metafunc.definition.get_closest_marker("conformance") is None:
         return
     adapters: list[Any] = []
-    for name in selected_impls(metafunc.config):
+    for name in settings_of(metafunc.config).impls.value:
         try:
             adapters.append(registry.load(name))
         except Exception as exc:  # noqa: BLE001 - reported per case as an error row
@@ -110,23 +130,13 @@ class _Unloadable:
     error: str
 
 
-def _spec(item: pytest.Item) -> CaseSpec | None:
-    marker = item.get_closest_marker("conformance")
-    return None if marker is None else marker.args[0]
-
-
-def _params(item: pytest.Item) -> dict[str, Any]:
-    callspec = getattr(item, "callspec", None)
-    return dict(callspec.params) if callspec is not None else {}
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    spec = _spec(item)
+    spec = case_spec(item)
     if spec is None:
         return
     item.stash[_STATE_KEY] = _ItemState()
-    impl = _params(item).get("impl")
+    impl = all_params(item).get("impl")
     if impl is None:
         raise pytest.UsageError(f"{item.nodeid}: a conformance case must take the impl parameter")
     if isinstance(impl, _Unloadable):
@@ -134,7 +144,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = impl.unavailable_reason()
     if reason is not None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
-    missing = [str(c) for c in spec.required(_params(item)) if c not in impl.capabilities]
+    missing = [str(c) for c in spec.required(all_params(item)) if c not in impl.capabilities]
     if missing:
         raise NotApplicable(f"{impl.name} lacks capability {', '.join(missing)}")
     hardware = hardware_skip_reason(spec)
@@ -160,38 +170,58 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+@pytest.hookimpl
+def pytest_ranks_returned(item: pytest.Item, values: list[Any]) -> None:
+    """Keep rank 0's :class:`CaseReport`; any other non-``None`` return value is a mistake in the case."""
+    state = item.stash.get(_STATE_KEY, None)
+    if state is None or not values:
+        return
+    value = values[0]
+    if value is not None and not isinstance(value, CaseReport):
+        raise TypeError(
+            f"{case_row_id(item)} returned {type(value).__name__}; a case returns None or "
+            f"conformance.report.CaseReport(reason=..., metrics=...)"
+        )
+    state.report = value
+
+
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     state = item.stash.get(_STATE_KEY, None)
-    spec = _spec(item)
+    spec = case_spec(item)
     if state is None or spec is None:
         return
-    params = _params(item)
-    impl = params.pop("impl", None)
-    mode = next((params.pop(k) for k in _RANK_MODE_PARAMS if k in params), "process")
-    label = "-".join(str(v) for v in params.values())
-    case_id = f"{spec.id}[{label}]" if label else spec.id
-    reported = _reported(item)
-    if state.outcome == "pass" and reported.get("reason"):
-        state.reason = str(reported["reason"])
+    params = all_params(item)
+    impl_name = getattr(params.get("impl"), "name", "?")
+    case_id = case_row_id(item)
+    reason = state.reason
+    if state.outcome == "pass" and state.report is not None and state.report.reason:
+        reason = state.report.reason
     result = Result(
         case=case_id,
-        impl=getattr(impl, "name", "?"),
-        rank_mode=str(mode),
+        impl=impl_name,
+        rank_mode=str(params.get("rank_mode", "process")),
         world_size=spec.world_size,
         outcome=state.outcome,
-        reason=annotate(getattr(impl, "name", "?"), case_id, state.reason) if state.outcome == "FAIL" else state.reason,
+        reason=annotate(impl_name, case_id, reason) if state.outcome == "FAIL" else reason,
         duration_s=round(time.perf_counter() - state.started, 3),
-        metrics=dict(reported.get("metrics", {})),
+        metrics=dict(state.report.metrics) if state.report is not None else {},
     )
-    item.config.stash[RESULTS_KEY].append(result)
-    if item.config.getoption("--conformance-progress"):
-        done = len(item.config.stash[RESULTS_KEY])
-        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(
-                f"[{done:4d}] {result.outcome:5s} {result.case}  {result.impl}/{result.rank_mode}"
-                f"  {result.duration_s:.2f}s" + (f"  ({result.reason})" if result.reason else "")
-            )
+    item.config.hook.pytest_conformance_result(config=item.config, result=result)
+
+
+@pytest.hookimpl
+def pytest_conformance_result(config: pytest.Config, result: Result) -> None:
+    """Add the cell to the matrix; with ``--conformance-progress`` print its line."""
+    config.stash[RESULTS_KEY].append(result)
+    if not config.getoption("--conformance-progress"):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            f"[{len(config.stash[RESULTS_KEY]):4d}] {result.outcome:5s} {result.case}  "
+            f"{result.impl}/{result.rank_mode}  {result.duration_s:.2f}s"
+            + (f"  ({result.reason})" if result.reason else "")
+        )
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
@@ -225,14 +255,6 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
         Path(md_path).write_text(render_markdown(results))
-
-
-def _reported(item: pytest.Item) -> dict[str, Any]:
-    """What rank 0's case body returned, when it returned a dict (reason, metrics)."""
-    from harness.pytest_plugin import RANK_VALUES
-
-    values = item.stash.get(RANK_VALUES, None)
-    return values[0] if values and isinstance(values[0], dict) else {}
 
 
 def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:

@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["OUTCOMES", "Result", "render_matrix", "render_markdown", "summary_line", "write_json"]
+__all__ = ["OUTCOMES", "CaseReport", "Result", "render_matrix", "render_markdown", "summary_line", "write_json"]
 
 #: Cell texts. Only "pass" counts as conforming; "n/a" and "skip" never do.
 OUTCOMES = ("pass", "FAIL", "error", "n/a", "skip")
+
+
+@dataclass(frozen=True)
+class CaseReport:
+    """What a case body may return (rank 0's is reported): a note and numbers for the matrix.
+
+    ``reason`` becomes the row's reason when the case passes (e.g. the measured
+    times of a timing case); ``metrics`` go to the JSON report. A case that has
+    nothing to say returns ``None``.
+    """
+
+    reason: str = ""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str):
+            raise TypeError(f"CaseReport.reason must be a str, got {type(self.reason).__name__}")
+        for name, value in self.metrics.items():
+            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"CaseReport.metrics[{name!r}] = {value!r}: expected a str name and a number")
+            if not math.isfinite(value):
+                raise ValueError(f"CaseReport.metrics[{name!r}] = {value!r}: expected a finite number")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ the ``rank_mode`` parameter); the body runs on every rank through
 :func:`harness.run` with the other fixture values as keyword arguments (in
 process mode the ranks import the test module and call the function). A rank
 failure fails the test with the rank-naming summary; a skip on every rank is
-a skip.
+a skip. Plugins receive every rank's return value through the
+``pytest_ranks_returned`` hook (:mod:`harness.hookspecs`).
 
 Rank-mode selection, stated once: the marker's ``modes`` bound what a test
 *can* run under; within that, the command line ``--rank-mode`` wins over the
@@ -27,13 +28,17 @@ from typing import Any
 
 import pytest
 
-__all__ = ["POOL_START_MARGIN_S", "RANK_VALUES", "selected_modes"]
+from harness.settings import SettingError, modes_of, resolve_rank_mode
 
-#: Per-rank return values of the last run of a ``ranks`` test (for plugins that report them).
-RANK_VALUES = pytest.StashKey[list[Any]]()
+__all__ = ["POOL_START_MARGIN_S", "selected_modes"]
 
 POOL_START_MARGIN_S = 120.0
-_CHOICES = ("process", "thread", "both")
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from harness import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -61,16 +66,15 @@ def selected_modes(config: pytest.Config) -> tuple[str, ...]:
     """The rank modes chosen for this session (see the module docstring for precedence)."""
     if config.getoption("--launcher") == "torchrun":
         return ("launched",)
-    for source, value in (
-        ("--rank-mode", config.getoption("--rank-mode")),
-        ("FSDP_RANK_MODE", os.environ.get("FSDP_RANK_MODE")),
-        ("ini rank_mode", config.getini("rank_mode")),
-    ):
-        if value:
-            if value not in _CHOICES:
-                raise pytest.UsageError(f"{source}={value!r}: expected one of {', '.join(_CHOICES)}")
-            return ("process", "thread") if value == "both" else (value,)
-    return ("process", "thread")
+    try:
+        chosen = resolve_rank_mode(
+            cli=config.getoption("--rank-mode"),
+            env=os.environ.get("FSDP_RANK_MODE"),
+            ini=config.getini("rank_mode"),
+        )
+    except SettingError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    return modes_of(chosen.value)
 
 
 class _CtxPlaceholder:
@@ -140,7 +144,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     options = _marker_kwargs(marker)
     argnames = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name not in ("ctx", "rank_mode")}
-    pyfuncitem.stash[RANK_VALUES] = harness.run(
+    values = harness.run(
         pyfuncitem.obj,
         world_size=options["world_size"],
         mode=str(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),
@@ -150,6 +154,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         isolated=options["isolated"],
         env=options["env"],
     )
+    pyfuncitem.ihook.pytest_ranks_returned(item=pyfuncitem, values=values)
     return True
 
 

@@ -12,7 +12,7 @@ inside the buffer; the ratios are the seed's. Bounds:
 - forward <= comm + 3 * compute + buffer (only the first all-gather is exposed);
 - forward + backward <= that + 2 * comm + 6 * compute + 2 * buffer.
 
-Each pass is timed ``--timing-repeats`` times after a warm-up step (which
+Each pass is timed ``timing_repeats`` times (``--timing-repeats``) after a warm-up step (which
 also records the order prefetching follows); the median is compared. Every
 rank checks its own time. Efficiency = ideal time (the bound without buffers)
 / measured median, reported in the matrix reason.
@@ -20,7 +20,6 @@ rank checks its own time. Efficiency = ideal time (the bound without buffers)
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch.nn as nn
 
 from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.case import case
+from conformance.report import CaseReport
 from fixtures.timing import LinearWithSleep
 
 if TYPE_CHECKING:
@@ -42,11 +42,6 @@ FWD_IDEAL_MS = COMM_MS + 3 * COMPUTE_MS
 FWD_BOUND_MS = FWD_IDEAL_MS + BUFFER_MS
 FWD_BWD_IDEAL_MS = FWD_IDEAL_MS + 2 * COMM_MS + 6 * COMPUTE_MS
 FWD_BWD_BOUND_MS = FWD_BOUND_MS + 2 * COMM_MS + 6 * COMPUTE_MS + 2 * BUFFER_MS
-REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
-
-
-def _repeats() -> int:
-    return int(os.environ.get(REPEATS_ENV, "3"))
 
 
 def _model(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> nn.Module:
@@ -65,8 +60,9 @@ def _model(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> nn.Module:
 class _Timer:
     """Times passes under delayed communication, on CPU (worker thread) or GPU (side stream)."""
 
-    def __init__(self, ctx: RankContext) -> None:
+    def __init__(self, ctx: RankContext, repeats: int) -> None:
         self.ctx = ctx
+        self.repeats = repeats
         self.worker: Any = None
 
     def __enter__(self) -> _Timer:
@@ -88,7 +84,7 @@ class _Timer:
 
     def median_ms(self, fn: Callable[[], None]) -> float:
         samples = []
-        for _ in range(_repeats()):
+        for _ in range(self.repeats):
             self._sync()
             start = time.perf_counter()
             fn()
@@ -132,7 +128,7 @@ class _GpuDelay:
         self._patch.__exit__(*exc)
 
 
-def _measure(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> tuple[float, float, str]:
+def _measure(ctx: RankContext, impl: FSDPAdapter, prefetch: bool, repeats: int) -> tuple[float, float, str]:
     model = _model(ctx, impl, prefetch)
     inp = torch.randn(2, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
 
@@ -142,7 +138,7 @@ def _measure(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> tuple[float
     def fwd_bwd() -> None:
         model(inp).sum().backward()
 
-    with _Timer(ctx) as timer:
+    with _Timer(ctx, repeats) as timer:
         fwd_bwd()  # warm-up: lazy init, recorded order for prefetching
         fwd_ms = timer.median_ms(fwd)
         fwd_bwd_ms = timer.median_ms(fwd_bwd)
@@ -156,16 +152,16 @@ def _summary(fwd_ms: float, fwd_bwd_ms: float) -> str:
 
 
 @case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300)
-def test_training_overlap(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
     # Process ranks only: thread ranks share one GIL-bound process and the worker
     # thread cannot resolve a thread rank's process group ([Note: communication worker]).
-    fwd_ms, fwd_bwd_ms, trace = _measure(ctx, impl, prefetch=True)
+    fwd_ms, fwd_bwd_ms, trace = _measure(ctx, impl, prefetch=True, repeats=timing_repeats)
     summary = _summary(fwd_ms, fwd_bwd_ms)
     late = "\n".join(trace.splitlines()[-12:])
     assert fwd_ms <= FWD_BOUND_MS, f"rank {ctx.rank}: forward does not overlap: {summary}\n{late}"
     assert fwd_bwd_ms <= FWD_BWD_BOUND_MS, f"rank {ctx.rank}: backward does not overlap: {summary}\n{late}"
-    return {"reason": summary, "metrics": {"forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms,
-                                           "efficiency": FWD_BWD_IDEAL_MS / fwd_bwd_ms}}
+    return CaseReport(reason=summary, metrics={"forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms,
+                                               "efficiency": FWD_BWD_IDEAL_MS / fwd_bwd_ms})
 
 
 @case(
@@ -175,13 +171,13 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]
     timeout_s=300,
     requires=[Capability.FORWARD_PREFETCH, Capability.BACKWARD_PREFETCH],
 )
-def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
     """Negative control: with prefetching off, the same model must exceed the forward bound."""
-    fwd_ms, fwd_bwd_ms, _ = _measure(ctx, impl, prefetch=False)
+    fwd_ms, fwd_bwd_ms, _ = _measure(ctx, impl, prefetch=False, repeats=timing_repeats)
     summary = _summary(fwd_ms, fwd_bwd_ms)
     assert fwd_ms > FWD_BOUND_MS, f"rank {ctx.rank}: the bound cannot fail, it is too loose: {summary}"
-    return {"reason": f"without prefetch: {summary}", "metrics": {"forward_ms": fwd_ms,
-                                                                  "forward_backward_ms": fwd_bwd_ms}}
+    return CaseReport(reason=f"without prefetch: {summary}",
+                      metrics={"forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms})
 
 
 @case(

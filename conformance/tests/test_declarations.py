@@ -103,6 +103,6 @@ def test_known_findings_annotate_but_never_change_outcomes() -> None:
 
     root = Path(__file__).resolve().parents[2]
     assert all((root / doc).is_file() for doc in KNOWN.values()), "a finding points at a missing write-up"
-    impl, prefix = next(iter(KNOWN))
-    assert annotate(impl, prefix + "[x]", "boom").startswith("known finding, see docs/findings/")
-    assert annotate("reference", prefix, "boom") == "boom"
+    impl, pattern = next(iter(KNOWN))
+    assert annotate(impl, pattern + "[x=1]", "boom").startswith("known finding, see docs/findings/")
+    assert annotate("reference", pattern, "boom") == "boom"

@@ -27,11 +27,15 @@ import pytest
 from conformance.case import accelerator_skip_reason
 from conformance.cli import CASES_DIR
 from conformance.mutants import MUTANTS
+from conformance.rows import parse_row_id, row_matches
 
 
 @dataclass(frozen=True)
 class Expect:
-    """Run the cases selected by ``keyword`` against one mutant; every ``must_fail`` prefix must FAIL."""
+    """Run the cases selected by ``keyword`` against one mutant.
+
+    Every row a ``must_fail`` pattern matches (:func:`conformance.rows.row_matches`) must FAIL.
+    """
 
     keyword: str
     rank_mode: str
@@ -45,8 +49,6 @@ class Expect:
             raise ValueError(f"{self.keyword!r}: must_fail names no case")
 
 
-CKPT_WRAPPING_NESTED = "checkpoint/checkpoint_fsdp_wrapping[under_root-"
-
 EXPECTED: dict[str, Expect] = {
     "mutant-no-exec-order-check": Expect(
         "invalid_first_iter_order or invalid_later_iter_order", "thread",
@@ -59,14 +61,16 @@ EXPECTED: dict[str, Expect] = {
     ),
     "mutant-wrong-replicate-group": Expect(
         "HYBRID and (cpu_training_parity_vs_ddp or basic_setup or parity_with_fsdp)", "thread",
-        ("misc/cpu_training_parity_vs_ddp[HYBRID_SHARD]", "misc/cpu_training_parity_vs_ddp[_HYBRID_SHARD_ZERO2]",
+        ("misc/cpu_training_parity_vs_ddp[strategy=HYBRID_SHARD]",
+         "misc/cpu_training_parity_vs_ddp[strategy=_HYBRID_SHARD_ZERO2]",
          "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
     ),
     "mutant-checks-eval-forwards": Expect("train_eval", "thread", ("exec_order/train_eval",)),
     "mutant-silent": Expect(
         "unsupported_container_warning or world_size_1_no_shard_warning", "thread",
-        ("misc/unsupported_container_warning", "misc/world_size_1_no_shard_warning[FULL_SHARD",
-         "misc/world_size_1_no_shard_warning[SHARD_GRAD_OP", "misc/world_size_1_no_shard_warning[None"),
+        ("misc/unsupported_container_warning", "misc/world_size_1_no_shard_warning[strategy=FULL_SHARD]",
+         "misc/world_size_1_no_shard_warning[strategy=SHARD_GRAD_OP]",
+         "misc/world_size_1_no_shard_warning[strategy=None]"),
     ),
     "mutant-lenient-hybrid-groups": Expect(
         "manual_wrap_requires_pg or invalid_pg_specification", "thread",
@@ -74,7 +78,7 @@ EXPECTED: dict[str, Expect] = {
     ),
     "mutant-no-homogeneity-check": Expect("homogeneous_attributes", "thread", ("misc/homogeneous_attributes",)),
     "mutant-unsafe-setattr-ignored": Expect(
-        "unsafe_setattr", "thread", ("misc/unsafe_setattr[False-1]", "misc/unsafe_setattr[True-1]"),
+        "unsafe_setattr", "thread", ("misc/unsafe_setattr[env_value=1]",),
     ),
     "mutant-hooks-on-plain-outputs-only": Expect("namedtuple_outputs", "thread", ("misc/namedtuple_outputs",)),
     "mutant-sharded-load-ignored": Expect(
@@ -90,11 +94,11 @@ EXPECTED: dict[str, Expect] = {
     "mutant-always-prefetch": Expect("no_overlap_detected", "process", ("overlap/no_overlap_detected",)),
     # Recomputation runs a unit's forward inside backward: caught where units were freed
     # after forward (nested under a root) and the wrapper recomputes (checkpoint, not
-    # offload: the id's third field is offload_activations).
+    # offload: offload_activations=False).
     "mutant-no-regather-for-recompute": Expect(
         "basic_checkpoint_end_to_end or checkpoint_fsdp_wrapping", "thread",
         ("checkpoint/basic_checkpoint_end_to_end",
-         f"{CKPT_WRAPPING_NESTED}False-False", f"{CKPT_WRAPPING_NESTED}True-False"),
+         "checkpoint/checkpoint_fsdp_wrapping[nesting=under_root,offload_activations=False]"),
     ),
     "mutant-no-reshard-after-backward": Expect(
         "not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",),
@@ -106,10 +110,10 @@ EXPECTED: dict[str, Expect] = {
     ),
     # A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
     "mutant-first-grad-piece-only": Expect(
-        "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[True]",),
+        "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
     ),
     "mutant-no-nested-backward-guard": Expect(
-        "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[True]",),
+        "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
     ),
     "mutant-ignored-modules-managed": Expect(
         "ignored_module_meta or ignored_params_not_moved", "thread",
@@ -127,9 +131,9 @@ EXPECTED: dict[str, Expect] = {
     # -- placement: GPU rows only (see the module docstring) --
     "mutant-device-id-ignored": Expect(
         "device_id or cpu_gpu_module or cpu_init_with_sync_module_states", "process",
-        ("misc/device_id[", "misc/device_id_auto_wrap_gpu", "misc/cpu_gpu_module",
-         "misc/cpu_init_with_sync_module_states", "misc/module_device_mismatches_device_id[True]",
-         "misc/module_device_mismatches_device_id[False]"),
+        ("misc/device_id", "misc/device_id_auto_wrap_gpu", "misc/cpu_gpu_module",
+         "misc/cpu_init_with_sync_module_states", "misc/module_device_mismatches_device_id[has_params=True]",
+         "misc/module_device_mismatches_device_id[has_params=False]"),
         accelerators=2,
     ),
     "mutant-device-id-not-propagated": Expect(
@@ -156,11 +160,6 @@ EXPECTED: dict[str, Expect] = {
 }
 
 
-def _matches(case_id: str, pattern: str) -> bool:
-    """``area/name`` names that case (every parameter set); with a ``[`` it is a prefix of the id."""
-    return case_id.startswith(pattern) if "[" in pattern else case_id.split("[", 1)[0] == pattern
-
-
 def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
     report = tmp_path / f"{mutant}.json"
     env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
@@ -183,9 +182,9 @@ def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
     if hardware is not None:
         pytest.skip(hardware)
     rows = _run(mutant, expect, tmp_path)
-    unmatched = [p for p in expect.must_fail if not any(_matches(r["case"], p) for r in rows)]
+    unmatched = [p for p in expect.must_fail if not any(row_matches(r["case"], p) for r in rows)]
     assert not unmatched, f"no case matched {unmatched}; the expectation table is stale"
-    selected = [r for r in rows if any(_matches(r["case"], p) for p in expect.must_fail)]
+    selected = [r for r in rows if any(row_matches(r["case"], p) for p in expect.must_fail)]
     missed = [f"{r['case']} ({r['outcome']})" for r in selected if r["outcome"] != "FAIL"]
     assert not missed, f"{mutant} ({MUTANTS[mutant].breaks}) was not caught by: {missed}"
 
@@ -213,7 +212,7 @@ def test_expectations_name_declared_cases() -> None:
     ids = set(_declared_cases())
     assert "misc/device_id_auto_wrap_gpu" in ids, sorted(ids)
     stale = [(mutant, prefix) for mutant, expect in EXPECTED.items() for prefix in expect.must_fail
-             if prefix.split("[", 1)[0] not in ids]
+             if parse_row_id(prefix)[0] not in ids]
     assert not stale, f"expectations naming no declared case: {stale}"
 
 
@@ -222,7 +221,7 @@ def test_every_case_has_a_mutant() -> None:
     covered: dict[str, set[int]] = {}
     for expect in EXPECTED.values():
         for pattern in expect.must_fail:
-            covered.setdefault(pattern.split("[", 1)[0], set()).add(expect.accelerators)
+            covered.setdefault(parse_row_id(pattern)[0], set()).add(expect.accelerators)
     cases = _declared_cases()
     uncaught = sorted(case for case in cases if case not in covered)
     assert not uncaught, f"cases no mutant is expected to fail: {uncaught}"

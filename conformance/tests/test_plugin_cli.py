@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,28 @@ def test_needs_capability(ctx, impl):
 @case("demo/needs_gpus", world_size=2, accelerators=2)
 def test_needs_gpus(ctx, impl):
     raise AssertionError("must never run without GPUs")
+'''
+
+REPORTING = '''
+import pytest
+from conformance.case import case
+from conformance.report import CaseReport
+
+@case("demo/reports", world_size=2, modes=("thread",))
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("strategy", ["A", None])
+def test_reports(ctx, impl, strategy, n, timing_repeats):
+    return CaseReport(reason=f"rank {ctx.rank} says hi", metrics={"repeats": timing_repeats, "n": n})
+
+@case("demo/returns_dict", world_size=2, modes=("thread",))
+def test_returns_dict(ctx, impl):
+    return {"reason": "old style"}
+'''
+
+RESULT_LISTENER = '''
+def pytest_conformance_result(config, result):
+    with open(config.rootpath / "listened.txt", "a") as f:
+        f.write(f"{result.case} {result.outcome}\\n")
 '''
 
 
@@ -99,7 +122,7 @@ def test_unloadable_adapter_is_an_error_row_not_a_crash(suite: pytest.Pytester) 
 
 def test_unknown_implementation_is_a_usage_error(suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess("--fsdp-impl", "nope")
-    result.stderr.fnmatch_lines(["*--fsdp-impl: unknown implementation(s)*nope*registered: *reference*"])
+    result.stderr.fnmatch_lines(["*--fsdp-impl=?'nope'?: unknown implementation(s) ?'nope'?; registered: *reference*"])
     assert result.ret == 4
 
 
@@ -110,7 +133,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_list_impls_and_empty_selection() -> None:
     listed = _cli("list", "-k", "exec_order")
     assert listed.returncode == 0
-    assert re.search(r"^exec_order/invalid_later_iter_order\[FULL_SHARD-3\] +cpu, ws 2; modes process/thread$",
+    assert re.search(r"^exec_order/invalid_later_iter_order\[strategy=FULL_SHARD,iters_before_path_change=3\] "
+                     r"+cpu, ws 2; modes process/thread$",
                      listed.stdout, re.M), listed.stdout
     assert listed.stdout.splitlines()[-1] == "8 cases"
     impls = _cli("impls")
@@ -118,4 +142,51 @@ def test_cli_list_impls_and_empty_selection() -> None:
     empty = _cli("run", "-k", "no_case_has_this_name")
     assert empty.returncode == 5 and "no case matched the selection" in empty.stderr
     unknown = _cli("run", "--impl", "nope")
-    assert unknown.returncode == 2 and "unknown implementation 'nope'" in unknown.stderr
+    assert unknown.returncode == 2 and "--impl=['nope']: unknown implementation(s) ['nope']" in unknown.stderr
+
+
+def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    suite.makepyfile(test_reporting=REPORTING)
+    suite.makeconftest(RESULT_LISTENER)
+    monkeypatch.setenv("FSDP_CONFORMANCE_TIMING_REPEATS", "7")
+    out = suite.path / "r.json"
+    result = suite.runpytest_subprocess("test_reporting.py", "--conformance-json", str(out), "-p", "no:cacheprovider")
+    assert result.ret == 1
+    rows = {r["case"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ["demo/reports[strategy=A,n=1]", "demo/reports[strategy=A,n=2]",
+                            "demo/reports[strategy=None,n=1]", "demo/reports[strategy=None,n=2]",
+                            "demo/returns_dict"]
+    reported = rows["demo/reports[strategy=None,n=2]"]
+    assert reported["outcome"] == "pass" and reported["reason"] == "rank 0 says hi"
+    assert reported["metrics"] == {"repeats": 7, "n": 2}
+    bad = rows["demo/returns_dict"]
+    assert bad["outcome"] == "FAIL"
+    assert "demo/returns_dict returned dict; a case returns None or conformance.report.CaseReport" in bad["reason"]
+    listened = (suite.path / "listened.txt").read_text().splitlines()
+    assert sorted(listened) == sorted(f"{case} {row['outcome']}" for case, row in rows.items())
+    result.stdout.fnmatch_lines(["fsdp-conformance: impls: ('reference',) (from default); rank mode: both *"
+                                 "timing repeats: 7 (from FSDP_CONFORMANCE_TIMING_REPEATS)"])
+
+
+def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    suite.makepyfile(test_reporting=REPORTING)
+    monkeypatch.setenv("FSDP_CONFORMANCE_TIMING_REPEATS", "7")
+    out = suite.path / "r.json"
+    suite.runpytest_subprocess("test_reporting.py", "-k", "reports and A-1", "--timing-repeats", "2",
+                               "--conformance-json", str(out))
+    (row,) = json.loads(out.read_text())
+    assert row["metrics"]["repeats"] == 2
+
+
+def test_cli_run_honours_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSDP_RANK_MODE", "thread")
+    out = tmp_path / "r.json"
+    run = _cli("run", "-k", "exec_order and train_eval", "--json", str(out))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "rank mode: thread (from FSDP_RANK_MODE)" in run.stdout
+    rows = json.loads(out.read_text())
+    assert rows and {r["rank_mode"] for r in rows} == {"thread"}
+    monkeypatch.setenv("FSDP_CONFORMANCE_IMPL", "nope")
+    bad = _cli("run", "-k", "train_eval")
+    assert bad.returncode == 2 and "FSDP_CONFORMANCE_IMPL='nope': unknown implementation(s)" in bad.stderr

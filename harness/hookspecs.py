@@ -1,0 +1,23 @@
+"""Hooks the harness's pytest plugin calls; other plugins implement them.
+
+Registered by :func:`harness.pytest_plugin.pytest_addhooks`. A hook's
+specification lives with the plugin that calls it, so plugins above the
+harness (the conformance suite) implement these without the harness knowing
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+@pytest.hookspec
+def pytest_ranks_returned(item: pytest.Item, values: list[Any]) -> None:
+    """A ``@pytest.mark.ranks`` test's body returned on every rank.
+
+    ``values[r]`` is what rank ``r`` returned (rank order). Called in the
+    parent, before the test's report is made; an exception raised here fails
+    the test.
+    """

@@ -1,0 +1,59 @@
+"""The harness's declared hook and its settings resolver."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.settings import Resolved, SettingError, modes_of, resolve, resolve_rank_mode
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = '''
+import json, pathlib
+
+def pytest_ranks_returned(item, values):
+    path = pathlib.Path(item.config.rootpath, "returned.json")
+    seen = json.loads(path.read_text()) if path.exists() else {}
+    seen[item.name] = values
+    path.write_text(json.dumps(seen))
+'''
+
+BODIES = '''
+import pytest
+
+@pytest.mark.ranks(world_size=2, modes=("thread",))
+def test_returns_rank(ctx):
+    return ctx.rank * 10
+
+@pytest.mark.ranks(world_size=2, modes=("thread",))
+def test_returns_nothing(ctx):
+    pass
+'''
+
+
+def test_ranks_returned_hands_every_rank_value_to_plugins(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(PLUGIN)
+    pytester.makepyfile(test_bodies=BODIES)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    import json
+
+    seen = json.loads((pytester.path / "returned.json").read_text())
+    assert seen == {"test_returns_rank[thread]": [0, 10], "test_returns_nothing[thread]": [None, None]}
+
+
+def test_resolve_takes_the_first_given_source_and_names_it() -> None:
+    got = resolve("n", [("--n", None), ("N_ENV", ""), ("ini n", "4")], int, 1)
+    assert got == Resolved("n", 4, "ini n")
+    assert resolve("n", [("--n", None)], int, 1) == Resolved("n", 1, "default")
+    with pytest.raises(SettingError, match=r"^N_ENV='x': invalid literal"):
+        resolve("n", [("--n", None), ("N_ENV", "x")], int, 1)
+
+
+def test_rank_mode_precedence_and_errors() -> None:
+    assert resolve_rank_mode(cli="process", env="thread", ini="both").source == "--rank-mode"
+    assert resolve_rank_mode(cli=None, env="thread", ini="both") == Resolved("rank mode", "thread", "FSDP_RANK_MODE")
+    assert resolve_rank_mode(cli=None, env=None, ini=None).value == "both"
+    with pytest.raises(SettingError, match=r"^FSDP_RANK_MODE='threads': expected one of process, thread, both$"):
+        resolve_rank_mode(cli=None, env="threads")
+    assert modes_of("both") == ("process", "thread") and modes_of("thread") == ("thread",)
