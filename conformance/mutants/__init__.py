@@ -1,10 +1,12 @@
 """Deliberately broken variants of the reference, to prove that cases can fail.
 
 Each mutant is a built-in adapter (the reference; torch-fsdp2 for what only it
-can express) with exactly one behaviour broken. The
-suite's own tests (``conformance/tests/test_mutants.py``) run the matching
-cases against each mutant and assert they report FAIL: a case that passes
-against a mutant it should catch is not testing what it claims.
+can express) with exactly one behaviour broken, declared as data in its class
+body (see :mod:`conformance.mutants._base`): the ``fsdp_impl`` attributes it
+patches, named as strings, and the cases that must catch it (``expect``). The
+suite's own tests (``conformance/tests/test_mutants.py``) run those cases
+against each mutant and assert they report FAIL: a case that passes against a
+mutant it should catch is not testing what it claims.
 
 Mutants patch ``fsdp_impl`` in the process they run in, so they are only ever
 run in a separate pytest session (never next to the real reference). Register
@@ -13,6 +15,7 @@ them with ``FSDP_CONFORMANCE_ADAPTERS="name=conformance.mutants:Class,..."``.
 
 from __future__ import annotations
 
+from conformance.mutants._base import Expect, Patch, check_declaration
 from conformance.mutants.construction import *  # noqa: F403
 from conformance.mutants.construction import __all__ as _construction
 from conformance.mutants.placement import *  # noqa: F403
@@ -20,9 +23,12 @@ from conformance.mutants.placement import __all__ as _placement
 from conformance.mutants.runtime import *  # noqa: F403
 from conformance.mutants.runtime import __all__ as _runtime
 
-__all__ = ["MUTANTS", *_runtime, *_construction, *_placement]
+__all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_runtime, *_construction, *_placement]
 
 #: mutant name -> adapter class (what ``FSDP_CONFORMANCE_ADAPTERS`` registers).
 MUTANTS: dict[str, type] = {
     cls.name: cls for cls in (globals()[name] for name in (*_runtime, *_construction, *_placement))
 }
+
+for _mutant in MUTANTS.values():
+    check_declaration(_mutant)  # a stale patch target fails here, at import

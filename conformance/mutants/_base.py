@@ -1,10 +1,27 @@
-"""The mutant base: the reference adapter with one behaviour broken (see ``conformance.mutants``)."""
+"""How a mutant is declared: patches as data, the cases that must catch it, and the base adapter.
+
+A mutant states, in its class body, everything about it:
+
+* ``patches``: :class:`Patch` values naming an attribute of ``fsdp_impl`` as a
+  string (``"fsdp_impl.unit:_final_callback"`` or
+  ``"fsdp_impl.flat_param:FlatParamHandle.reshard"``) and a replacement built
+  from the original;
+* ``expect``: an :class:`Expect`, the cases that must report FAIL against it;
+* for breakage that is not a patch, ``spec_overrides`` or an override of
+  ``_mutate_unit`` / an adapter method.
+
+Every target is resolved when :mod:`conformance.mutants` is imported
+(:func:`check_declaration`), so a rename in ``fsdp_impl`` fails at import and in
+a fast unit test, not in a slow mutant session.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import threading
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch.nn as nn
@@ -12,43 +29,122 @@ import torch.nn as nn
 from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
-__all__ = ["_Mutant", "patch_once"]
+__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "_Mutant"]
 
 
-class _Mutant(ReferenceAdapter):
-    breaks = ""
-    #: ``WrapSpec`` fields replaced on every wrap, whatever the case asked for.
-    spec_overrides: ClassVar[Mapping[str, Any]] = {}
+@dataclass(frozen=True)
+class Expect:
+    """Run the cases selected by ``keyword`` against one mutant.
 
-    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
-        self._patch_globally()
-        model = super().wrap(module, self._mutate_spec(spec))
-        for unit in self._api().FullyShardedDataParallel.fsdp_modules(model):
-            self._mutate_unit(unit)
-        return model
+    Every row a ``must_fail`` pattern matches (:func:`conformance.rows.row_matches`:
+    a case id, optionally with a subset of its parameters) must FAIL.
+    ``accelerators`` is how many GPUs the selected rows need (0: they run on CPU).
+    """
 
-    def _patch_globally(self) -> None:
-        """Module-level patches (idempotent)."""
+    keyword: str
+    rank_mode: str
+    must_fail: tuple[str, ...]
+    accelerators: int = 0
 
-    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
-        return replace(spec, **self.spec_overrides) if self.spec_overrides else spec
+    def __post_init__(self) -> None:
+        if self.rank_mode not in ("thread", "process"):
+            raise ValueError(f"rank_mode must be thread or process, got {self.rank_mode!r}")
+        if not self.must_fail:
+            raise ValueError(f"{self.keyword!r}: must_fail names no case")
+        if self.accelerators < 0:
+            raise ValueError(f"{self.keyword!r}: accelerators must be >= 0, got {self.accelerators}")
 
-    def _mutate_unit(self, unit: Any) -> None:
-        """Per-unit breakage."""
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace one attribute: ``target`` is ``"module:name"`` or ``"module:Class.attr"``.
+
+    ``replace`` receives the attribute's original value and returns what goes in
+    its place (a wrapper around it, or something unrelated). Targets must be
+    late-bound by the code under test (looked up on the module or class at call
+    time), which ``fsdp_impl/README.md`` promises for the names it lists.
+    """
+
+    target: str
+    replace: Callable[[Any], Any]
+
+    @classmethod
+    def instead(cls, target: str, value: Any) -> Patch:
+        """A patch that puts ``value`` in place of the original, whatever it was."""
+        return cls(target, lambda _original: value)
+
+    def resolve(self) -> tuple[Any, str, Any]:
+        """``(owner, attribute, current value)``; LookupError naming the target if it is stale."""
+        module_name, sep, path = self.target.partition(":")
+        if not sep or not module_name or not path:
+            raise ValueError(f"patch target {self.target!r} is not 'module:name' or 'module:Class.attr'")
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            raise LookupError(f"patch target {self.target!r}: no module {module_name!r}") from exc
+        *parents, attr = path.split(".")
+        for part in parents:
+            if not hasattr(owner, part):
+                raise LookupError(f"patch target {self.target!r}: {owner!r} has no attribute {part!r}")
+            owner = getattr(owner, part)
+        if not hasattr(owner, attr):
+            raise LookupError(f"patch target {self.target!r}: {owner!r} has no attribute {attr!r}")
+        if isinstance(inspect.getattr_static(owner, attr), (staticmethod, classmethod, property)):
+            raise TypeError(f"patch target {self.target!r} is a {type(inspect.getattr_static(owner, attr))}: "
+                            "patch the plain function it wraps instead")
+        return owner, attr, getattr(owner, attr)
+
+
+def check_declaration(mutant: type) -> None:
+    """Raise, naming ``mutant``, if its expectation is missing or one of its patch targets is stale."""
+    if not isinstance(getattr(mutant, "expect", None), Expect):
+        raise TypeError(f"mutant {mutant.__name__} declares no `expect = Expect(...)`")
+    for patch in getattr(mutant, "patches", ()):
+        try:
+            patch.resolve()
+        except (LookupError, TypeError, ValueError) as exc:
+            raise type(exc)(f"mutant {mutant.__name__}: {exc}") from exc
 
 
 _patch_lock = threading.Lock()
 _patched: set[tuple[int, str]] = set()
 
 
-def patch_once(owner: Any, attr: str, replacement: Any) -> None:
-    """``owner.attr = replacement``, unless it was already patched in this process.
+def apply_patches(patches: tuple[Patch, ...]) -> None:
+    """Apply each patch unless its target was already patched in this process.
 
     ``wrap`` runs on every rank; under thread ranks the ranks share one process
     and its modules. The first rank's patch wins, so a replacement that wraps the
-    original function is never wrapped around another rank's replacement.
+    original is never wrapped around another rank's replacement.
     """
     with _patch_lock:
-        if (id(owner), attr) not in _patched:
-            setattr(owner, attr, replacement)
-            _patched.add((id(owner), attr))
+        for patch in patches:
+            owner, attr, original = patch.resolve()
+            if (id(owner), attr) not in _patched:
+                setattr(owner, attr, patch.replace(original))
+                _patched.add((id(owner), attr))
+
+
+class _Mutant(ReferenceAdapter):
+    """The reference adapter with the declared breakage applied on every wrap."""
+
+    breaks = ""
+    #: The cases that must report FAIL against this mutant.
+    expect: ClassVar[Expect]
+    #: Attributes of ``fsdp_impl`` replaced (once per process) before the first wrap.
+    patches: ClassVar[tuple[Patch, ...]] = ()
+    #: ``WrapSpec`` fields replaced on every wrap, whatever the case asked for.
+    spec_overrides: ClassVar[Mapping[str, Any]] = {}
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        apply_patches(self.patches)
+        model = super().wrap(module, self._mutate_spec(spec))
+        for unit in self._api().FullyShardedDataParallel.fsdp_modules(model):
+            self._mutate_unit(unit)
+        return model
+
+    def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
+        return replace(spec, **self.spec_overrides) if self.spec_overrides else spec
+
+    def _mutate_unit(self, unit: Any) -> None:
+        """Per-unit breakage that is not a patch of a module attribute."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
-from conformance.mutants._base import _Mutant, patch_once
+import torch
+
+from conformance.mutants._base import Expect, Patch, _Mutant
 
 __all__ = [
     "NoGradDivide",
@@ -20,12 +24,23 @@ __all__ = [
     "OffloadedGradsDropped",
 ]
 
+Fn = Callable[..., Any]
+
+#: Caught by the unused-outputs case (SGD); the DDP-parity case uses Adam, which a
+#: uniform gradient scale does not change.
+_UNUSED_OUTPUTS = Expect("not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",))
+#: A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
+_REENTRANT_CHECKPOINT = Expect(
+    "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
+)
+
 
 class NoGradDivide(_Mutant):
     """Sums gradients across ranks but never divides by the data-parallel world size."""
 
     name = "mutant-no-grad-divide"
     breaks = "gradient averaging"
+    expect = _UNUSED_OUTPUTS
 
     def _mutate_unit(self, unit: Any) -> None:
         unit._dp_world_size = 1
@@ -36,6 +51,12 @@ class WrongReplicateGroup(_Mutant):
 
     name = "mutant-wrong-replicate-group"
     breaks = "hybrid replicate all-reduce group"
+    expect = Expect(
+        "HYBRID and (cpu_training_parity_vs_ddp or basic_setup or parity_with_fsdp)", "thread",
+        ("misc/cpu_training_parity_vs_ddp[strategy=HYBRID_SHARD]",
+         "misc/cpu_training_parity_vs_ddp[strategy=_HYBRID_SHARD_ZERO2]",
+         "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
+    )
 
     def _mutate_unit(self, unit: Any) -> None:
         if unit._inter_node_pg is not None:
@@ -43,34 +64,46 @@ class WrongReplicateGroup(_Mutant):
             unit._inter_node_pg = unit._shard_group
 
 
+_in_final_callback = threading.local()  # thread ranks run their callbacks concurrently
+
+
+def _flag_final_callback(final_callback: Fn) -> Fn:
+    def final_callback_flagged(state: Any) -> None:
+        _in_final_callback.active = True
+        try:
+            final_callback(state)
+        finally:
+            _in_final_callback.active = False
+
+    return final_callback_flagged
+
+
+def _reshard_outside_final_callback(reshard: Fn) -> Fn:
+    def reshard_unless_in_final_callback(handle: Any) -> None:
+        if not getattr(_in_final_callback, "active", False):
+            reshard(handle)
+
+    return reshard_unless_in_final_callback
+
+
 class NoReshardAfterBackward(_Mutant):
     """The end-of-backward callback leaves units unsharded (e.g. ones whose output was unused)."""
 
     name = "mutant-no-reshard-after-backward"
     breaks = "resharding at the end of backward"
+    expect = _UNUSED_OUTPUTS
+    patches = (
+        Patch("fsdp_impl.flat_param:FlatParamHandle.reshard", _reshard_outside_final_callback),
+        Patch("fsdp_impl.unit:_final_callback", _flag_final_callback),
+    )
 
-    def _patch_globally(self) -> None:
-        import threading
 
-        import fsdp_impl.unit as unit_mod
-        from fsdp_impl.flat_param import FlatParamHandle
+def _pre_forward_without_regather(pre_forward: Fn) -> Fn:
+    def pre_forward_unless_recompute(unit: Any, state: Any, recompute: bool) -> None:
+        if not recompute:
+            pre_forward(unit, state, recompute)
 
-        final_callback, reshard = unit_mod._final_callback, FlatParamHandle.reshard
-        in_final = threading.local()  # thread ranks run their callbacks concurrently
-
-        def final_callback_without_reshard(state: Any) -> None:
-            in_final.active = True
-            try:
-                final_callback(state)
-            finally:
-                in_final.active = False
-
-        def reshard_outside_final_callback(handle: Any) -> None:
-            if not getattr(in_final, "active", False):
-                reshard(handle)
-
-        patch_once(FlatParamHandle, "reshard", reshard_outside_final_callback)
-        patch_once(unit_mod, "_final_callback", final_callback_without_reshard)
+    return pre_forward_unless_recompute
 
 
 class NoRegatherForRecompute(_Mutant):
@@ -78,17 +111,15 @@ class NoRegatherForRecompute(_Mutant):
 
     name = "mutant-no-regather-for-recompute"
     breaks = "unsharding before activation-checkpoint recomputation"
-
-    def _patch_globally(self) -> None:
-        import fsdp_impl.unit as unit_mod
-
-        pre_forward = unit_mod._pre_forward
-
-        def pre_forward_without_regather(unit: Any, state: Any, recompute: bool) -> None:
-            if not recompute:
-                pre_forward(unit, state, recompute)
-
-        patch_once(unit_mod, "_pre_forward", pre_forward_without_regather)
+    # Recomputation runs a unit's forward inside backward: caught where units were freed
+    # after forward (nested under a root) and the wrapper recomputes (checkpoint, not
+    # offload: offload_activations=False).
+    expect = Expect(
+        "basic_checkpoint_end_to_end or checkpoint_fsdp_wrapping", "thread",
+        ("checkpoint/basic_checkpoint_end_to_end",
+         "checkpoint/checkpoint_fsdp_wrapping[nesting=under_root,offload_activations=False]"),
+    )
+    patches = (Patch("fsdp_impl.unit:_pre_forward", _pre_forward_without_regather),)
 
 
 class NoPrefetch(_Mutant):
@@ -96,6 +127,8 @@ class NoPrefetch(_Mutant):
 
     name = "mutant-no-prefetch"
     breaks = "prefetching (communication/compute overlap)"
+    # The timing case's negative control: the same model without prefetch exceeds the bound.
+    expect = Expect("training_overlap", "process", ("overlap/training_overlap",))
     spec_overrides = {"forward_prefetch": False, "backward_prefetch": None}
 
 
@@ -104,7 +137,13 @@ class AlwaysPrefetch(_Mutant):
 
     name = "mutant-always-prefetch"
     breaks = "turning prefetch off"
+    # ... and the control itself fails for an implementation that prefetches when told not to.
+    expect = Expect("no_overlap_detected", "process", ("overlap/no_overlap_detected",))
     spec_overrides = {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE"}
+
+
+def _plain_tensors_only(tree: Any, is_leaf: Any = None) -> Any:
+    return ([tree] if isinstance(tree, torch.Tensor) else [], None)
 
 
 class HooksOnPlainTensorOutputsOnly(_Mutant):
@@ -112,16 +151,19 @@ class HooksOnPlainTensorOutputsOnly(_Mutant):
 
     name = "mutant-hooks-on-plain-outputs-only"
     breaks = "pre-backward hooks on every tensor of structured outputs"
+    expect = Expect("namedtuple_outputs", "thread", ("misc/namedtuple_outputs",))
+    patches = (Patch.instead("fsdp_impl.unit:tree_flatten", _plain_tensors_only),)
 
-    def _patch_globally(self) -> None:
-        import torch
 
-        import fsdp_impl.unit as unit_mod
+def _final_with_zero_grads(final: Fn) -> Fn:
+    def final_then_zero_missing_grads(state: Any) -> None:
+        final(state)
+        for unit in state.units:
+            handle = unit._handle
+            if handle is not None and handle.sharded_grad() is None:
+                handle.accumulate_sharded_grad(torch.zeros_like(handle.flat_param))
 
-        def plain_tensors_only(tree: Any, is_leaf: Any = None) -> Any:
-            return ([tree] if isinstance(tree, torch.Tensor) else [], None)
-
-        unit_mod.tree_flatten = plain_tensors_only  # type: ignore[assignment]
+    return final_then_zero_missing_grads
 
 
 class ZeroGradForUnused(_Mutant):
@@ -129,22 +171,29 @@ class ZeroGradForUnused(_Mutant):
 
     name = "mutant-zero-grad-for-unused"
     breaks = "grad None for parameters unused in forward"
+    expect = Expect("module_no_compute_grad", "thread", ("misc/module_no_compute_grad",))
+    patches = (Patch("fsdp_impl.unit:_final_callback", _final_with_zero_grads),)
 
-    def _patch_globally(self) -> None:
-        import torch
 
-        import fsdp_impl.unit as unit_mod
+def _post_backward_once(post_backward: Fn) -> Fn:
+    def post_backward_first_piece(unit: Any, full: Any) -> None:
+        if getattr(unit, "_mutant_reduced", False):
+            full.grad = None
+            return
+        if full.grad is not None:
+            unit._mutant_reduced = True
+        post_backward(unit, full)
 
-        final = unit_mod._final_callback
+    return post_backward_first_piece
 
-        def final_with_zero_grads(state: Any) -> None:
-            final(state)
-            for unit in state.units:
-                handle = unit._handle
-                if handle is not None and handle.sharded_grad() is None:
-                    handle.accumulate_sharded_grad(torch.zeros_like(handle.flat_param))
 
-        patch_once(unit_mod, "_final_callback", final_with_zero_grads)
+def _final_clearing_first_piece(final: Fn) -> Fn:
+    def final_then_clear(state: Any) -> None:
+        final(state)
+        for unit in state.units:
+            unit._mutant_reduced = False
+
+    return final_then_clear
 
 
 class FirstGradPieceOnly(_Mutant):
@@ -152,28 +201,19 @@ class FirstGradPieceOnly(_Mutant):
 
     name = "mutant-first-grad-piece-only"
     breaks = "reducing every gradient piece a unit receives in one backward"
+    expect = _REENTRANT_CHECKPOINT
+    patches = (
+        Patch("fsdp_impl.unit:_post_backward_hook", _post_backward_once),
+        Patch("fsdp_impl.unit:_final_callback", _final_clearing_first_piece),
+    )
 
-    def _patch_globally(self) -> None:
-        import fsdp_impl.unit as unit_mod
 
-        post_backward = unit_mod._post_backward_hook
-        final = unit_mod._final_callback
+def _post_backward_in_outer_task(post_backward: Fn) -> Fn:
+    def post_backward_as_if_outer(unit: Any, full: Any) -> None:
+        unit._backward_task = torch._C._current_graph_task_id()
+        post_backward(unit, full)
 
-        def post_backward_once(unit: Any, full: Any) -> None:
-            if getattr(unit, "_mutant_reduced", False):
-                full.grad = None
-                return
-            if full.grad is not None:
-                unit._mutant_reduced = True
-            post_backward(unit, full)
-
-        def final_clearing(state: Any) -> None:
-            final(state)
-            for unit in state.units:
-                unit._mutant_reduced = False
-
-        patch_once(unit_mod, "_post_backward_hook", post_backward_once)
-        patch_once(unit_mod, "_final_callback", final_clearing)
+    return post_backward_as_if_outer
 
 
 class NoNestedBackwardGuard(_Mutant):
@@ -181,19 +221,16 @@ class NoNestedBackwardGuard(_Mutant):
 
     name = "mutant-no-nested-backward-guard"
     breaks = "keeping parameters for the outer backward after a reentrant checkpoint's nested backward"
+    expect = _REENTRANT_CHECKPOINT
+    patches = (Patch("fsdp_impl.unit:_post_backward_hook", _post_backward_in_outer_task),)
 
-    def _patch_globally(self) -> None:
-        import torch
 
-        import fsdp_impl.unit as unit_mod
+def _accumulate_unless_offloaded(accumulate: Fn) -> Fn:
+    def accumulate_on_device_only(handle: Any, grad: Any) -> None:
+        if not handle.offload_params:
+            accumulate(handle, grad)
 
-        post_backward = unit_mod._post_backward_hook
-
-        def post_backward_in_outer_task(unit: Any, full: Any) -> None:
-            unit._backward_task = torch._C._current_graph_task_id()
-            post_backward(unit, full)
-
-        patch_once(unit_mod, "_post_backward_hook", post_backward_in_outer_task)
+    return accumulate_on_device_only
 
 
 class OffloadedGradsDropped(_Mutant):
@@ -201,14 +238,5 @@ class OffloadedGradsDropped(_Mutant):
 
     name = "mutant-offloaded-grads-dropped"
     breaks = "gradients of CPU-offloaded parameters"
-
-    def _patch_globally(self) -> None:
-        from fsdp_impl.flat_param import FlatParamHandle
-
-        accumulate = FlatParamHandle.accumulate_sharded_grad
-
-        def accumulate_unless_offloaded(handle: Any, grad: Any) -> None:
-            if not handle.offload_params:
-                accumulate(handle, grad)
-
-        patch_once(FlatParamHandle, "accumulate_sharded_grad", accumulate_unless_offloaded)
+    expect = Expect("device_id_cpu_offload", "thread", ("misc/device_id_cpu_offload",))
+    patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _accumulate_unless_offloaded),)

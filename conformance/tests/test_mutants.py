@@ -1,9 +1,9 @@
 """Every case fails against a reference with the behaviour it checks broken.
 
 Each mutant (``conformance/mutants/``) runs in its own pytest session, since
-it patches the reference in-process. The expectation table says which cases a
-mutant must turn into FAIL; a case that still passes is not testing what it
-claims.
+it patches the reference in-process. Each mutant's ``expect`` says which cases
+must turn into FAIL; a case that still passes is not testing what it claims.
+Patch targets and expectations are checked without running anything first.
 
 Placement mutants are only visible on GPU rows: on a CPU-only machine the CPU is
 both where ``device_id`` points and where a module falls back to, so the CPU
@@ -19,145 +19,19 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+import types
 from pathlib import Path
 
 import pytest
 
 from conformance.case import accelerator_skip_reason
 from conformance.cli import CASES_DIR
-from conformance.mutants import MUTANTS
+from conformance.mutants import MUTANTS, Expect, Patch, check_declaration
+from conformance.mutants._base import apply_patches
 from conformance.rows import parse_row_id, row_matches
 
-
-@dataclass(frozen=True)
-class Expect:
-    """Run the cases selected by ``keyword`` against one mutant.
-
-    Every row a ``must_fail`` pattern matches (:func:`conformance.rows.row_matches`) must FAIL.
-    """
-
-    keyword: str
-    rank_mode: str
-    must_fail: tuple[str, ...]
-    accelerators: int = 0
-
-    def __post_init__(self) -> None:
-        if self.rank_mode not in ("thread", "process"):
-            raise ValueError(f"rank_mode must be thread or process, got {self.rank_mode!r}")
-        if not self.must_fail:
-            raise ValueError(f"{self.keyword!r}: must_fail names no case")
-
-
-EXPECTED: dict[str, Expect] = {
-    "mutant-no-exec-order-check": Expect(
-        "invalid_first_iter_order or invalid_later_iter_order", "thread",
-        ("exec_order/invalid_first_iter_order", "exec_order/invalid_later_iter_order"),
-    ),
-    # Adam is invariant to a uniform gradient scale, so the DDP-parity case cannot see
-    # a missing divide; the SGD-based unused-outputs case does.
-    "mutant-no-grad-divide": Expect(
-        "not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",),
-    ),
-    "mutant-wrong-replicate-group": Expect(
-        "HYBRID and (cpu_training_parity_vs_ddp or basic_setup or parity_with_fsdp)", "thread",
-        ("misc/cpu_training_parity_vs_ddp[strategy=HYBRID_SHARD]",
-         "misc/cpu_training_parity_vs_ddp[strategy=_HYBRID_SHARD_ZERO2]",
-         "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
-    ),
-    "mutant-checks-eval-forwards": Expect("train_eval", "thread", ("exec_order/train_eval",)),
-    "mutant-silent": Expect(
-        "unsupported_container_warning or world_size_1_no_shard_warning", "thread",
-        ("misc/unsupported_container_warning", "misc/world_size_1_no_shard_warning[strategy=FULL_SHARD]",
-         "misc/world_size_1_no_shard_warning[strategy=SHARD_GRAD_OP]",
-         "misc/world_size_1_no_shard_warning[strategy=None]"),
-    ),
-    "mutant-lenient-hybrid-groups": Expect(
-        "manual_wrap_requires_pg or invalid_pg_specification", "thread",
-        ("hybrid_shard/manual_wrap_requires_pg", "hybrid_shard/invalid_pg_specification"),
-    ),
-    "mutant-no-homogeneity-check": Expect("homogeneous_attributes", "thread", ("misc/homogeneous_attributes",)),
-    "mutant-unsafe-setattr-ignored": Expect(
-        "unsafe_setattr", "thread", ("misc/unsafe_setattr[env_value=1]",),
-    ),
-    "mutant-hooks-on-plain-outputs-only": Expect("namedtuple_outputs", "thread", ("misc/namedtuple_outputs",)),
-    "mutant-sharded-load-ignored": Expect(
-        "sharded_state_dict_roundtrip", "thread", ("hybrid_shard/sharded_state_dict_roundtrip",),
-    ),
-    "mutant-no-optim-in-backward-check": Expect(
-        "optim_in_backward_requires_orig_params", "thread", ("misc/optim_in_backward_requires_orig_params",),
-    ),
-    "mutant-zero-grad-for-unused": Expect("module_no_compute_grad", "thread", ("misc/module_no_compute_grad",)),
-    # The timing case's negative control: the same model without prefetch exceeds the bound.
-    "mutant-no-prefetch": Expect("training_overlap", "process", ("overlap/training_overlap",)),
-    # ... and the control itself fails for an implementation that prefetches when told not to.
-    "mutant-always-prefetch": Expect("no_overlap_detected", "process", ("overlap/no_overlap_detected",)),
-    # Recomputation runs a unit's forward inside backward: caught where units were freed
-    # after forward (nested under a root) and the wrapper recomputes (checkpoint, not
-    # offload: offload_activations=False).
-    "mutant-no-regather-for-recompute": Expect(
-        "basic_checkpoint_end_to_end or checkpoint_fsdp_wrapping", "thread",
-        ("checkpoint/basic_checkpoint_end_to_end",
-         "checkpoint/checkpoint_fsdp_wrapping[nesting=under_root,offload_activations=False]"),
-    ),
-    "mutant-no-reshard-after-backward": Expect(
-        "not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",),
-    ),
-    "mutant-no-sync-module-states": Expect(
-        "same_model_across_ranks or sync_module_states", "thread",
-        ("misc/same_model_across_ranks", "misc/cpu_init_with_sync_module_states_cpu",
-         "hybrid_shard/sync_module_states"),
-    ),
-    # A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
-    "mutant-first-grad-piece-only": Expect(
-        "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
-    ),
-    "mutant-no-nested-backward-guard": Expect(
-        "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
-    ),
-    "mutant-ignored-modules-managed": Expect(
-        "ignored_module_meta or ignored_params_not_moved", "thread",
-        ("misc/ignored_module_meta", "misc/ignored_params_not_moved"),
-    ),
-    "mutant-assumes-parameters": Expect("no_params", "thread", ("misc/no_params",)),
-    # device_id_auto_wrap's CPU rows cannot see placement, but they do check that every
-    # nested layer became a unit (the GPU rows check that device_id reached each one).
-    "mutant-auto-wrap-children-only": Expect(
-        "device_id_auto_wrap", "thread", ("misc/device_id_auto_wrap",),
-    ),
-    "mutant-offloaded-grads-dropped": Expect(
-        "device_id_cpu_offload", "thread", ("misc/device_id_cpu_offload",),
-    ),
-    # -- placement: GPU rows only (see the module docstring) --
-    "mutant-device-id-ignored": Expect(
-        "device_id or cpu_gpu_module or cpu_init_with_sync_module_states", "process",
-        ("misc/device_id", "misc/device_id_auto_wrap_gpu", "misc/cpu_gpu_module",
-         "misc/cpu_init_with_sync_module_states", "misc/module_device_mismatches_device_id[has_params=True]",
-         "misc/module_device_mismatches_device_id[has_params=False]"),
-        accelerators=2,
-    ),
-    "mutant-device-id-not-propagated": Expect(
-        "device_id_auto_wrap_gpu", "process", ("misc/device_id_auto_wrap_gpu",), accelerators=2,
-    ),
-    "mutant-offload-dropped-with-device-id": Expect(
-        "device_id_cpu_offload_gpu", "process", ("misc/device_id_cpu_offload_gpu",), accelerators=2,
-    ),
-    "mutant-moves-cpu-module-silently": Expect(
-        "cpu_init_stays_on_cpu or training_device_mismatch", "process",
-        ("misc/cpu_init_stays_on_cpu", "misc/training_device_mismatch"), accelerators=2,
-    ),
-    "mutant-ignored-modules-moved": Expect(
-        "ignored_params_not_moved_gpu", "process", ("misc/ignored_params_not_moved_gpu",), accelerators=2,
-    ),
-    # Only torch-fsdp2 has a post-optimizer event; this mutant derives from its adapter.
-    "mutant-fsdp2-post-optim-event-ignored": Expect(
-        "post_optim_event_overlap", "process", ("overlap/post_optim_event_overlap",), accelerators=2,
-    ),
-    "mutant-consolidates-devices": Expect(
-        "multigpu_module or cpu_gpu_module", "process", ("misc/multigpu_module", "misc/cpu_gpu_module"),
-        accelerators=2,
-    ),
-}
+#: mutant name -> the cases that must report FAIL against it (declared on each mutant).
+EXPECTED: dict[str, Expect] = {name: cls.expect for name, cls in MUTANTS.items()}
 
 
 def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
@@ -189,8 +63,60 @@ def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
     assert not missed, f"{mutant} ({MUTANTS[mutant].breaks}) was not caught by: {missed}"
 
 
-def test_every_mutant_has_an_expectation() -> None:
-    assert set(EXPECTED) == set(MUTANTS)
+def test_every_mutant_declares_an_expectation() -> None:
+    missing = sorted(name for name, cls in MUTANTS.items() if not isinstance(getattr(cls, "expect", None), Expect))
+    assert not missing, f"mutants without `expect = Expect(...)`: {missing}"
+
+
+def test_patch_targets_resolve() -> None:
+    """Every patch target names an attribute that exists now (fast: nothing is patched)."""
+    stale = []
+    for name, cls in MUTANTS.items():
+        for patch in getattr(cls, "patches", ()):
+            try:
+                owner, attr, original = patch.resolve()
+            except (LookupError, TypeError, ValueError) as exc:
+                stale.append(f"{name}: {exc}")
+                continue
+            assert getattr(owner, attr) is original, (name, patch.target)
+    assert not stale, "stale patch targets:\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["fsdp_impl.unit:_no_such_function", "fsdp_impl.no_such_module:f", "fsdp_impl.flat_param:FlatParamHandle.nope"],
+)
+def test_a_stale_target_is_named_at_declaration(target: str) -> None:
+    class Stale:
+        expect = Expect("k", "thread", ("misc/no_params",))
+        patches = (Patch.instead(target, None),)
+
+    with pytest.raises(LookupError, match=f"mutant Stale: patch target '{target}'"):
+        check_declaration(Stale)
+
+
+def test_a_malformed_target_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'fsdp_impl.unit._final_callback' is not 'module:name'"):
+        Patch.instead("fsdp_impl.unit._final_callback", None).resolve()
+
+
+def test_the_first_patch_of_a_target_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread ranks share one process: a second rank's patch must not wrap the first one's."""
+    module = types.ModuleType("mutant_patch_probe")
+    module.f = lambda: 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    double = Patch("mutant_patch_probe:f", lambda original: lambda: 2 * original())
+    apply_patches((double,))
+    apply_patches((double,))
+    assert module.f() == 2  # type: ignore[attr-defined]
+
+
+def test_a_mutant_without_expectation_is_rejected() -> None:
+    class Undeclared:
+        patches = ()
+
+    with pytest.raises(TypeError, match="mutant Undeclared declares no `expect"):
+        check_declaration(Undeclared)
 
 
 def _declared_cases() -> dict[str, int]:
