@@ -23,17 +23,31 @@ from __future__ import annotations
 import enum
 import itertools
 import warnings
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fsdp_impl import collectives
+from fsdp_impl.flat_param import FlatParamHandle
 
-if TYPE_CHECKING:
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
+__all__ = ["ExecOrderData", "OrderedUnit", "checking_enabled"]
 
-__all__ = ["ExecOrderData", "checking_enabled"]
+
+class OrderedUnit(Protocol):
+    """What order checking reads of a unit (``fsdp_impl.unit_state.UnitState`` has it)."""
+
+    @property
+    def handle(self) -> FlatParamHandle | None: ...
+
+    @property
+    def fqn_prefix(self) -> str: ...
+
+    @property
+    def compute_device(self) -> torch.device: ...
+
+
+U = TypeVar("U", bound=OrderedUnit)
 
 
 def checking_enabled() -> bool:
@@ -50,19 +64,17 @@ class _Warn(enum.Enum):
     WARNED = enum.auto()
 
 
-class ExecOrderData:
+class ExecOrderData(Generic[U]):
     """Shared by every unit of one root: the recorded order and the checking state."""
 
-    def __init__(
-        self, units: list[FullyShardedDataParallel], group: dist.ProcessGroup | None
-    ) -> None:
-        self.units = [unit for unit in units if unit._handle is not None]
+    def __init__(self, units: list[U], group: dist.ProcessGroup | None) -> None:
+        self.units = [unit for unit in units if unit.handle is not None]
         self.group = group
         self.rank = dist.get_rank()
         self.world_size = collectives.group_size(group)
         self.checking = checking_enabled()
         self.iteration = 0
-        self.forward_order: list[FullyShardedDataParallel] = []
+        self.forward_order: list[U] = []
         self.current_index = 0
         self.warn_status = _Warn.NONE
 
@@ -70,9 +82,9 @@ class ExecOrderData:
     def is_first_iter(self) -> bool:
         return self.iteration == 0
 
-    def record_pre_forward(self, unit: FullyShardedDataParallel, is_training: bool) -> None:
+    def record_pre_forward(self, unit: U, is_training: bool) -> None:
         """Check ``unit`` against the expected order, then record it (first iteration only)."""
-        if unit._handle is None:
+        if unit.handle is None:
             return
         if is_training and self.checking:
             self._check(unit)
@@ -86,17 +98,15 @@ class ExecOrderData:
         if self.warn_status is _Warn.WARNING:
             self.warn_status = _Warn.WARNED
 
-    def next_forward(self, unit: FullyShardedDataParallel) -> FullyShardedDataParallel | None:
+    def next_forward(self, unit: U) -> U | None:
         """The unit recorded after ``unit`` in forward (prefetch target)."""
         return self._neighbour(unit, +1)
 
-    def next_backward(self, unit: FullyShardedDataParallel) -> FullyShardedDataParallel | None:
+    def next_backward(self, unit: U) -> U | None:
         """The unit recorded before ``unit`` in forward, i.e. next in backward."""
         return self._neighbour(unit, -1)
 
-    def _neighbour(
-        self, unit: FullyShardedDataParallel, step: int
-    ) -> FullyShardedDataParallel | None:
+    def _neighbour(self, unit: U, step: int) -> U | None:
         if self.is_first_iter or unit not in self.forward_order:
             return None
         index = self.forward_order.index(unit) + step
@@ -105,16 +115,16 @@ class ExecOrderData:
     # -- checks -------------------------------------------------------------------------
     def _names(self, index: int) -> list[str]:
         unit = self.units[index]
-        assert unit._handle is not None
-        return [f"{unit._fqn_prefix}{slot.fqn}" for slot in unit._handle.slots]
+        assert unit.handle is not None
+        return [f"{unit.fqn_prefix}{slot.fqn}" for slot in unit.handle.slots]
 
-    def _check(self, unit: FullyShardedDataParallel) -> None:
+    def _check(self, unit: U) -> None:
         if self.is_first_iter:
             self._check_across_ranks(unit)
         else:
             self._check_against_first_iter(unit)
 
-    def _check_across_ranks(self, unit: FullyShardedDataParallel) -> None:
+    def _check_across_ranks(self, unit: U) -> None:
         device = unit.compute_device
         local = torch.tensor([self.units.index(unit)], dtype=torch.int32, device=device)
         world = torch.zeros(self.world_size, dtype=torch.int32, device=device)
@@ -128,7 +138,7 @@ class ExecOrderData:
                     f"{self._names(i2)}"
                 )
 
-    def _check_against_first_iter(self, unit: FullyShardedDataParallel) -> None:
+    def _check_against_first_iter(self, unit: U) -> None:
         if self.warn_status is _Warn.WARNED:
             return
         detail = None

@@ -17,11 +17,14 @@ import torch.nn as nn
 
 from fsdp_impl import collectives
 from fsdp_impl.api import HYBRID_STRATEGIES, ShardingStrategy
+from fsdp_impl.unit_state import UnitGroups, is_unit, unit_state
 
 __all__ = [
     "Groups",
     "resolve_groups",
     "effective_strategy",
+    "unit_groups",
+    "check_not_shared_with_nested",
     "ranks_per_node",
     "collect_ignored",
     "resolve_device_id",
@@ -142,24 +145,45 @@ def effective_strategy(strategy: ShardingStrategy | None, groups: Groups) -> Sha
             warnings.warn(
                 "FSDP is switching to use `NO_SHARD` instead of "
                 f"{strategy or ShardingStrategy.FULL_SHARD} since the world size is 1.",
-                stacklevel=4,
+                stacklevel=5,
             )
         return ShardingStrategy.NO_SHARD
     return strategy or ShardingStrategy.FULL_SHARD
 
 
+def unit_groups(groups: Groups, strategy: ShardingStrategy) -> UnitGroups:
+    """The groups a unit with the effective ``strategy`` uses, and their sizes.
+
+    NO_SHARD is a shard group of one with the whole group as replicate group.
+    """
+    inter_node = groups.replicate if strategy in HYBRID_STRATEGIES else None
+    if strategy is ShardingStrategy.NO_SHARD:
+        shard_group, replicate_group, shard_size, shard_rank = None, groups.shard, 1, 0
+    else:
+        shard_group, replicate_group = groups.shard, groups.replicate
+        shard_size, shard_rank = collectives.group_size(groups.shard), collectives.group_rank(groups.shard)
+    replicate_size = 1 if replicate_group is None else collectives.group_size(replicate_group)
+    return UnitGroups(
+        process_group=groups.shard,
+        inter_node_pg=inter_node,
+        shard_group=shard_group,
+        replicate_group=replicate_group,
+        shard_size=shard_size,
+        shard_rank=shard_rank,
+        dp_world_size=shard_size * replicate_size,
+    )
+
+
 # -- ignored modules ---------------------------------------------------------------------------
 def collect_ignored(root: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
     """Every module in the subtrees of ``ignored_modules`` (validated)."""
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
-
     if ignored_modules is None:
         return set()
     out: set[nn.Module] = set()
     for module in ignored_modules:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ignored_modules must contain nn.Module, got {type(module).__name__}")
-        if isinstance(module, FullyShardedDataParallel):
+        if is_unit(module):
             raise ValueError("ignored_modules should not contain FSDP instances")
         out.update(module.modules())
     return out
@@ -172,8 +196,6 @@ def managed_tensors(
 
     Walks ``root`` without entering nested units or ignored modules.
     """
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
-
     params: list[tuple[str, nn.Module, str, nn.Parameter]] = []
     buffers: list[tuple[nn.Module, str]] = []
     stack: list[tuple[str, nn.Module]] = [("", root)]
@@ -184,10 +206,28 @@ def managed_tensors(
                 params.append((f"{prefix}{name}", module, name, param))
         buffers.extend((module, name) for name, buf in module._buffers.items() if buf is not None)
         for child_name, child in module._modules.items():
-            if child is None or child in ignored or isinstance(child, FullyShardedDataParallel):
+            if child is None or child in ignored or is_unit(child):
                 continue
             stack.append((f"{prefix}{child_name}.", child))
     return params, buffers
+
+
+def check_not_shared_with_nested(
+    root: nn.Module, params: list[tuple[str, nn.Module, str, nn.Parameter]]
+) -> None:
+    """Reject a parameter of this unit that a nested unit under ``root`` already flattened."""
+    nested: dict[int, str] = {}
+    for fqn, sub in root.named_modules():
+        state = unit_state(sub)
+        if state is not None and state.handle is not None:
+            nested.update({id(slot.param): f"{fqn}.{slot.fqn}" for slot in state.handle.slots})
+    for fqn, _, _, param in params:
+        if id(param) in nested:
+            raise ValueError(
+                f"parameter {fqn!r} is shared with nested unit parameter "
+                f"{nested[id(param)]!r}; "
+                "shared parameters must belong to one unit (wrap their common ancestor instead)"
+            )
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -210,7 +250,7 @@ def resolve_device_id(device_id: int | torch.device | None) -> torch.device | No
         f"have an explicit index. FSDP will use the current device {index}. If this is incorrect, "
         f"please explicitly call `torch.{device_id.type}.set_device()` before FSDP initialization "
         "or pass in the explicit device index as the `device_id` argument.",
-        stacklevel=4,
+        stacklevel=5,
     )
     return torch.device(device_id.type, index)
 
@@ -255,7 +295,7 @@ def place_module(
             "initialization run "
             "on CPU, which may be slower than on GPU. We recommend passing in the `device_id` "
             "argument for FSDP to move `module` to GPU for the sharding initialization.",
-            stacklevel=4,
+            stacklevel=5,
         )
         return torch.device("cuda", torch.cuda.current_device())
     return cpu

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,9 +36,7 @@ import torch.nn as nn
 from fsdp_impl import collectives
 from fsdp_impl.api import StateDictType, TrainingState
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _set_param
-
-if TYPE_CHECKING:
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+from fsdp_impl.unit_state import UnitState, unit_state, unit_states
 
 __all__ = [
     "summon_full_params",
@@ -57,24 +55,29 @@ def clean_fqn(name: str) -> str:
     return _WRAPPED.sub("", name)
 
 
-def _units(module: nn.Module) -> list[FSDP]:
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
+def _managing_units(module: nn.Module) -> list[UnitState]:
+    """Every unit in ``module``'s tree that has a flat parameter."""
+    return [unit for unit in unit_states(module) if unit.handle is not None]
 
-    return FullyShardedDataParallel.fsdp_modules(module)
+
+def _state_dict_type(root: nn.Module) -> StateDictType:
+    """The layout the first unit in ``root``'s tree was told to use (FULL when there is none)."""
+    units = unit_states(root)
+    return units[0].state_dict_type if units else StateDictType.FULL_STATE_DICT
 
 
-def _check_idle(units: list[FSDP]) -> None:
+def _check_idle(units: list[UnitState]) -> None:
     busy = [u.training_state for u in units if u.training_state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"summon_full_params / state dicts need idle units, got states {busy}")
 
 
-def _register_orig(unit: FSDP, full: bool) -> None:
+def _register_orig(unit: UnitState, full: bool) -> None:
     """Register original params over full views (``full``) or local pieces."""
-    handle = unit._handle
+    handle = unit.handle
     assert handle is not None
     if not handle.use_orig_params:
-        unit._fsdp_wrapped_module._parameters.pop(FLAT_PARAM_NAME, None)
+        unit.module._parameters.pop(FLAT_PARAM_NAME, None)
     shard = handle.flat_param.data
     for slot, view in zip(
         handle.slots, handle.unsharded_views() if full else [None] * len(handle.slots), strict=True
@@ -84,8 +87,8 @@ def _register_orig(unit: FSDP, full: bool) -> None:
             _set_param(module, name, slot.param, unsafe=False)
 
 
-def _unregister_orig(unit: FSDP) -> None:
-    handle = unit._handle
+def _unregister_orig(unit: UnitState) -> None:
+    handle = unit.handle
     assert handle is not None
     if handle.use_orig_params:
         handle.install_sharded_params()
@@ -93,7 +96,7 @@ def _unregister_orig(unit: FSDP) -> None:
     for slot in handle.slots:
         for module, name in slot.registrations:
             module._parameters.pop(name, None)
-    unit._fsdp_wrapped_module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)
+    unit.module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)
 
 
 @contextlib.contextmanager
@@ -105,13 +108,13 @@ def summon_full_params(
     ``writeback`` copies in-place edits back into the local shards on exit;
     ``with_grads`` also exposes the full (averaged) gradients as ``.grad``.
     """
-    units = [u for u in _units(module) if u._handle is not None]
+    units = _managing_units(module)
     _check_idle(units)
     for unit in units:
-        unit._handle.start_unshard()  # type: ignore[union-attr]
+        unit.handle.start_unshard()  # type: ignore[union-attr]
     saved_grads: list[list[torch.Tensor | None]] = []
     for unit in units:
-        handle = unit._handle
+        handle = unit.handle
         assert handle is not None
         handle.wait_unshard()
         saved_grads.append([slot.param.grad for slot in handle.slots])
@@ -119,13 +122,13 @@ def summon_full_params(
         _register_orig(unit, full=True)
         if with_grads:
             _expose_full_grads(handle)
-        unit._saved_flat_grad = flat_grad
+        unit.saved_flat_grad = flat_grad
         unit.training_state = TrainingState.SUMMON_FULL_PARAMS
     try:
         yield
     finally:
         for unit, grads in zip(units, saved_grads, strict=True):
-            handle = unit._handle
+            handle = unit.handle
             assert handle is not None
             if writeback:
                 start = handle.shard_rank * handle.shard_numel
@@ -139,7 +142,7 @@ def summon_full_params(
             handle.reshard()
             for slot, grad in zip(handle.slots, grads, strict=True):
                 slot.param.grad = grad
-            handle.flat_param.grad = unit._saved_flat_grad
+            handle.flat_param.grad = unit.saved_flat_grad
             unit.training_state = TrainingState.IDLE
 
 
@@ -163,8 +166,9 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
 
 
 # -- model state dicts --------------------------------------------------------------------------
-def model_state_dict(root: FSDP, **kwargs: Any) -> dict[str, Any]:
-    units = [u for u in _units(root) if u._handle is not None]
+def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
+    """``root``'s state dict in the layout its units were told to use (see [Note: state dict formats])."""
+    units = _managing_units(root)
 
     def snapshot() -> dict[str, Any]:
         # Cloned inside the context: full views die with the unsharded storage.
@@ -174,7 +178,7 @@ def model_state_dict(root: FSDP, **kwargs: Any) -> dict[str, Any]:
             for k, v in raw.items()
         }
 
-    if root._state_dict_type is StateDictType.FULL_STATE_DICT:
+    if _state_dict_type(root) is StateDictType.FULL_STATE_DICT:
         with summon_full_params(root, writeback=False):
             return snapshot()
     _check_idle(units)
@@ -187,9 +191,10 @@ def model_state_dict(root: FSDP, **kwargs: Any) -> dict[str, Any]:
             _unregister_orig(unit)
 
 
-def load_model_state_dict(root: FSDP, state_dict: dict[str, Any], strict: bool = True) -> Any:
-    units = [u for u in _units(root) if u._handle is not None]
-    full = root._state_dict_type is StateDictType.FULL_STATE_DICT
+def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
+    """Load the output of :func:`model_state_dict` for the same layout."""
+    units = _managing_units(root)
+    full = _state_dict_type(root) is StateDictType.FULL_STATE_DICT
     context = summon_full_params(root, writeback=True) if full else contextlib.nullcontext()
     with context:
         if not full:
@@ -213,9 +218,10 @@ def _param_slots(
     """id(optimizer-visible param) -> the (name, handle, slot)s it stands for."""
     out: dict[int, list[tuple[str, FlatParamHandle | None, ParamSlot | None]]] = {}
     managed: set[int] = set()
-    for prefix, unit in model.named_modules():
-        handle = getattr(unit, "_handle", None)
-        if not isinstance(handle, FlatParamHandle):
+    for prefix, module in model.named_modules():
+        unit = unit_state(module)
+        handle = None if unit is None else unit.handle
+        if handle is None:
             continue
         base = clean_fqn(f"{prefix}.") if prefix else ""
         entries: list[tuple[str, FlatParamHandle | None, ParamSlot | None]] = [
@@ -252,8 +258,7 @@ def _as_shard(handle: FlatParamHandle, slot: ParamSlot, value: torch.Tensor) -> 
 
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    units = _units(model)
-    full = not units or units[0]._state_dict_type is StateDictType.FULL_STATE_DICT
+    full = _state_dict_type(model) is StateDictType.FULL_STATE_DICT
     slots = _param_slots(model)
     state: dict[str, dict[str, Any]] = {}
     groups = []
@@ -288,8 +293,7 @@ def _is_shard_state(value: Any, param: torch.Tensor) -> bool:
 def optim_state_dict_to_load(
     model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
 ) -> dict[str, Any]:
-    units = _units(model)
-    full = not units or units[0]._state_dict_type is StateDictType.FULL_STATE_DICT
+    full = _state_dict_type(model) is StateDictType.FULL_STATE_DICT
     slots = _param_slots(model)
     state: dict[int, dict[str, Any]] = {}
     groups = []

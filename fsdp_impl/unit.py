@@ -32,84 +32,92 @@ overlapping at the forward/backward boundary. With ``False`` nothing is bounded.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_impl import collectives
 from fsdp_impl.api import RESHARD_AFTER_FORWARD, BackwardPrefetch, ShardedState, TrainingState
 from fsdp_impl.exec_order import ExecOrderData
+from fsdp_impl.unit_state import Reduction, RootState, UnitState, named_unit_states, unit_state
 
-if TYPE_CHECKING:
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-__all__ = ["RootState", "MAX_PREFETCHED", "lazy_init", "run_forward", "HOMOGENEOUS_ATTRS"]
+__all__ = ["MAX_PREFETCHED", "lazy_init", "run_forward", "HOMOGENEOUS_ATTRS"]
 
 MAX_PREFETCHED = 2
-HOMOGENEOUS_ATTRS = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
-
-
-@dataclass
-class _Reduction:
-    """One unit's gradient on its way from ``full.grad`` to the sharded gradient."""
-
-    unit: FSDP
-    pending: collectives.Pending | None
-    stage: str  # "reduce_scatter" -> "all_reduce" -> "done"
-
-
-@dataclass
-class RootState:
-    """State shared by all units under one root, reset at the end of each backward."""
-
-    units: list[FSDP]
-    exec_order: ExecOrderData
-    reductions: list[_Reduction] = field(default_factory=list)
-    prefetched: list[FSDP] = field(default_factory=list)
-    callback_queued: bool = False
+#: Settings every unit under one root must agree on: the name torch reports -> the UnitConfig field.
+HOMOGENEOUS_ATTRS = {
+    "_use_orig_params": "use_orig_params",
+    "limit_all_gathers": "limit_all_gathers",
+    "_use_full_prec_in_eval": "use_full_prec_in_eval",
+}
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# -- lazy init ------------------------------------------------------------------------------
-def lazy_init(root: FSDP) -> None:
-    """Make ``root`` the root of every unit below it and check their shared settings."""
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+def _state(module: nn.Module) -> UnitState:
+    state = unit_state(module)
+    if state is None:
+        raise TypeError(f"{type(module).__name__} is not an FSDP unit")
+    return state
 
-    units = [module for module in root.modules() if isinstance(module, FSDP)]
-    names = {id(module): name for name, module in root.named_modules() if isinstance(module, FSDP)}
-    for attr in HOMOGENEOUS_ATTRS:
-        values = {getattr(unit, attr) for unit in units}
+
+# -- lazy init ------------------------------------------------------------------------------
+def lazy_init(root: nn.Module) -> None:
+    """Make ``root`` the root of every unit below it and check their shared settings."""
+    root_unit = _state(root)
+    named = named_unit_states(root)
+    units = [unit for _, unit in named]
+    for reported, config_field in HOMOGENEOUS_ATTRS.items():
+        values = {getattr(unit.config, config_field) for unit in units}
         if len(values) != 1:
-            raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
+            raise ValueError(f"Expects one homogeneous value for {reported} but got {values}")
     for unit in units:
-        unit._check_ready_for_training()
-    exec_order = ExecOrderData(units, root.process_group)
-    state = RootState(units, exec_order)
-    for unit in units:
-        unit._is_root = unit is root
-        unit._root_state = state
-        prefix = names[id(unit)]
-        unit._fqn_prefix = f"{prefix}." if prefix else ""
+        _check_ready_for_training(unit)
+    state = RootState(units, ExecOrderData(units, root_unit.groups.process_group))
+    for prefix, unit in named:
+        unit.is_root = unit is root_unit
+        unit.root = state
+        unit.fqn_prefix = f"{prefix}." if prefix else ""
+
+
+def _check_ready_for_training(unit: UnitState) -> None:
+    """Lazy-init checks that need the final model (after the user may have moved it)."""
+    handle = unit.handle
+    if handle is None:
+        return
+    if not unit.config.use_orig_params and hasattr(handle.flat_param, "_in_backward_optimizers"):
+        raise RuntimeError("FSDP optimizer in backward only supported with use_orig_params=True!")
+    device = handle.flat_param.device
+    if handle.offload_params and device.type != "cpu":
+        raise RuntimeError(
+            "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
+            f"{device}. Make sure to not move the module from CPU when offloading parameters."
+        )
+    if not handle.offload_params and device != unit.compute_device:
+        raise RuntimeError(
+            f"An FSDP-managed module unexpectedly has parameters on {device}. "
+            f"Make sure to move "
+            f"the module to {unit.compute_device} before training."
+        )
 
 
 # -- forward ---------------------------------------------------------------------------------
-def run_forward(unit: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``unit``'s forward wrapped in its pre- and post-forward logic."""
-    if unit._root_state is None:
-        lazy_init(unit)
-    state = unit._root_state
+def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The unit ``module``'s forward wrapped in its pre- and post-forward logic."""
+    unit = _state(module)
+    if unit.root is None:
+        lazy_init(module)
+    state = unit.root
     assert state is not None
-    if unit._is_root:
+    if unit.is_root:
         args, kwargs = _to_device((args, kwargs), unit.compute_device)
     recompute = _in_backward()
     _pre_forward(unit, state, recompute)
-    output = unit._fsdp_wrapped_module(*args, **kwargs)
+    output = unit.module(*args, **kwargs)
     _post_forward(unit, state, output, recompute)
     return output
 
@@ -120,9 +128,9 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     )
 
 
-def _pre_forward(unit: FSDP, state: RootState, recompute: bool) -> None:
+def _pre_forward(unit: UnitState, state: RootState, recompute: bool) -> None:
     unit.training_state = TrainingState.FORWARD
-    handle = unit._handle
+    handle = unit.handle
     if handle is None:
         return
     if not recompute:
@@ -134,16 +142,16 @@ def _pre_forward(unit: FSDP, state: RootState, recompute: bool) -> None:
     else:
         handle.install_unsharded_views()
     handle.register_post_accumulate_hook(functools.partial(_post_backward_hook, unit))
-    if unit.forward_prefetch and not recompute:
-        _prefetch(state, state.exec_order.next_forward(unit), unit.limit_all_gathers)
+    if unit.config.forward_prefetch and not recompute:
+        _prefetch(state, state.exec_order.next_forward(unit), unit.config.limit_all_gathers)
 
 
-def _post_forward(unit: FSDP, state: RootState, output: Any, recompute: bool) -> None:
-    handle = unit._handle
+def _post_forward(unit: UnitState, state: RootState, output: Any, recompute: bool) -> None:
+    handle = unit.handle
     grad_follows = torch.is_grad_enabled()
     if handle is not None and not recompute:
         reshard_now = not grad_follows or (
-            not unit._is_root and unit.sharding_strategy in RESHARD_AFTER_FORWARD
+            not unit.is_root and unit.config.sharding_strategy in RESHARD_AFTER_FORWARD
         )
         if reshard_now:
             handle.reshard()
@@ -155,39 +163,39 @@ def _post_forward(unit: FSDP, state: RootState, output: Any, recompute: bool) ->
     unit.training_state = TrainingState.IDLE
 
 
-def _unshard_now(unit: FSDP, state: RootState) -> None:
+def _unshard_now(unit: UnitState, state: RootState) -> None:
     """Wait for ``unit``'s unsharded parameter (this is where its data is needed)."""
-    assert unit._handle is not None
+    assert unit.handle is not None
     if unit in state.prefetched:
         state.prefetched.remove(unit)
-    unit._handle.wait_unshard()
+    unit.handle.wait_unshard()
 
 
-def _prefetch(state: RootState, target: FSDP | None, limit: bool) -> None:
+def _prefetch(state: RootState, target: UnitState | None, limit: bool) -> None:
     """Issue ``target``'s all-gather without waiting, within the in-flight bound."""
-    if target is None or target._handle is None or target._handle.state is not ShardedState.SHARDED:
+    if target is None or target.handle is None or target.handle.state is not ShardedState.SHARDED:
         return
     if limit and len(state.prefetched) >= MAX_PREFETCHED:
         return
-    target._handle.start_unshard()
+    target.handle.start_unshard()
     state.prefetched.append(target)
 
 
 # -- backward --------------------------------------------------------------------------------
-def _pre_backward_hook(unit: FSDP, grad: torch.Tensor) -> None:
-    state = unit._root_state
+def _pre_backward_hook(unit: UnitState, grad: torch.Tensor) -> None:
+    state = unit.root
     assert state is not None
     if not state.callback_queued:
         state.callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_final_callback, state)
         )
-    if unit._ran_pre_backward:
+    if unit.ran_pre_backward:
         return
-    unit._ran_pre_backward = True
-    unit._backward_task = torch._C._current_graph_task_id()
+    unit.ran_pre_backward = True
+    unit.backward_task = torch._C._current_graph_task_id()
     unit.training_state = TrainingState.BACKWARD_PRE
-    handle = unit._handle
+    handle = unit.handle
     if handle is None:
         return
     was_sharded = handle.state is not ShardedState.UNSHARDED
@@ -196,13 +204,13 @@ def _pre_backward_hook(unit: FSDP, grad: torch.Tensor) -> None:
         # Views for activation-checkpoint recomputation, which runs in backward.
         with torch.enable_grad():
             handle.install_unsharded_views()
-    if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        _prefetch(state, state.exec_order.next_backward(unit), unit.limit_all_gathers)
+    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        _prefetch(state, state.exec_order.next_backward(unit), unit.config.limit_all_gathers)
 
 
-def _post_backward_hook(unit: FSDP, full: torch.Tensor) -> None:
-    handle = unit._handle
-    state = unit._root_state
+def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
+    handle = unit.handle
+    state = unit.root
     assert handle is not None and state is not None
     grad = full.grad
     full.grad = None
@@ -213,38 +221,38 @@ def _post_backward_hook(unit: FSDP, full: torch.Tensor) -> None:
     unit.training_state = TrainingState.BACKWARD_POST
     _advance_reductions(state)
     state.reductions.append(_issue_reduction(unit, grad))
-    if torch._C._current_graph_task_id() != unit._backward_task and unit._ran_pre_backward:
+    if torch._C._current_graph_task_id() != unit.backward_task and unit.ran_pre_backward:
         # A reentrant checkpoint inside this unit runs its own (nested) backward: more of
         # this unit's gradient may arrive in the outer backward, which still needs the
         # parameters. Reductions of the pieces add up; the final callback reshards.
         return
     handle.reshard()
-    if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        _prefetch(state, state.exec_order.next_backward(unit), unit.limit_all_gathers)
+    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch(state, state.exec_order.next_backward(unit), unit.config.limit_all_gathers)
 
 
-def _issue_reduction(unit: FSDP, grad: torch.Tensor) -> _Reduction:
-    handle = unit._handle
+def _issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:
+    handle = unit.handle
     assert handle is not None
     if handle.shard_size > 1:
         out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        return _Reduction(
+        return Reduction(
             unit, collectives.reduce_scatter(out, grad, handle.shard_group), "reduce_scatter"
         )
     return _start_all_reduce(unit, grad)
 
 
-def _start_all_reduce(unit: FSDP, grad: torch.Tensor) -> _Reduction:
-    group = unit._replicate_group
+def _start_all_reduce(unit: UnitState, grad: torch.Tensor) -> Reduction:
+    group = unit.groups.replicate_group
     if group is None or collectives.group_size(group) == 1:
-        return _Reduction(unit, collectives.Pending(None, grad), "done")
-    return _Reduction(unit, collectives.all_reduce(grad, group), "all_reduce")
+        return Reduction(unit, collectives.Pending(None, grad), "done")
+    return Reduction(unit, collectives.all_reduce(grad, group), "all_reduce")
 
 
 def _advance_reductions(state: RootState) -> None:
     """Move finished reduce-scatters of earlier units on to their replicate all-reduce."""
     for index, reduction in enumerate(state.reductions):
-        if reduction.stage == "reduce_scatter" and reduction.unit._replicate_group is not None:
+        if reduction.stage == "reduce_scatter" and reduction.unit.groups.replicate_group is not None:
             assert reduction.pending is not None
             state.reductions[index] = _start_all_reduce(reduction.unit, reduction.pending.wait())
 
@@ -255,9 +263,9 @@ def _finish_reductions(state: RootState) -> None:
     for reduction in state.reductions:
         assert reduction.pending is not None
         grad = reduction.pending.wait()
-        grad.div_(reduction.unit._dp_world_size)
-        assert reduction.unit._handle is not None
-        reduction.unit._handle.accumulate_sharded_grad(grad)
+        grad.div_(reduction.unit.groups.dp_world_size)
+        assert reduction.unit.handle is not None
+        reduction.unit.handle.accumulate_sharded_grad(grad)
     state.reductions.clear()
 
 
@@ -265,18 +273,14 @@ def _final_callback(state: RootState) -> None:
     """End of backward: finish reductions, reshard everything, start the next iteration."""
     _finish_reductions(state)
     for unit in state.units:
-        if unit._handle is not None and unit._handle.state is not ShardedState.SHARDED:
-            unit._handle.reshard()
-        elif unit._handle is not None and unit._handle.use_orig_params:
-            unit._handle.install_sharded_params()
-        unit._ran_pre_backward = False
-        unit._backward_task = -1
+        if unit.handle is not None and unit.handle.state is not ShardedState.SHARDED:
+            unit.handle.reshard()
+        elif unit.handle is not None and unit.handle.use_orig_params:
+            unit.handle.install_sharded_params()
+        unit.ran_pre_backward = False
+        unit.backward_task = -1
         unit.training_state = TrainingState.IDLE
     state.prefetched.clear()
     state.exec_order.next_iter()
     state.callback_queued = False
 
-
-def replicate_world(group: dist.ProcessGroup | None) -> int:
-    """Size of the replicate group (1 when a unit has none)."""
-    return 1 if group is None else collectives.group_size(group)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from fsdp_impl.unit_state import is_unit
+
 __all__ = [
     "ModuleWrapPolicy",
     "always_wrap_policy",
@@ -100,11 +102,9 @@ def _wrap_children(
     make_unit: Callable[[nn.Module], nn.Module],
 ) -> int:
     """Wrap selected descendants of ``module``; return the numel left unwrapped below it."""
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
-
     remaining = sum(p.numel() for p in module.parameters(recurse=False))
     for name, child in list(module._modules.items()):
-        if child is None or child in ignored or isinstance(child, FullyShardedDataParallel):
+        if child is None or child in ignored or is_unit(child):
             continue
         if not policy(module=child, recurse=True, nonwrapped_numel=_numel(child, ignored)):
             remaining += _numel(child, ignored)
@@ -121,12 +121,10 @@ def _wrap_children(
 
 def _numel(module: nn.Module, ignored: set[nn.Module]) -> int:
     """Parameters under ``module`` not already owned by a unit or ignored."""
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
-
     total, stack = 0, [module]
     while stack:
         sub = stack.pop()
-        if sub in ignored or isinstance(sub, FullyShardedDataParallel):
+        if sub in ignored or is_unit(sub):
             continue
         total += sum(p.numel() for p in sub.parameters(recurse=False))
         stack.extend(child for child in sub.children())

@@ -29,7 +29,7 @@ import torch.nn as nn
 from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
-__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "_Mutant"]
+__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "_Mutant", "_state_of"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,13 @@ class _Mutant(ReferenceAdapter):
 
     def _mutate_unit(self, unit: Any) -> None:
         """Per-unit breakage that is not a patch of a module attribute."""
+
+
+def _state_of(unit: nn.Module) -> Any:
+    """The reference unit's :class:`fsdp_impl.unit_state.UnitState`, for per-unit breakage."""
+    from fsdp_impl.unit_state import unit_state
+
+    state = unit_state(unit)
+    if state is None:
+        raise TypeError(f"{type(unit).__name__} is not a reference FSDP unit")
+    return state

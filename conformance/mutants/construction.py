@@ -89,7 +89,7 @@ class Silent(_Mutant):
     )
     patches = tuple(
         Patch.instead(f"fsdp_impl.{module}:warnings", _QUIET)
-        for module in ("exec_order", "fully_sharded_data_parallel", "init")
+        for module in ("exec_order", "construct", "init")
     )
 
 
@@ -150,7 +150,7 @@ class ShardedLoadIgnored(_Mutant):
 
 def _check_without_optim_in_backward(check: Fn) -> Fn:
     def check_after_dropping_optimizers(unit: Any) -> None:
-        flat = unit._handle.flat_param if unit._handle is not None else None
+        flat = unit.handle.flat_param if unit.handle is not None else None
         if flat is not None and hasattr(flat, "_in_backward_optimizers"):
             del flat._in_backward_optimizers
         check(unit)
@@ -166,12 +166,7 @@ class NoOptimInBackwardCheck(_Mutant):
     expect = Expect(
         "optim_in_backward_requires_orig_params", "thread", ("misc/optim_in_backward_requires_orig_params",),
     )
-    patches = (
-        Patch(
-            "fsdp_impl.fully_sharded_data_parallel:FullyShardedDataParallel._check_ready_for_training",
-            _check_without_optim_in_backward,
-        ),
-    )
+    patches = (Patch("fsdp_impl.unit:_check_ready_for_training", _check_without_optim_in_backward),)
 
 
 def _no_ignored(root: Any, ignored_modules: Any) -> set[nn.Module]:
@@ -209,10 +204,10 @@ class AssumesParameters(_Mutant):
 
 def _wrap_children_only(module: Any, policy: Any, ignored: Any, make_unit: Any) -> int:
     import fsdp_impl.wrap as wrap
-    from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_impl.unit_state import is_unit
 
     for name, child in list(module._modules.items()):
-        if child is None or child in ignored or isinstance(child, FSDP) or wrap._is_container(child):
+        if child is None or child in ignored or is_unit(child) or wrap._is_container(child):
             continue
         if policy(module=child, recurse=False, nonwrapped_numel=wrap._numel(child, ignored)):
             module._modules[name] = make_unit(child)

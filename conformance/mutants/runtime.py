@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from conformance.mutants._base import Expect, Patch, _Mutant
+from conformance.mutants._base import Expect, Patch, _Mutant, _state_of
 
 __all__ = [
     "NoGradDivide",
@@ -43,7 +43,7 @@ class NoGradDivide(_Mutant):
     expect = _UNUSED_OUTPUTS
 
     def _mutate_unit(self, unit: Any) -> None:
-        unit._dp_world_size = 1
+        _state_of(unit).groups.dp_world_size = 1
 
 
 class WrongReplicateGroup(_Mutant):
@@ -59,9 +59,10 @@ class WrongReplicateGroup(_Mutant):
     )
 
     def _mutate_unit(self, unit: Any) -> None:
-        if unit._inter_node_pg is not None:
-            unit._replicate_group = unit._shard_group
-            unit._inter_node_pg = unit._shard_group
+        groups = _state_of(unit).groups
+        if groups.inter_node_pg is not None:
+            groups.replicate_group = groups.shard_group
+            groups.inter_node_pg = groups.shard_group
 
 
 _in_final_callback = threading.local()  # thread ranks run their callbacks concurrently
@@ -159,7 +160,7 @@ def _final_with_zero_grads(final: Fn) -> Fn:
     def final_then_zero_missing_grads(state: Any) -> None:
         final(state)
         for unit in state.units:
-            handle = unit._handle
+            handle = unit.handle
             if handle is not None and handle.sharded_grad() is None:
                 handle.accumulate_sharded_grad(torch.zeros_like(handle.flat_param))
 
@@ -210,7 +211,7 @@ class FirstGradPieceOnly(_Mutant):
 
 def _post_backward_in_outer_task(post_backward: Fn) -> Fn:
     def post_backward_as_if_outer(unit: Any, full: Any) -> None:
-        unit._backward_task = torch._C._current_graph_task_id()
+        unit.backward_task = torch._C._current_graph_task_id()
         post_backward(unit, full)
 
     return post_backward_as_if_outer
