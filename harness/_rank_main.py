@@ -75,7 +75,7 @@ def _setup(setup: RankSetup) -> Any:
     )
     crash = open(setup.crash_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.enable(file=crash, all_threads=True)
-    stacks = open(setup.stack_path, "w")  # noqa: SIM115
+    stacks = open(setup.stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     threading.Thread(target=_watch_parent, args=(setup.parent_pid,), daemon=True).start()
 

@@ -15,6 +15,7 @@ ranks also exit on their own if the parent dies.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -160,10 +161,8 @@ class ProcessPool:
     def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
         for rank in ranks:
             if self.procs[rank].is_alive():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
         time.sleep(0.3 if ranks else 0)
         return {rank: _read(self._path("stack", rank)) or "(no stack: the process did not respond)" for rank in ranks}
 
@@ -174,10 +173,8 @@ class ProcessPool:
         self.closed = True
         if graceful:
             for conn in self.conns:
-                try:
+                with contextlib.suppress(OSError, BrokenPipeError):
                     conn.send(None)
-                except (OSError, BrokenPipeError):
-                    pass
             for proc in self.procs:
                 proc.join(timeout=5.0)
         for proc in self.procs:

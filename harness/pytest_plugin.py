@@ -118,10 +118,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         raise pytest.UsageError(f"{metafunc.definition.nodeid}: a ranks test's first parameter must be ctx")
     declared = _marker_kwargs(marker)["modes"]
     chosen = selected_modes(metafunc.config)
-    if chosen == ("launched",):
-        modes = ["launched"]
-    else:
-        modes = [m for m in declared if m in chosen]
+    modes = ["launched"] if chosen == ("launched",) else [m for m in declared if m in chosen]
     if "rank_mode" not in metafunc.fixturenames:
         metafunc.fixturenames.append("rank_mode")
     metafunc.parametrize("rank_mode", modes, ids=modes, indirect=True)

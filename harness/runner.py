@@ -61,7 +61,7 @@ def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str]:
 def _check_picklable(what: str, value: Any) -> None:
     try:
         pickle.dumps(value)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ValueError(f"process mode sends {what} to rank processes, but it does not pickle: {exc}") from exc
 
 

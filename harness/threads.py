@@ -15,6 +15,7 @@ world is uninstalled. Only one thread-rank run may be active per process.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -57,10 +58,8 @@ def _rank_body(rank: int, world_size: int, store: Any, seed: int, fn: Callable[.
         if not aborted and not out[rank].is_skip:
             tl.abort()
     finally:
-        try:
+        with contextlib.suppress(Exception):  # the group may never have been created
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the group may never have been created
-            pass
 
 
 def run_threads(fn: Callable[..., Any], *, world_size: int, timeout_s: float, args: tuple[Any, ...],

@@ -52,8 +52,8 @@ class TorchFSDP2Adapter:
 
     def unavailable_reason(self) -> str | None:
         try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
+            from torch.distributed.fsdp import fully_shard  # noqa: F401 - importing is the probe
+        except Exception as exc:  # noqa: BLE001 - any import failure makes the adapter unusable
             return f"{type(exc).__name__}: {exc}"
         return None
 

@@ -16,11 +16,11 @@ them with ``FSDP_CONFORMANCE_ADAPTERS="name=conformance.mutants:Class,..."``.
 from __future__ import annotations
 
 from conformance.mutants._base import Expect, Patch, check_declaration
-from conformance.mutants.construction import *  # noqa: F403
+from conformance.mutants.construction import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.construction import __all__ as _construction
-from conformance.mutants.placement import *  # noqa: F403
+from conformance.mutants.placement import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.placement import __all__ as _placement
-from conformance.mutants.runtime import *  # noqa: F403
+from conformance.mutants.runtime import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.runtime import __all__ as _runtime
 
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_runtime, *_construction, *_placement]

@@ -34,7 +34,7 @@ def test_equal_mesh_over_a_new_group_works_in_the_next_case(mode: str) -> None:
 
 def test_the_caches_it_clears_exist() -> None:
     """The reset reaches into torch internals; a torch upgrade that moves them must fail here."""
-    import torch.distributed.tensor  # noqa: F401 - the reset only clears once DTensor is loaded
+    import torch.distributed.tensor  # the reset only clears once DTensor is loaded
 
     reset.clear_mesh_keyed_caches()
     assert torch._C._get_DTensor_sharding_propagator_cache_stats() is not None
