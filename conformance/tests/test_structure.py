@@ -1,0 +1,179 @@
+"""The house rules a reader relies on: imports point one way, modules and functions stay small.
+
+* No import cycle among the project's modules, counting every import the code
+  can execute or a type checker reads: module level, inside functions, and under
+  ``if TYPE_CHECKING:``.
+* No module over :data:`MAX_MODULE_LINES` lines and no function over
+  :data:`MAX_FUNCTION_LINES` (tests and golden text aside).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The packages checked for import cycles. harness joins once its runner/_rank_main loop is gone.
+IMPORT_PACKAGES = ("fsdp_impl", "conformance", "fixtures", "bench")
+#: The packages checked for sizes (test modules excluded).
+SIZE_PACKAGES = ("fsdp_impl", "harness", "conformance", "fixtures", "bench")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules(packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``packages``."""
+    return {
+        _module_name(path): path
+        for package in packages
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+
+
+def _imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``module`` imports anywhere in its file (function bodies and TYPE_CHECKING too).
+
+    ``from package import name`` is an edge to ``package.name`` when that is a
+    module, else to ``package`` itself. Parent packages' ``__init__`` are not
+    counted as edges: importing ``a.b`` runs ``a/__init__`` first, but that is
+    the package's own business, not a dependency of the importer on it.
+    """
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                out.add(child if child in known else base)
+    return {name for name in out if name in known and name != module}
+
+
+def import_graph(packages: tuple[str, ...] = IMPORT_PACKAGES) -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
+    known = _modules(packages)
+    return {name: _imported(name, path, known) for name, path in known.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_cycle_in(component, graph) for component in components]
+
+
+def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A concrete cycle through the component's first module (breadth-first, so a short one)."""
+    members, start = set(component), component[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for target in sorted(graph[node] & members):
+            if target == start:
+                return [*paths[node], start]
+            if target not in paths:
+                paths[target] = [*paths[node], target]
+                queue.append(target)
+    raise AssertionError(f"component {component} has no cycle through {start}")
+
+
+def test_find_cycles_names_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_see_function_level_and_type_checking_imports(tmp_path: Path) -> None:
+    graph = import_graph()
+    assert "fsdp_impl.unit_state" in graph["fsdp_impl.unit"], graph["fsdp_impl.unit"]
+    assert "fsdp_impl.unit" in graph["fsdp_impl.fully_sharded_data_parallel"]
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdp_impl import unit\n" \
+             "def f():\n    import fsdp_impl.init\n"
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    known = _modules(("fsdp_impl",))
+    assert _imported("probe", probe, known) == {"fsdp_impl.unit", "fsdp_impl.init"}
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def _checked_files() -> Iterator[Path]:
+    for package in SIZE_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if "tests" not in path.relative_to(ROOT).parts and "__pycache__" not in path.parts:
+                yield path
+
+
+def _long_functions(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno is not None
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_modules_are_small() -> None:
+    long = [
+        f"{path.relative_to(ROOT)} ({n} lines)"
+        for path in _checked_files()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_functions_are_small() -> None:
+    long = [entry for path in _checked_files() for entry in _long_functions(path)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (signature and docstring included):\n" + "\n".join(
+        long
+    )
