@@ -128,6 +128,15 @@ class FSDP1LikeAdapter:
         with fsdp_cls.summon_full_params(model, writeback=False):
             return {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()}
 
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
+        """Gradients of the full parameters (``summon_full_params(with_grads=True)``)."""
+        fsdp_cls = self._api().FullyShardedDataParallel
+        with fsdp_cls.summon_full_params(model, writeback=False, with_grads=True):
+            return {
+                clean_fqn(n): None if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()
+            }
+
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         with self._state_dict_type(model, sharded=False):
             return {clean_fqn(k): v for k, v in model.state_dict().items()}

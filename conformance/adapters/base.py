@@ -32,6 +32,7 @@ __all__ = [
     "WrapSpec",
     "UnitInfo",
     "FSDPAdapter",
+    "full_grads",
 ]
 
 #: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
@@ -225,3 +226,16 @@ def iter_named_units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> 
     for fqn, module in model.named_modules():
         if is_unit(module):
             yield fqn, module
+
+
+def full_grads(adapter: FSDPAdapter, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
+    """Full, unsharded, averaged gradients keyed like :meth:`FSDPAdapter.full_params`, or ``None``.
+
+    Optional part of the contract: an adapter may define
+    ``full_grads(model) -> dict[str, Tensor | None] | None`` (collective: every
+    rank calls it). ``None`` means the adapter cannot expose them for this wrap
+    (no such method, or e.g. torch's FSDP1 with flat parameters); callers then
+    compare what they can without them and say so.
+    """
+    method = getattr(adapter, "full_grads", None)
+    return None if method is None else method(model)

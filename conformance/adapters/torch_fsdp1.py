@@ -37,6 +37,12 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
     def _default_device_id(self) -> torch.device | None:
         return None if torch.cuda.is_available() else torch.device("cpu")
 
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
+        """``None`` for flat parameters: FSDP1 summons gradients only with ``use_orig_params=True``."""
+        if not getattr(model, "_use_orig_params", False):
+            return None
+        return super().full_grads(model)
+
     def _unit_info(self, fqn: str, module: nn.Module) -> UnitInfo:
         unit: Any = module  # FSDP1's attributes are untyped through nn.Module.__getattr__
         handle = getattr(unit, "_handle", None)

@@ -184,6 +184,16 @@ class TorchFSDP2Adapter:
             out[name] = full.detach().clone()
         return out
 
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        """Each parameter's gradient, gathered from its shards."""
+        out: dict[str, torch.Tensor | None] = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if grad is not None and hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
+            out[name] = None if grad is None else grad.detach().clone()
+        return out
+
     # -- state dicts ------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
