@@ -22,6 +22,7 @@ __all__ = [
     "FirstGradPieceOnly",
     "NoNestedBackwardGuard",
     "OffloadedGradsDropped",
+    "AccumulationOverwrites",
 ]
 
 Fn = Callable[..., Any]
@@ -241,3 +242,23 @@ class OffloadedGradsDropped(_Mutant):
     breaks = "gradients of CPU-offloaded parameters"
     expect = Expect("device_id_cpu_offload", "thread", ("misc/device_id_cpu_offload",))
     patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _accumulate_unless_offloaded),)
+
+
+def _accumulate_into_nothing(accumulate: Fn) -> Fn:
+    def accumulate_replacing(handle: Any, grad: Any) -> None:
+        handle.flat_param.grad = None
+        for slot in handle.slots:
+            slot.param.grad = None
+        accumulate(handle, grad)
+
+    return accumulate_replacing
+
+
+class AccumulationOverwrites(_Mutant):
+    """A later backward before the optimizer step replaces the gradient instead of adding to it."""
+
+    name = "mutant-accumulation-overwrites"
+    breaks = "gradient accumulation across backwards"
+    #: The parity fuzzer draws 1-3 backwards per step; shrinking ends at two.
+    expect = Expect("parity_ws", "process", ("fuzz/parity_ws1", "fuzz/parity_ws2", "fuzz/parity_ws4"))
+    patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _accumulate_into_nothing),)

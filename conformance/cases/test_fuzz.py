@@ -1,0 +1,57 @@
+"""fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.fuzz`).
+
+Each row draws ``FSDP_FUZZ_EXAMPLES`` examples (default: 12, 12 and 6 for
+world sizes 1, 2 and 4; a nightly run raises it) from ``FSDP_FUZZ_SEED``
+(default 0), runs each on the
+implementation and on a local baseline, and on a mismatch fails with the
+shrunk example printed as a ready-to-paste case. Paste reproducers below the
+rows; they run against every implementation like any case.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from conformance.adapters.base import FSDPAdapter
+from conformance.case import case
+from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+SETTINGS = FuzzSettings.from_env()
+#: Pool start and three world sizes' worth of examples, each well under a second; shrinking a failure
+#: runs a few hundred more.
+TIMEOUT_S = 120.0 + 3.0 * SETTINGS.budget(2)
+
+
+def _parity(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+    config = FuzzSettings.from_env()
+    result = fuzz(ctx, impl, config)
+    if result.failing is not None:
+        raise AssertionError(
+            f"parity fuzzer (seed {config.seed}): {result.message}\n"
+            f"minimal reproducer after {result.runs} runs:\n{render_case(result.failing, result.message or '')}"
+        )
+    return {
+        "reason": f"{config.budget(ctx.world_size)} examples from seed {config.seed}, no mismatch",
+        "metrics": {"examples": result.runs},
+    }
+
+
+@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
+def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+    """Random models, wrap plans and training loops on one rank match the local model."""
+    return _parity(ctx, impl)
+
+
+@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
+def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+    """... on two ranks (uneven shards for odd widths)."""
+    return _parity(ctx, impl)
+
+
+@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
+def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+    """... on four ranks (small units leave some ranks with empty shards)."""
+    return _parity(ctx, impl)

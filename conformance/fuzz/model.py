@@ -1,0 +1,113 @@
+"""Build the module and the inputs a :class:`~conformance.fuzz.example.ModelSpec` describes.
+
+Everything is a function of the spec and an integer seed (private generators,
+see [Note: fixture determinism] in ``fixtures.seeding``), so every rank and the
+local baseline build identical modules and inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from conformance.fuzz.example import Block, ModelSpec
+from fixtures.seeding import generator, seeded_init_
+
+__all__ = ["FuzzBlock", "FuzzModel", "build_model", "make_batch", "loss_of"]
+
+#: Batch and sequence sizes of every input (small: the fuzzer runs many examples).
+BATCH, SEQ = 2, 3
+
+
+class _Conv(nn.Module):
+    """A same-length 1-D convolution over the sequence axis of ``(batch, seq, width)``."""
+
+    def __init__(self, width: int, kernel: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(width, width, kernel, padding=kernel // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+def _layer(kind: str, width: int) -> nn.Module:
+    if kind == "linear":
+        return nn.Linear(width, width)
+    if kind == "norm":
+        return nn.LayerNorm(width)
+    if kind in ("conv1", "conv3"):
+        return _Conv(width, int(kind[-1]))
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+class FuzzBlock(nn.Module):
+    """``layers`` (tanh after each linear/conv), then the nested block ``inner`` if any."""
+
+    def __init__(self, spec: Block, width: int) -> None:
+        super().__init__()
+        self.kinds = spec.layers
+        self.layers = nn.ModuleList(_layer(kind, width) for kind in spec.layers)
+        if spec.tie:
+            first, second = [i for i, kind in enumerate(spec.layers) if kind == "linear"][:2]
+            self.layers[second].weight = self.layers[first].weight  # type: ignore[union-attr]
+        self.inner = FuzzBlock(Block(layers=spec.inner), width) if spec.inner else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for kind, layer in zip(self.kinds, self.layers, strict=True):
+            x = layer(x)
+            if kind != "norm":
+                x = torch.tanh(x)
+        return x if self.inner is None else self.inner(x)
+
+
+class FuzzModel(nn.Module):
+    """The model of a :class:`ModelSpec`; returns one output or ``(output, aux)``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.width) if spec.vocab else None
+        self.blocks = nn.ModuleList(FuzzBlock(block, spec.width) for block in spec.blocks)
+        self.unused = FuzzBlock(Block(), spec.width) if spec.unused else None
+        self.head = nn.Linear(spec.width, spec.vocab or spec.width, bias=not spec.tie_head)
+        if spec.tie_head:
+            assert self.embed is not None
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h = x if self.embed is None else self.embed(x)
+        aux = None
+        for index, block in enumerate(self.blocks):
+            h = block(h)
+            if index == 0:
+                aux = h
+        if self.unused is not None:
+            self.unused(h)  # computed, never part of the loss
+        out = self.head(h)
+        if self.spec.aux_output:
+            assert aux is not None
+            return out, aux
+        return out
+
+
+def build_model(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> FuzzModel:
+    """The model, initialised from ``seed``, in ``dtype`` on ``device``."""
+    model = FuzzModel(spec)
+    seeded_init_(model, seed)
+    return model.to(device=device, dtype=dtype)
+
+
+def make_batch(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One input batch from ``seed``: token ids, or dense activations in ``dtype``."""
+    gen = generator(seed)
+    if spec.vocab:
+        return torch.randint(0, spec.vocab, (BATCH, SEQ), generator=gen).to(device)
+    return torch.randn((BATCH, SEQ, spec.width), generator=gen).to(device=device, dtype=dtype)
+
+
+def loss_of(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A scalar loss using every returned output (mean of squares; the aux output at half weight)."""
+    if isinstance(output, tuple):
+        main, aux = output
+        return main.pow(2).mean() + 0.5 * aux.pow(2).mean()
+    return output.pow(2).mean()

@@ -1,0 +1,185 @@
+"""Run one fuzz example on the harness's ranks against a local baseline.
+
+[Note: fuzz verdicts agree across ranks]
+A mismatch never raises mid-step: it is kept and the step goes on, so a rank
+never leaves the others waiting in the implementation's next collective. After
+the wrap and after every step, ranks all-gather their failure text (a kept
+mismatch, or an exception from the implementation) and all stop at the first
+one, so every rank reaches the same verdict, which the driver
+(:mod:`conformance.fuzz.driver`) hands to hypothesis. Only an implementation
+that raises on some ranks but not others can still hang a run; the harness
+then names the hung rank.
+
+The baseline is the unwrapped model on every rank, fed every rank's batches:
+rank ``r``'s loss is compared with the baseline's loss on rank ``r``'s batch,
+and the baseline's gradient is the mean over ranks of those losses'
+gradients, which is what data-parallel averaging produces. Comparisons are
+``torch.testing.assert_close`` with its defaults for the dtype (through
+:mod:`fixtures.parity`). A missing gradient (``None``) and an all-zero one are
+treated alike: flat-parameter implementations cannot tell them apart within a
+unit, and ``misc/module_no_compute_grad`` checks that contract on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import FSDPAdapter, WrapSpec, full_grads
+from conformance.fuzz.example import Example
+from conformance.fuzz.model import build_model, loss_of, make_batch
+from fixtures.parity import assert_close_named, named_grads
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["check_example", "run_example", "wrap_plan"]
+
+_LR = {"sgd": 0.05, "adam": 0.01}
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=_LR[kind], momentum=0.9)
+    return torch.optim.Adam(params, lr=_LR[kind])
+
+
+def wrap_plan(impl: FSDPAdapter, model: nn.Module, example: Example) -> nn.Module:
+    """Wrap each path of ``example.wrap`` (deepest first) as its own unit, then the root."""
+    spec = WrapSpec(strategy=example.strategy, use_orig_params=example.use_orig_params)
+    for path in sorted(example.wrap, key=lambda p: p.count("."), reverse=True):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, name, impl.wrap(getattr(parent, name), spec))
+    return impl.wrap(model, spec)
+
+
+def _batch_seed(example: Example, step: int, micro: int, rank: int) -> int:
+    return ((example.seed * 8 + step) * 8 + micro) * 8 + rank
+
+
+@dataclass
+class _Run:
+    """One example's two models on this rank."""
+
+    example: Example
+    impl: FSDPAdapter
+    rank: int
+    device: torch.device
+    model: nn.Module
+    local: nn.Module
+    optim: torch.optim.Optimizer
+    local_optim: torch.optim.Optimizer
+    mismatch: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.example.dtype)
+
+    def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``check(*args, **kwargs)``; keep the first mismatch (the step goes on: see the module note)."""
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:
+            if self.mismatch is None:
+                lines = str(exc).strip().splitlines()
+                self.mismatch = f"{label}: {' | '.join(lines[:6])}"
+
+    def step(self, step: int) -> None:
+        """One optimizer step: micro-batches, grads, the update, params."""
+        self.forward_backward(step)
+        grads = full_grads(self.impl, self.model)  # None: not exposed for this wrap; params still compared
+        if grads is not None:
+            want = named_grads(self.local)
+            self.compare("grads after backward", assert_close_named,
+                         _zeros_for_none(grads, want), _zeros_for_none(want, grads), what="grads")
+        for optim in (self.optim, self.local_optim):
+            optim.step()
+            optim.zero_grad(set_to_none=self.example.set_to_none)
+        got = self.impl.full_params(self.model)
+        want_params = {name: p.detach() for name, p in self.local.named_parameters()}
+        self.compare("params after step", assert_close_named, got, want_params, what="params")
+
+    def forward_backward(self, step: int) -> None:
+        """Every micro-batch: this rank's loss on the wrapped model, every rank's on the baseline."""
+        ex = self.example
+        for micro in range(ex.micro_batches):
+            batches = [
+                make_batch(ex.model, _batch_seed(ex, step, micro, r), self.dtype, self.device)
+                for r in range(ex.world_size)
+            ]
+            loss = loss_of(self.model(batches[self.rank]))
+            loss.backward()
+            local_losses = [loss_of(self.local(batch)) for batch in batches]
+            (sum(local_losses) / ex.world_size).backward()  # type: ignore[union-attr]
+            want = local_losses[self.rank].detach()
+            self.compare(f"loss of micro-batch {micro}", torch.testing.assert_close, loss.detach(), want)
+
+
+def _zeros_for_none(
+    grads: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]
+) -> dict[str, torch.Tensor | None]:
+    """``grads`` with a ``None`` replaced by zeros where ``other`` has a tensor (see the module note)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, grad in grads.items():
+        peer = other.get(name)
+        out[name] = torch.zeros_like(peer) if grad is None and peer is not None else grad
+    return out
+
+
+def _setup(ctx: RankContext, impl: FSDPAdapter, example: Example) -> _Run:
+    dtype = getattr(torch, example.dtype)
+    local = build_model(example.model, example.seed, dtype, ctx.device)
+    model = wrap_plan(impl, build_model(example.model, example.seed, dtype, ctx.device), example)
+    return _Run(
+        example=example,
+        impl=impl,
+        rank=ctx.rank,
+        device=ctx.device,
+        model=model,
+        local=local,
+        optim=_optimizer(example.optimizer, model.parameters()),
+        local_optim=_optimizer(example.optimizer, local.parameters()),
+    )
+
+
+def _attempt(what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """``(fn(*args), None)``, or ``(None, failure text)`` if it raised."""
+    try:
+        return fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - any exception is this rank's verdict (see the module note)
+        text = str(exc).strip().splitlines()
+        return None, f"{what}: {type(exc).__name__}: {' | '.join(text[:6])}"
+
+
+def _agree(ctx: RankContext, failure: str | None) -> str | None:
+    """The first rank's failure text, the same on every rank, or ``None`` if none failed."""
+    failures = ctx.all_gather_object(failure)
+    return next((f"rank {rank}: {text}" for rank, text in enumerate(failures) if text), None)
+
+
+def check_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> str | None:
+    """Train ``example`` on ``impl`` and on the baseline; the first failure (same on every rank) or ``None``."""
+    if example.world_size != ctx.world_size:
+        raise ValueError(f"example is for world_size {example.world_size}, running on {ctx.world_size} ranks")
+    run, failure = _attempt("wrap", _setup, ctx, impl, example)
+    failure = _agree(ctx, failure)
+    if failure is not None:
+        return failure
+    for step in range(example.steps):
+        raised = _attempt("raised", run.step, step)[1]
+        failure = _agree(ctx, raised or run.mismatch)
+        if failure is not None:
+            return f"step {step}, {failure}"
+    return None
+
+
+def run_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> None:
+    """A reproducer's body: fail with the first mismatch of ``example`` on every rank."""
+    failure = check_example(ctx, impl, example)
+    if failure is not None:
+        raise AssertionError(f"{impl.name} differs from the local baseline: {failure}")
