@@ -10,11 +10,12 @@ rows; they run against every implementation like any case.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from conformance.adapters.base import FSDPAdapter
 from conformance.case import case
 from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
+from conformance.report import CaseReport
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -25,7 +26,7 @@ SETTINGS = FuzzSettings.from_env()
 TIMEOUT_S = 120.0 + 3.0 * SETTINGS.budget(2)
 
 
-def _parity(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+def _parity(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     config = FuzzSettings.from_env()
     result = fuzz(ctx, impl, config)
     if result.failing is not None:
@@ -33,25 +34,25 @@ def _parity(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
             f"parity fuzzer (seed {config.seed}): {result.message}\n"
             f"minimal reproducer after {result.runs} runs:\n{render_case(result.failing, result.message or '')}"
         )
-    return {
-        "reason": f"{config.budget(ctx.world_size)} examples from seed {config.seed}, no mismatch",
-        "metrics": {"examples": result.runs},
-    }
+    return CaseReport(
+        reason=f"{config.budget(ctx.world_size)} examples from seed {config.seed}, no mismatch",
+        metrics={"examples": result.runs},
+    )
 
 
 @case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
-def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     """Random models, wrap plans and training loops on one rank match the local model."""
     return _parity(ctx, impl)
 
 
 @case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
-def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     """... on two ranks (uneven shards for odd widths)."""
     return _parity(ctx, impl)
 
 
 @case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
-def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter) -> dict[str, Any]:
+def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
     return _parity(ctx, impl)
