@@ -15,6 +15,10 @@ hardware needs are checked in the parent *before* any rank starts:
 - a missing capability -> :class:`NotApplicable` ("n/a", capability named);
 - missing hardware -> a plain skip ("needs 2 accelerators, found 0").
 
+A case that measures wall time declares ``timing=True``: it gets the
+``timing`` marker, so ``-n N`` runs it after every other case, alone
+([Note: timing phase] in :mod:`conformance.scheduling`).
+
 Neither is ever reported as passed. A body may also raise
 :class:`NotApplicable` itself (via :func:`not_applicable`) when only the
 run-time combination is inexpressible; all ranks must agree.
@@ -63,6 +67,7 @@ class CaseSpec:
     timeout_s: float = 120.0
     isolated: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    timing: bool = False
 
     def __post_init__(self) -> None:
         if not _ID.match(self.id):
@@ -108,6 +113,7 @@ def case(
     timeout_s: float = 120.0,
     isolated: bool = False,
     env: Mapping[str, str] | None = None,
+    timing: bool = False,
 ) -> Callable[[_F], _F]:
     """Declare a conformance case (see the module docstring)."""
     spec = CaseSpec(
@@ -119,10 +125,13 @@ def case(
         timeout_s=timeout_s,
         isolated=isolated,
         env=dict(env or {}),
+        timing=timing,
     )
 
     def decorate(fn: _F) -> _F:
         fn = pytest.mark.conformance(spec)(fn)
+        if spec.timing:
+            fn = pytest.mark.timing(fn)
         return pytest.mark.ranks(
             world_size=spec.world_size,
             modes=spec.modes,

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
     run.add_argument("--timing-repeats", type=int, default=None, metavar="N")
+    run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
+                     help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
+                     "to the cores (default: 0, one process)")
     run.add_argument(
         "--launcher",
         choices=("spawn", "torchrun"),
@@ -67,6 +70,7 @@ def _settings(ns: argparse.Namespace) -> Settings:
         "impls": ("--impl", ns.impl),
         "rank_mode": ("--rank-mode", ns.rank_mode),
         "timing_repeats": ("--timing-repeats", ns.timing_repeats),
+        "workers": ("-n", ns.workers),
     })
 
 
@@ -89,6 +93,8 @@ def _run_args(ns: argparse.Namespace, settings: Settings) -> list[str]:
         args += ["--junitxml", ns.junitxml]
     if ns.launcher == "torchrun":
         args += ["--launcher", "torchrun"]
+    if settings.workers.value != 0:
+        args += ["-n", str(settings.workers.value)]
     extra = [a for a in ns.pytest_args if a != "--"]
     return args + extra
 
@@ -98,6 +104,10 @@ def _run(ns: argparse.Namespace) -> int:
         settings = _settings(ns)
     except SettingError as exc:
         print(f"fsdp-conformance: {exc}", file=sys.stderr)
+        return 2
+    if ns.launcher == "torchrun" and settings.workers.value != 0:
+        print(f"fsdp-conformance: -n {settings.workers.value} with --launcher torchrun: a torchrun job's ranks "
+              "run every case in lockstep; leave -n out", file=sys.stderr)
         return 2
     if _reporting_rank(ns):
         print(f"fsdp-conformance: {settings.describe()}", flush=True)

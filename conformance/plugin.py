@@ -28,6 +28,7 @@ from conformance.case import NotApplicable, hardware_skip_reason
 from conformance.findings import annotate
 from conformance.report import CaseReport, Result, render_markdown, render_matrix, summary_line, write_json
 from conformance.rows import all_params, case_row_id, case_spec
+from conformance.scheduling import is_worker
 from conformance.settings import SettingError, Settings, resolve_settings
 
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
@@ -88,6 +89,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 "impls": ("--fsdp-impl", config.getoption("--fsdp-impl")),
                 "rank_mode": ("--rank-mode", config.getoption("--rank-mode", None)),
                 "timing_repeats": ("--timing-repeats", config.getoption("--timing-repeats")),
+                "workers": ("-n", config.getoption("numprocesses", None)),
             },
             ini={"rank_mode": config.getini("rank_mode")},
         )
@@ -213,7 +215,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 def pytest_conformance_result(config: pytest.Config, result: Result) -> None:
     """Add the cell to the matrix; with ``--conformance-progress`` print its line."""
     config.stash[RESULTS_KEY].append(result)
-    if not config.getoption("--conformance-progress"):
+    if not config.getoption("--conformance-progress") or is_worker(config):
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -241,8 +243,9 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The matrix and the report files; under ``-n`` only the controller, which has every result."""
     results = config.stash.get(RESULTS_KEY, [])
-    if not results:
+    if not results or is_worker(config):
         return
     if config.getoption("--conformance-progress"):
         terminalreporter.write_sep("=", "conformance matrix")

@@ -11,6 +11,9 @@ which bound the rank mode chosen here.
   ``rank_mode``; default ``both``.
 - timing repeats: ``--timing-repeats``; then ``FSDP_CONFORMANCE_TIMING_REPEATS``;
   default 3. Cases receive it as the ``timing_repeats`` fixture.
+- workers: ``-n auto|N`` (pytest-xdist's option, which the CLI passes on);
+  default 0, one process running cases one after another. ``auto`` is fitted
+  to the cores (:func:`conformance.scheduling.auto_workers`).
 
 A new setting (the compute device, the number of parallel workers) is a new
 field of :class:`Settings` resolved in :func:`resolve_settings` with
@@ -42,10 +45,11 @@ class Settings:
     impls: Resolved[tuple[str, ...]]
     rank_mode: Resolved[str]
     timing_repeats: Resolved[int]
+    workers: Resolved[int | str] = Resolved("workers", 0, "default")
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
-        return "; ".join(s.describe() for s in (self.impls, self.rank_mode, self.timing_repeats))
+        return "; ".join(s.describe() for s in (self.impls, self.rank_mode, self.timing_repeats, self.workers))
 
 
 def _parse_impls(raw: Any) -> tuple[str, ...]:
@@ -70,6 +74,18 @@ def _parse_repeats(raw: Any) -> int:
     return value
 
 
+def _parse_workers(raw: Any) -> int | str:
+    if str(raw).strip() == "auto":
+        return "auto"
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError("expected auto or a whole number >= 0") from None
+    if value < 0:
+        raise ValueError("expected auto or a whole number >= 0")
+    return value
+
+
 def resolve_settings(
     cli: Mapping[str, tuple[str, Any]],
     env: Mapping[str, str] | None = None,
@@ -77,7 +93,7 @@ def resolve_settings(
 ) -> Settings:
     """Resolve every setting.
 
-    ``cli`` maps a setting (``impls``, ``rank_mode``, ``timing_repeats``) to
+    ``cli`` maps a setting (``impls``, ``rank_mode``, ``timing_repeats``, ``workers``) to
     ``(option as spelled, value or None)``, so errors name the option the user
     typed; ``env`` defaults to ``os.environ``; ``ini`` holds ini options
     (``rank_mode``). Raises :class:`SettingError` naming the source of a bad value.
@@ -87,6 +103,7 @@ def resolve_settings(
     impl_flag, impl_cli = cli.get("impls", ("--fsdp-impl", None))
     mode_flag, mode_cli = cli.get("rank_mode", ("--rank-mode", None))
     repeats_flag, repeats_cli = cli.get("timing_repeats", ("--timing-repeats", None))
+    workers_flag, workers_cli = cli.get("workers", ("-n", None))
     return Settings(
         impls=resolve("impls", [(impl_flag, impl_cli), (IMPL_ENV, env.get(IMPL_ENV))], _parse_impls,
                       ("reference",)),
@@ -95,4 +112,5 @@ def resolve_settings(
         timing_repeats=resolve("timing repeats", [(repeats_flag, repeats_cli),
                                                   (TIMING_REPEATS_ENV, env.get(TIMING_REPEATS_ENV))],
                                _parse_repeats, DEFAULT_TIMING_REPEATS),
+        workers=resolve("workers", [(workers_flag, workers_cli)], _parse_workers, 0),
     )

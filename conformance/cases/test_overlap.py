@@ -151,7 +151,7 @@ def _summary(fwd_ms: float, fwd_bwd_ms: float) -> str:
             f"(bound {FWD_BWD_BOUND_MS:.0f}), efficiency {FWD_BWD_IDEAL_MS / fwd_bwd_ms:.2f}")
 
 
-@case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300)
+@case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300, timing=True)
 def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
     # Process ranks only: thread ranks share one GIL-bound process and the worker
     # thread cannot resolve a thread rank's process group ([Note: communication worker]).
@@ -169,6 +169,7 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: i
     world_size=2,
     modes=("process",),
     timeout_s=300,
+    timing=True,
     requires=[Capability.FORWARD_PREFETCH, Capability.BACKWARD_PREFETCH],
 )
 def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
@@ -186,6 +187,7 @@ def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats
     modes=("process",),
     accelerators=2,
     timeout_s=300,
+    timing=True,
     requires=[Capability.POST_OPTIM_EVENT],
 )
 def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:

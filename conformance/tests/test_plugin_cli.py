@@ -165,7 +165,7 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     listened = (suite.path / "listened.txt").read_text().splitlines()
     assert sorted(listened) == sorted(f"{case} {row['outcome']}" for case, row in rows.items())
     result.stdout.fnmatch_lines(["fsdp-conformance: impls: ('reference',) (from default); rank mode: both *"
-                                 "timing repeats: 7 (from FSDP_CONFORMANCE_TIMING_REPEATS)"])
+                                 "timing repeats: 7 (from FSDP_CONFORMANCE_TIMING_REPEATS); workers: 0 (from default)"])
 
 
 def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
