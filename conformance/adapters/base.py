@@ -162,6 +162,8 @@ class UnitInfo:
     ``local_shards`` are this rank's sharded parameter storage (one flat shard
     for flat-parameter implementations, one local tensor per parameter for
     per-parameter sharding) and ``local_grads`` their gradients, aligned.
+    ``strategy`` is the unit's own sharding strategy as :data:`STRATEGIES`
+    spells it, or ``None`` when the implementation has no per-unit strategy.
     """
 
     fqn: str
@@ -172,6 +174,7 @@ class UnitInfo:
     local_shards: list[torch.Tensor]
     local_grads: list[torch.Tensor | None]
     resharded: bool | None
+    strategy: str | None = None
 
 
 @runtime_checkable

@@ -42,4 +42,5 @@ class ReferenceAdapter(FSDP1LikeAdapter):
             local_shards=[] if flat is None else [flat.detach()],
             local_grads=[] if flat is None else [flat.grad],
             resharded=bool(unit.is_resharded),
+            strategy=unit.sharding_strategy.name,
         )

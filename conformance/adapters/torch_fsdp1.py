@@ -50,7 +50,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         hybrid = unit.sharding_strategy.name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
         if handle is None:
             return UnitInfo(fqn, unit, unit.process_group, inter if hybrid else None,
-                            unit.compute_device, [], [], True)
+                            unit.compute_device, [], [], True, unit.sharding_strategy.name)
         flat = handle.flat_param
         # Before the first forward (lazy init) a flat parameter already holds its
         # shard but has no ``_local_shard`` / ``_full_param_padded`` yet; NO_SHARD
@@ -69,4 +69,5 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             local_shards=[local],
             local_grads=[flat.grad],
             resharded=resharded,
+            strategy=unit.sharding_strategy.name,
         )
