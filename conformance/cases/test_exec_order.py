@@ -92,8 +92,12 @@ def test_invalid_later_iter_order(
             issubclass(w.category, UserWarning) and re.match(f"^({expected})", str(w.message))
             for w in order_warnings
         ), f"rank {ctx.rank}: no matching UserWarning; got {[str(w.message) for w in caught]}"
-    # Training continues after the warning: another full step completes on every rank.
-    _step(ctx, model, gen)
+    # Training continues after the warning, and the warning was the only one: the
+    # next full step completes on every rank without another order warning.
+    with ctx.catch_warnings() as later:
+        _step(ctx, model, gen)
+    repeated = [str(w.message) for w in later if str(w.message).startswith(ORDER_WARNING)]
+    assert not repeated, f"rank {ctx.rank}: order warning repeated after the path change: {repeated[0]}"
     ctx.barrier()
 
 

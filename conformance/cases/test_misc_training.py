@@ -30,6 +30,7 @@ from fixtures.models import (
     SumOfInputsModel,
     TwoOutputModel,
 )
+from fixtures.optimizers import OPTIMIZERS, make_optim
 from fixtures.parity import (
     assert_close_named,
     assert_differs_across_ranks,
@@ -51,11 +52,13 @@ def _sum_loss(output: Any, _batch: tuple[Any, ...]) -> torch.Tensor:
 
 
 @case("misc/cpu_training_parity_vs_ddp", world_size=4, timeout_s=180.0)
+@pytest.mark.parametrize("optim", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
-    """10 Adam steps with ``device_id=cpu``: every step's loss equals DDP's on the same data.
+def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
+    """10 steps with ``device_id=cpu``: every step's loss equals DDP's on the same data.
 
     Hybrid strategies run 2 (shard) x 2 (replicate) through an explicit group pair.
+    Adam as in the seed, and SGD with momentum, which a wrong gradient scale changes.
     """
     world = cpu_world_group(ctx)
     group: Any = hybrid_cpu_groups(ctx, shard_size=2) if strategy in HYBRID_STRATEGIES else world
@@ -65,8 +68,8 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
     inp = torch.randn((2, 2), generator=generator(rank_seed(42, ctx.rank)))
     batches = [(inp, inp)] * 10
     runs = {
-        "ddp": run_steps(ddp, torch.optim.Adam(ddp.parameters(), lr=1e-2), batches, _sum_loss),
-        impl.name: run_steps(fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-2), batches, _sum_loss),
+        "ddp": run_steps(ddp, make_optim(optim, ddp.parameters()), batches, _sum_loss),
+        impl.name: run_steps(fsdp, make_optim(optim, fsdp.parameters()), batches, _sum_loss),
     }
     assert_runs_match(runs, reference="ddp")
     if strategy in HYBRID_STRATEGIES:
@@ -109,7 +112,7 @@ def test_module_no_compute_grad(
 @case("misc/not_all_outputs_used_in_loss", world_size=2)
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
-    """Loss uses (a, b) for 2 steps, then only a: units reshard and SGD matches a local model."""
+    """Loss uses (a, b) for 2 steps, then only a for 4 (the seed's 6): units reshard, SGD matches a local model."""
     local = TwoOutputModel(seed=0).to(ctx.device)
     model = TwoOutputModel(seed=0).to(ctx.device)
     spec = WrapSpec(strategy=strategy)
@@ -119,7 +122,7 @@ def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strat
     optim = torch.optim.SGD(fsdp.parameters(), lr=1e-3)
     local_optim = torch.optim.SGD(local.parameters(), lr=1e-3)
     inp = torch.ones(4, device=ctx.device)
-    for step in range(4):
+    for step in range(6):
         before = {n: p.detach().clone() for n, p in local.named_parameters()}
         (a, b), (local_a, local_b) = fsdp(inp), local(inp)
         if step < 2:

@@ -18,16 +18,21 @@ from __future__ import annotations
 from conformance.mutants._base import Expect, Patch, check_declaration
 from conformance.mutants.construction import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.construction import __all__ as _construction
+from conformance.mutants.hybrid import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.hybrid import __all__ as _hybrid
+from conformance.mutants.longer_runs import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.longer_runs import __all__ as _longer_runs
 from conformance.mutants.placement import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.placement import __all__ as _placement
 from conformance.mutants.runtime import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.runtime import __all__ as _runtime
 
-__all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_runtime, *_construction, *_placement]
+_ALL = (*_runtime, *_construction, *_placement, *_hybrid, *_longer_runs)
+__all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
 #: mutant name -> adapter class (what ``FSDP_CONFORMANCE_ADAPTERS`` registers).
 MUTANTS: dict[str, type] = {
-    cls.name: cls for cls in (globals()[name] for name in (*_runtime, *_construction, *_placement))
+    cls.name: cls for cls in (globals()[name] for name in _ALL)
 }
 
 for _mutant in MUTANTS.values():

@@ -1,0 +1,218 @@
+"""Layout, model and checks shared by the hybrid_shard cases (not a case module).
+
+See [Note: hybrid layout on CPU] in ``test_hybrid_shard``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from conformance.adapters.base import AutoWrap, FSDPAdapter, UnitInfo, WrapSpec
+from fixtures.models import TiedTransformer
+from fixtures.seeding import generator, rank_seed
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+WORLD = 4
+NODE = 2  # ranks per node; see [Note: hybrid layout on CPU]
+HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+LAYERS = AutoWrap((nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+
+
+def expected_groups(rank: int, node: int = NODE) -> tuple[list[int], list[int]]:
+    """``(shard ranks, replicate ranks)`` of ``rank`` with ``node`` ranks per node
+    (contiguous intra-node blocks, strided inter-node groups)."""
+    start = rank - rank % node
+    return list(range(start, start + node)), list(range(rank % node, WORLD, node))
+
+
+def hybrid_groups(ctx: RankContext) -> tuple[Any, Any]:
+    """This rank's ``(shard, replicate)`` groups; every rank creates every group, in one order."""
+    shard = replicate = None
+    for start in range(0, WORLD, NODE):
+        group = ctx.new_group(range(start, start + NODE))
+        if start <= ctx.rank < start + NODE:
+            shard = group
+    for offset in range(NODE):
+        group = ctx.new_group(range(offset, WORLD, NODE))
+        if ctx.rank % NODE == offset:
+            replicate = group
+    return shard, replicate
+
+
+def ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (``[]`` for ``None``)."""
+    return [] if group is None else dist.get_process_group_ranks(group)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One ``basic_setup`` grid point."""
+
+    strategy: str
+    mode: (
+        str  # ALL_HYBRID: every unit hybrid; MIXED_HYBRID_FULL: hybrid transformer, FULL_SHARD root
+    )
+    use_orig_params: bool
+    use_device_mesh: bool
+
+
+def build_hybrid_transformer(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> nn.Module:
+    """Encoder/decoder layers are units; the rest is hybrid or FULL_SHARD by ``mode``."""
+    mesh = (
+        ctx.device_mesh((WORLD // NODE, NODE), ("replicate", "shard"))
+        if setup.use_device_mesh
+        else None
+    )
+    hybrid = WrapSpec(
+        strategy=setup.strategy,
+        auto_wrap=LAYERS,
+        device_mesh=mesh,
+        use_orig_params=setup.use_orig_params,
+    )
+    model = TiedTransformer(seed=0).to(ctx.device)
+    if setup.mode == "ALL_HYBRID":
+        return impl.wrap(model, hybrid)
+    model.transformer = impl.wrap(model.transformer, hybrid)  # type: ignore[assignment]
+    return impl.wrap(model, WrapSpec(strategy="FULL_SHARD", use_orig_params=setup.use_orig_params))
+
+
+@functools.cache
+def io() -> TiedTransformer:
+    """An unwrapped instance whose ``get_input`` / ``get_loss`` every case shares."""
+    return TiedTransformer(seed=0)
+
+
+def fwd_bwd(ctx: RankContext, model: nn.Module) -> None:
+    """One forward/backward on this rank's batch."""
+    inputs = io().get_input(ctx.device, generator(rank_seed(0, ctx.rank)))
+    io().get_loss(inputs, model(*inputs)).backward()
+
+
+def node_size(ctx: RankContext) -> int:
+    """Ranks per node for automatic groups: the node's accelerators when ranks compute on
+    them (the seed's contract), else :data:`NODE`, reported as a launcher would
+    ([Note: hybrid layout on CPU])."""
+    return torch.cuda.device_count() if ctx.device.type == "cuda" else NODE
+
+
+def split_units(
+    ctx: RankContext, units: list[UnitInfo], mode: str
+) -> tuple[list[UnitInfo], list[UnitInfo]]:
+    """``(hybrid, full-shard)`` units owning parameters, each checked against ``mode``."""
+    owning = [u for u in units if u.local_shards]
+    hybrid = [u for u in owning if u.replicate_group is not None]
+    full = [u for u in owning if u.replicate_group is None]
+    if mode == "ALL_HYBRID":
+        assert not full, (
+            f"ALL_HYBRID: units {[u.fqn for u in full]} are not hybrid (no replicate group; "
+            f"shard groups {[ranks(u.shard_group) for u in full]})"
+        )
+    else:
+        assert [u.fqn for u in full] == [""], (
+            f"MIXED_HYBRID_FULL: full-shard units {[u.fqn for u in full]}, expected only the root"
+        )
+        assert ranks(full[0].shard_group) == list(range(WORLD)), (
+            f"root FULL_SHARD unit shards over {ranks(full[0].shard_group)}, "
+            f"expected the world {list(range(WORLD))}"
+        )
+    assert hybrid, f"{mode}: no hybrid unit owns parameters; units {[u.fqn for u in units]}"
+    return hybrid, full
+
+
+def check_strategies(hybrid: list[UnitInfo], full: list[UnitInfo], strategy: str) -> None:
+    """Each unit reports its own strategy (where the implementation has one per unit)."""
+    want = {u.fqn: strategy for u in hybrid} | {u.fqn: "FULL_SHARD" for u in full}
+    got = {u.fqn: u.strategy for u in (*hybrid, *full)}
+    wrong = {fqn: s for fqn, s in got.items() if s is not None and s != want[fqn]}
+    assert not wrong, f"unit strategies {wrong}, expected {want}"
+
+
+def check_groups(ctx: RankContext, hybrid: list[UnitInfo], node: int) -> tuple[list[int], list[int]]:
+    want_shard, want_replicate = expected_groups(ctx.rank, node)
+    for unit in hybrid:
+        got = (ranks(unit.shard_group), ranks(unit.replicate_group))
+        assert got == (want_shard, want_replicate), (
+            f"rank {ctx.rank} unit {unit.fqn!r}: (shard, replicate) ranks {got}, "
+            f"expected {(want_shard, want_replicate)} ({node} ranks per node)"
+        )
+    shard_ids = {id(u.shard_group) for u in hybrid}
+    replicate_ids = {id(u.replicate_group) for u in hybrid}
+    assert len(shard_ids) == 1 and len(replicate_ids) == 1, (
+        f"hybrid units use {len(shard_ids)} shard and {len(replicate_ids)} replicate "
+        "group objects; all units must share one of each"
+    )
+    return want_shard, want_replicate
+
+
+def check_reshard_after_forward(impl: FSDPAdapter, model: nn.Module, strategy: str) -> None:
+    """After forward, non-root hybrid units are resharded iff the strategy is HYBRID_SHARD
+    (``_HYBRID_SHARD_ZERO2`` keeps them unsharded until backward)."""
+    want = strategy == "HYBRID_SHARD"
+    wrong = [
+        (u.fqn, u.resharded)
+        for u in impl.units(model)
+        if u.fqn and u.local_shards and u.replicate_group is not None
+        and u.resharded is not None and u.resharded != want
+    ]
+    assert not wrong, f"{strategy}: after forward (unit, resharded) {wrong}, expected resharded={want}"
+
+
+#: Collective names as the recorder spells them -> the kind of collective counted.
+KINDS = {
+    "all_gather_into_tensor": "all-gather",
+    "all_gather": "all-gather",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+}
+Collectives = Counter[tuple[str, tuple[int, ...]]]
+
+
+def expected_collectives(
+    hybrid: list[UnitInfo], full: list[UnitInfo], strategy: str, groups: tuple[list[int], list[int]]
+) -> Collectives:
+    """``(kind, group ranks) -> count`` for one forward/backward of a fresh model.
+
+    Every unit all-gathers in forward; a non-root unit of a strategy that reshards
+    after forward all-gathers again in backward. Every unit reduce-scatters once
+    on its shard group; every hybrid unit all-reduces once on its replicate group.
+    The root is counted as keeping its parameters for backward (see
+    :func:`check_collectives` for the one alternative accepted).
+    """
+    shard, replicate = (tuple(g) for g in groups)
+    want: Collectives = Counter()
+    for unit in hybrid:
+        regather = unit.fqn != "" and strategy == "HYBRID_SHARD"
+        want["all-gather", shard] += 2 if regather else 1
+        want["reduce-scatter", shard] += 1
+        want["all-reduce", replicate] += 1
+    for _root in full:
+        want["all-gather", tuple(range(WORLD))] += 1
+        want["reduce-scatter", tuple(range(WORLD))] += 1
+    return want
+
+
+def check_collectives(ctx: RankContext, trace: Any, want: Collectives, root_group: tuple[int, ...]) -> None:
+    """The recorded collectives are ``want``, except that the root may all-gather once more.
+
+    Whether the root frees its parameters after forward is the implementation's
+    choice (FSDP1 keeps them; FSDP2 frees them when told to reshard after
+    forward), so one extra all-gather on the root's shard group is accepted.
+    """
+    got: Collectives = Counter((KINDS[c.op], c.group_ranks) for c in trace.calls if c.op in KINDS)
+    relaxed = Counter(want)
+    if got["all-gather", root_group] == want["all-gather", root_group] + 1:
+        relaxed["all-gather", root_group] += 1
+    assert got == relaxed, (
+        f"rank {ctx.rank}: collectives (kind, group) in one fwd/bwd: {dict(got)}, expected {dict(want)} "
+        f"(the root may all-gather once more)\ntrace:\n{trace.render()}"
+    )
