@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,6 +144,27 @@ def test_imports_see_function_level_and_type_checking_imports(tmp_path: Path) ->
 def test_no_import_cycles() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def _readme_layout() -> list[str]:
+    """fsdp_impl's modules in the order of its README's layout table (lowest first)."""
+    text = (ROOT / "fsdp_impl" / "README.md").read_text()
+    return ["fsdp_impl." + name for name in re.findall(r"^\| `(\w+)\.py` \|", text, flags=re.MULTILINE)]
+
+
+def test_fsdp_impl_imports_follow_its_readme_layout() -> None:
+    """Each fsdp_impl module imports only modules listed above it in ``fsdp_impl/README.md``."""
+    layout = _readme_layout()
+    graph = import_graph(("fsdp_impl",))
+    library = {name for name in graph if name != "fsdp_impl" and not name.startswith("fsdp_impl.tests")}
+    assert set(layout) == library, f"README layout table vs modules: {sorted(set(layout) ^ library)}"
+    upward = [
+        f"{module} imports {target}, listed below it"
+        for module in layout
+        for target in sorted(graph[module])
+        if target in layout and layout.index(target) > layout.index(module)
+    ]
+    assert not upward, "\n".join(upward)
 
 
 def _checked_files() -> Iterator[Path]:
