@@ -1,12 +1,23 @@
-"""Wall time of ``fsdp-conformance run`` per implementation and rank mode, and the slowest cases.
+"""Wall time of ``fsdp-conformance run``, serial vs ``-n N``, side by side; the critical path.
 
-Each configuration is a fresh ``python -m conformance run`` subprocess (as a
-user would run it), so interpreter start, imports and pool start-up are
-included. The slowest cases come from the run's own ``--json`` durations.
+Each run is a fresh ``python -m conformance run`` subprocess (as a user runs
+it), so interpreter start, imports, xdist's workers and pool start-up are
+included. For every job (the main job: reference, both rank modes; and
+``--impl all``) the serial run and the parallel run alternate (the order
+flips each round) so both see the same machine load; the table shows the
+median wall time per mode and the ratio parallel / serial. Both runs must
+produce the same rows (ids, outcomes, order); the script says so or exits 1.
+
+Critical path: timing cases run one after another, alone, at the end of a
+parallel run ([Note: timing phase] in ``conformance/scheduling.py``), so a
+parallel run cannot take less than their summed time plus the longest other
+case; the slowest cases are listed from the runs' own ``--json`` durations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -15,17 +26,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import base_parser, print_table, write_json
+import pytest
 
-__all__ = ["time_run"]
+from bench._common import base_parser, median, print_table, write_json
+
+__all__ = ["time_run", "timing_rows"]
+
+JOBS = {"main": ["--impl", "reference"], "all": ["--impl", "all"]}
 
 
-def time_run(impl: str, rank_mode: str, extra: list[str]) -> dict[str, Any]:
-    """Run the suite once; wall time, exit code, outcome counts and per-case durations."""
+def time_run(job_args: list[str], workers: str, extra: list[str]) -> dict[str, Any]:
+    """Run the suite once; wall time, exit code, outcome counts and per-row results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        cmd = [sys.executable, "-m", "conformance", "run", "--impl", impl, "--rank-mode", rank_mode,
-               "--json", str(out), *extra]
+        cmd = [sys.executable, "-m", "conformance", "run", *job_args, "-n", workers, "--json", str(out), *extra]
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - start
@@ -33,32 +47,110 @@ def time_run(impl: str, rank_mode: str, extra: list[str]) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for row in results:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
-    return {"impl": impl, "rank_mode": rank_mode, "wall_s": wall, "exit_code": proc.returncode,
-            "counts": counts, "results": results,
-            "tail": proc.stdout.splitlines()[-1:] if proc.stdout else proc.stderr.splitlines()[-3:]}
+    return {"workers": workers, "wall_s": wall, "exit_code": proc.returncode, "counts": counts,
+            "results": results, "tail": (proc.stdout + proc.stderr).splitlines()[-3:]}
+
+
+class _TimingRows:
+    """Collects the row ids of timing cases during a collect-only session."""
+
+    def __init__(self) -> None:
+        self.rows: set[str] = set()
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        from conformance.rows import case_row_id
+        from conformance.scheduling import is_timing
+
+        self.rows |= {case_row_id(item) for item in session.items if is_timing(item)}
+
+
+def timing_rows() -> set[str]:
+    """Row ids of the cases declared ``timing=True`` (collected in-process, nothing runs)."""
+    from conformance.cli import CASES_DIR
+
+    collector = _TimingRows()
+    with contextlib.redirect_stdout(io.StringIO()):
+        pytest.main([str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "--fsdp-impl", "all"],
+                     plugins=[collector])
+    return collector.rows
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return row["case"], row["impl"], row["rank_mode"], row["outcome"]
+
+
+def _critical_path(results: list[dict[str, Any]], timing: set[str], slowest: int) -> dict[str, Any]:
+    timed = [r for r in results if r["case"] in timing]
+    others = sorted((r for r in results if r["case"] not in timing), key=lambda r: -r["duration_s"])
+    return {
+        "timing_phase_s": sum(r["duration_s"] for r in timed),
+        "other_case_s": sum(r["duration_s"] for r in others),
+        "longest_other": others[0] if others else None,
+        "slowest": sorted(results, key=lambda r: -r["duration_s"])[:slowest],
+    }
+
+
+def _measure(jobs: list[str], workers: str, rounds: int, extra: list[str]) -> dict[str, dict[str, list[Any]]]:
+    runs: dict[str, dict[str, list[Any]]] = {job: {"0": [], workers: []} for job in jobs}
+    for i in range(rounds):
+        for job in jobs:
+            order = ["0", workers] if i % 2 == 0 else [workers, "0"]
+            for mode in order:
+                run = time_run(JOBS[job], mode, extra)
+                print(f"round {i + 1} {job:4s} -n {mode:4s} {run['wall_s']:7.1f} s  exit {run['exit_code']}",
+                      flush=True)
+                runs[job][mode].append(run)
+    return runs
+
+
+def _report(runs: dict[str, dict[str, list[Any]]], workers: str, slowest: int) -> tuple[list[Any], bool]:
+    timing = timing_rows()
+    table: list[list[Any]] = []
+    summary: list[dict[str, Any]] = []
+    ok = True
+    for job, by_mode in runs.items():
+        serial, parallel = by_mode["0"], by_mode[workers]
+        same = all([_key(r) for r in s["results"]] == [_key(r) for r in p["results"]]
+                   for s, p in zip(serial, parallel, strict=True))
+        failed = any(r["exit_code"] != 0 for r in serial + parallel)
+        ok = ok and same and not failed
+        s_wall, p_wall = median([r["wall_s"] for r in serial]), median([r["wall_s"] for r in parallel])
+        table.append([job, len(serial[0]["results"]), s_wall, p_wall, p_wall / s_wall, "yes" if same else "NO",
+                      ", ".join(f"{n} {k}" for k, n in sorted(parallel[0]["counts"].items()))])
+        path = _critical_path(parallel[-1]["results"], timing, slowest)
+        summary.append({"job": job, "serial_s": s_wall, "parallel_s": p_wall, "ratio": p_wall / s_wall,
+                        "rows_identical": same, "critical_path": path})
+    print_table(["job", "rows", "serial s", f"-n {workers} s", "ratio", "same rows", "outcomes"], table)
+    for entry in summary:
+        path = entry["critical_path"]
+        longest = path["longest_other"]
+        print(f"\n{entry['job']}: timing phase {path['timing_phase_s']:.1f} s (alone, serial); other cases "
+              f"{path['other_case_s']:.1f} s of case time; longest other case "
+              f"{longest['case'] if longest else '-'} {longest['duration_s'] if longest else 0:.1f} s")
+        print_table(["case", "impl", "mode", "s", "timing"],
+                    [[c["case"], c["impl"], c["rank_mode"], c["duration_s"], "yes" if c["case"] in timing else ""]
+                     for c in path["slowest"]])
+    return summary, ok
 
 
 def main() -> None:
     parser = base_parser("suite_time", __doc__)
-    parser.add_argument("--impl", action="append", default=None, help="default: reference")
-    parser.add_argument("--rank-mode", action="append", default=None, choices=("process", "thread", "both"),
-                        help="default: both (one run), then each mode separately with --split")
+    parser.add_argument("--job", action="append", choices=sorted(JOBS), default=None,
+                        help="main (reference) and/or all (--impl all); default: both")
+    parser.add_argument("-n", dest="workers", default="2", help="workers of the parallel run (default: 2)")
+    parser.add_argument("--rounds", type=int, default=1, help="serial/parallel pairs per job (default: 1)")
     parser.add_argument("-k", dest="keyword", default=None)
-    parser.add_argument("--slowest", type=int, default=10)
+    parser.add_argument("--slowest", type=int, default=8)
     args = parser.parse_args()
+    if args.workers == "0":
+        parser.error("-n 0: the parallel run needs at least one worker (or auto)")
     extra = ["-k", args.keyword] if args.keyword else []
-    runs = [time_run(impl, mode, extra) for impl in args.impl or ["reference"] for mode in args.rank_mode or ["both"]]
-    print_table(
-        ["impl", "rank mode", "wall s", "exit", "outcomes"],
-        [[r["impl"], r["rank_mode"], r["wall_s"], r["exit_code"],
-          ", ".join(f"{n} {k}" for k, n in sorted(r["counts"].items()))] for r in runs],
-    )
-    cases = sorted((c for r in runs for c in r["results"]), key=lambda c: -c["duration_s"])[: args.slowest]
-    print(f"\nslowest {len(cases)} cases")
-    print_table(["case", "impl", "mode", "s"], [[c["case"], c["impl"], c["rank_mode"], c["duration_s"]] for c in cases])
-    write_json(args.json, {"runs": [{k: v for k, v in r.items() if k != "results"} for r in runs],
-                           "slowest": cases})
-    if any(r["exit_code"] != 0 for r in runs):
+    runs = _measure(args.job or ["main", "all"], args.workers, args.rounds, extra)
+    summary, ok = _report(runs, args.workers, args.slowest)
+    write_json(args.json, {"workers": args.workers, "rounds": args.rounds, "jobs": summary,
+                           "runs": {job: {mode: [{k: v for k, v in r.items() if k != "results"} for r in rs]
+                                          for mode, rs in by_mode.items()} for job, by_mode in runs.items()}})
+    if not ok:
         sys.exit(1)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.case import accelerator_skip_reason
+from conformance.case import CaseSpec, accelerator_skip_reason
 from conformance.cli import CASES_DIR
 from conformance.mutants import MUTANTS, Expect, Patch, check_declaration
 from conformance.mutants._base import apply_patches
@@ -46,9 +46,33 @@ def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
     return json.loads(report.read_text())
 
 
+def _declared_specs() -> dict[str, CaseSpec]:
+    """Every declared case id -> its declaration."""
+    import importlib
+
+    specs = {}
+    for path in sorted(CASES_DIR.glob("test_*.py")):
+        module = importlib.import_module(f"conformance.cases.{path.stem}")
+        for fn in vars(module).values():
+            for mark in getattr(fn, "pytestmark", ()):
+                if mark.name == "conformance":
+                    specs[mark.args[0].id] = mark.args[0]
+    return specs
+
+
+#: Every declared case id -> its declaration.
+DECLARED = _declared_specs()
+
+
+def _marks(expect: Expect, specs: dict[str, CaseSpec]) -> list[pytest.MarkDecorator]:
+    """gpu where the mutant needs accelerators; timing where it runs a timing case (alone under -n)."""
+    timing = any(specs[case].timing for case in (parse_row_id(p)[0] for p in expect.must_fail) if case in specs)
+    return [pytest.mark.gpu] * bool(expect.accelerators) + [pytest.mark.timing] * timing
+
+
 @pytest.mark.parametrize(
     "mutant",
-    [pytest.param(name, marks=[pytest.mark.gpu] if EXPECTED[name].accelerators else []) for name in sorted(EXPECTED)],
+    [pytest.param(name, marks=_marks(EXPECTED[name], DECLARED)) for name in sorted(EXPECTED)],
 )
 def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
     expect = EXPECTED[mutant]
@@ -121,16 +145,7 @@ def test_a_mutant_without_expectation_is_rejected() -> None:
 
 def _declared_cases() -> dict[str, int]:
     """Every declared case id -> the accelerators it needs."""
-    import importlib
-
-    cases = {}
-    for path in sorted(CASES_DIR.glob("test_*.py")):
-        module = importlib.import_module(f"conformance.cases.{path.stem}")
-        for fn in vars(module).values():
-            for mark in getattr(fn, "pytestmark", ()):
-                if mark.name == "conformance":
-                    cases[mark.args[0].id] = mark.args[0].accelerators
-    return cases
+    return {case: spec.accelerators for case, spec in DECLARED.items()}
 
 
 def test_expectations_name_declared_cases() -> None:

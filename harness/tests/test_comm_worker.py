@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -38,6 +39,7 @@ def _async_overlaps_sync_does_not(ctx: harness.RankContext) -> dict[str, float]:
             "ops": ops, "threads_leaked": threading.active_count() - threads_before}
 
 
+@pytest.mark.timing  # bounds measured durations: alone under -n
 def test_worker_semantics_on_process_ranks() -> None:
     for result in harness.run(_async_overlaps_sync_does_not, world_size=2, mode="process"):
         assert result["issued_s"] < 0.05, "an async collective must return a handle at once"

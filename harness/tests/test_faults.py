@@ -74,6 +74,7 @@ def _segfault_on_rank_1(ctx: harness.RankContext, stamp: str | None = None) -> N
     ],
     ids=["os_exit", "sigkill", "segfault"],
 )
+@pytest.mark.timing  # an upper bound on detection latency: alone under -n
 def test_death_is_detected_fast_and_named(
     body, rank: int, exitcode: int, signal_name: str | None, tmp_path
 ) -> None:
@@ -101,6 +102,7 @@ def _rank_1_skips_a_collective(ctx: harness.RankContext) -> None:
         dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.timing  # an upper bound on the time to report: alone under -n
 @pytest.mark.parametrize("mode", MODES)
 def test_hang_is_reported_at_the_timeout_with_stacks(mode: str) -> None:
     harness.run(_noop, world_size=2, mode=mode)
