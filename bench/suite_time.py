@@ -90,11 +90,12 @@ def _critical_path(results: list[dict[str, Any]], timing: set[str], slowest: int
     }
 
 
-def _measure(jobs: list[str], workers: str, rounds: int, extra: list[str]) -> dict[str, dict[str, list[Any]]]:
+def _measure(jobs: list[str], workers: str, rounds: int, extra: list[str],
+             parallel_first: bool) -> dict[str, dict[str, list[Any]]]:
     runs: dict[str, dict[str, list[Any]]] = {job: {"0": [], workers: []} for job in jobs}
     for i in range(rounds):
         for job in jobs:
-            order = ["0", workers] if i % 2 == 0 else [workers, "0"]
+            order = [workers, "0"] if (i % 2 == 0) == parallel_first else ["0", workers]
             for mode in order:
                 run = time_run(JOBS[job], mode, extra)
                 print(f"round {i + 1} {job:4s} -n {mode:4s} {run['wall_s']:7.1f} s  exit {run['exit_code']}",
@@ -141,11 +142,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="serial/parallel pairs per job (default: 1)")
     parser.add_argument("-k", dest="keyword", default=None)
     parser.add_argument("--slowest", type=int, default=8)
+    parser.add_argument("--parallel-first", action="store_true", help="start each job with the parallel run")
     args = parser.parse_args()
     if args.workers == "0":
         parser.error("-n 0: the parallel run needs at least one worker (or auto)")
     extra = ["-k", args.keyword] if args.keyword else []
-    runs = _measure(args.job or ["main", "all"], args.workers, args.rounds, extra)
+    runs = _measure(args.job or ["main", "all"], args.workers, args.rounds, extra, args.parallel_first)
     summary, ok = _report(runs, args.workers, args.slowest)
     write_json(args.json, {"workers": args.workers, "rounds": args.rounds, "jobs": summary,
                            "runs": {job: {mode: [{k: v for k, v in r.items() if k != "results"} for r in rs]

@@ -145,3 +145,21 @@ def test_worker_count_setting_names_its_source() -> None:
     assert resolve_settings({}, env={}).workers.value == 0
     with pytest.raises(SettingError, match=r"-n='two': expected auto or a whole number >= 0"):
         resolve_settings({"workers": ("-n", "two")}, env={})
+
+
+def test_a_timing_case_carries_the_timing_mark() -> None:
+    from conformance.case import case
+    from conformance.cases import test_overlap
+
+    @case("demo/timed", timing=True)
+    def timed(ctx: object, impl: object) -> None: ...
+
+    @case("demo/untimed")
+    def untimed(ctx: object, impl: object) -> None: ...
+
+    def marks(fn: object) -> set[str]:
+        return {m.name for m in getattr(fn, "pytestmark", [])}
+
+    assert "timing" in marks(timed) and "timing" not in marks(untimed)
+    assert "timing" in marks(test_overlap.test_training_overlap)
+    assert "timing" in marks(test_overlap.test_no_overlap_detected)
