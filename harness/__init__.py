@@ -15,9 +15,8 @@ from harness.errors import (
     RankRaised,
     RankTimedOut,
 )
-from harness.process import shutdown_pools
 from harness.recorder import Call, Trace, patch_collectives
-from harness.runner import MODES, run
+from harness.runner import MODES, run, shutdown_pools
 
 __all__ = [
     "run",

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Task", "RankSetup", "rank_main", "resolve_fn"]
+from harness._rank_state import mark_rank_process
+from harness.devices import hide_cuda, process_backend, rank_device
+
+__all__ = ["Task", "RankSetup", "rank_main", "resolve_fn", "prepare_child", "apply_placement"]
 
 
 @dataclass
@@ -33,10 +36,14 @@ class Task:
 
 @dataclass
 class RankSetup:
+    """What a rank process needs to join its pool (see [Note: placements] in :mod:`harness.devices`)."""
+
     rank: int
     world_size: int
-    backend: str
-    device_type: str
+    placement: str
+    gpus: int
+    #: torch intra-op threads for this rank ([Note: intra-op threads] in :mod:`harness.cpu_budget`).
+    intra_op_threads: int
     store_path: str
     sys_path: list[str]
     parent_pid: int
@@ -62,36 +69,45 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _setup(setup: RankSetup) -> Any:
+def prepare_child(sys_path: list[str], parent_pid: int, crash_path: str, stack_path: str) -> None:
+    """What every harness child does first: parent's import path, crash/stack dumps, a parent watchdog."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns teardown
-    for path in reversed(setup.sys_path):
+    for path in reversed(sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
+    crash = open(crash_path, "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.enable(file=crash, all_threads=True)
+    stacks = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    mark_rank_process()  # a rank process never starts ranks of its own
+
+
+def apply_placement(placement: str) -> None:
+    """Hide CUDA under the ``cpu`` placement, before anything in this process touches it."""
+    if placement == "cpu":
+        hide_cuda()
+
+
+def _setup(setup: RankSetup) -> Any:
+    prepare_child(setup.sys_path, setup.parent_pid, setup.crash_path, setup.stack_path)
     os.environ.update(
         RANK=str(setup.rank),
         LOCAL_RANK=str(setup.rank),
         WORLD_SIZE=str(setup.world_size),
         LOCAL_WORLD_SIZE=str(setup.world_size),
     )
-    crash = open(setup.crash_path, "w")  # noqa: SIM115 - lives as long as the process
-    faulthandler.enable(file=crash, all_threads=True)
-    stacks = open(setup.stack_path, "w")  # noqa: SIM115 - lives as long as the process
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(setup.parent_pid,), daemon=True).start()
-
+    apply_placement(setup.placement)
     import torch
     import torch.distributed as dist
 
-    from harness import runner
-
-    runner._in_run.flag = True  # a rank process never starts ranks of its own
-    if setup.device_type == "cuda":
-        torch.cuda.set_device(setup.rank)
-        device = torch.device("cuda", setup.rank)
-    else:
-        device = torch.device("cpu")
+    torch.set_num_threads(setup.intra_op_threads)
+    device = rank_device(setup.placement, setup.rank, setup.gpus)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = dist.FileStore(setup.store_path, setup.world_size)
-    dist.init_process_group(setup.backend, store=store, rank=setup.rank, world_size=setup.world_size)
+    dist.init_process_group(process_backend(setup.placement), store=store, rank=setup.rank,
+                            world_size=setup.world_size)
     return device
 
 
@@ -106,7 +122,7 @@ def _run(setup: RankSetup, device: Any, task: Task) -> Any:
         local_rank=setup.rank,
         local_world_size=setup.world_size,
         device=device,
-        backend=setup.backend,
+        backend=process_backend(setup.placement),
         mode="process",
         seed=task.seed,
     )

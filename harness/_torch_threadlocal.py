@@ -11,12 +11,12 @@ harness relies on is used only through this module and pinned by
   registry per thread (ranks register the same names) and turns autograd's
   multithreading off (backward must run on the rank's own thread);
   ``uninstall()`` undoes both.
-- Its groups report the device type ``cpu`` (``group._device_types``). The
-  threaded group is a bare ``ProcessGroup`` subclass with no backend
-  registered, so torch code that asks a group for its default device (FSDP1's
-  sharded state dict builds a ``ShardedTensor`` that way) would raise
-  "Default device not found". Thread ranks compute on CPU, so ``cpu`` is the
-  truth; ``install()`` adds the property and ``uninstall()`` removes it.
+- Its groups report the device type the ranks compute on (``group._device_types``,
+  ``cpu`` or ``cuda``). The threaded group is a bare ``ProcessGroup`` subclass
+  with no backend registered, so torch code that asks a group for its default
+  device (FSDP1's sharded state dict builds a ``ShardedTensor`` that way) would
+  raise "Default device not found"; ``install(device_type)`` adds the property
+  and ``uninstall()`` removes it.
 - ``abort()`` wakes every thread blocked in a collective; each raises
   ``SystemExit`` with :data:`ABORT_TEXT`. ``reset()`` clears that state for
   the next run.
@@ -42,20 +42,23 @@ def _set_isolation(enabled: bool) -> None:
     getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")(enabled)  # noqa: B009 - private binding
 
 
-_CPU_ONLY = property(lambda self: [torch.device("cpu")])
+_installed_device_types: list[Any] = []
 
 
-def install() -> Any:
+def install(device_type: str = "cpu") -> Any:
     """Thread-local c10d world, thread-isolated group-name registry, autograd multithreading off."""
     _set_isolation(True)
-    _mtpg.ProcessLocalGroup._device_types = _CPU_ONLY  # type: ignore[misc,assignment]
+    types = property(lambda self: [torch.device(device_type)])
+    _installed_device_types[:] = [types]
+    _mtpg.ProcessLocalGroup._device_types = types  # type: ignore[misc,assignment]
     return _mtpg._install_threaded_pg()
 
 
 def uninstall() -> None:
     _mtpg._uninstall_threaded_pg()
-    if vars(_mtpg.ProcessLocalGroup).get("_device_types") is _CPU_ONLY:
+    if _installed_device_types and vars(_mtpg.ProcessLocalGroup).get("_device_types") is _installed_device_types[0]:
         del _mtpg.ProcessLocalGroup._device_types
+    _installed_device_types.clear()
     _set_isolation(False)
 
 

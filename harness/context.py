@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import warnings_capture
+import harness.warnings_capture as warnings_capture
 
 __all__ = ["RankContext"]
 
@@ -24,8 +24,8 @@ _RNG_LOCK = threading.RLock()
 class RankContext:
     """One rank's view of the run.
 
-    ``device`` is ``cuda:{local_rank}`` when every rank has a GPU (nccl), else
-    CPU (gloo, or the threaded group under thread ranks). Collective helpers
+    ``device`` is what the run's placement gives this rank ([Note: placements]
+    in :mod:`harness.devices`): the CPU, ``cuda:{rank}``, or a shared GPU. Collective helpers
     must be called by every rank, like the collectives they wrap.
     """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "KINDS",
@@ -80,6 +81,10 @@ class RankFailure(Exception):
         self.mode = mode
         super().__init__(self._message())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles with its failures (it travels from a thread host to the parent)."""
+        return (_rebuild, (type(self), self.failures, self.world_size, self.mode))
+
     @property
     def rank(self) -> int:
         return self.failures[0].rank
@@ -112,6 +117,10 @@ class RankDied(RankFailure):
 
 class InconsistentSkip(RankFailure):
     """Some ranks skipped and others did not: a case bug, reported as an error."""
+
+
+def _rebuild(cls: type[RankFailure], failures: list[RankError], world_size: int, mode: str) -> RankFailure:
+    return cls(failures, world_size=world_size, mode=mode)
 
 
 _BY_KIND: dict[str, type[RankFailure]] = {

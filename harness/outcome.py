@@ -22,7 +22,7 @@ import pytest
 
 from harness.errors import RankError, make_failure
 
-__all__ = ["Outcome", "ABORT_MESSAGE", "capture", "resolve"]
+__all__ = ["Outcome", "ABORT_MESSAGE", "capture", "resolve", "skip_exception"]
 
 #: Text of the exception a rank gets when a collective is aborted because another rank failed.
 ABORT_MESSAGE = "aborted: another rank failed while this rank waited in a collective"
@@ -91,7 +91,7 @@ def resolve(outcomes: Sequence[Outcome], *, world_size: int, mode: str) -> list[
     if not failed and len(skipped) == len(outcomes):
         kinds = {(o.exc_type, o.message) for o in skipped}
         if len(kinds) == 1:
-            raise _reraise_skip(skipped[0])
+            raise skip_exception(skipped[0])
     first = failed[0].rank if failed else None
     errors = [_error(o, first) for o in outcomes if not o.ok]
     if not failed and skipped:
@@ -100,7 +100,8 @@ def resolve(outcomes: Sequence[Outcome], *, world_size: int, mode: str) -> list[
     raise make_failure(errors, world_size=world_size, mode=mode)
 
 
-def _reraise_skip(o: Outcome) -> BaseException:
+def skip_exception(o: Outcome) -> BaseException:
+    """The skip a skipped outcome carries, ready to raise (its own class when it unpickles)."""
     if o.exc_pickle is not None:
         exc = pickle.loads(o.exc_pickle)
         if isinstance(exc, _SKIP):

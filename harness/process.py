@@ -1,7 +1,8 @@
 """Process ranks: a pool of spawned rank processes, reused across cases.
 
 [Note: process pool lifecycle]
-A pool is keyed by (world size, backend, device type). Its ranks rendezvous
+A pool is keyed by (world size, placement) ([Note: placements] in
+:mod:`harness.devices`). Its ranks rendezvous
 once through a ``FileStore`` in the pool's private temporary directory (no
 ports, so concurrent suites never collide) and then run one task after another
 (per-case reset: [Note: per-case reset]). The parent waits on every rank's
@@ -27,10 +28,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from harness._rank_main import RankSetup, Task, rank_main
+from harness.cpu_budget import intra_op_threads
 from harness.errors import RankError, make_failure
 from harness.outcome import Outcome, resolve
 
-__all__ = ["ProcessPool", "get_pool", "shutdown_pools", "FAILURE_GRACE_S"]
+__all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text",
+           "FAILURE_GRACE_S"]
 
 #: After the first rank fails, how long the others get to report before they
 #: are counted as aborted (they are usually blocked in a collective).
@@ -48,29 +51,32 @@ START_METHOD = os.environ.get("FSDP_HARNESS_START_METHOD", "forkserver")
 if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"FSDP_HARNESS_START_METHOD must be forkserver or spawn, got {START_METHOD!r}")
 
-_pools: dict[tuple[int, str, str], ProcessPool] = {}
+#: What the forkserver imports once; none of it may probe CUDA (a ``cpu`` placement hides it later).
+PRELOAD = ["torch", "torch.distributed", "harness._rank_main", "harness._host_main"]
+
+_pools: dict[tuple[int, str], ProcessPool] = {}
 
 
 class ProcessPool:
     """``world_size`` spawned rank processes sharing one default process group."""
 
-    def __init__(self, world_size: int, backend: str, device_type: str) -> None:
+    def __init__(self, world_size: int, placement: str, gpus: int = 0) -> None:
         self.world_size = world_size
-        self.backend = backend
-        self.device_type = device_type
+        self.placement = placement
         self.tmpdir = tempfile.mkdtemp(prefix=f"fsdp-harness-{os.getpid()}-")
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.closed = False
-        ctx = _mp_context()
+        ctx = mp_context()
         store_path = os.path.join(self.tmpdir, "store")
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             setup = RankSetup(
                 rank=rank,
                 world_size=world_size,
-                backend=backend,
-                device_type=device_type,
+                placement=placement,
+                gpus=gpus,
+                intra_op_threads=intra_op_threads(world_size),
                 store_path=store_path,
                 sys_path=list(sys.path),
                 parent_pid=os.getpid(),
@@ -154,7 +160,7 @@ class ProcessPool:
         proc.join(timeout=2.0)
         code = proc.exitcode
         signal_name = signal.Signals(-code).name if code is not None and code < 0 else None
-        crash = _read(self._path("crash", rank))
+        crash = read_text(self._path("crash", rank))
         return RankError(rank, "died", "process exited without reporting a result", exitcode=code,
                          signal_name=signal_name, stack=crash, detected_at=detected_at)
 
@@ -164,7 +170,8 @@ class ProcessPool:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
         time.sleep(0.3 if ranks else 0)
-        return {rank: _read(self._path("stack", rank)) or "(no stack: the process did not respond)" for rank in ranks}
+        silent = "(no stack: the process did not respond)"
+        return {rank: read_text(self._path("stack", rank)) or silent for rank in ranks}
 
     # -- teardown ---------------------------------------------------------------------
     def close(self, *, graceful: bool = True) -> None:
@@ -187,11 +194,11 @@ class ProcessPool:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _mp_context() -> Any:
+def mp_context() -> Any:
     """A forkserver context whose server has torch imported ([Note: process start])."""
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "harness._rank_main"])
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -213,7 +220,8 @@ def _primary_first(errors: list[RankError]) -> list[RankError]:
     return sorted(errors, key=lambda e: order[e.kind])
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
+    """A file's text, or ``""`` when it cannot be read (e.g. a child never wrote it)."""
     try:
         with open(path) as f:
             return f.read()
@@ -221,21 +229,21 @@ def _read(path: str) -> str:
         return ""
 
 
-def get_pool(world_size: int, backend: str, device_type: str, *, fresh: bool = False) -> ProcessPool:
+def get_pool(world_size: int, placement: str, gpus: int = 0, *, fresh: bool = False) -> ProcessPool:
     """The pool for this key, started on first use (or anew with ``fresh``)."""
-    key = (world_size, backend, device_type)
+    key = (world_size, placement)
     pool = _pools.get(key)
     if pool is not None and (fresh or pool.closed or not all(p.is_alive() for p in pool.procs)):
         discard_pool(pool)
         pool = None
     if pool is None:
-        pool = ProcessPool(world_size, backend, device_type)
+        pool = ProcessPool(world_size, placement, gpus)
         _pools[key] = pool
     return pool
 
 
 def discard_pool(pool: ProcessPool, *, graceful: bool = False) -> None:
-    key = (pool.world_size, pool.backend, pool.device_type)
+    key = (pool.world_size, pool.placement)
     if _pools.get(key) is pool:
         del _pools[key]
     pool.close(graceful=graceful)

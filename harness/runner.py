@@ -1,4 +1,4 @@
-"""``harness.run``: one entry point for process, thread and launched ranks."""
+"""``harness.run``: one entry point for process, thread and launched ranks (the top of the harness)."""
 
 from __future__ import annotations
 
@@ -6,63 +6,44 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from harness import launched, process, threads
+import harness.launched as launched
+import harness.process as process
+import harness.thread_host as thread_host
+from harness._host_main import ThreadTask
 from harness._rank_main import Task
+from harness._rank_state import is_rank_process
+from harness.cpu_budget import intra_op_threads
+from harness.devices import PLACEMENTS, check_placement, nccl_available, visible_gpus
 
-__all__ = ["run", "MODES", "choose_backend"]
+__all__ = ["run", "MODES", "shutdown_pools"]
 
 MODES = ("process", "thread", "launched")
 
 
-class _Active:
-    """Set while this process is a rank (thread run in progress, or a rank process)."""
-
-    flag = False
-
-
-_in_run = _Active
-
-
-def choose_backend(world_size: int, backend: str | None) -> tuple[str, str]:
-    """``(backend, device_type)``: nccl on cuda when every rank has a GPU, else gloo on cpu."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend is None:
-        return ("nccl", "cuda") if gpus >= world_size and dist.is_nccl_available() else ("gloo", "cpu")
-    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available() and gpus >= world_size}
-    if backend not in available:
-        raise ValueError(f"backend must be 'gloo' or 'nccl' (or None to choose), got {backend!r}")
-    if not available[backend]:
-        why = f"needs {world_size} GPUs, found {gpus}" if backend == "nccl" else "not built into this torch"
-        raise RuntimeError(f"backend {backend!r} is not available here: {why}")
-    return backend, "cuda" if backend == "nccl" else "cpu"
-
-
-def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str]:
+def _fn_ref(fn: Callable[..., Any], mode: str) -> tuple[str, str]:
+    """``(module, qualname)`` a rank process or thread host imports ``fn`` by; a clear error if it cannot."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(
-            f"process mode needs an importable module-level function; {fn!r} "
-            f"({module}.{qualname}) cannot be imported by a rank process"
+            f"{mode} mode needs an importable module-level function; {fn!r} "
+            f"({module}.{qualname}) cannot be imported by a rank process or thread host"
         )
     from harness._rank_main import resolve_fn
 
     try:
         found = resolve_fn((module, qualname))
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"process mode cannot import {module}.{qualname}: {exc}") from exc
+        raise ValueError(f"{mode} mode cannot import {module}.{qualname}: {exc}") from exc
     if getattr(found, "__wrapped__", found) is not fn and found is not fn:
         raise ValueError(f"{module}.{qualname} does not name {fn!r}; pass the module-level function itself")
     return module, qualname
 
 
-def _check_picklable(what: str, value: Any) -> None:
+def _check_picklable(what: str, value: Any, mode: str) -> None:
     try:
         pickle.dumps(value)
     except Exception as exc:
-        raise ValueError(f"process mode sends {what} to rank processes, but it does not pickle: {exc}") from exc
+        raise ValueError(f"{mode} mode sends {what} to another process, but it does not pickle: {exc}") from exc
 
 
 def run(
@@ -70,7 +51,7 @@ def run(
     *,
     world_size: int,
     mode: str = "process",
-    backend: str | None = None,
+    placement: str = "cpu",
     timeout_s: float = 60.0,
     args: tuple[Any, ...] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -78,38 +59,29 @@ def run(
     seed: int = 0,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks; per-rank return values in rank order.
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks; per-rank values in rank order.
 
-    Raises :class:`~harness.errors.RankFailure` (naming the rank, the kind and
-    its traceback or stack) when a rank raises, dies or does not finish within
+    ``placement`` says where the ranks compute ([Note: placements] in
+    :mod:`harness.devices`); the default ``cpu`` hides CUDA from them. Raises
+    :class:`~harness.errors.RankFailure` (naming the rank, the kind and its
+    traceback or stack) when a rank raises, dies or does not finish within
     ``timeout_s``; re-raises a skip that every rank raised. Bad arguments are
     rejected before anything starts.
     """
     kwargs = dict(kwargs or {})
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if _in_run.flag:
-        raise RuntimeError("harness.run called from inside a rank; nested runs are not supported")
+    _check_arguments(world_size, mode, placement, timeout_s)
     if mode == "launched":
         return launched.run_launched(fn, world_size=world_size, timeout_s=timeout_s, args=args,
                                      kwargs=kwargs, seed=seed, env=env)
+    gpus = visible_gpus() if placement != "cpu" else 0
+    check_placement(placement, world_size, gpus, nccl_available())
+    task = Task(fn_ref=_fn_ref(fn, mode), args=tuple(args), kwargs=kwargs, seed=seed, env=dict(env or {}))
+    _check_picklable("the arguments", (task.args, task.kwargs), mode)
     if mode == "thread":
-        if backend not in (None, "threaded"):
-            raise ValueError(f"thread mode uses the threaded backend; backend={backend!r} is not supported")
-        _in_run.flag = True
-        try:
-            return threads.run_threads(fn, world_size=world_size, timeout_s=timeout_s, args=args,
-                                       kwargs=kwargs, seed=seed, env=env)
-        finally:
-            _in_run.flag = False
-    chosen, device_type = choose_backend(world_size, backend)
-    task = Task(fn_ref=_fn_ref(fn), args=tuple(args), kwargs=kwargs, seed=seed, env=dict(env or {}))
-    _check_picklable("the arguments", (task.args, task.kwargs))
-    pool = process.get_pool(world_size, chosen, device_type, fresh=isolated)
+        job = ThreadTask(task=task, world_size=world_size, timeout_s=timeout_s,
+                         intra_op_threads=intra_op_threads(world_size))
+        return thread_host.run_in_host(job, placement, gpus)
+    pool = process.get_pool(world_size, placement, gpus, fresh=isolated)
     try:
         result = pool.run(task, timeout_s)
     except BaseException as exc:
@@ -119,6 +91,25 @@ def run(
     if isolated:
         process.discard_pool(pool, graceful=True)
     return result
+
+
+def _check_arguments(world_size: int, mode: str, placement: str, timeout_s: float) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if is_rank_process():
+        raise RuntimeError("harness.run called from inside a rank; nested runs are not supported")
+
+
+def shutdown_pools() -> None:
+    """Stop every rank-process pool and thread host (also at interpreter exit and at the end of a pytest session)."""
+    process.shutdown_pools()
+    thread_host.shutdown_hosts()
 
 
 def _is_skip(exc: BaseException) -> bool:

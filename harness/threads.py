@@ -1,4 +1,4 @@
-"""Thread ranks: every rank is a thread of the calling process.
+"""Thread ranks: every rank is a thread of one process (the thread host, :mod:`harness.thread_host`).
 
 [Note: thread ranks]
 Each rank thread initialises its own default group on the threaded backend
@@ -11,6 +11,7 @@ exception; a thread that still does not stop is reported loudly. Process-
 global state (environment, warning filters, debug level, patched
 ``torch.distributed`` attributes) is restored after the run, and the threaded
 world is uninstalled. Only one thread-rank run may be active per process.
+Ranks compute on the device their placement gives them (:func:`harness.devices.rank_device`).
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from harness import _torch_threadlocal as tl
+import harness._torch_threadlocal as tl
 from harness.context import RankContext
+from harness.devices import rank_device
 from harness.errors import RankError, make_failure
 from harness.outcome import Outcome, capture, resolve
 from harness.reset import process_global_scope, seed_everything
 
-__all__ = ["run_threads", "STOP_GRACE_S"]
+__all__ = ["ThreadRun", "run_threads", "STOP_GRACE_S"]
 
 #: How long stopped threads get to unwind after the timeout before being reported as stuck.
 STOP_GRACE_S = 2.0
@@ -45,13 +48,38 @@ class RankThreadStopped(BaseException):
     """Injected into a rank thread that is still running at the timeout."""
 
 
-def _rank_body(rank: int, world_size: int, store: Any, seed: int, fn: Callable[..., Any],
-               args: tuple[Any, ...], kwargs: Mapping[str, Any], out: dict[int, Outcome]) -> None:
+@dataclass(frozen=True)
+class ThreadRun:
+    """One thread-rank run: the body, its arguments, and where the ranks compute."""
+
+    fn: Callable[..., Any]
+    world_size: int
+    timeout_s: float
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    env: Mapping[str, str] | None = None
+    placement: str = "cpu"
+    gpus: int = 0
+    #: Called on each rank's thread as it starts, with the rank (e.g. to map thread ids to ranks).
+    started: Callable[[int], None] | None = None
+
+    def device(self, rank: int) -> torch.device:
+        return rank_device(self.placement, rank, self.gpus)
+
+
+def _rank_body(run: ThreadRun, rank: int, store: Any, out: dict[int, Outcome]) -> None:
+    world_size, seed = run.world_size, run.seed
     try:
+        if run.started is not None:
+            run.started(rank)
+        device = run.device(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
         dist.init_process_group(tl.BACKEND, rank=rank, world_size=world_size, store=store)
         ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
-                          device=torch.device("cpu"), backend=tl.BACKEND, mode="thread", seed=seed)
-        out[rank] = Outcome(rank=rank, ok=True, value=fn(ctx, *args, **kwargs))
+                          device=device, backend=tl.BACKEND, mode="thread", seed=seed)
+        out[rank] = Outcome(rank=rank, ok=True, value=run.fn(ctx, *run.args, **run.kwargs))
     except BaseException as exc:  # noqa: BLE001 - reported to the caller
         aborted = tl.is_abort(exc)
         out[rank] = capture(rank, exc, aborted=aborted)
@@ -62,27 +90,26 @@ def _rank_body(rank: int, world_size: int, store: Any, seed: int, fn: Callable[.
             dist.destroy_process_group()
 
 
-def run_threads(fn: Callable[..., Any], *, world_size: int, timeout_s: float, args: tuple[Any, ...],
-                kwargs: Mapping[str, Any], seed: int, env: Mapping[str, str] | None) -> list[Any]:
+def run_threads(run: ThreadRun) -> list[Any]:
+    """Per-rank values of ``run`` in rank order, or the :class:`RankFailure` / skip that describes it."""
     if not _RUN_LOCK.acquire(blocking=False):
         raise RuntimeError("another thread-rank run is active in this process; thread runs cannot overlap")
     try:
-        with process_global_scope(env):
-            return _run_locked(fn, world_size, timeout_s, args, kwargs, seed)
+        with process_global_scope(run.env):
+            return _run_locked(run)
     finally:
         _RUN_LOCK.release()
 
 
-def _run_locked(fn: Callable[..., Any], world_size: int, timeout_s: float, args: tuple[Any, ...],
-                kwargs: Mapping[str, Any], seed: int) -> list[Any]:
+def _run_locked(run: ThreadRun) -> list[Any]:
+    world_size, timeout_s = run.world_size, run.timeout_s
     tl.reset()
-    tl.install()
-    seed_everything(seed)
+    tl.install(run.device(0).type)
+    seed_everything(run.seed)
     out: dict[int, Outcome] = {}
     store = dist.HashStore()
     threads = [
-        threading.Thread(target=_rank_body, name=f"rank{r}", daemon=True,
-                         args=(r, world_size, store, seed, fn, args, kwargs, out))
+        threading.Thread(target=_rank_body, name=f"rank{r}", daemon=True, args=(run, r, store, out))
         for r in range(world_size)
     ]
     try:

@@ -65,32 +65,39 @@ def _segfault_on_rank_1(ctx: harness.RankContext, stamp: str | None = None) -> N
     dist.barrier()
 
 
-@pytest.mark.parametrize(
-    ("body", "rank", "exitcode", "signal_name"),
-    [
-        (_exit_on_rank_1, 1, 3, None),
-        (_sigkill_on_rank_0, 0, -signal.SIGKILL, "SIGKILL"),
-        (_segfault_on_rank_1, 1, -signal.SIGSEGV, "SIGSEGV"),
-    ],
-    ids=["os_exit", "sigkill", "segfault"],
-)
+_DEATHS = [
+    pytest.param(_exit_on_rank_1, 1, 3, None, "process", id="os_exit-process"),
+    pytest.param(_sigkill_on_rank_0, 0, -signal.SIGKILL, "SIGKILL", "process", id="sigkill-process"),
+    pytest.param(_segfault_on_rank_1, 1, -signal.SIGSEGV, "SIGSEGV", "process", id="segfault-process"),
+    # A thread rank takes its thread host down; the host names the rank ([Note: thread host]).
+    pytest.param(_exit_on_rank_1, 1, 3, None, "thread", id="os_exit-thread"),
+    pytest.param(_segfault_on_rank_1, 1, -signal.SIGSEGV, "SIGSEGV", "thread", id="segfault-thread"),
+]
+
+
+@pytest.mark.parametrize(("body", "rank", "exitcode", "signal_name", "mode"), _DEATHS)
 @pytest.mark.timing  # an upper bound on detection latency: alone under -n
 def test_death_is_detected_fast_and_named(
-    body, rank: int, exitcode: int, signal_name: str | None, tmp_path
+    body, rank: int, exitcode: int, signal_name: str | None, mode: str, tmp_path
 ) -> None:
     stamp = tmp_path / "death"
     with pytest.raises(harness.RankDied) as info:
-        harness.run(body, world_size=2, timeout_s=60, args=(str(stamp),))
+        harness.run(body, world_size=2, mode=mode, timeout_s=60, args=(str(stamp),))
     exc = info.value
     assert exc.rank == rank and exc.kind == "died"
     assert exc.failures[0].exitcode == exitcode
     assert exc.failures[0].signal_name == signal_name
     assert str(exc).startswith(f"rank {rank} died (")
+    if mode == "thread":
+        assert "thread host" in exc.failures[0].summary and "unknown" not in exc.failures[0].summary
+        assert [(f.rank, f.kind) for f in exc.failures[1:]] == [(1 - rank, "aborted")]
     # From the moment the rank was about to die to the moment the parent saw it.
     latency = exc.failures[0].detected_at - float(stamp.read_text())
     assert 0 <= latency < DEATH_BOUND_S, f"death seen after {latency:.2f} s"
     if signal_name == "SIGSEGV":
         assert "_segfault_on_rank_1" in exc.failures[0].stack, "faulthandler's crash stack is missing"
+    # The run goes on: the next case passes (a fresh pool or thread host).
+    assert harness.run(_noop, world_size=2, mode=mode) == [0, 1]
 
 
 def _noop(ctx: harness.RankContext) -> int:

@@ -127,8 +127,9 @@ def _nested(ctx: harness.RankContext) -> None:
         ({"world_size": 0}, ValueError, "world_size must be an int >= 1, got 0"),
         ({"world_size": 2, "mode": "fork"}, ValueError, "mode must be one of"),
         ({"world_size": 2, "timeout_s": 0}, ValueError, "timeout_s must be > 0, got 0"),
-        ({"world_size": 2, "backend": "mpi"}, ValueError, "backend must be 'gloo' or 'nccl'"),
-        ({"world_size": 2, "backend": "nccl"}, RuntimeError, "backend 'nccl' is not available here"),
+        ({"world_size": 2, "placement": "mpi"}, ValueError, "placement must be one of"),
+        # No machine has a GPU per rank for 1024 ranks, so this fails the same everywhere.
+        ({"world_size": 1024, "placement": "cuda"}, RuntimeError, "placement 'cuda' needs one GPU per rank"),
     ],
 )
 def test_bad_input_is_rejected_before_anything_starts(kwargs: dict, error: type, pattern: str) -> None:
@@ -138,11 +139,12 @@ def test_bad_input_is_rejected_before_anything_starts(kwargs: dict, error: type,
     assert process._pools == before
 
 
-def test_process_mode_needs_an_importable_function_and_picklable_args() -> None:
-    with pytest.raises(ValueError, match="importable module-level function"):
-        harness.run(lambda ctx: None, world_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_both_modes_need_an_importable_function_and_picklable_args(mode: str) -> None:
+    with pytest.raises(ValueError, match=f"{mode} mode needs an importable module-level function; .*lambda"):
+        harness.run(lambda ctx: None, world_size=2, mode=mode)
     with pytest.raises(ValueError, match="does not pickle"):
-        harness.run(_pid, world_size=2, args=(lambda: None,))
+        harness.run(_pid, world_size=2, mode=mode, args=(lambda: None,))
 
 
 @pytest.mark.parametrize("mode", MODES)
