@@ -13,7 +13,14 @@ adapter under test, parametrized by the conformance plugin. Requirements and
 hardware needs are checked in the parent *before* any rank starts:
 
 - a missing capability -> :class:`NotApplicable` ("n/a", capability named);
-- missing hardware -> a plain skip ("needs 2 accelerators, found 0").
+- missing hardware -> a plain skip ("needs 2 distinct GPUs, found 1").
+
+A row that computes on a GPU declares what it needs with ``gpus=``:
+:data:`ANY_GPU` (ranks may share one GPU, so it also runs on a one-GPU
+machine) or ``distinct_gpus(N)`` (e.g. a module spread over two GPUs, or a
+device check that expects ``cuda:{rank}``). Rows without ``gpus`` are CPU rows.
+The plugin turns the need into a placement with :func:`harness.devices.decide`
+([Note: placements]); the body reads its device from ``ctx.device``.
 
 A case that measures wall time declares ``timing=True``: it gets the
 ``timing`` marker, so ``-n N`` runs it after every other case, alone
@@ -35,9 +42,10 @@ import pytest
 import torch
 
 from conformance.adapters.base import Capability
+from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 
-__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "hardware_skip_reason",
-           "accelerator_skip_reason"]
+__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "accelerator_skip_reason",
+           "ANY_GPU", "GpuNeed", "distinct_gpus"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
@@ -63,7 +71,8 @@ class CaseSpec:
     world_size: int = 2
     modes: tuple[str, ...] = _MODES
     requires: Requires = ()
-    accelerators: int = 0
+    #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``).
+    gpus: GpuNeed | None = None
     timeout_s: float = 120.0
     isolated: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -77,8 +86,8 @@ class CaseSpec:
         bad = [m for m in self.modes if m not in _MODES]
         if bad or not self.modes:
             raise ValueError(f"case {self.id}: modes must be a non-empty subset of {_MODES}, got {self.modes}")
-        if self.accelerators < 0:
-            raise ValueError(f"case {self.id}: accelerators must be >= 0, got {self.accelerators}")
+        if self.gpus is not None and not isinstance(self.gpus, GpuNeed):
+            raise ValueError(f"case {self.id}: gpus must be None, ANY_GPU or distinct_gpus(N), got {self.gpus!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"case {self.id}: timeout_s must be > 0, got {self.timeout_s}")
 
@@ -96,10 +105,15 @@ class CaseSpec:
             caps.append(Capability.THREAD_RANKS)
         return caps
 
+    @property
+    def accelerators(self) -> int:
+        """The fewest GPUs a machine needs to run this row (0: a CPU row)."""
+        return 0 if self.gpus is None else self.gpus.distinct
+
     def needs_text(self) -> str:
         """Hardware needs as ``list`` shows them."""
-        if self.accelerators:
-            return f"{self.accelerators} accelerator(s), ws {self.world_size}"
+        if self.gpus is not None:
+            return f"{self.gpus.describe()}, ws {self.world_size}"
         return f"cpu, ws {self.world_size}"
 
 
@@ -109,7 +123,7 @@ def case(
     world_size: int = 2,
     modes: Iterable[str] = _MODES,
     requires: Requires = (),
-    accelerators: int = 0,
+    gpus: GpuNeed | None = None,
     timeout_s: float = 120.0,
     isolated: bool = False,
     env: Mapping[str, str] | None = None,
@@ -121,7 +135,7 @@ def case(
         world_size=world_size,
         modes=tuple(modes),
         requires=requires if callable(requires) else tuple(requires),
-        accelerators=accelerators,
+        gpus=gpus,
         timeout_s=timeout_s,
         isolated=isolated,
         env=dict(env or {}),
@@ -141,11 +155,6 @@ def case(
         )(fn)
 
     return decorate
-
-
-def hardware_skip_reason(spec: CaseSpec) -> str | None:
-    """Why this machine cannot run ``spec``, or ``None``."""
-    return accelerator_skip_reason(spec.accelerators)
 
 
 def accelerator_skip_reason(needed: int) -> str | None:

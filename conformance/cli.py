@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                     help="where rows compute (README: Devices and placements); default $FSDP_DEVICE or auto")
     run.add_argument(
         "--launcher",
         choices=("spawn", "torchrun"),
@@ -71,6 +73,7 @@ def _settings(ns: argparse.Namespace) -> Settings:
         "rank_mode": ("--rank-mode", ns.rank_mode),
         "timing_repeats": ("--timing-repeats", ns.timing_repeats),
         "workers": ("-n", ns.workers),
+        "device": ("--device", ns.device),
     })
 
 
@@ -82,7 +85,8 @@ def _run_args(ns: argparse.Namespace, settings: Settings) -> list[str]:
         args.append("--conformance-progress")
     for name in settings.impls.value:
         args += ["--fsdp-impl", name]
-    args += ["--rank-mode", settings.rank_mode.value, "--timing-repeats", str(settings.timing_repeats.value)]
+    args += ["--rank-mode", settings.rank_mode.value, "--timing-repeats", str(settings.timing_repeats.value),
+             "--device", settings.device.value]
     if ns.keyword:
         args += ["-k", ns.keyword]
     if ns.json:

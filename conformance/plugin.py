@@ -5,8 +5,12 @@ Registered as the ``fsdp_conformance`` pytest11 entry point, so
 (:mod:`conformance.cli`) is a thin layer that adds options and calls
 ``pytest.main``.
 
-Settings (implementations, rank mode, timing repeats) come from
+Settings (implementations, rank mode, timing repeats, device) come from
 :func:`conformance.settings.resolve_settings`, which states the precedence.
+Each row's placement is decided in the parent before its ranks start
+(:func:`harness.devices.decide`, from the device setting, the GPUs visible
+and the case's ``gpus`` need), handed to the harness through its
+``pytest_ranks_placement`` hook, and recorded in the row's result.
 The plugin meets the harness's plugin through declared hooks: it implements
 ``pytest_ranks_returned`` (:mod:`harness.hookspecs`) to receive a case's
 :class:`~conformance.report.CaseReport`, and calls
@@ -24,17 +28,19 @@ from typing import Any
 import pytest
 
 from conformance import registry
-from conformance.case import NotApplicable, hardware_skip_reason
+from conformance.case import CaseSpec, NotApplicable
 from conformance.findings import annotate
 from conformance.report import CaseReport, Result, render_markdown, render_matrix, summary_line, write_json
 from conformance.rows import all_params, case_row_id, case_spec
 from conformance.scheduling import is_worker
-from conformance.settings import SettingError, Settings, resolve_settings
+from conformance.settings import Settings, resolve_settings
+from harness import devices
 
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
 
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
+_GPUS_KEY = pytest.StashKey[int]()
 _STATE_KEY = pytest.StashKey["_ItemState"]()
 
 
@@ -44,6 +50,7 @@ class _ItemState:
     reason: str = ""
     started: float = field(default_factory=time.perf_counter)
     report: CaseReport | None = None
+    placement: str = ""
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -76,6 +83,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="repetitions of each timed region in timing cases (median is used). "
         "Default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3.",
     )
+    group.addoption(
+        "--device",
+        default=None,
+        metavar="auto|cpu|cuda",
+        help="where rows compute: CPU rows always on the CPU; GPU rows on a GPU per rank, else shared GPUs, "
+        "else skipped (auto); cpu skips GPU rows; cuda requires a GPU. Default: $FSDP_DEVICE or auto.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -90,10 +104,14 @@ def pytest_configure(config: pytest.Config) -> None:
                 "rank_mode": ("--rank-mode", config.getoption("--rank-mode", None)),
                 "timing_repeats": ("--timing-repeats", config.getoption("--timing-repeats")),
                 "workers": ("-n", config.getoption("numprocesses", None)),
+                "device": ("--device", config.getoption("--device")),
             },
             ini={"rank_mode": config.getini("rank_mode")},
         )
-    except SettingError as exc:
+        device = config.stash[SETTINGS_KEY].device
+        config.stash[_GPUS_KEY] = devices.visible_gpus() if device.value != "cpu" else 0
+        devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
+    except ValueError as exc:  # SettingError included
         raise pytest.UsageError(str(exc)) from exc
 
 
@@ -146,12 +164,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = impl.unavailable_reason()
     if reason is not None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
+    decision = _plan(item.config, spec)
+    item.stash[_STATE_KEY].placement = decision.placement or ""
     missing = [str(c) for c in spec.required(all_params(item)) if c not in impl.capabilities]
     if missing:
         raise NotApplicable(f"{impl.name} lacks capability {', '.join(missing)}")
-    hardware = hardware_skip_reason(spec)
-    if hardware is not None:
-        pytest.skip(hardware)
+    if decision.placement is None:
+        pytest.skip(decision.reason)
+
+
+def _plan(config: pytest.Config, spec: CaseSpec) -> devices.Decision:
+    """Where this row runs ([Note: device setting] in :mod:`harness.devices`)."""
+    return devices.decide(setting=settings_of(config).device.value, gpus=config.stash[_GPUS_KEY],
+                          world_size=spec.world_size, need=spec.gpus, nccl=devices.nccl_available())
+
+
+@pytest.hookimpl
+def pytest_ranks_placement(item: pytest.Item) -> str | None:
+    """The placement planned for a conformance row in setup; other tests keep the harness default."""
+    state = item.stash.get(_STATE_KEY, None)
+    return (state.placement or None) if state is not None else None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -207,6 +239,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         reason=annotate(impl_name, case_id, reason) if state.outcome == "FAIL" else reason,
         duration_s=round(time.perf_counter() - state.started, 3),
         metrics=dict(state.report.metrics) if state.report is not None else {},
+        placement=state.placement,
     )
     item.config.hook.pytest_conformance_result(config=item.config, result=result)
 

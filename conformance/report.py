@@ -49,6 +49,8 @@ class Result:
     duration_s: float
     #: Numbers a case reports (e.g. overlap efficiency); empty for most cases.
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Where the ranks computed: ``cpu``, ``cuda`` or ``cuda-shared``; ``""`` when the row could not be placed.
+    placement: str = ""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -75,18 +77,29 @@ def _cells(results: Sequence[Result]) -> dict[tuple[str, str, str], Result]:
     return {(r.case, r.impl, r.rank_mode): r for r in results}
 
 
+def _placements(results: Sequence[Result]) -> dict[str, str]:
+    """Each row's placement(s) over its cells; ``-`` when none of its cells could be placed."""
+    found: dict[str, list[str]] = {}
+    for r in results:
+        names = found.setdefault(r.case, [])
+        if r.placement and r.placement not in names:
+            names.append(r.placement)
+    return {case: ",".join(names) or "-" for case, names in found.items()}
+
+
 def render_matrix(results: Sequence[Result]) -> str:
-    """Plain-text matrix: rows = cases, columns = impl/rank mode."""
+    """Plain-text matrix: rows = cases, then the row's placement, then one column per impl/rank mode."""
     if not results:
         return "(no conformance results)"
-    cols, rows, cells = _columns(results), _rows(results), _cells(results)
-    headers = [f"{impl}/{mode}" for impl, mode in cols]
+    cols, rows, cells, places = _columns(results), _rows(results), _cells(results), _placements(results)
+    headers = ["placement", *(f"{impl}/{mode}" for impl, mode in cols)]
     first = max(len("case"), *(len(row) for row in rows))
     widths = [max(len(h), 5) for h in headers]
+    widths[0] = max(widths[0], *(len(p) for p in places.values()))
     lines = ["  ".join(["case".ljust(first), *(h.ljust(w) for h, w in zip(headers, widths, strict=True))])]
     lines.append("  ".join(["-" * first, *("-" * w for w in widths)]))
     for row in rows:
-        texts = [cells[(row, i, m)].outcome if (row, i, m) in cells else "" for i, m in cols]
+        texts = [places[row], *(cells[(row, i, m)].outcome if (row, i, m) in cells else "" for i, m in cols)]
         lines.append("  ".join([row.ljust(first), *(t.ljust(w) for t, w in zip(texts, widths, strict=True))]))
     return "\n".join(line.rstrip() for line in lines)
 
@@ -103,12 +116,12 @@ def summary_line(results: Iterable[Result]) -> str:
 
 def render_markdown(results: Sequence[Result], *, title: str = "Conformance matrix") -> str:
     """A markdown table, plus the reason of every non-passing cell."""
-    cols, rows, cells = _columns(results), _rows(results), _cells(results)
-    out = [f"## {title}", "", "| case | " + " | ".join(f"{i} ({m})" for i, m in cols) + " |"]
-    out.append("|---|" + "---|" * len(cols))
+    cols, rows, cells, places = _columns(results), _rows(results), _cells(results), _placements(results)
+    out = [f"## {title}", "", "| case | placement | " + " | ".join(f"{i} ({m})" for i, m in cols) + " |"]
+    out.append("|---|---|" + "---|" * len(cols))
     for row in rows:
         texts = [cells[(row, i, m)].outcome if (row, i, m) in cells else "" for i, m in cols]
-        out.append(f"| `{row}` | " + " | ".join(texts) + " |")
+        out.append(f"| `{row}` | {places[row]} | " + " | ".join(texts) + " |")
     notes = [r for r in results if r.outcome != "pass" and r.reason]
     if notes:
         out += ["", "### Reasons", ""]

@@ -14,6 +14,8 @@ which bound the rank mode chosen here.
 - workers: ``-n auto|N`` (pytest-xdist's option, which the CLI passes on);
   default 0, one process running cases one after another. ``auto`` is fitted
   to the cores (:func:`conformance.scheduling.auto_workers`).
+- device: ``--device``; then ``FSDP_DEVICE``; default ``auto``. One of
+  ``auto``, ``cpu``, ``cuda`` ([Note: device setting] in :mod:`harness.devices`).
 
 A new setting (the compute device, the number of parallel workers) is a new
 field of :class:`Settings` resolved in :func:`resolve_settings` with
@@ -29,13 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from conformance import registry
+from harness.devices import SETTINGS as DEVICE_SETTINGS
 from harness.settings import RANK_MODE_ENV, Resolved, SettingError, resolve, resolve_rank_mode
 
-__all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "Settings", "SettingError", "resolve_settings"]
+__all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "Settings", "SettingError", "resolve_settings"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
 DEFAULT_TIMING_REPEATS = 3
+DEVICE_ENV = "FSDP_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,12 @@ class Settings:
     rank_mode: Resolved[str]
     timing_repeats: Resolved[int]
     workers: Resolved[int | str] = Resolved("workers", 0, "default")
+    device: Resolved[str] = Resolved("device", "auto", "default")
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
-        return "; ".join(s.describe() for s in (self.impls, self.rank_mode, self.timing_repeats, self.workers))
+        return "; ".join(s.describe() for s in (self.impls, self.rank_mode, self.timing_repeats, self.workers,
+                                                self.device))
 
 
 def _parse_impls(raw: Any) -> tuple[str, ...]:
@@ -84,6 +90,10 @@ def _parse_workers(raw: Any) -> int | str:
     if value < 0:
         raise ValueError("expected auto or a whole number >= 0")
     return value
+def _parse_device(raw: Any) -> str:
+    if raw not in DEVICE_SETTINGS:
+        raise ValueError(f"expected one of {', '.join(DEVICE_SETTINGS)}")
+    return str(raw)
 
 
 def resolve_settings(
@@ -93,7 +103,7 @@ def resolve_settings(
 ) -> Settings:
     """Resolve every setting.
 
-    ``cli`` maps a setting (``impls``, ``rank_mode``, ``timing_repeats``, ``workers``) to
+    ``cli`` maps a setting (``impls``, ``rank_mode``, ``timing_repeats``, ``workers``, ``device``) to
     ``(option as spelled, value or None)``, so errors name the option the user
     typed; ``env`` defaults to ``os.environ``; ``ini`` holds ini options
     (``rank_mode``). Raises :class:`SettingError` naming the source of a bad value.
@@ -104,6 +114,7 @@ def resolve_settings(
     mode_flag, mode_cli = cli.get("rank_mode", ("--rank-mode", None))
     repeats_flag, repeats_cli = cli.get("timing_repeats", ("--timing-repeats", None))
     workers_flag, workers_cli = cli.get("workers", ("-n", None))
+    device_flag, device_cli = cli.get("device", ("--device", None))
     return Settings(
         impls=resolve("impls", [(impl_flag, impl_cli), (IMPL_ENV, env.get(IMPL_ENV))], _parse_impls,
                       ("reference",)),
@@ -113,4 +124,6 @@ def resolve_settings(
                                                   (TIMING_REPEATS_ENV, env.get(TIMING_REPEATS_ENV))],
                                _parse_repeats, DEFAULT_TIMING_REPEATS),
         workers=resolve("workers", [(workers_flag, workers_cli)], _parse_workers, 0),
+        device=resolve("device", [(device_flag, device_cli), (DEVICE_ENV, env.get(DEVICE_ENV))], _parse_device,
+                       "auto"),
     )

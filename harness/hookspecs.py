@@ -21,3 +21,14 @@ def pytest_ranks_returned(item: pytest.Item, values: list[Any]) -> None:
     parent, before the test's report is made; an exception raised here fails
     the test.
     """
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_ranks_placement(item: pytest.Item) -> str | None:
+    """The placement a ``ranks`` test's body runs under: ``cpu``, ``cuda`` or ``cuda-shared``.
+
+    Called just before the body runs; the first non-``None`` answer wins.
+    Without one, the marker's ``placement`` (default ``cpu``) is used. A plugin
+    that plans placements (the conformance suite, from its device setting)
+    answers for its own items ([Note: placements] in :mod:`harness.devices`).
+    """

@@ -10,7 +10,9 @@ the ``rank_mode`` parameter); the body runs on every rank through
 process mode the ranks import the test module and call the function). A rank
 failure fails the test with the rank-naming summary; a skip on every rank is
 a skip. Plugins receive every rank's return value through the
-``pytest_ranks_returned`` hook (:mod:`harness.hookspecs`).
+``pytest_ranks_returned`` hook (:mod:`harness.hookspecs`). The body runs
+under the placement the ``pytest_ranks_placement`` hook answers, else the
+marker's ``placement`` (default ``cpu``).
 
 Rank-mode selection, stated once: the marker's ``modes`` bound what a test
 *can* run under; within that, the command line ``--rank-mode`` wins over the
@@ -56,7 +58,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "ranks(world_size=2, modes=('process', 'thread'), timeout_s=60, isolated=False, backend=None, "
+        "ranks(world_size=2, modes=('process', 'thread'), timeout_s=60, isolated=False, placement='cpu', "
         "env=None): run the test body on world_size ranks (first parameter: ctx)",
     )
     selected_modes(config)  # validate early, with the source of a bad value
@@ -96,7 +98,7 @@ def rank_mode(request: pytest.FixtureRequest) -> str:
 
 
 def _marker_kwargs(marker: pytest.Mark) -> dict[str, Any]:
-    allowed = {"world_size", "modes", "timeout_s", "isolated", "backend", "env"}
+    allowed = {"world_size", "modes", "timeout_s", "isolated", "placement", "env"}
     unknown = set(marker.kwargs) - allowed
     if unknown or marker.args:
         raise pytest.UsageError(f"@pytest.mark.ranks takes keywords {sorted(allowed)}; got {marker}")
@@ -105,7 +107,7 @@ def _marker_kwargs(marker: pytest.Mark) -> dict[str, Any]:
         "modes": tuple(marker.kwargs.get("modes", ("process", "thread"))),
         "timeout_s": float(marker.kwargs.get("timeout_s", 60.0)),
         "isolated": bool(marker.kwargs.get("isolated", False)),
-        "backend": marker.kwargs.get("backend"),
+        "placement": marker.kwargs.get("placement", "cpu"),
         "env": marker.kwargs.get("env"),
     }
 
@@ -145,7 +147,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         pyfuncitem.obj,
         world_size=options["world_size"],
         mode=str(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),
-        backend=options["backend"],
+        placement=pyfuncitem.ihook.pytest_ranks_placement(item=pyfuncitem) or options["placement"],
         timeout_s=options["timeout_s"],
         kwargs=kwargs,
         isolated=options["isolated"],
@@ -167,6 +169,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from harness.process import shutdown_pools
+    from harness.runner import shutdown_pools
 
     shutdown_pools()

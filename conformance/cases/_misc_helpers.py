@@ -5,8 +5,9 @@ Cases that the catalogue pins to the CPU (``device_id=cpu`` on gloo) must stay
 on the CPU even in the nightly GPU job, where the default process group may be
 NCCL-only; they therefore take their groups from :func:`cpu_groups`, which
 builds gloo groups only when the default backend cannot move CPU tensors.
-GPU rows take their device from :func:`cuda_device`, which also makes it the
-current device, as FSDP resolves an index-less ``cuda`` device against it.
+GPU rows take their device from :func:`cuda_device` (the placement's device,
+``ctx.device``), which also makes it the current device, as FSDP resolves an
+index-less ``cuda`` device against it.
 
 The device-placement contract (``device_id`` moves a CPU module; a module left
 on the CPU without ``device_id`` stays there with a warning; device checks at
@@ -66,8 +67,10 @@ def hybrid_cpu_groups(ctx: RankContext, shard_size: int) -> tuple[dist.ProcessGr
 
 
 def cuda_device(ctx: RankContext) -> torch.device:
-    """``cuda:{local_rank}``, made the current device."""
-    device = torch.device("cuda", ctx.local_rank)
+    """The rank's GPU from its placement (``cuda:{rank}`` or a shared one), made the current device."""
+    device = ctx.device
+    if device.type != "cuda":
+        raise RuntimeError(f"rank {ctx.rank} computes on {device}; a GPU row must declare gpus= in @case")
     torch.cuda.set_device(device)
     return device
 

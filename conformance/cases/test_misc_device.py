@@ -1,7 +1,9 @@
 """misc: device placement — where parameters live before, during and after wrapping.
 
 CPU rows pin the compute device to the CPU; rows the catalogue marks GPU (or
-"GPU variant") declare ``accelerators=N`` and use ``cuda:{local_rank}``.
+"GPU variant") declare ``gpus=ANY_GPU`` (they also run with ranks sharing one
+GPU) or ``gpus=distinct_gpus(2)`` (they need ``cuda:{rank}`` per rank) and
+compute on ``ctx.device``.
 Every case here requires :attr:`Capability.DEVICE_ID`; see
 [Note: misc device placement] in ``_misc_helpers.py`` for why, and for the
 gloo groups the CPU-pinned cases use.
@@ -20,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import case
+from conformance.case import ANY_GPU, case, distinct_gpus
 from conformance.cases._misc_helpers import cpu_world_group, cuda_device
 from fixtures.misc_models import NoParamsModel, SeqAndLinear
 from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
@@ -72,7 +74,7 @@ def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.de
         )
 
 
-@case("misc/cpu_init_with_sync_module_states", world_size=2, accelerators=2,
+@case("misc/cpu_init_with_sync_module_states", world_size=2, gpus=ANY_GPU,
       requires=[Capability.SYNC_MODULE_STATES, Capability.DEVICE_ID])
 def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A CPU module + sync_module_states needs device_id when computing on an accelerator."""
@@ -146,7 +148,7 @@ def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_par
     _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
 
 
-@case("misc/device_id_cpu_offload_gpu", world_size=2, accelerators=2,
+@case("misc/device_id_cpu_offload_gpu", world_size=2, gpus=ANY_GPU,
       requires=[Capability.CPU_OFFLOAD, Capability.DEVICE_ID])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_device_id_cpu_offload_gpu(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
@@ -186,7 +188,7 @@ def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter) -> None:
     _ignored_params_not_moved(impl, CPU, cpu_world_group(ctx))
 
 
-@case("misc/ignored_params_not_moved_gpu", world_size=2, accelerators=2,
+@case("misc/ignored_params_not_moved_gpu", world_size=2, gpus=ANY_GPU,
       requires=[Capability.IGNORED_MODULES, Capability.DEVICE_ID])
 def test_ignored_params_not_moved_gpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     """device_id names the GPU: the ignored module's params and buffers still stay on the CPU."""
@@ -205,7 +207,7 @@ def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> 
 # -- GPU-only placement rows ------------------------------------------------------------
 
 
-@case("misc/device_id", world_size=2, accelerators=2, requires=DEVICE_ID)
+@case("misc/device_id", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
 @pytest.mark.parametrize("use_index", [True, False])
 def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
     device = cuda_device(ctx)
@@ -220,7 +222,7 @@ def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None
     _assert_units_on(impl, fsdp, device, "device_id=cuda without index")
 
 
-@case("misc/cpu_init_stays_on_cpu", world_size=2, accelerators=2, requires=DEVICE_ID)
+@case("misc/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
 def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
     with ctx.catch_warnings() as caught:
@@ -235,7 +237,7 @@ def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     out.sum().backward()
 
 
-@case("misc/module_device_mismatches_device_id", world_size=2, accelerators=2, requires=DEVICE_ID)
+@case("misc/module_device_mismatches_device_id", world_size=2, gpus=distinct_gpus(2), requires=DEVICE_ID)
 @pytest.mark.parametrize("has_params", [True, False])
 def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter, has_params: bool) -> None:
     """A module on cuda:{rank} with device_id=0 is rejected on every rank but 0."""
@@ -249,7 +251,7 @@ def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter,
             impl.wrap(module, WrapSpec(device_id=0))
 
 
-@case("misc/cpu_gpu_module", world_size=2, accelerators=2, requires=DEVICE_ID)
+@case("misc/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
 def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
 
@@ -265,7 +267,7 @@ def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
         impl.wrap(mixed(), WrapSpec())
 
 
-@case("misc/multigpu_module", world_size=2, accelerators=2, requires=DEVICE_ID)
+@case("misc/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=DEVICE_ID)
 def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     cuda_device(ctx)
     model = PairOfLinears()
@@ -275,7 +277,7 @@ def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
         impl.wrap(model, WrapSpec())
 
 
-@case("misc/training_device_mismatch", world_size=1, accelerators=1,
+@case("misc/training_device_mismatch", world_size=1, gpus=ANY_GPU,
       requires=[Capability.DEVICE_ID, Capability.CPU_OFFLOAD])
 def test_training_device_mismatch(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
@@ -316,7 +318,7 @@ def test_device_id_auto_wrap(ctx: RankContext, impl: FSDPAdapter, kind: str) -> 
     _device_id_auto_wrap(impl, CPU, cpu_world_group(ctx), kind)
 
 
-@case("misc/device_id_auto_wrap_gpu", world_size=2, accelerators=2, requires=DEVICE_ID)
+@case("misc/device_id_auto_wrap_gpu", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
 @pytest.mark.parametrize("kind", ["module_classes", "transformer"])
 def test_device_id_auto_wrap_gpu(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     _device_id_auto_wrap(impl, cuda_device(ctx), None, kind)

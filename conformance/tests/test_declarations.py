@@ -17,7 +17,7 @@ from conformance.case import CaseSpec, NotApplicable, case
         ({"id": "a/b", "world_size": 0}, "world_size must be >= 1, got 0"),
         ({"id": "a/b", "modes": ("fork",)}, "modes must be a non-empty subset"),
         ({"id": "a/b", "timeout_s": 0}, "timeout_s must be > 0"),
-        ({"id": "a/b", "accelerators": -1}, "accelerators must be >= 0"),
+        ({"id": "a/b", "gpus": 2}, "gpus must be None, ANY_GPU or distinct_gpus\\(N\\), got 2"),
     ],
 )
 def test_case_spec_rejects_bad_declarations(kwargs: dict, pattern: str) -> None:

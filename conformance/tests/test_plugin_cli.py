@@ -30,7 +30,7 @@ class ProcessOnly(ReferenceAdapter):
 CASES = '''
 import pytest, torch, torch.distributed as dist
 from conformance.adapters.base import Capability
-from conformance.case import case
+from conformance.case import case, distinct_gpus
 
 @case("demo/passes", world_size=2)
 def test_passes(ctx, impl):
@@ -47,7 +47,7 @@ def test_fails(ctx, impl):
 def test_needs_capability(ctx, impl):
     pass
 
-@case("demo/needs_gpus", world_size=2, accelerators=2)
+@case("demo/needs_gpus", world_size=2, gpus=distinct_gpus(2))
 def test_needs_gpus(ctx, impl):
     raise AssertionError("must never run without GPUs")
 '''
@@ -90,6 +90,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess(
         "--fsdp-impl", "reference", "--fsdp-impl", "bare", "--fsdp-impl", "process-only", "--conformance-progress",
         "--conformance-json", str(out), "--conformance-markdown", str(md), "-p", "no:cacheprovider",
+        "--device", "cpu",  # the same rows on every machine
     )
     assert result.ret == 1
     rows = {(r["case"], r["impl"], r["rank_mode"]): r for r in json.loads(out.read_text())}
@@ -104,9 +105,10 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     no_threads = rows[("demo/passes", "process-only", "thread")]
     assert no_threads["outcome"] == "n/a" and no_threads["reason"] == "process-only lacks capability thread_ranks"
     gpu = rows[("demo/needs_gpus", "reference", "thread")]
-    assert gpu["outcome"] == "skip" and gpu["reason"] == "needs 2 accelerators, found 0"
-    assert all(set(r) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics"}
-               for r in rows.values())
+    assert gpu["outcome"] == "skip" and gpu["reason"] == "needs 2 distinct GPUs; the device setting is cpu"
+    assert gpu["placement"] == "" and rows[("demo/passes", "reference", "process")]["placement"] == "cpu"
+    assert all(set(r) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics",
+                          "placement"} for r in rows.values())
     result.stdout.fnmatch_lines(["*conformance matrix*", "case * reference/process*", "conformance: *FAIL*"])
     assert "| `demo/needs_capability` |" in md.read_text()
 
@@ -165,7 +167,8 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     listened = (suite.path / "listened.txt").read_text().splitlines()
     assert sorted(listened) == sorted(f"{case} {row['outcome']}" for case, row in rows.items())
     result.stdout.fnmatch_lines(["fsdp-conformance: impls: ('reference',) (from default); rank mode: both *"
-                                 "timing repeats: 7 (from FSDP_CONFORMANCE_TIMING_REPEATS); workers: 0 (from default)"])
+                                 "timing repeats: 7 (from FSDP_CONFORMANCE_TIMING_REPEATS); workers: 0 (from default); "
+                                 "device: auto (from default)"])
 
 
 def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
@@ -190,3 +193,25 @@ def test_cli_run_honours_the_environment(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("FSDP_CONFORMANCE_IMPL", "nope")
     bad = _cli("run", "-k", "train_eval")
     assert bad.returncode == 2 and "FSDP_CONFORMANCE_IMPL='nope': unknown implementation(s)" in bad.stderr
+
+
+def _rows_without_times(path: Path) -> list[tuple]:
+    return sorted((r["case"], r["impl"], r["rank_mode"], r["outcome"], r["reason"], r["placement"])
+                  for r in json.loads(path.read_text()))
+
+
+def test_device_env_and_option_give_the_same_rows(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    by_option, by_env = suite.path / "option.json", suite.path / "env.json"
+    common = ("-k", "passes or needs_gpus", "-p", "no:cacheprovider")
+    suite.runpytest_subprocess("--device", "cpu", "--conformance-json", str(by_option), *common)
+    monkeypatch.setenv("FSDP_DEVICE", "cpu")
+    suite.runpytest_subprocess("--conformance-json", str(by_env), *common)
+    assert _rows_without_times(by_option) == _rows_without_times(by_env)
+    assert {r[5] for r in _rows_without_times(by_env)} == {"cpu", ""}
+
+
+def test_bad_device_names_its_source(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSDP_DEVICE", "gpu")
+    result = suite.runpytest_subprocess("-k", "passes")
+    result.stderr.fnmatch_lines(["*FSDP_DEVICE='gpu': expected one of auto, cpu, cuda*"])
+    assert result.ret == 4

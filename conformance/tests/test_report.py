@@ -11,12 +11,12 @@ from expecttest import TestCase
 from conformance.report import Result, render_markdown, render_matrix, summary_line, write_json
 
 RESULTS = [
-    Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25),
+    Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
     Result("exec_order/train_eval[FULL_SHARD]", "torch-fsdp2", "process", 2, "n/a",
-           "torch-fsdp2 lacks capability exec_order_validation", 0.0),
-    Result("misc/device_id[]", "reference", "process", 1, "skip", "needs 1 accelerators, found 0", 0.0),
+           "torch-fsdp2 lacks capability exec_order_validation", 0.0, placement="cpu"),
+    Result("misc/device_id[]", "reference", "process", 1, "skip", "needs any GPU, found 0", 0.0),
     Result("exec_order/invalid_first_iter_order[SHARD_GRAD_OP]", "reference", "process", 2, "FAIL",
-           "AssertionError: no matching UserWarning", 2.5),
+           "AssertionError: no matching UserWarning", 2.5, placement="cpu"),
 ]
 
 
@@ -25,11 +25,11 @@ class TestRender(TestCase):
         self.assertExpectedInline(
             render_matrix(RESULTS),
             """\
-case                                                reference/process  torch-fsdp2/process
---------------------------------------------------  -----------------  -------------------
-exec_order/invalid_first_iter_order[SHARD_GRAD_OP]  FAIL
-exec_order/train_eval[FULL_SHARD]                   pass               n/a
-misc/device_id[]                                    skip""",
+case                                                placement  reference/process  torch-fsdp2/process
+--------------------------------------------------  ---------  -----------------  -------------------
+exec_order/invalid_first_iter_order[SHARD_GRAD_OP]  cpu        FAIL
+exec_order/train_eval[FULL_SHARD]                   cpu        pass               n/a
+misc/device_id[]                                    -          skip""",
         )
 
     def test_summary_counts_every_outcome(self) -> None:
@@ -40,7 +40,7 @@ misc/device_id[]                                    skip""",
 
     def test_markdown_lists_reasons_of_non_passing_cells(self) -> None:
         text = render_markdown(RESULTS)
-        assert "| `exec_order/train_eval[FULL_SHARD]` | pass | n/a |" in text
+        assert "| `exec_order/train_eval[FULL_SHARD]` | cpu | pass | n/a |" in text
         assert "**n/a** — torch-fsdp2 lacks capability exec_order_validation" in text
         assert "**FAIL** — AssertionError: no matching UserWarning" in text
 
@@ -50,7 +50,17 @@ def test_json_round_trip(tmp_path: Path) -> None:
     write_json(RESULTS, path)
     rows = json.loads(path.read_text())
     assert [r["outcome"] for r in rows] == ["pass", "n/a", "skip", "FAIL"]
-    assert set(rows[0]) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics"}
+    assert set(rows[0]) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics",
+                            "placement"}
+    assert [r["placement"] for r in rows] == ["cpu", "cpu", "", "cpu"]
+
+
+def test_matrix_shows_each_rows_placement() -> None:
+    shared = [Result("misc/device_id[]", impl, mode, 2, "pass", "", 0.5, placement="cuda-shared")
+              for impl in ("reference", "torch-fsdp2") for mode in ("process", "thread")]
+    lines = render_matrix([*shared, RESULTS[2]]).splitlines()
+    assert lines[0].split()[:2] == ["case", "placement"]
+    assert lines[2].split()[:2] == ["misc/device_id[]", "cuda-shared"]
 
 
 def test_unknown_outcome_is_rejected() -> None:

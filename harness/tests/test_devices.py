@@ -15,6 +15,8 @@ from harness import devices
 from harness.cpu_budget import concurrent_workers, intra_op_threads
 from harness.devices import ANY_GPU, GpuNeed, decide, distinct_gpus
 
+pytest_plugins = ["pytester"]
+
 TWO_DISTINCT = distinct_gpus(2)
 
 
@@ -128,3 +130,29 @@ def test_the_forkserver_preload_never_probes_cuda() -> None:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(_PRELOAD_PROBE)], capture_output=True, text=True,
                          check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+PLACING_PLUGIN = '''
+def pytest_ranks_placement(item):
+    return "nowhere" if "placed" in item.name else None
+'''
+
+PLACED_BODIES = '''
+import os, pytest
+
+@pytest.mark.ranks(world_size=1, modes=("thread",))
+def test_placed(ctx):
+    pass
+
+@pytest.mark.ranks(world_size=1, modes=("thread",))
+def test_default(ctx):
+    assert str(ctx.device) == "cpu" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+'''
+
+
+def test_a_plugin_places_ranks_tests_through_the_hook(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(PLACING_PLUGIN)
+    pytester.makepyfile(test_bodies=PLACED_BODIES)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*placement must be one of ('cpu', 'cuda', 'cuda-shared'), got 'nowhere'*"])
