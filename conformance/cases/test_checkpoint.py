@@ -2,7 +2,8 @@
 
 torch's ``checkpoint_wrapper`` / ``offload_wrapper`` and
 ``torch.utils.checkpoint`` are placed outside units, inside them, or around a
-whole unit; every placement must train exactly like the model without them.
+whole unit; every placement must train like the model without them (torch's
+default tolerances: see ``_assert_same_step``).
 
 [Note: save-on-CPU spy]
 "Activations really were offloaded" is checked on the hook the offload wrapper
@@ -126,16 +127,21 @@ def _assert_same_step(
     results: list[tuple[torch.Tensor, torch.Tensor]],
     models: list[nn.Module],
 ) -> None:
-    """Every model's loss, output and accumulated grads equal the first model's, exactly."""
+    """Every model's loss, output and accumulated grads equal the first model's (default tolerances).
+
+    Not bit-exact: activation offload and recomputation may take other kernels on
+    another machine (1-2 ULP seen on a 16-core CPU), see [Note: exact comparisons]
+    in ``fixtures/parity.py``.
+    """
     ref_loss, ref_out = results[0]
     ref_grads = [p.grad for p in models[0].parameters()]
     for name, (loss, out), model in zip(names[1:], results[1:], models[1:], strict=True):
         label = f"rank {ctx.rank} iteration {step}: {name} vs {names[0]}"
         assert_close_seq(
-            [loss, out], [ref_loss, ref_out], what=f"{label} (loss, output)", exact=True
+            [loss, out], [ref_loss, ref_out], what=f"{label} (loss, output)"
         )
         assert_close_seq(
-            [p.grad for p in model.parameters()], ref_grads, what=f"{label} grads", exact=True
+            [p.grad for p in model.parameters()], ref_grads, what=f"{label} grads"
         )
 
 
@@ -290,5 +296,4 @@ def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant
         {n: p.grad for n, p in checkpointed.named_parameters()},
         grads,
         what=f"rank {ctx.rank}: grads with {'' if use_reentrant else 'non-'}reentrant checkpoint vs without",
-        exact=True,
     )

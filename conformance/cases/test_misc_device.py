@@ -108,7 +108,11 @@ def test_cpu_init_with_sync_module_states_cpu(ctx: RankContext, impl: FSDPAdapte
 def _device_id_cpu_offload(
     ctx: RankContext, impl: FSDPAdapter, device: torch.device, group: object, use_orig_params: bool
 ) -> None:
-    """Offloaded flat parameters stay on the CPU, and train exactly like the same model without offload.
+    """Offloaded flat parameters stay on the CPU, and train like the same model without offload.
+
+    Compared with default tolerances: offloading copies parameters and gradients
+    between devices, which may change the kernels (and the last bits) on another
+    machine ([Note: exact comparisons] in ``fixtures/parity.py``).
 
     On a CPU-only machine the placement check cannot tell offload from no offload
     (everything is on the CPU); the training comparison still exercises the offload
@@ -122,14 +126,12 @@ def _device_id_cpu_offload(
     _assert_shards_on(units, CPU, "offloaded params")
     plain = impl.wrap(SeqAndLinear(seed=0), replace(spec, cpu_offload=False))
     inp = torch.randn((4, 10), generator=generator(rank_seed(0, ctx.rank))).to(device)
-    exact = device.type == "cpu"  # the same kernels either way; on a GPU the optimizer steps run elsewhere
     runs = {
         name: run_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), [(inp,)] * 2, _square_sum)
         for name, model in (("offload", fsdp), ("no offload", plain))
     }
-    assert_runs_match(runs, reference="no offload", exact=exact)
-    assert_close_named(impl.full_params(fsdp), impl.full_params(plain), what="params with vs without offload",
-                       exact=exact)
+    assert_runs_match(runs, reference="no offload")
+    assert_close_named(impl.full_params(fsdp), impl.full_params(plain), what="params with vs without offload")
     _assert_shards_on(impl.units(fsdp), CPU, "offloaded params after training")
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from harness import compat
 from harness.comm_worker import comm_worker
 
 
@@ -27,7 +28,7 @@ def _async_overlaps_sync_does_not(ctx: harness.RankContext) -> dict[str, float]:
         time.sleep(0.1)
         blocking_s = time.perf_counter() - start
         out = torch.empty(2)
-        h1 = dist.all_gather_single(out, torch.full((1,), float(ctx.rank)), async_op=True)
+        h1 = compat.all_gather_single(out, torch.full((1,), float(ctx.rank)), async_op=True)
         h2 = dist.all_reduce(torch.ones(1), async_op=True)
         h2.wait()
         completed_first = h1.is_completed()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import harness
+from harness import compat
 
 
 def _collectives(ctx: harness.RankContext) -> dict[str, list[float]]:
@@ -22,13 +23,13 @@ def _collectives(ctx: harness.RankContext) -> dict[str, list[float]]:
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         out[op] = t.tolist()
     full = torch.empty(2 * w)
-    dist.all_gather_single(full, torch.full((2,), float(r)))
+    compat.all_gather_single(full, torch.full((2,), float(r)))
     out["all_gather_single"] = full.tolist()
     parts = [torch.empty(1) for _ in range(w)]
     dist.all_gather(parts, torch.tensor([float(r)]))
     out["all_gather"] = [p.item() for p in parts]
     shard = torch.empty(1)
-    dist.reduce_scatter_single(shard, torch.arange(w, dtype=torch.float32))
+    compat.reduce_scatter_single(shard, torch.arange(w, dtype=torch.float32))
     out["reduce_scatter_single"] = shard.tolist()
     listed = torch.empty(1)
     dist.reduce_scatter(listed, [torch.tensor([float(i)]) for i in range(w)])
