@@ -89,6 +89,14 @@ class Capability(str, enum.Enum):
     entering the same section raises.
     """
 
+    FULL_STATE_DICT_LOAD_ON_THREADS = "full_state_dict_load_on_threads"
+    """Loads FULL model state dicts while ranks are threads of one process.
+
+    torch's FSDP1 cannot, for the reason given under
+    :attr:`OPTIM_STATE_DICT_ON_THREADS`: its FULL load hook times a section with
+    the same process-global profiler.
+    """
+
     def __str__(self) -> str:
         return self.value
 

@@ -22,7 +22,8 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
     """
 
     name = "torch-fsdp1"
-    capabilities = frozenset(Capability) - {Capability.POST_OPTIM_EVENT, Capability.OPTIM_STATE_DICT_ON_THREADS}
+    capabilities = frozenset(Capability) - {Capability.POST_OPTIM_EVENT, Capability.OPTIM_STATE_DICT_ON_THREADS,
+                                          Capability.FULL_STATE_DICT_LOAD_ON_THREADS}
 
     def _api(self) -> ModuleType:
         import torch.distributed.fsdp as api

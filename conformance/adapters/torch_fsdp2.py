@@ -47,6 +47,7 @@ class TorchFSDP2Adapter:
             Capability.SHARDED_STATE_DICT,
             Capability.THREAD_RANKS,
             Capability.OPTIM_STATE_DICT_ON_THREADS,
+            Capability.FULL_STATE_DICT_LOAD_ON_THREADS,
         }
     )
 
