@@ -26,8 +26,10 @@ from conformance.mutants.placement import *  # noqa: F403 - adapters are registe
 from conformance.mutants.placement import __all__ as _placement
 from conformance.mutants.runtime import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.runtime import __all__ as _runtime
+from conformance.mutants.state_dicts import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.state_dicts import __all__ as _state_dicts
 
-_ALL = (*_runtime, *_construction, *_placement, *_hybrid, *_longer_runs)
+_ALL = (*_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts)
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
 #: mutant name -> adapter class (what ``FSDP_CONFORMANCE_ADAPTERS`` registers).

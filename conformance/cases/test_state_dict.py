@@ -1,0 +1,203 @@
+"""state_dict: model and optimizer state dicts, against a local model trained alike.
+
+[Note: state dict baseline]
+Every rank feeds the same batch, so the averaged gradient of a wrapped model
+equals the gradient of the same model run locally; the baseline is that local
+model with the same optimizer. A state dict is right when the model that
+loaded it, and the optimizer that loaded its state, go on training exactly as
+the baseline does (torch's float32 tolerances: reductions associate sums in
+another order than one local backward).
+
+Cases:
+
+- ``roundtrip``: FULL or SHARDED model + optimizer state dicts saved after two
+  Adam steps, loaded into a differently initialized model and optimizer: the
+  parameters equal the baseline's and two more steps match it.
+- ``load_in_loop``: a FULL model state dict loaded at a point of the training
+  loop (between steps, after backward before the step, after a forward whose
+  iteration is then abandoned) takes effect in the next forward; the gradient
+  of the interrupted iteration is discarded (``zero_grad(set_to_none=True)``).
+- ``cross_impl``: FULL model + optimizer state dicts saved by the row's
+  implementation load into another (``dst``), and training continues like the
+  baseline: the formats are the unwrapped module's names and shapes, so any
+  implementation can read another's. torch-fsdp2's adapter saves and loads
+  through ``torch.distributed.checkpoint.state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance import registry
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.case import case, not_applicable
+from fixtures.models import ThreeLinear
+from fixtures.parity import assert_close_named, assert_close_seq
+from fixtures.seeding import generator
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+LINEARS = AutoWrap((nn.Linear,))
+IMPLS = ["reference", "torch-fsdp1", "torch-fsdp2"]
+
+
+def _requires(params: Mapping[str, Any]) -> list[Capability]:
+    sharded = params.get("kind") == "SHARDED"
+    caps = [Capability.SHARDED_STATE_DICT if sharded else Capability.FULL_STATE_DICT]
+    if params.get("rank_mode") == "thread":
+        caps.append(Capability.OPTIM_STATE_DICT_ON_THREADS)
+    return caps
+
+
+def _wrap(ctx: RankContext, impl: FSDPAdapter, seed: int, use_orig_params: bool = True) -> nn.Module:
+    return impl.wrap(
+        ThreeLinear(seed=seed).to(ctx.device), WrapSpec(auto_wrap=LINEARS, use_orig_params=use_orig_params)
+    )
+
+
+def _batches(ctx: RankContext, count: int, seed: int) -> list[torch.Tensor]:
+    """The same batches on every rank ([Note: state dict baseline])."""
+    gen = generator(seed)
+    return [ThreeLinear().get_input(ctx.device, gen)[0] for _ in range(count)]
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    losses = []
+    for inp in batches:
+        loss = model(inp).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def _assert_matches_local(
+    ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local: nn.Module, what: str
+) -> None:
+    assert_close_named(
+        impl.full_params(model), {n: p.detach() for n, p in local.named_parameters()},
+        what=f"rank {ctx.rank}: {what}",
+    )
+
+
+def _differs(impl: FSDPAdapter, model: nn.Module, local: nn.Module) -> bool:
+    params = impl.full_params(model)
+    return any(not torch.equal(params[n].cpu(), p.detach().cpu()) for n, p in local.named_parameters())
+
+
+@case("state_dict/roundtrip", world_size=2, requires=_requires)
+@pytest.mark.parametrize("kind", ["FULL", "SHARDED"])
+def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+    sharded = kind == "SHARDED"
+    model, local = _wrap(ctx, impl, 0), ThreeLinear(seed=0).to(ctx.device)
+    optim, local_optim = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(local.parameters(), lr=1e-2)
+    batches = _batches(ctx, 4, seed=7)
+    _train(model, optim, batches[:2])
+    _train(local, local_optim, batches[:2])
+    model_state = impl.sharded_state_dict(model) if sharded else impl.full_state_dict(model)
+    optim_state = impl.optim_state_dict(model, optim, sharded=sharded)
+
+    fresh = _wrap(ctx, impl, 1)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    assert _differs(impl, fresh, local), "the fresh model already equals the trained one"
+    impl.load_state_dict(fresh, model_state, sharded=sharded)
+    impl.load_optim_state_dict(fresh, fresh_optim, optim_state, sharded=sharded)
+    _assert_matches_local(ctx, impl, fresh, local, f"params after {kind} load")
+    assert_close_seq(
+        _train(fresh, fresh_optim, batches[2:]), _train(local, local_optim, batches[2:]),
+        what=f"rank {ctx.rank}: losses after {kind} load vs the local model",
+    )
+    _assert_matches_local(ctx, impl, fresh, local, f"params two steps after {kind} load")
+
+
+def _load_requires(params: Mapping[str, Any]) -> list[Capability]:
+    caps = [Capability.FULL_STATE_DICT] + ([] if params["use_orig_params"] else [Capability.FLAT_PARAM])
+    return caps + ([Capability.FULL_STATE_DICT_LOAD_ON_THREADS] if params.get("rank_mode") == "thread" else [])
+
+
+@case("state_dict/load_in_loop", world_size=2, requires=_load_requires)
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("point", ["between_steps", "after_backward", "after_forward"])
+def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, use_orig_params: bool) -> None:
+    """``lin2`` is its own unit, the root owns ``lin1`` and ``lin3``: after a forward the
+    root may still hold its unsharded parameters, which the load must not leave stale."""
+    spec = WrapSpec(use_orig_params=use_orig_params)
+    inner = ThreeLinear(seed=0).to(ctx.device)
+    inner.lin2 = impl.wrap(inner.lin2, spec)  # type: ignore[assignment]
+    model = impl.wrap(inner, spec)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-1)
+    snapshot = ThreeLinear(seed=1).to(ctx.device)
+    state = {k: v.detach().clone() for k, v in snapshot.state_dict().items()}
+    batches = _batches(ctx, 4, seed=11)
+    _train(model, optim, batches[:1])
+    loss = model(batches[1]).sum()
+    if point == "after_forward":
+        # The iteration is abandoned: a plain module's backward would fail on the
+        # parameters the load modified in place, so no backward follows.
+        del loss
+        impl.load_state_dict(model, state, sharded=False)
+    else:
+        loss.backward()
+    if point == "after_backward":
+        impl.load_state_dict(model, state, sharded=False)
+    if point == "between_steps":
+        optim.step()
+        impl.load_state_dict(model, state, sharded=False)
+    optim.zero_grad(set_to_none=True)  # the interrupted iteration's gradient is discarded
+    _assert_matches_local(ctx, impl, model, snapshot, f"params after loading {point}")
+    with torch.no_grad():
+        assert_close_seq(
+            [model(batches[2])], [snapshot(batches[2])],
+            what=f"rank {ctx.rank}: first forward after loading {point} vs the loaded model",
+        )
+    snapshot_optim = torch.optim.SGD(snapshot.parameters(), lr=1e-1)
+    assert_close_seq(
+        _train(model, optim, batches[2:]), _train(snapshot, snapshot_optim, batches[2:]),
+        what=f"rank {ctx.rank}: losses after loading {point} vs the loaded model trained locally",
+    )
+
+
+def _cross_requires(params: Mapping[str, Any]) -> list[Capability]:
+    return _requires({**params, "kind": "FULL"})
+
+
+@case("state_dict/cross_impl", world_size=2, requires=_cross_requires)
+@pytest.mark.parametrize("dst", IMPLS)
+def test_cross_impl(ctx: RankContext, impl: FSDPAdapter, dst: str) -> None:
+    """Saved by the row's implementation, loaded by ``dst``, trained on like the local model.
+
+    The row's implementation is the saver, so a FAIL in its column says its
+    checkpoint is not what the others read (the loaders are checked in their
+    own rows' ``roundtrip``).
+    """
+    loader_impl = registry.load(dst)
+    reason = loader_impl.unavailable_reason()
+    if reason is not None:
+        not_applicable(f"loading implementation {dst} unavailable: {reason}")
+    if ctx.mode == "thread" and Capability.OPTIM_STATE_DICT_ON_THREADS not in loader_impl.capabilities:
+        not_applicable(f"loading implementation {dst} lacks {Capability.OPTIM_STATE_DICT_ON_THREADS}")
+    saver, local = _wrap(ctx, impl, 0), ThreeLinear(seed=0).to(ctx.device)
+    saver_optim = torch.optim.Adam(saver.parameters(), lr=1e-2)
+    local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
+    batches = _batches(ctx, 4, seed=13)
+    _train(saver, saver_optim, batches[:2])
+    _train(local, local_optim, batches[:2])
+    model_state = impl.full_state_dict(saver)
+    optim_state = impl.optim_state_dict(saver, saver_optim, sharded=False)
+
+    loader = _wrap(ctx, loader_impl, 1)
+    loader_optim = torch.optim.Adam(loader.parameters(), lr=1e-2)
+    loader_impl.load_state_dict(loader, model_state, sharded=False)
+    loader_impl.load_optim_state_dict(loader, loader_optim, optim_state, sharded=False)
+    _assert_matches_local(ctx, loader_impl, loader, local, f"params saved by {impl.name}, loaded by {dst}")
+    assert_close_seq(
+        _train(loader, loader_optim, batches[2:]), _train(local, local_optim, batches[2:]),
+        what=f"rank {ctx.rank}: losses after {impl.name} -> {dst} vs the local model",
+    )
