@@ -22,6 +22,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp1", "hybrid_shard/sync_module_states"): "docs/findings/fsdp1-sync-module-states-cpu.md",
     ("torch-fsdp1", "checkpoint/*"): "docs/findings/fsdp1-cpu-offload-pinning.md",
     ("torch-fsdp1", "misc/device_id_cpu_offload"): "docs/findings/fsdp1-cpu-offload-pinning.md",
+    ("torch-fsdp1", "grad_accumulation/accumulate[cpu_offload=True]"): "docs/findings/fsdp1-cpu-offload-pinning.md",
     ("torch-fsdp1", "state_dict/roundtrip[kind=FULL]"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
     ("torch-fsdp1", "state_dict/cross_impl"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
 }

@@ -16,6 +16,8 @@ them with ``FSDP_CONFORMANCE_ADAPTERS="name=conformance.mutants:Class,..."``.
 from __future__ import annotations
 
 from conformance.mutants._base import Expect, Patch, check_declaration
+from conformance.mutants.accumulation import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.accumulation import __all__ as _accumulation
 from conformance.mutants.construction import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.construction import __all__ as _construction
 from conformance.mutants.hybrid import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
@@ -29,7 +31,7 @@ from conformance.mutants.runtime import __all__ as _runtime
 from conformance.mutants.state_dicts import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.state_dicts import __all__ as _state_dicts
 
-_ALL = (*_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts)
+_ALL = (*_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation)
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
 #: mutant name -> adapter class (what ``FSDP_CONFORMANCE_ADAPTERS`` registers).

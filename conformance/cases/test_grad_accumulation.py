@@ -1,0 +1,94 @@
+"""grad_accumulation: several backwards before an optimizer step.
+
+[Note: accumulation baseline]
+Each rank runs ``BACKWARDS`` micro-batches of its own between optimizer steps.
+FSDP averages a gradient over ranks, so after the micro-batches the full
+gradient must equal the local model's gradient accumulated over every rank's
+micro-batches with each loss divided by the world size (every rank can build
+every rank's batches from the seeds). ``zero_grad`` after the step either sets
+gradients to ``None`` or zeroes them in place; the next step must start from
+nothing either way. Compared with torch's float32 tolerances (the reduction
+sums in another order than the local backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec, full_grads
+from conformance.case import case, not_applicable
+from fixtures.models import ThreeLinear
+from fixtures.optimizers import make_optim
+from fixtures.parity import assert_close_named
+from fixtures.seeding import generator, rank_seed
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+BACKWARDS = 3
+STEPS = 2
+
+
+def _batch(ctx: RankContext, step: int, micro: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s micro-batch ``micro`` of ``step`` (any rank can build any rank's)."""
+    return ThreeLinear().get_input(ctx.device, generator(rank_seed(100 * step + micro, rank)))[0]
+
+
+def _local_grads(local: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in local.named_parameters()}
+
+
+def _check_cleared(ctx: RankContext, grads: Mapping[str, torch.Tensor | None], set_to_none: bool) -> None:
+    """After ``zero_grad``: all ``None``, or all zeros (a ``None`` is fine where nothing was kept)."""
+    if set_to_none:
+        kept = [n for n, g in grads.items() if g is not None]
+        assert not kept, f"rank {ctx.rank}: zero_grad(set_to_none=True) left grads on {kept}"
+    else:
+        nonzero = [n for n, g in grads.items() if g is not None and bool(g.count_nonzero())]
+        assert not nonzero, f"rank {ctx.rank}: zero_grad(set_to_none=False) left nonzero grads on {nonzero}"
+
+
+def _requires(params: Mapping[str, Any]) -> list[Capability]:
+    return [Capability.CPU_OFFLOAD] if params["cpu_offload"] else []
+
+
+@case("grad_accumulation/accumulate", world_size=2, requires=_requires)
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_accumulate(ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, set_to_none: bool) -> None:
+    """``BACKWARDS`` backwards per step, ``STEPS`` SGD-with-momentum steps, against a local model."""
+    model = impl.wrap(
+        ThreeLinear(seed=0).to(ctx.device),
+        WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), use_orig_params=True, cpu_offload=cpu_offload),
+    )
+    local = ThreeLinear(seed=0).to(ctx.device)
+    optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
+    for step in range(STEPS):
+        for micro in range(BACKWARDS):
+            model(_batch(ctx, step, micro, ctx.rank)).sum().backward()
+            for rank in range(ctx.world_size):
+                (local(_batch(ctx, step, micro, rank)).sum() / ctx.world_size).backward()
+        grads = full_grads(impl, model)
+        if grads is None:
+            not_applicable(f"{impl.name} cannot expose full gradients for this wrap")
+        assert_close_named(
+            {n: None if g is None else g.to(ctx.device) for n, g in grads.items()}, _local_grads(local),
+            what=f"rank {ctx.rank} step {step}: grads after {BACKWARDS} backwards vs the local model",
+        )
+        optim.step()
+        local_optim.step()
+        optim.zero_grad(set_to_none=set_to_none)
+        local_optim.zero_grad(set_to_none=set_to_none)
+        cleared = full_grads(impl, model)
+        assert cleared is not None
+        _check_cleared(ctx, cleared, set_to_none)
+        assert_close_named(
+            {n: p.to(ctx.device) for n, p in impl.full_params(model).items()},
+            {n: p.detach() for n, p in local.named_parameters()},
+            what=f"rank {ctx.rank}: params after step {step}",
+        )
