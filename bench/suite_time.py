@@ -119,19 +119,30 @@ def _report(runs: dict[str, dict[str, list[Any]]], workers: str, slowest: int) -
         table.append([job, len(serial[0]["results"]), s_wall, p_wall, p_wall / s_wall, "yes" if same else "NO",
                       ", ".join(f"{n} {k}" for k, n in sorted(parallel[0]["counts"].items()))])
         path = _critical_path(parallel[-1]["results"], timing, slowest)
+        timed = [{"run": f"-n {mode}", **{k: r[k] for k in ("case", "impl", "outcome", "reason")}}
+                 for mode, rs in (("0", serial), (workers, parallel)) for r in rs[-1]["results"] if r["case"] in timing]
         summary.append({"job": job, "serial_s": s_wall, "parallel_s": p_wall, "ratio": p_wall / s_wall,
-                        "rows_identical": same, "critical_path": path})
+                        "rows_identical": same, "critical_path": path, "timing_rows": timed})
     print_table(["job", "rows", "serial s", f"-n {workers} s", "ratio", "same rows", "outcomes"], table)
     for entry in summary:
-        path = entry["critical_path"]
-        longest = path["longest_other"]
-        print(f"\n{entry['job']}: timing phase {path['timing_phase_s']:.1f} s (alone, serial); other cases "
-              f"{path['other_case_s']:.1f} s of case time; longest other case "
-              f"{longest['case'] if longest else '-'} {longest['duration_s'] if longest else 0:.1f} s")
-        print_table(["case", "impl", "mode", "s", "timing"],
-                    [[c["case"], c["impl"], c["rank_mode"], c["duration_s"], "yes" if c["case"] in timing else ""]
-                     for c in path["slowest"]])
+        _print_job(entry, timing)
     return summary, ok
+
+
+def _print_job(entry: dict[str, Any], timing: set[str]) -> None:
+    """The critical path of one job's parallel run, and its timing rows in both runs (what they measured)."""
+    path = entry["critical_path"]
+    longest = path["longest_other"]
+    print(f"\n{entry['job']}: timing phase {path['timing_phase_s']:.1f} s (alone, serial); other cases "
+          f"{path['other_case_s']:.1f} s of case time; longest other case "
+          f"{longest['case'] if longest else '-'} {longest['duration_s'] if longest else 0:.1f} s")
+    print_table(["case", "impl", "mode", "s", "timing"],
+                [[c["case"], c["impl"], c["rank_mode"], c["duration_s"], "yes" if c["case"] in timing else ""]
+                 for c in path["slowest"]])
+    if entry["timing_rows"]:
+        print()
+        print_table(["run", "timing case", "impl", "outcome", "reason"],
+                    [[t["run"], t["case"], t["impl"], t["outcome"], t["reason"]] for t in entry["timing_rows"]])
 
 
 def main() -> None:

@@ -59,6 +59,9 @@ _DIR_KEY = pytest.StashKey[str]()
 _WORKERINPUT_DIR = "fsdp_timing_dir"
 #: Rank processes a typical case starts; ``-n auto`` gives each worker this many cores.
 RANKS_PER_CASE = 2
+#: Below this many workers ``-n auto`` runs serially: every case already keeps ``RANKS_PER_CASE``
+#: cores busy, and on 2 cores two workers were slower than one process (docs/PERFORMANCE.md).
+MIN_AUTO_WORKERS = 2
 
 
 def is_timing(item: pytest.Item) -> bool:
@@ -91,10 +94,11 @@ def is_controller(config: pytest.Config) -> bool:
 
 
 def auto_workers(cores: int, ranks_per_case: int = RANKS_PER_CASE) -> int:
-    """Workers for ``-n auto``: one per ``ranks_per_case`` cores, at least one."""
+    """Workers for ``-n auto``: one per ``ranks_per_case`` cores; 0 (serial) when that is fewer than two."""
     if cores < 1 or ranks_per_case < 1:
         raise ValueError(f"cores and ranks_per_case must be >= 1, got {cores} and {ranks_per_case}")
-    return max(1, cores // ranks_per_case)
+    workers = cores // ranks_per_case
+    return workers if workers >= MIN_AUTO_WORKERS else 0
 
 
 def available_cores() -> int:
@@ -191,7 +195,7 @@ def pytest_configure_node(node: WorkerController) -> None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: workers fitted to the cores, one per ``RANKS_PER_CASE`` (``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins)."""
+    """``-n auto``: :func:`auto_workers` of this machine's cores (``PYTEST_XDIST_AUTO_NUM_WORKERS`` wins)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own implementation reads and validates it
     return auto_workers(available_cores())

@@ -13,7 +13,8 @@ which bound the rank mode chosen here.
   default 3. Cases receive it as the ``timing_repeats`` fixture.
 - workers: ``-n auto|N`` (pytest-xdist's option, which the CLI passes on);
   default 0, one process running cases one after another. ``auto`` is fitted
-  to the cores (:func:`conformance.scheduling.auto_workers`).
+  to the cores (:func:`conformance.scheduling.auto_workers`: one worker per
+  two cores, serial below four cores).
 - device: ``--device``; then ``FSDP_DEVICE``; default ``auto``. One of
   ``auto``, ``cpu``, ``cuda`` ([Note: device setting] in :mod:`harness.devices`).
 
