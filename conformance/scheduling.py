@@ -47,7 +47,9 @@ from _pytest.junitxml import mangle_test_address, xml_key
 from xdist.scheduler import LoadScheduling
 from xdist.workermanage import WorkerController
 
-__all__ = ["INDEX_ATTR", "TIMING_MARK", "TimingLastScheduling", "auto_workers", "available_cores",
+from harness.cpu_budget import available_cores
+
+__all__ = ["INDEX_ATTR", "TIMING_MARK", "TimingLastScheduling", "auto_workers",
            "collection_index", "is_controller", "is_timing", "is_worker", "report_index"]
 
 TIMING_MARK = "timing"
@@ -99,13 +101,6 @@ def auto_workers(cores: int, ranks_per_case: int = RANKS_PER_CASE) -> int:
         raise ValueError(f"cores and ranks_per_case must be >= 1, got {cores} and {ranks_per_case}")
     workers = cores // ranks_per_case
     return workers if workers >= MIN_AUTO_WORKERS else 0
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 # -- every session ---------------------------------------------------------------------
