@@ -29,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "HYBRID_STRATEGIES",
     "AutoWrap",
+    "MixedPrecisionSpec",
     "WrapSpec",
     "UnitInfo",
     "FSDPAdapter",
@@ -73,6 +74,17 @@ class Capability(str, enum.Enum):
     POST_OPTIM_EVENT = "post_optim_event"
     FULL_STATE_DICT = "full_state_dict"
     SHARDED_STATE_DICT = "sharded_state_dict"
+    MIXED_PRECISION = "mixed_precision"
+    """Computes in ``MixedPrecisionSpec.param_dtype`` (all-gathers in it) and reduces gradients in
+    ``reduce_dtype``; the sharded parameters and their gradients stay in full precision."""
+    MP_KEEP_LOW_PRECISION_GRADS = "mp_keep_low_precision_grads"
+    """``MixedPrecisionSpec.keep_low_precision_grads``: gradients are handed to the optimizer in the
+    parameter dtype (torch's FSDP2 has no such option)."""
+    MP_BUFFER_DTYPE = "mp_buffer_dtype"
+    """``MixedPrecisionSpec.buffer_dtype``: buffers are cast for compute (FSDP2 leaves buffers alone)."""
+    MP_FULL_PRECISION_IN_EVAL = "mp_full_precision_in_eval"
+    """With ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at wrap time, a unit in eval mode gathers and computes in
+    full precision despite its mixed-precision policy (an FSDP1 setting)."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads).
 
@@ -122,6 +134,37 @@ class AutoWrap:
 
 
 @dataclass(frozen=True)
+class MixedPrecisionSpec:
+    """Dtypes for a wrap, in ``torch.distributed.fsdp.MixedPrecision`` terms (``None``: unchanged).
+
+    ``param_dtype``: unsharded parameters (what all-gathers carry and forward and
+    backward compute in); ``reduce_dtype``: gradient reduction (``None``: the
+    param dtype); ``buffer_dtype``: buffers during compute;
+    ``keep_low_precision_grads``: leave gradients in the param dtype for the optimizer.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"MixedPrecisionSpec.{name} must be a floating torch.dtype or None, got {value!r}")
+
+    def required(self) -> list[Capability]:
+        """The capabilities an adapter needs to express this spec."""
+        caps = [Capability.MIXED_PRECISION]
+        if self.buffer_dtype is not None:
+            caps.append(Capability.MP_BUFFER_DTYPE)
+        if self.keep_low_precision_grads:
+            caps.append(Capability.MP_KEEP_LOW_PRECISION_GRADS)
+        return caps
+
+
+@dataclass(frozen=True)
 class WrapSpec:
     """Everything a case can ask of a wrap, in ``FullyShardedDataParallel`` terms.
 
@@ -144,6 +187,7 @@ class WrapSpec:
     forward_prefetch: bool = False
     backward_prefetch: str | None = "BACKWARD_PRE"
     limit_all_gathers: bool = True
+    mixed_precision: MixedPrecisionSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
