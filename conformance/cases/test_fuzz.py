@@ -1,6 +1,6 @@
 """fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.fuzz`).
 
-Each row draws ``FSDP_FUZZ_EXAMPLES`` examples (default: 12, 12 and 6 for
+Each row draws ``FSDP_FUZZ_EXAMPLES`` examples (default: 12, 15 and 3 for
 world sizes 1, 2 and 4; a nightly run raises it) from ``FSDP_FUZZ_SEED``
 (default 0), runs each on the
 implementation and on a local baseline, and on a mismatch fails with the
@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from conformance.adapters.base import FSDPAdapter
 from conformance.case import case
 from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
+from conformance.fuzz.example import Block, Example, ModelSpec
+from conformance.fuzz.runner import run_example
 from conformance.report import CaseReport
 
 if TYPE_CHECKING:
@@ -56,3 +58,13 @@ def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
 def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
     return _parity(ctx, impl)
+
+
+# -- reproducers the fuzzer found ---------------------------------------------------------------
+
+# Found by the parity fuzzer (seed 1) in torch-fsdp1: after backward the unused unit's parameters are
+# missing from the module (docs/findings/fsdp1-no-shard-unused-unit-params.md).
+@case("fuzz/repro_8fc450e8", world_size=1)
+def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_example(ctx, impl, Example(world_size=1, model=ModelSpec(blocks=(Block(inner=("linear",)),), unused=True),
+                                   wrap=("unused",), use_orig_params=True))

@@ -92,6 +92,9 @@ class _Run:
     def step(self, step: int) -> None:
         """One optimizer step: micro-batches, grads, the update, params."""
         self.forward_backward(step)
+        if self.example.use_orig_params:  # the original parameters stay registered on the module
+            self.compare("parameters registered after backward", _assert_same_count,
+                         list(self.model.parameters()), list(self.local.parameters()))
         grads = full_grads(self.impl, self.model)  # None: not exposed for this wrap; params still compared
         if grads is not None:
             want = named_grads(self.local)
@@ -118,6 +121,11 @@ class _Run:
             (sum(local_losses) / ex.world_size).backward()  # type: ignore[union-attr]
             want = local_losses[self.rank].detach()
             self.compare(f"loss of micro-batch {micro}", torch.testing.assert_close, loss.detach(), want)
+
+
+def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    if len(got) != len(want):
+        raise AssertionError(f"the wrapped model has {len(got)} parameters, the local model {len(want)}")
 
 
 def _zeros_for_none(

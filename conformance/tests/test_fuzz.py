@@ -63,7 +63,7 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FSDP_FUZZ_EXAMPLES", raising=False)
     monkeypatch.setenv("FSDP_FUZZ_SEED", "7")
     config = FuzzSettings.from_env()
-    assert (config.budget(1), config.budget(4), config.seed) == (12, 6, 7)
+    assert (config.budget(1), config.budget(2), config.budget(4), config.seed) == (12, 15, 3, 7)
     monkeypatch.setenv("FSDP_FUZZ_EXAMPLES", "200")
     assert FuzzSettings.from_env().budget(4) == 200
     monkeypatch.setenv("FSDP_FUZZ_EXAMPLES", "many")
