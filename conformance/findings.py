@@ -25,6 +25,9 @@ KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp1", "grad_accumulation/accumulate[cpu_offload=True]"): "docs/findings/fsdp1-cpu-offload-pinning.md",
     ("torch-fsdp1", "state_dict/roundtrip[kind=FULL]"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
     ("torch-fsdp1", "state_dict/cross_impl"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
+    ("torch-fsdp1", "mixed_precision/keep_low_precision_grads[strategy=FULL_SHARD]"):
+        "docs/findings/fsdp1-keep-low-precision-grads.md",
+    ("torch-fsdp1", "fuzz/repro_8fc450e8"): "docs/findings/fsdp1-no-shard-unused-unit-params.md",
 }
 
 

@@ -5,7 +5,7 @@ works: ``from fsdp_impl import FullyShardedDataParallel as FSDP``.
 """
 
 from fsdp_impl import wrap
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType
+from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
 
 FSDP = FullyShardedDataParallel
@@ -16,6 +16,7 @@ __all__ = [
     "ShardingStrategy",
     "BackwardPrefetch",
     "CPUOffload",
+    "MixedPrecision",
     "StateDictType",
     "wrap",
 ]

@@ -9,11 +9,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+
 __all__ = [
     "ShardingStrategy",
     "BackwardPrefetch",
     "StateDictType",
     "CPUOffload",
+    "MixedPrecision",
     "TrainingState",
     "ShardedState",
     "RESHARD_AFTER_FORWARD",
@@ -68,6 +71,24 @@ class CPUOffload:
     """Keep flat parameter shards and their gradients on CPU between uses."""
 
     offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes a unit computes, communicates and keeps gradients in (``None``: unchanged).
+
+    ``param_dtype``: the unsharded parameter, so all-gathers, forward and
+    backward run in it (the sharded parameter stays in its own dtype).
+    ``reduce_dtype``: gradient reduction (``None``: ``param_dtype``).
+    ``buffer_dtype``: the root casts every buffer to it before forward.
+    ``keep_low_precision_grads``: hand the optimizer gradients in the dtype they
+    were reduced in instead of the sharded parameter's dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
 
 
 class TrainingState(enum.Enum):

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_impl import init, wrap
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_impl.unit_state import UnitConfig, UnitGroups, UnitState
 
@@ -52,6 +52,7 @@ class UnitArgs:
     ignored_modules: Iterable[nn.Module] | None = None
     param_init_fn: Callable[[nn.Module], None] | None = None
     device_mesh: Any = None
+    mixed_precision: MixedPrecision | None = None
 
     def for_children(
         self, groups: init.Groups, strategy: ShardingStrategy, ignored: set[nn.Module]
@@ -79,6 +80,7 @@ def build_unit(
     check_type("sharding_strategy", args.sharding_strategy, ShardingStrategy)
     check_type("cpu_offload", args.cpu_offload, CPUOffload)
     check_type("backward_prefetch", args.backward_prefetch, BackwardPrefetch)
+    check_type("mixed_precision", args.mixed_precision, MixedPrecision)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         warnings.warn(
             f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
@@ -115,6 +117,7 @@ def _config(args: UnitArgs, strategy: ShardingStrategy) -> UnitConfig:
         limit_all_gathers=bool(args.limit_all_gathers),
         use_orig_params=bool(args.use_orig_params),
         use_full_prec_in_eval=os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1",
+        mixed_precision=args.mixed_precision,
     )
 
 
@@ -136,6 +139,7 @@ def _build_handle(
         shard_size=groups.shard_size,
         shard_rank=groups.shard_rank,
         use_orig_params=config.use_orig_params,
+        mixed_precision=config.mixed_precision,
     )
     if not config.use_orig_params:
         module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)

@@ -20,6 +20,17 @@ shard (possibly empty) and their ``.grad`` the matching piece of the sharded
 gradient. With a shard group of size 1 (NO_SHARD) the pieces keep their
 original shapes. With ``use_orig_params=False`` the module exposes only
 ``flat_param`` (registered as ``_flat_param``).
+
+[Note: mixed precision]
+With a ``MixedPrecision`` policy the unsharded leaf ``full`` is in
+``param_dtype``: the local shard is cast before its all-gather, so the
+all-gather, forward and backward run in that dtype while ``flat_param`` keeps
+its own. There is one leaf per dtype (:meth:`FlatParamHandle.set_full_precision`
+switches while sharded): eval with ``FSDP_USE_FULL_PREC_IN_EVAL=1`` and
+``summon_full_params`` gather into a leaf in the parameter's dtype. Gradients
+are reduced in ``reduce_dtype`` (``unit.py``) and cast to the parameter's dtype
+when accumulated, unless ``keep_low_precision_grads``; a gradient in another
+dtype than its parameter is attached with :func:`set_grad`.
 """
 
 from __future__ import annotations
@@ -32,9 +43,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_impl import collectives
-from fsdp_impl.api import ShardedState
+from fsdp_impl.api import MixedPrecision, ShardedState
 
-__all__ = ["ParamSlot", "FlatParamHandle", "FLAT_PARAM_NAME", "unsafe_setattr_enabled"]
+__all__ = ["ParamSlot", "FlatParamHandle", "FLAT_PARAM_NAME", "unsafe_setattr_enabled", "set_grad"]
 
 FLAT_PARAM_NAME = "_flat_param"
 
@@ -57,6 +68,16 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+
+def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a gradient in another dtype (``keep_low_precision_grads``):
+    autograd rejects assigning one, so it is attached through ``.grad.data``."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty(grad.shape, dtype=param.dtype, device=grad.device)
+    param.grad.data = grad
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, unsafe: bool) -> None:
@@ -90,6 +111,7 @@ class FlatParamHandle:
         shard_size: int,
         shard_rank: int,
         use_orig_params: bool,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.compute_device = compute_device
         self.offload_params = offload_params
@@ -103,12 +125,13 @@ class FlatParamHandle:
         self.padded_numel = self.shard_numel * shard_size
         self.state = ShardedState.SHARDED
         self._pending: collectives.Pending | None = None
-        self._hook_registered = False
+        self._hooked: set[int] = set()  # ids of the leaves whose post-accumulate hook is registered
         self.flat_param = self._build_flat_param()
-        self.full = torch.empty(
-            self.padded_numel, dtype=self.flat_param.dtype, device=compute_device
-        )
-        self._free_storage()
+        mp = mixed_precision or MixedPrecision()
+        self.param_dtype = mp.param_dtype or self.flat_param.dtype
+        self.keep_low_precision_grads = mp.keep_low_precision_grads
+        self._leaves: dict[torch.dtype, torch.Tensor] = {}
+        self.full = self._leaf(self.param_dtype)
         if use_orig_params:
             self.install_sharded_params()
         else:
@@ -185,6 +208,28 @@ class FlatParamHandle:
         return (lo - start, hi - start) if lo < hi else (0, 0)
 
     # -- storage lifecycle -------------------------------------------------------------
+    def _leaf(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unsharded leaf of ``dtype`` (storage freed when new), see [Note: mixed precision]."""
+        if dtype not in self._leaves:
+            leaf = torch.empty(self.padded_numel, dtype=dtype, device=self.compute_device)
+            leaf.untyped_storage().resize_(0)
+            self._leaves[dtype] = leaf
+        return self._leaves[dtype]
+
+    def set_full_precision(self, full_precision: bool) -> None:
+        """Gather into the parameter's dtype (``True``) or ``param_dtype`` from the next unshard on."""
+        leaf = self._leaf(self.flat_param.dtype if full_precision else self.param_dtype)
+        if leaf is self.full:
+            return
+        if self.state is not ShardedState.SHARDED:
+            self.reshard()
+        self.full = leaf
+        if not self.use_orig_params:
+            with torch.no_grad():  # module attributes point at views of the current leaf
+                self._alloc_storage()
+                self.install_unsharded_views()
+                self._free_storage()
+
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
 
@@ -200,9 +245,7 @@ class FlatParamHandle:
             return
         self._writeback_orig_params()
         self._alloc_storage()
-        shard = self.flat_param.data
-        if shard.device != self.compute_device:
-            shard = shard.to(self.compute_device)
+        shard = self.flat_param.data.to(self.compute_device, self.full.dtype)  # no copy if both match
         if self.shard_size == 1:
             self.full.data.copy_(shard)
             self._pending = None
@@ -280,27 +323,28 @@ class FlatParamHandle:
     # -- gradients ---------------------------------------------------------------------
     def register_post_accumulate_hook(self, hook: object) -> None:
         """Register ``hook(full)`` once, when ``full`` first requires grad."""
-        if not self._hook_registered and self.full.requires_grad:
+        if id(self.full) not in self._hooked and self.full.requires_grad:
             self.full.register_post_accumulate_grad_hook(hook)  # type: ignore[arg-type]
-            self._hook_registered = True
+            self._hooked.add(id(self.full))
 
     def accumulate_sharded_grad(self, grad: torch.Tensor) -> None:
         """Add a reduced, averaged shard-sized gradient into the exposed gradients."""
         if self.offload_params:
             grad = grad.cpu()
+        if not self.keep_low_precision_grads:
+            grad = grad.to(self.flat_param.dtype)
         if not self.use_orig_params:
-            param = self.flat_param
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
+            previous = self.flat_param.grad
+            set_grad(self.flat_param, grad if previous is None else previous.add_(grad))
             return
         # Existing per-parameter grads (None after zero_grad) are folded in, then every
         # original parameter's .grad becomes a view of one shard-sized flat gradient.
         previous = self.sharded_grad()
         total = grad if previous is None else previous.add_(grad)
-        self.flat_param.grad = total
+        set_grad(self.flat_param, total)
         for slot in self.slots:
-            lo, hi = self.local_range(slot)
             if slot.param.requires_grad:  # empty pieces too, so every rank has optimizer state
-                slot.param.grad = self.sharded_view(slot, total)
+                set_grad(slot.param, self.sharded_view(slot, total))
 
     def sharded_grad(self) -> torch.Tensor | None:
         """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""
@@ -313,7 +357,7 @@ class FlatParamHandle:
         ]
         if not grads:
             return None
-        out = torch.zeros_like(self.flat_param.data)
+        out = torch.zeros_like(self.flat_param.data, dtype=grads[0][1].dtype)
         for slot, grad in grads:
             lo, hi = self.local_range(slot)
             out[lo:hi] = grad.reshape(-1)

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from fsdp_impl import construct, unit, wrap
 from fsdp_impl import state_dict as sd
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType, TrainingState
+from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType, TrainingState
 from fsdp_impl.unit_state import STATE_ATTR, UnitState, unit_state, unit_states
 
 __all__ = ["FullyShardedDataParallel", "FSDP_WRAPPED_MODULE"]
@@ -46,6 +46,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_mesh: Any = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
         args = construct.UnitArgs(
@@ -62,6 +63,7 @@ class FullyShardedDataParallel(nn.Module):
             ignored_modules=ignored_modules,
             param_init_fn=param_init_fn,
             device_mesh=device_mesh,
+            mixed_precision=mixed_precision,
         )
         state = construct.build_unit(module, args, lambda child, kw: type(self)(child, **kw.as_kwargs()))
         self._fsdp_wrapped_module = module

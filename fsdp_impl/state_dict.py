@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from fsdp_impl import collectives
 from fsdp_impl.api import StateDictType, TrainingState
-from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _set_param
+from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _set_param, set_grad
 from fsdp_impl.unit_state import UnitState, unit_state, unit_states
 
 __all__ = [
@@ -111,6 +111,7 @@ def summon_full_params(
     units = _managing_units(module)
     _check_idle(units)
     for unit in units:
+        unit.handle.set_full_precision(True)  # type: ignore[union-attr]
         unit.handle.start_unshard()  # type: ignore[union-attr]
     saved_grads: list[list[torch.Tensor | None]] = []
     for unit in units:
@@ -141,9 +142,17 @@ def summon_full_params(
             _unregister_orig(unit)
             handle.reshard()
             for slot, grad in zip(handle.slots, grads, strict=True):
-                slot.param.grad = grad
-            handle.flat_param.grad = unit.saved_flat_grad
+                _restore_grad(slot.param, grad)
+            _restore_grad(handle.flat_param, unit.saved_flat_grad)
             unit.training_state = TrainingState.IDLE
+
+
+def _restore_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Put back a gradient set aside (it may be in a low-precision dtype, see ``set_grad``)."""
+    if grad is None:
+        param.grad = None
+    else:
+        set_grad(param, grad)
 
 
 def _gather_shard_sized(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
@@ -162,7 +171,10 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
     full = _gather_shard_sized(handle, shard)
     for slot in handle.slots:
         view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        slot.param.grad = view if has_grad else None
+        if has_grad:
+            set_grad(slot.param, view)
+        else:
+            slot.param.grad = None
 
 
 # -- model state dicts --------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def lazy_init(root: nn.Module) -> None:
     for unit in units:
         _check_ready_for_training(unit)
     state = RootState(units, ExecOrderData(units, root_unit.groups.process_group))
+    state.buffer_dtypes = {name: buf.dtype for name, buf in root_unit.module.named_buffers()}
     for prefix, unit in named:
         unit.is_root = unit is root_unit
         unit.root = state
@@ -115,6 +116,7 @@ def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     assert state is not None
     if unit.is_root:
         args, kwargs = _to_device((args, kwargs), unit.compute_device)
+        args, kwargs = _apply_precision(unit, state, (args, kwargs))
     recompute = _in_backward()
     _pre_forward(unit, state, recompute)
     output = unit.module(*args, **kwargs)
@@ -126,6 +128,27 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     return tree_map(
         lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree
     )
+
+
+def _apply_precision(root: UnitState, state: RootState, inputs: Any) -> Any:
+    """The root's forward under each unit's policy ([Note: mixed precision] in ``flat_param.py``):
+    every unit gathers in its param dtype or in full precision (eval with
+    ``use_full_prec_in_eval``), buffers take the buffer dtype or their own, and
+    floating inputs are cast to the root's param dtype."""
+    for unit in state.units:
+        if unit.handle is not None:
+            unit.handle.set_full_precision(unit.config.low_precision(unit.training) is None)
+    policy = root.config.low_precision(root.training)
+    for name, buf in root.module.named_buffers():
+        want = state.buffer_dtypes.get(name, buf.dtype)
+        if policy is not None and policy.buffer_dtype is not None and buf.is_floating_point():
+            want = policy.buffer_dtype
+        if buf.dtype != want:
+            buf.data = buf.data.to(want)
+    dtype = None if policy is None else policy.param_dtype
+    if dtype is None:
+        return inputs
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, inputs)
 
 
 def _pre_forward(unit: UnitState, state: RootState, recompute: bool) -> None:
@@ -234,6 +257,9 @@ def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
 def _issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:
     handle = unit.handle
     assert handle is not None
+    policy = unit.config.low_precision(unit.training)
+    if policy is not None:
+        grad = grad.to(policy.reduce_dtype or policy.param_dtype or grad.dtype)
     if handle.shard_size > 1:
         out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
         return Reduction(

@@ -25,7 +25,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_impl import collectives
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType, TrainingState
+from fsdp_impl.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+    TrainingState,
+)
 from fsdp_impl.exec_order import ExecOrderData
 from fsdp_impl.flat_param import FlatParamHandle
 
@@ -57,6 +64,13 @@ class UnitConfig:
     limit_all_gathers: bool  # bound prefetched-but-unused all-gathers (see [Note: limit_all_gathers])
     use_orig_params: bool  # keep the original parameters registered (views of the flat shard)
     use_full_prec_in_eval: bool  # FSDP_USE_FULL_PREC_IN_EVAL=1 at construction; must agree across units
+    mixed_precision: MixedPrecision | None = None  # compute/communication dtypes (see [Note: mixed precision])
+
+    def low_precision(self, training: bool) -> MixedPrecision | None:
+        """The mixed-precision policy in force for a forward in this mode (None: full precision)."""
+        if self.mixed_precision is None or (self.use_full_prec_in_eval and not training):
+            return None
+        return self.mixed_precision
 
 
 @dataclass
@@ -119,6 +133,7 @@ class RootState:
     reductions: list[Reduction] = field(default_factory=list)
     prefetched: list[UnitState] = field(default_factory=list)  # all-gathers issued ahead of use
     callback_queued: bool = False  # the end-of-backward callback is queued for this backward
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # the root's buffers as built
 
 
 def unit_state(module: nn.Module) -> UnitState | None:

@@ -100,6 +100,14 @@ class FSDP1LikeAdapter:
             kwargs["ignored_modules"] = list(spec.ignored_modules)
         if spec.param_init_fn is not None:
             kwargs["param_init_fn"] = spec.param_init_fn
+        if spec.mixed_precision is not None:
+            mp = spec.mixed_precision
+            kwargs["mixed_precision"] = api.MixedPrecision(
+                param_dtype=mp.param_dtype,
+                reduce_dtype=mp.reduce_dtype,
+                buffer_dtype=mp.buffer_dtype,
+                keep_low_precision_grads=mp.keep_low_precision_grads,
+            )
         kwargs.update(spec.extra)
         return kwargs
 

@@ -48,6 +48,7 @@ class TorchFSDP2Adapter:
             Capability.THREAD_RANKS,
             Capability.OPTIM_STATE_DICT_ON_THREADS,
             Capability.FULL_STATE_DICT_LOAD_ON_THREADS,
+            Capability.MIXED_PRECISION,
         }
     )
 
@@ -63,13 +64,16 @@ class TorchFSDP2Adapter:
 
     # -- wrapping -------------------------------------------------------------
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # FSDP2 always exposes the original parameters, so use_orig_params=False
         # is accepted; cases that rely on a flat parameter require Capability.FLAT_PARAM.
+        mp = spec.mixed_precision
         unsupported = {
             "sync_module_states": spec.sync_module_states,
             "param_init_fn": spec.param_init_fn is not None,
+            "mixed_precision.buffer_dtype": mp is not None and mp.buffer_dtype is not None,
+            "mixed_precision.keep_low_precision_grads": mp is not None and mp.keep_low_precision_grads,
         }
         bad = [name for name, used in unsupported.items() if used]
         if bad:
@@ -87,6 +91,8 @@ class TorchFSDP2Adapter:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         if spec.ignored_modules:
             kwargs["ignored_params"] = {p for m in spec.ignored_modules for p in m.parameters()}
+        if mp is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
         kwargs.update(spec.extra)
         if spec.auto_wrap is not None:
             for submodule in reversed(list(self._selected(module, spec))):

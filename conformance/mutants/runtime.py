@@ -96,7 +96,11 @@ class NoReshardAfterBackward(_Mutant):
 
     name = "mutant-no-reshard-after-backward"
     breaks = "resharding at the end of backward"
-    expect = _UNUSED_OUTPUTS
+    #: The fuzzer's reproducer: an unused unit's original parameters must be registered again.
+    expect = Expect(
+        "not_all_outputs_used_in_loss or repro_8fc450e8", "thread",
+        ("misc/not_all_outputs_used_in_loss", "fuzz/repro_8fc450e8"),
+    )
     patches = (
         Patch("fsdp_impl.flat_param:FlatParamHandle.reshard", _reshard_outside_final_callback),
         Patch("fsdp_impl.unit:_final_callback", _flag_final_callback),

@@ -1,0 +1,206 @@
+"""mixed_precision: param / reduce / buffer dtypes, low-precision gradients, full precision in eval.
+
+Each case trains :class:`~fixtures.precision.ScaledMLP` (units: ``lin1``,
+``lin2``, the root with the buffer) on two ranks with SGD, next to
+:class:`~fixtures.precision.LocalMixedPrecision`, the same training emulated in
+one process in the same dtypes ([Note: local mixed precision]). Every step
+checks the dtypes the implementation computes in (weights inside the unit's
+forward, inputs, buffers, output), the dtypes its collectives carry (recorded:
+all-gathers in the param dtype, gradient reductions in the reduce dtype), the
+dtype of the sharded parameters and gradients the optimizer sees, and the
+values of losses, gradients and parameters against the emulation with
+``torch.testing.assert_close``'s defaults for their dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec, full_grads
+from conformance.case import case
+from fixtures.parity import assert_close_named
+from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss
+from fixtures.seeding import generator, rank_seed
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LINEARS = AutoWrap(module_classes=(nn.Linear,))
+GATHERS = ("all_gather_into_tensor", "all_gather")
+REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce")
+WORLD = 2
+STEPS = 3
+
+
+@dataclass
+class _Pair:
+    """The wrapped model and the local emulation, trained side by side."""
+
+    impl: FSDPAdapter
+    model: nn.Module
+    module: ScaledMLP  # the unwrapped root module object, for its recorded dtypes
+    local: LocalMixedPrecision
+    mp: MixedPrecisionSpec
+    strategy: str
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """float32, or with keep_low_precision_grads the dtype gradients were reduced in."""
+        reduce = self.mp.reduce_dtype or self.mp.param_dtype
+        assert reduce is not None
+        return reduce if self.mp.keep_low_precision_grads else torch.float32
+
+
+def _pair(ctx: RankContext, impl: FSDPAdapter, mp: MixedPrecisionSpec, strategy: str) -> _Pair:
+    module = ScaledMLP(seed=0).to(ctx.device)
+    master = ScaledMLP(seed=0).to(ctx.device)
+    assert mp.param_dtype is not None
+    local = LocalMixedPrecision(
+        master, mp.param_dtype, mp.reduce_dtype or mp.param_dtype, mp.buffer_dtype, mp.keep_low_precision_grads
+    )
+    spec = WrapSpec(strategy=strategy, auto_wrap=LINEARS, use_orig_params=True, mixed_precision=mp)
+    return _Pair(impl, impl.wrap(module, spec), module, local, mp, strategy)
+
+
+def _batches(ctx: RankContext, step: int) -> list[torch.Tensor]:
+    return [torch.randn((4, 8), generator=generator(rank_seed(step, r))).to(ctx.device) for r in range(WORLD)]
+
+
+def _dtypes(trace: Any, ops: tuple[str, ...]) -> set[str]:
+    return {call.dtype for call in trace.calls if call.op in ops}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_collectives(pair: _Pair, trace: Any, step: int) -> None:
+    assert pair.mp.param_dtype is not None
+    param, reduce = pair.mp.param_dtype, pair.mp.reduce_dtype or pair.mp.param_dtype
+    gathers, reductions = _dtypes(trace, GATHERS), _dtypes(trace, REDUCTIONS)
+    want_gathers = set() if pair.strategy == "NO_SHARD" else {_name(param)}
+    assert gathers == want_gathers, f"step {step}: all-gathers carried {gathers}, expected {want_gathers}"
+    assert reductions == {_name(reduce)}, f"step {step}: gradient reductions carried {reductions}, expected {reduce}"
+
+
+def _check_compute_dtypes(pair: _Pair, output: torch.Tensor, step: int) -> None:
+    param = pair.mp.param_dtype
+    buffer = pair.mp.buffer_dtype or torch.float32
+    seen = {"output": output.dtype, "input": pair.module.seen["input"], "buffer": pair.module.seen["scale"],
+            "lin1.weight in forward": pair.module.lin1.seen["weight"]}
+    want = {"output": param, "input": param, "buffer": buffer, "lin1.weight in forward": param}
+    assert seen == want, f"step {step}: computed in {seen}, expected {want}"
+
+
+def _check_sharded_dtypes(pair: _Pair, step: int) -> None:
+    for unit in pair.impl.units(pair.model):
+        shards = {s.dtype for s in unit.local_shards}
+        grads = {g.dtype for g in unit.local_grads if g is not None}
+        assert shards <= {torch.float32}, f"step {step}: unit {unit.fqn!r} shards in {shards}, expected float32"
+        want = pair.grad_dtype
+        assert grads <= {want}, f"step {step}: unit {unit.fqn!r} grads in {grads}, expected {want}"
+    assert any(g is not None for u in pair.impl.units(pair.model) for g in u.local_grads), "no unit has a gradient"
+
+
+def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step: int) -> None:
+    """One recorded step on both sides; every dtype and value check of the module docstring."""
+    batches = _batches(ctx, step)
+    with ctx.record_collectives() as trace:
+        output = pair.model(batches[ctx.rank])
+        loss = low_precision_loss(output)
+        loss.backward()
+    want_losses = pair.local.forward_backward(batches)
+    _check_compute_dtypes(pair, output, step)
+    _check_collectives(pair, trace, step)
+    _check_sharded_dtypes(pair, step)
+    torch.testing.assert_close(loss.detach(), want_losses[ctx.rank], msg=lambda m: f"step {step} loss: {m}")
+    got = full_grads(pair.impl, pair.model)
+    assert got is not None, f"{pair.impl.name} cannot report full gradients"
+    assert_close_named({n: g for n, g in got.items() if g is not None}, pair.local.grads, what=f"step {step} grads")
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    pair.local.step()
+    want = {n: p.detach() for n, p in pair.local.master.named_parameters()}
+    assert_close_named(pair.impl.full_params(pair.model), want, what=f"step {step} params")
+
+
+def _train(ctx: RankContext, pair: _Pair, steps: int = STEPS) -> None:
+    optim = torch.optim.SGD(pair.model.parameters(), lr=pair.local.lr)
+    for step in range(steps):
+        train_step(ctx, pair, optim, step)
+
+
+@case("mixed_precision/param_and_reduce_dtypes", world_size=WORLD, requires=[Capability.MIXED_PRECISION])
+@pytest.mark.parametrize(
+    ("param_dtype", "reduce_dtype", "strategy"),
+    [
+        ("bfloat16", "float32", "FULL_SHARD"),
+        ("bfloat16", None, "FULL_SHARD"),
+        ("float16", "float32", "FULL_SHARD"),
+        ("bfloat16", "float32", "NO_SHARD"),
+        ("float16", None, "NO_SHARD"),
+    ],
+)
+def test_param_and_reduce_dtypes(
+    ctx: RankContext, impl: FSDPAdapter, param_dtype: str, reduce_dtype: str | None, strategy: str
+) -> None:
+    """Compute and all-gather in the param dtype, reduce in the reduce dtype (the param dtype when
+    unset), keep full-precision shards and gradients; train like the local emulation."""
+    mp = MixedPrecisionSpec(param_dtype=DTYPES[param_dtype], reduce_dtype=reduce_dtype and DTYPES[reduce_dtype])
+    _train(ctx, _pair(ctx, impl, mp, strategy))
+
+
+@case("mixed_precision/keep_low_precision_grads", world_size=WORLD,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS])
+@pytest.mark.parametrize(
+    ("reduce_dtype", "strategy"),
+    [(None, "FULL_SHARD"), (None, "NO_SHARD"), ("float32", "FULL_SHARD"), ("float32", "NO_SHARD")],
+)
+def test_keep_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, reduce_dtype: str | None, strategy: str) -> None:
+    """Gradients reach the optimizer in the dtype they were reduced in, not upcast (torch's
+    documented ``keep_low_precision_grads``); values as emulated."""
+    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype and DTYPES[reduce_dtype],
+                            keep_low_precision_grads=True)
+    _train(ctx, _pair(ctx, impl, mp, strategy))
+
+
+@case("mixed_precision/buffer_dtype", world_size=WORLD,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
+@pytest.mark.parametrize("buffer_dtype", ["bfloat16", "float16"])
+def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) -> None:
+    """Buffers compute in the buffer dtype, independently of the param dtype."""
+    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=DTYPES[buffer_dtype])
+    _train(ctx, _pair(ctx, impl, mp, "FULL_SHARD"))
+
+
+@case("mixed_precision/full_precision_in_eval", world_size=WORLD, env={"FSDP_USE_FULL_PREC_IN_EVAL": "1"},
+      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.MP_FULL_PRECISION_IN_EVAL])
+def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """In eval, a unit gathers and computes in full precision (buffers too) and matches the float32
+    model; back in train mode it is mixed precision again."""
+    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    pair = _pair(ctx, impl, mp, "FULL_SHARD")
+    _train(ctx, pair, steps=1)
+    pair.model.eval()
+    pair.local.master.eval()
+    x = _batches(ctx, 100)[ctx.rank]
+    with torch.no_grad(), ctx.record_collectives() as trace:
+        output = pair.model(x)
+    gathers = _dtypes(trace, GATHERS)
+    assert gathers == {"float32"}, f"eval all-gathers carried {gathers}, expected float32"
+    seen = {"output": output.dtype, "buffer": pair.module.seen["scale"], "lin1.weight": pair.module.lin1.seen["weight"]}
+    assert set(seen.values()) == {torch.float32}, f"eval computed in {seen}, expected float32 throughout"
+    # Buffers stay in the buffer dtype after the first forward (torch's documented contract), so
+    # the float32 model's buffers are rounded through it.
+    for buf in pair.local.master.buffers():
+        buf.data = buf.data.to(torch.bfloat16).to(buf.dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(output, pair.local.master(x), msg=lambda m: f"eval output vs float32 model: {m}")
+    pair.model.train()
+    assert pair.model(x).dtype == torch.bfloat16, "back in train mode the output should be bfloat16 again"
