@@ -62,7 +62,7 @@ _WORKERINPUT_DIR = "fsdp_timing_dir"
 #: Rank processes a typical case starts; ``-n auto`` gives each worker this many cores.
 RANKS_PER_CASE = 2
 #: Below this many workers ``-n auto`` runs serially: every case already keeps ``RANKS_PER_CASE``
-#: cores busy, and on 2 cores two workers were slower than one process (docs/PERFORMANCE.md).
+#: cores busy, and on 2 cores two workers were not reliably faster than one process (docs/PERFORMANCE.md).
 MIN_AUTO_WORKERS = 2
 
 
