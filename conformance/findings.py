@@ -23,6 +23,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("torch-fsdp1", "checkpoint/*"): "docs/findings/fsdp1-cpu-offload-pinning.md",
     ("torch-fsdp1", "misc/device_id_cpu_offload"): "docs/findings/fsdp1-cpu-offload-pinning.md",
     ("torch-fsdp1", "grad_accumulation/accumulate[cpu_offload=True]"): "docs/findings/fsdp1-cpu-offload-pinning.md",
+    ("torch-fsdp1", "uneven_shared/train[tie=across_units]"): "docs/findings/tied-weights-across-units.md",
+    ("torch-fsdp2", "uneven_shared/train[tie=across_units]"): "docs/findings/tied-weights-across-units.md",
     ("torch-fsdp1", "state_dict/roundtrip[kind=FULL]"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
     ("torch-fsdp1", "state_dict/cross_impl"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
     ("torch-fsdp1", "mixed_precision/keep_low_precision_grads[strategy=FULL_SHARD]"):

@@ -30,10 +30,15 @@ from conformance.mutants.precision import *  # noqa: F403 - adapters are registe
 from conformance.mutants.precision import __all__ as _precision
 from conformance.mutants.runtime import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.runtime import __all__ as _runtime
+from conformance.mutants.sharing import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.sharing import __all__ as _sharing
 from conformance.mutants.state_dicts import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.state_dicts import __all__ as _state_dicts
 
-_ALL = (*_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision)
+_ALL = (
+    *_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision,
+    *_sharing,
+)
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
 #: mutant name -> adapter class (what ``FSDP_CONFORMANCE_ADAPTERS`` registers).

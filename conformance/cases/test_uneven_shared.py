@@ -1,0 +1,88 @@
+"""uneven_shared: parameter counts that do not divide by the world size, units smaller
+than the world, and tied weights within and across units.
+
+[Note: uneven baseline]
+:class:`fixtures.models.UnevenTiedModel` has 29 root parameters, a one-element
+unit and an embedding tied to the output projection. Each rank trains on its
+own batch; the local baseline runs every rank's batch with the loss divided by
+the world size, so the averaged gradients are equal ([Note: accumulation
+baseline] in ``test_grad_accumulation``). After every SGD-with-momentum step
+the full parameters, which are every rank's rows put together (padding ranks'
+included), must equal the baseline's, and the tie must hold.
+
+A weight tied across units (``proj`` a unit of its own, ``embed`` in the root)
+may be rejected at wrap time with a ValueError that names it ("shared"
+parameters must then be wrapped in a common unit); an implementation that
+accepts it must train it as one parameter, like the baseline.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
+from conformance.case import case
+from conformance.report import CaseReport
+from fixtures.models import UnevenTiedModel
+from fixtures.optimizers import make_optim
+from fixtures.parity import assert_close_named, assert_close_seq
+from fixtures.seeding import generator, rank_seed
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+STEPS = 3
+#: A rejection must name one of the tied parameters.
+SHARED_NAMES = r"embed\.weight|proj\.weight"
+
+
+def _wrap(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: WrapSpec) -> nn.Module:
+    """``tiny`` is its own unit; so is ``proj`` when the tie crosses units."""
+    model = UnevenTiedModel(seed=0).to(ctx.device)
+    model.tiny = impl.wrap(model.tiny, spec)  # type: ignore[assignment]
+    if tie == "across_units":
+        model.proj = impl.wrap(model.proj, spec)  # type: ignore[assignment]
+    return impl.wrap(model, spec)
+
+
+def _requires(params: Mapping[str, Any]) -> list[Capability]:
+    return [] if params["use_orig_params"] else [Capability.FLAT_PARAM]
+
+
+@case("uneven_shared/train", world_size=2, requires=_requires)
+@pytest.mark.parametrize("tie", ["within_unit", "across_units"])
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_train(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, tie: str) -> CaseReport | None:
+    try:
+        model = _wrap(ctx, impl, tie, WrapSpec(use_orig_params=use_orig_params))
+    except ValueError as exc:
+        if tie != "across_units" or "shared" not in str(exc) or not re.search(SHARED_NAMES, str(exc)):
+            raise
+        return CaseReport(reason=f"rejected at wrap: {exc}")
+    local = UnevenTiedModel(seed=0).to(ctx.device)
+    optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
+    want = {n: p.detach() for n, p in local.named_parameters()}
+    assert_close_named(impl.full_params(model), want, what=f"rank {ctx.rank}: params after wrap")
+    for step in range(STEPS):
+        batches = [local.get_input(ctx.device, generator(rank_seed(step, r)))[0] for r in range(ctx.world_size)]
+        loss = model(batches[ctx.rank]).square().mean()
+        loss.backward()
+        local_losses = [local(b).square().mean() for b in batches]
+        (sum(local_losses) / ctx.world_size).backward()  # type: ignore[operator]
+        assert_close_seq([loss.detach()], [local_losses[ctx.rank].detach()], what=f"rank {ctx.rank} step {step}: loss")
+        for opt in (optim, local_optim):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = impl.full_params(model)
+        assert_close_named(params, {n: p.detach() for n, p in local.named_parameters()},
+                           what=f"rank {ctx.rank}: params after step {step}")
+        assert "proj.weight" not in params or torch.equal(params["proj.weight"], params["embed.weight"]), (
+            f"rank {ctx.rank} step {step}: the tied proj.weight and embed.weight differ"
+        )
+    return None
