@@ -192,6 +192,8 @@ def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats
 )
 def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With a post-optimizer event the next step's all-gather overlaps the optimizer step (GPU)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
     from fixtures.timing import device_sleep
 
     model = nn.Sequential(LinearWithSleep(4, COMPUTE_MS / SCALE), nn.Linear(4, 4)).to(ctx.device)
@@ -215,7 +217,12 @@ def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
             with patch_collectives(delayed, barrier=False):
                 loss = model(inp).sum()
             loss.backward()
-            optim.step()
+            # The optimizer sees the unwrapped layer's plain tensors next to the unit's
+            # DTensors; as in the seed, plain tensors count as replicated DTensors here
+            # (without it CUDA's default foreach AdamW rejects the mix, and a crash
+            # would pass for the breakage this case looks for).
+            with implicit_replication():
+                optim.step()
             if use_event:
                 tail: Any = model[1]  # an FSDP2 module (Capability.POST_OPTIM_EVENT)
                 tail.set_post_optim_event(torch.cuda.current_stream().record_event())
