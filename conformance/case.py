@@ -144,6 +144,8 @@ def case(
 
     def decorate(fn: _F) -> _F:
         fn = pytest.mark.conformance(spec)(fn)
+        if spec.gpus is not None:
+            fn = pytest.mark.gpu(fn)  # selected by `tox -e gpu` (-m gpu)
         if spec.timing:
             fn = pytest.mark.timing(fn)
         return pytest.mark.ranks(

@@ -52,7 +52,8 @@ if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"FSDP_HARNESS_START_METHOD must be forkserver or spawn, got {START_METHOD!r}")
 
 #: What the forkserver imports once; none of it may probe CUDA (a ``cpu`` placement hides it later).
-PRELOAD = ["torch", "torch.distributed", "harness._rank_main", "harness._host_main"]
+#: ``torch._dynamo`` is imported by the first optimizer a rank builds (seconds per process otherwise).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "harness._rank_main", "harness._host_main"]
 
 _pools: dict[tuple[int, str], ProcessPool] = {}
 

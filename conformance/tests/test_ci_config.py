@@ -26,7 +26,7 @@ def _tox_envs() -> set[str]:
 
 
 def test_tox_declares_the_documented_environments() -> None:
-    assert {"py", "conformance", "gpu", "lint"} <= _tox_envs()
+    assert {"py", "torch214", "conformance", "gpu", "lint"} <= _tox_envs()
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
@@ -61,4 +61,30 @@ def test_gpu_env_checks_devices_then_runs_gpu_mutants_and_the_matrix() -> None:
     commands = [line.strip() for line in _tox()["testenv:gpu"]["commands"].splitlines() if line.strip()]
     assert commands[0].startswith("python -m conformance.gpu_check"), commands
     assert "pytest conformance/tests/test_mutants.py -m gpu" in commands, commands
-    assert any(line.startswith("fsdp-conformance run --impl all") for line in commands), commands
+    assert commands[0] == "python -m conformance.gpu_check --min-devices 1", "one GPU is enough (cuda-shared)"
+    matrix = next(line for line in commands if line.startswith("fsdp-conformance run --impl all"))
+    assert "--device cuda" in matrix and "-m gpu" in commands[commands.index(matrix) + 3], commands
+
+
+def test_ci_runs_the_tests_on_every_claimed_torch() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    claimed = re.search(r'CI_TORCH_VERSIONS:-([0-9. ]+)\}', script)
+    assert claimed is not None, "the torch versions .ci/run tests are not declared"
+    tox_torches = {m for m in re.findall(r"torch==([0-9.]+)", (ROOT / "tox.ini").read_text())}
+    assert set(claimed.group(1).split()) == tox_torches == {"2.13.0", "2.14.1"}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=([0-9.]+)"', pyproject)
+    assert floor is not None and min(tox_torches).startswith(floor.group(1)), "the torch floor must be tested"
+
+
+def test_gpu_rows_carry_the_gpu_mark() -> None:
+    from conformance.case import ANY_GPU, case
+
+    @case("area/gpu_row", gpus=ANY_GPU)
+    def test_gpu_row(ctx: object, impl: object) -> None: ...
+
+    @case("area/cpu_row")
+    def test_cpu_row(ctx: object, impl: object) -> None: ...
+
+    assert "gpu" in {m.name for m in test_gpu_row.pytestmark}  # type: ignore[attr-defined]
+    assert "gpu" not in {m.name for m in test_cpu_row.pytestmark}  # type: ignore[attr-defined]
