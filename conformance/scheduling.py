@@ -43,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# pytest's JUnit writer has no public API for the order of its test cases; these two
+# internals (pytest 7.4 to 9.x) let the controller sort them. conformance/tests/test_parallel.py
+# compares the JUnit XML of a serial and a parallel run, so a change in them shows there.
 from _pytest.junitxml import mangle_test_address, xml_key
 from xdist.scheduler import LoadScheduling
 from xdist.workermanage import WorkerController
@@ -111,6 +115,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{TIMING_MARK}: measures wall time; under -n it runs after every other test, alone on one worker",
     )
+    dist = config.getoption("dist", "no")
+    if dist not in ("no", "load") and not is_worker(config):
+        raise pytest.UsageError(
+            f"--dist {dist}: this suite schedules with --dist load (the -n default), which runs "
+            f"@pytest.mark.{TIMING_MARK} tests alone after the others; other modes cannot"
+        )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -198,12 +208,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> TimingLastScheduling:
-    dist = config.getoption("dist")
-    if dist != "load":
-        raise pytest.UsageError(
-            f"--dist {dist}: this suite schedules with --dist load (the -n default), which runs "
-            f"@pytest.mark.{TIMING_MARK} tests alone after the others; other modes cannot"
-        )
     directory = config.stash[_DIR_KEY]
     return TimingLastScheduling(config, log, lambda node: _read_timing(directory, node))
 

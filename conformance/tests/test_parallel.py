@@ -125,3 +125,12 @@ def test_pytest_parallel_transports_every_outcome(pytester: pytest.Pytester,
         rows[workers] = [{k: v for k, v in r.items() if k != "duration_s"} for r in json.loads(out.read_text())]
     assert {r["outcome"] for r in rows["0"]} == {"pass", "FAIL", "n/a", "skip"}
     assert rows["2"] == rows["0"]
+
+
+def test_other_distribution_modes_are_a_usage_error(pytester: pytest.Pytester) -> None:
+    """--dist loadfile etc. could put a timing test beside others; refused before any worker starts."""
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--dist loadfile: this suite schedules with --dist load*"])
+    assert "bringing up nodes" not in result.stdout.str()
