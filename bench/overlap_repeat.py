@@ -3,7 +3,7 @@
 Runs ``overlap/training_overlap``'s measurement for the reference (prefetch on)
 and the no-prefetch control ``--runs`` times each on process ranks, alternating
 so both see the same machine load, and applies the case's bounds
-([Note: overlap timing] in ``conformance/cases/test_overlap.py``). Acceptance:
+(:mod:`fixtures.timing`; [Note: overlap timing] in ``conformance/cases/test_timing.py``). Acceptance:
 the reference passes every run and the control fails every run.
 """
 
@@ -14,16 +14,12 @@ from typing import Any
 import harness
 from bench._common import base_parser, median, print_table, write_json
 from conformance import registry
-from conformance.cases import test_overlap as overlap
+from fixtures import timing
 
 
 def _rank(ctx: Any, impl_name: str, prefetch: bool, repeats: int) -> tuple[float, float]:
-    fwd_ms, fwd_bwd_ms, _ = overlap._measure(ctx, registry.load(impl_name), prefetch, repeats)
+    fwd_ms, fwd_bwd_ms, _ = timing.measure_overlap(ctx, registry.load(impl_name), prefetch, repeats)
     return fwd_ms, fwd_bwd_ms
-
-
-def _within(fwd_ms: float, fwd_bwd_ms: float) -> bool:
-    return fwd_ms <= overlap.FWD_BOUND_MS and fwd_bwd_ms <= overlap.FWD_BWD_BOUND_MS
 
 
 def main() -> None:
@@ -39,7 +35,7 @@ def main() -> None:
                 per_rank = harness.run(_rank, world_size=2, args=(args.impl, prefetch, args.timing_repeats),
                                        timeout_s=600)
                 runs[label].append(per_rank)
-                ok = all(_within(*r) for r in per_rank)
+                ok = all(timing.within_bounds(*r) for r in per_rank)
                 print(f"run {i + 1:2d} {label:8s} {'within bounds' if ok else 'exceeds bounds':14s} "
                       + "  ".join(f"rank{r}: fwd {f:.0f} fwd+bwd {b:.0f} ms" for r, (f, b) in enumerate(per_rank)),
                       flush=True)
@@ -47,14 +43,14 @@ def main() -> None:
         harness.shutdown_pools()
     rows = []
     for label, results in runs.items():
-        passes = sum(all(_within(*r) for r in per_rank) for per_rank in results)
-        fwd = [f / overlap.FWD_BOUND_MS for per_rank in results for f, _ in per_rank]
-        both = [b / overlap.FWD_BWD_BOUND_MS for per_rank in results for _, b in per_rank]
+        passes = sum(all(timing.within_bounds(*r) for r in per_rank) for per_rank in results)
+        fwd = [f / timing.FWD_BOUND_MS for per_rank in results for f, _ in per_rank]
+        both = [b / timing.FWD_BWD_BOUND_MS for per_rank in results for _, b in per_rank]
         rows.append([label, f"{passes}/{len(results)}", min(fwd), median(fwd), max(fwd),
                      min(both), median(both), max(both)])
     print_table(["variant", "within bounds", "fwd/bound min", "median", "max", "fwd+bwd/bound min", "median",
                  "max"], rows)
-    write_json(args.json, {"impl": args.impl, "scale": overlap.SCALE, "runs": runs})
+    write_json(args.json, {"impl": args.impl, "scale": timing.SCALE, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ adapter under test, parametrized by the conformance plugin. Requirements and
 hardware needs are checked in the parent *before* any rank starts:
 
 - a missing capability -> :class:`NotApplicable` ("n/a", capability named);
-- missing hardware -> a plain skip ("needs 2 distinct GPUs, found 1").
+- missing hardware -> a plain skip ("needs 2 distinct GPUs, found 1");
+- a sharding strategy the adapter does not support (a ``strategy`` grid
+  parameter, or ``strategies=``) -> :class:`NotApplicable`, strategy named.
 
 A row that computes on a GPU declares what it needs with ``gpus=``:
 :data:`ANY_GPU` (ranks may share one GPU, so it also runs on a one-GPU
@@ -26,7 +28,7 @@ A case that measures wall time declares ``timing=True``: it gets the
 ``timing`` marker, so ``-n N`` runs it after every other case, alone
 ([Note: timing phase] in :mod:`conformance.scheduling`).
 
-Neither is ever reported as passed. A body may also raise
+None is ever reported as passed. A body may also raise
 :class:`NotApplicable` itself (via :func:`not_applicable`) when only the
 run-time combination is inexpressible; all ranks must agree.
 """
@@ -41,7 +43,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from conformance.adapters.base import Capability
+from conformance.adapters.base import STRATEGIES, Capability
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 
 __all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "accelerator_skip_reason",
@@ -77,6 +79,8 @@ class CaseSpec:
     isolated: bool = False
     env: dict[str, str] = field(default_factory=dict)
     timing: bool = False
+    #: Strategies the body wraps with besides a ``strategy`` grid parameter (checked before ranks start).
+    strategies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _ID.match(self.id):
@@ -90,6 +94,9 @@ class CaseSpec:
             raise ValueError(f"case {self.id}: gpus must be None, ANY_GPU or distinct_gpus(N), got {self.gpus!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"case {self.id}: timeout_s must be > 0, got {self.timeout_s}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"case {self.id}: strategies {unknown} not in {STRATEGIES}")
 
     @property
     def area(self) -> str:
@@ -109,6 +116,12 @@ class CaseSpec:
     def accelerators(self) -> int:
         """The fewest GPUs a machine needs to run this row (0: a CPU row)."""
         return 0 if self.gpus is None else self.gpus.distinct
+    def strategies_for(self, params: Mapping[str, Any]) -> list[str | None]:
+        """The sharding strategies this grid point wraps with: a ``strategy`` parameter and the declared ones."""
+        out: list[str | None] = list(self.strategies)
+        if "strategy" in params and params["strategy"] not in out:
+            out.append(params["strategy"])
+        return out
 
     def needs_text(self) -> str:
         """Hardware needs as ``list`` shows them."""
@@ -128,8 +141,13 @@ def case(
     isolated: bool = False,
     env: Mapping[str, str] | None = None,
     timing: bool = False,
+    strategies: Iterable[str] = (),
 ) -> Callable[[_F], _F]:
-    """Declare a conformance case (see the module docstring)."""
+    """Declare a conformance case (see the module docstring).
+
+    ``strategies``: sharding strategies the body uses that are not a ``strategy``
+    grid parameter; an adapter whose ``supports_strategy`` refuses one makes the row ``n/a``.
+    """
     spec = CaseSpec(
         id=case_id,
         world_size=world_size,
@@ -140,6 +158,7 @@ def case(
         isolated=isolated,
         env=dict(env or {}),
         timing=timing,
+        strategies=tuple(strategies),
     )
 
     def decorate(fn: _F) -> _F:

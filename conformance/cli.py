@@ -16,18 +16,15 @@ import io
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conformance import registry
-from conformance.rows import case_row_id, case_spec
+from conformance.listing import CASES_DIR, collect_rows
 from conformance.settings import SettingError, Settings, resolve_settings
 
 __all__ = ["main", "CASES_DIR"]
-
-CASES_DIR = Path(__file__).resolve().parent / "cases"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         help="spawn: the harness starts ranks; torchrun: this process is already one rank of a job",
     )
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
-    lst = sub.add_parser("list", help="list case ids with their parameters and hardware needs")
+    lst = sub.add_parser("list", help="list case rows with their hardware needs and required capabilities")
     lst.add_argument("-k", dest="keyword", metavar="EXPR")
+    lst.add_argument("--impl", metavar="NAME", help="also show which rows are n/a for this adapter, and why")
     sub.add_parser("impls", help="list registered implementations and whether they load here")
     return parser
 
@@ -129,39 +127,19 @@ def _run(ns: argparse.Namespace) -> int:
     return code
 
 
-class _Lister:
-    """Collects case ids during a collect-only session."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str]] = []
-
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        seen: set[str] = set()
-        for item in session.items:
-            spec = case_spec(item)
-            if spec is None:
-                continue
-            case_id = case_row_id(item)
-            if case_id not in seen:
-                seen.add(case_id)
-                self.rows.append((case_id, f"{spec.needs_text()}; modes {'/'.join(spec.modes)}"))
-
-
 def _list(ns: argparse.Namespace) -> int:
-    lister = _Lister()
-    args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider"]
-    if ns.keyword:
-        args += ["-k", ns.keyword]
-    captured = io.StringIO()
-    with contextlib.redirect_stdout(captured):
-        code = int(pytest.main(args, plugins=[lister]))
-    if code not in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)):
-        print(captured.getvalue())
-        return code
-    width = max((len(case_id) for case_id, _ in lister.rows), default=0)
-    for case_id, needs in lister.rows:
-        print(f"{case_id.ljust(width)}  {needs}")
-    print(f"{len(lister.rows)} cases")
+    try:
+        rows = collect_rows(ns.keyword, ns.impl)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    width = max((len(row.row_id) for row in rows), default=0)
+    for row in rows:
+        print(f"{row.row_id.ljust(width)}  {row.text()}")
+    summary = f"{len(rows)} cases"
+    if ns.impl:
+        summary += f"; {sum(1 for row in rows if row.not_applicable)} with n/a rank modes for {ns.impl}"
+    print(summary)
     return 0
 
 

@@ -3,39 +3,88 @@
 A known finding never changes an outcome: the case still reports FAIL. The
 matrix reason points at the write-up (minimal repro, exact output, why the
 case is right) so a reader does not have to rediscover it.
+
+Findings come from three places, all in one format (a JSON list of
+``{"impl": ..., "rows": ..., "doc": ...}``, ``rows`` a pattern as
+:func:`conformance.rows.row_matches` reads it, ``doc`` a path or URL):
+
+- this suite's own, :data:`BUILTIN_FILE`;
+- packages, under the :data:`ENTRY_POINT_GROUP` entry-point group: the entry
+  point names a list of :class:`Finding` (or of such mappings) or a callable
+  returning one, e.g. ``my-fsdp = "my_fsdp.conformance:FINDINGS"``;
+- files named in :data:`ENV_VAR` (``os.pathsep``-separated paths).
 """
 
 from __future__ import annotations
 
-from conformance.rows import row_matches
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
 
-__all__ = ["KNOWN", "annotate"]
+from conformance.rows import parse_row_id, row_matches
 
-#: (implementation, row pattern as :func:`conformance.rows.row_matches` reads it) -> write-up,
-#: relative to the repository root.
-KNOWN: dict[tuple[str, str], str] = {
-    ("torch-fsdp1", "misc/same_model_across_ranks"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "misc/cpu_init_with_sync_module_states_cpu"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
-    ("torch-fsdp2", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
-    ("torch-fsdp1", "hybrid_shard/basic_setup"): "docs/findings/fsdp1-hybrid-cpu.md",
-    ("torch-fsdp1", "hybrid_shard/sync_module_states"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "checkpoint/*"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "misc/device_id_cpu_offload"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "grad_accumulation/accumulate[cpu_offload=True]"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "uneven_shared/train[tie=across_units]"): "docs/findings/tied-weights-across-units.md",
-    ("torch-fsdp2", "uneven_shared/train[tie=across_units]"): "docs/findings/tied-weights-across-units.md",
-    ("torch-fsdp1", "state_dict/roundtrip[kind=FULL]"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
-    ("torch-fsdp1", "state_dict/cross_impl"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
-    ("torch-fsdp1", "mixed_precision/keep_low_precision_grads[strategy=FULL_SHARD]"):
-        "docs/findings/fsdp1-keep-low-precision-grads.md",
-    ("torch-fsdp1", "fuzz/repro_8fc450e8"): "docs/findings/fsdp1-no-shard-unused-unit-params.md",
-}
+__all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "Finding", "annotate", "known", "load_file"]
+
+BUILTIN_FILE = Path(__file__).with_name("known_findings.json")
+ENTRY_POINT_GROUP = "fsdp_conformance.findings"
+ENV_VAR = "FSDP_CONFORMANCE_FINDINGS"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A FAIL of ``impl`` on the rows ``rows`` matches is explained by ``doc``."""
+
+    impl: str
+    rows: str
+    doc: str
+
+    @classmethod
+    def from_mapping(cls, entry: Mapping[str, Any], source: str) -> Finding:
+        """Validate one entry; errors name ``source`` and the entry."""
+        if not isinstance(entry, Mapping) or set(entry) != {"impl", "rows", "doc"}:
+            raise ValueError(f"{source}: a finding is {{'impl', 'rows', 'doc'}}, got {entry!r}")
+        if not all(isinstance(v, str) and v for v in entry.values()):
+            raise ValueError(f"{source}: impl, rows and doc must be non-empty strings, got {entry!r}")
+        parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
+        return cls(entry["impl"], entry["rows"], entry["doc"])
+
+
+def load_file(path: Path) -> list[Finding]:
+    """The findings in a JSON file (a list of entries)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read findings: {exc}") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of findings, got {type(data).__name__}")
+    return [Finding.from_mapping(entry, str(path)) for entry in data]
+
+
+def _from_entry_points() -> list[Finding]:
+    found: list[Finding] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        source = f"entry point {ep.name} ({ep.value})"
+        value = ep.load()
+        entries: Iterable[Any] = value() if callable(value) else value
+        found += [e if isinstance(e, Finding) else Finding.from_mapping(e, source) for e in entries]
+    return found
+
+
+def known() -> list[Finding]:
+    """Every registered finding: built-in, entry points, then :data:`ENV_VAR` files."""
+    found = load_file(BUILTIN_FILE) + _from_entry_points()
+    for part in filter(None, os.environ.get(ENV_VAR, "").split(os.pathsep)):
+        found += load_file(Path(part))
+    return found
 
 
 def annotate(impl: str, case: str, reason: str) -> str:
     """``reason``, prefixed with the finding's write-up when this failure is a known one."""
-    for (name, pattern), doc in KNOWN.items():
-        if name == impl and row_matches(case, pattern):
-            return f"known finding, see {doc}: {reason}"
+    for finding in known():
+        if finding.impl == impl and row_matches(case, finding.rows):
+            return f"known finding, see {finding.doc}: {reason}"
     return reason

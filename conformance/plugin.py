@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from conformance import registry
+from conformance.applicability import RANK_MODES, not_applicable_reason
 from conformance.case import CaseSpec, NotApplicable
 from conformance.findings import annotate
 from conformance.report import CaseReport, Result, render_markdown, render_matrix, summary_line, write_json
@@ -35,6 +36,7 @@ from conformance.rows import all_params, case_row_id, case_spec
 from conformance.scheduling import is_worker
 from conformance.settings import Settings, resolve_settings
 from harness import devices
+from harness.settings import modes_of
 
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
 
@@ -51,6 +53,8 @@ class _ItemState:
     started: float = field(default_factory=time.perf_counter)
     report: CaseReport | None = None
     placement: str = ""
+    #: The skip raised is the plugin's own missing-hardware skip.
+    hardware_skip: bool = False
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -166,10 +170,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
     decision = _plan(item.config, spec)
     item.stash[_STATE_KEY].placement = decision.placement or ""
-    missing = [str(c) for c in spec.required(all_params(item)) if c not in impl.capabilities]
-    if missing:
-        raise NotApplicable(f"{impl.name} lacks capability {', '.join(missing)}")
+    not_applicable = not_applicable_reason(spec, impl, all_params(item))
+    if not_applicable is not None:
+        raise NotApplicable(not_applicable)
     if decision.placement is None:
+        item.stash[_STATE_KEY].hardware_skip = True
         pytest.skip(decision.reason)
 
 
@@ -197,10 +202,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         state.reason = _failure_reason(call, report)
     elif report.skipped:
         excinfo = call.excinfo
-        not_app = excinfo is not None and isinstance(excinfo.value, NotApplicable)
-        state.outcome = "n/a" if not_app else "skip"
         message = getattr(excinfo.value, "msg", None) if excinfo is not None else None
-        state.reason = str(message) if message else _skip_reason(report)
+        reason = str(message) if message else _skip_reason(report)
+        if excinfo is not None and isinstance(excinfo.value, NotApplicable):
+            state.outcome, state.reason = "n/a", reason
+        elif state.hardware_skip or item.config.getoption("--launcher", "spawn") == "torchrun":
+            state.outcome, state.reason = "skip", reason  # missing hardware (or, launched, the job's size)
+        else:
+            state.outcome = "error"
+            state.reason = f"skipped, but skip means missing hardware (use not_applicable() for n/a): {reason}"
+            report.outcome, report.longrepr = "failed", state.reason
     return report
 
 
@@ -233,7 +244,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     result = Result(
         case=case_id,
         impl=impl_name,
-        rank_mode=str(params.get("rank_mode", "process")),
+        rank_mode=_rank_mode_column(item.config, params.get("rank_mode", "process")),
         world_size=spec.world_size,
         outcome=state.outcome,
         reason=annotate(impl_name, case_id, reason) if state.outcome == "FAIL" else reason,
@@ -291,6 +302,13 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
         Path(md_path).write_text(render_markdown(results))
+
+
+def _rank_mode_column(config: pytest.Config, mode: Any) -> str:
+    """The row's rank mode; the selected one when the selection excluded every mode the case declares."""
+    if mode in RANK_MODES:
+        return str(mode)
+    return "/".join(modes_of(settings_of(config).rank_mode.value))
 
 
 def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from conformance.adapters.base import FSDPAdapter
+from conformance.adapters.base import Capability, FSDPAdapter
+from conformance.adapters.optional import protocol_version
 
 __all__ = ["ENTRY_POINT_GROUP", "BUILTIN", "UnknownAdapter", "AdapterEntry", "registered", "load"]
 
@@ -71,8 +72,18 @@ def load(name: str) -> FSDPAdapter:
     adapter_cls = getattr(importlib.import_module(module_name), attr)
     adapter = adapter_cls()
     if not isinstance(adapter, FSDPAdapter):
-        raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter")
+        missing = [m for m in _REQUIRED if not hasattr(adapter, m)]
+        raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter: "
+                        f"missing {', '.join(missing)}")
+    protocol_version(adapter)
+    if Capability.POST_OPTIM_EVENT in adapter.capabilities and not hasattr(adapter, "set_post_optim_event"):
+        raise TypeError(f"adapter {name!r} declares Capability.POST_OPTIM_EVENT but has no "
+                        "set_post_optim_event(model, event) method")
     return adapter
+
+
+_REQUIRED = ("name", "capabilities", *sorted(m for m in vars(FSDPAdapter) if not m.startswith("_")
+                                             and callable(getattr(FSDPAdapter, m))))
 
 
 def expand(names: list[str]) -> list[str]:

@@ -9,7 +9,10 @@ order, on one worker thread per rank, each first sleeping ``comm_ms`` (the
 stand-in for transfer time; ``time.sleep`` releases the GIL). The caller gets
 a handle at once when it asked for ``async_op=True`` and waits only when it
 calls ``wait()``; with ``async_op=False`` the caller blocks until the worker
-finished, exactly as the real call would. So an implementation that issues
+finished, exactly as the real call would. Arguments are bound to the
+collective's real signature (``inspect.signature(fn).bind``), so ``async_op``
+is found whether it was passed by keyword or by position (torch's deprecated
+``_all_gather_base`` forwards it positionally). So an implementation that issues
 collectives asynchronously and waits late overlaps them with compute, and one
 that blocks does not. Every collective's issue, start and end times are kept
 for evidence (:attr:`CommWorker.timeline`).
@@ -20,6 +23,8 @@ calling thread's world, which a worker thread does not have.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import queue
 import threading
 import time
@@ -110,11 +115,11 @@ class CommWorker:
             if isinstance(item, threading.Event):  # drain marker: everything before it is done
                 item.set()
                 continue
-            event, fn, args, kwargs, handle = item
+            event, fn, bound, handle = item
             event.started_ms = self._now()
             try:
                 time.sleep(self.comm_ms / 1e3)
-                result = fn(*args, **{**kwargs, "async_op": False})
+                result = fn(*bound.args, **bound.kwargs)
                 handle._finish(result, None)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 handle._finish(None, exc)
@@ -123,11 +128,17 @@ class CommWorker:
     def __call__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if op not in self.ops:
             return fn(*args, **kwargs)
+        bound = _bind(fn, args, kwargs)
+        if "async_op" not in bound.signature.parameters:
+            raise TypeError(f"{op}: {fn.__name__}{bound.signature} has no async_op parameter; "
+                            "the communication worker cannot run it asynchronously")
+        asynchronous = bool(bound.arguments["async_op"])
+        bound.arguments["async_op"] = False  # the worker thread runs it to completion
         event = Event(op, issued_ms=self._now())
         self.timeline.append(event)
         handle = _Handle()
-        self._queue.put((event, fn, args, kwargs, handle))
-        if kwargs.get("async_op", False):
+        self._queue.put((event, fn, bound, handle))
+        if asynchronous:
             return handle
         handle.wait()
         return None
@@ -136,6 +147,18 @@ class CommWorker:
         """The timeline as text: op, issued, started, ended (ms)."""
         return "\n".join(f"{e.op:24s} issued {e.issued_ms:8.1f}  start {e.started_ms:8.1f}  end {e.ended_ms:8.1f}"
                          for e in self.timeline)
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """``args``/``kwargs`` bound to ``fn``'s signature, defaults filled in (a bad call raises here, in the caller)."""
+    bound = _signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
 
 
 DEFAULT_OPS = frozenset({"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather",

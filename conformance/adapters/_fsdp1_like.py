@@ -42,6 +42,7 @@ class FSDP1LikeAdapter:
 
     name = "fsdp1-like"
     capabilities: frozenset[Capability] = frozenset()
+    protocol_version = 2
 
     # -- subclass hooks ---------------------------------------------------
     def _api(self) -> ModuleType:
@@ -130,6 +131,10 @@ class FSDP1LikeAdapter:
             for fqn, module in model.named_modules()
             if isinstance(module, fsdp_cls)
         ]
+
+    def wrapped_module(self, model: nn.Module) -> nn.Module:
+        """The user's module: a unit's ``module`` attribute (a plain module is its own)."""
+        return model.module if isinstance(model, self._api().FullyShardedDataParallel) else model
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         fsdp_cls = self._api().FullyShardedDataParallel

@@ -11,6 +11,12 @@ Adapters are looked up by name through the ``fsdp_conformance.adapters`` entry
 point group (see :mod:`conformance.registry`). Process ranks receive the adapter
 by pickling, so an adapter must be a module-level class whose instances hold
 only plain data.
+
+The protocol is versioned (:data:`PROTOCOL_VERSION`). :class:`FSDPAdapter`
+lists the methods every adapter has; methods added since version 1 are
+optional, have defaults, and are reached through the functions in
+:mod:`conformance.adapters.optional`. Renamed capabilities stay accepted
+(:data:`DEPRECATED_CAPABILITIES`) with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = [
+    "PROTOCOL_VERSION",
+    "DEPRECATED_CAPABILITIES",
     "Capability",
     "STRATEGIES",
     "HYBRID_STRATEGIES",
@@ -33,8 +41,11 @@ __all__ = [
     "WrapSpec",
     "UnitInfo",
     "FSDPAdapter",
-    "full_grads",
 ]
+
+#: Version of the adapter protocol this suite speaks. 1: the methods of :class:`FSDPAdapter`.
+#: 2: optional methods (:mod:`conformance.adapters.optional`), fine-grained capabilities.
+PROTOCOL_VERSION = 2
 
 #: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -49,7 +60,9 @@ class Capability(str, enum.Enum):
     FLAT_PARAM = "flat_param"
     """Can expose one flat parameter per unit (``use_orig_params=False``)."""
     FLAT_PARAM_INTROSPECTION = "flat_param_introspection"
-    """:meth:`FSDPAdapter.units` reports each unit's flat shard and resharded state."""
+    """Deprecated (protocol 1): :attr:`RESHARD_INTROSPECTION`."""
+    RESHARD_INTROSPECTION = "reshard_introspection"
+    """:meth:`FSDPAdapter.units` reports whether each unit is resharded (``UnitInfo.resharded`` is not None)."""
     HYBRID_VIA_PG_TUPLE = "hybrid_via_pg_tuple"
     """Hybrid strategies accept a ``(shard_group, replicate_group)`` tuple."""
     HYBRID_AUTO_GROUPS = "hybrid_auto_groups"
@@ -63,7 +76,14 @@ class Capability(str, enum.Enum):
     IGNORED_MODULES = "ignored_modules"
     PARAM_INIT_FN = "param_init_fn"
     DEVICE_ID = "device_id"
-    """Accepts ``device_id`` and moves managed parameters there."""
+    """Deprecated (protocol 1): :attr:`COMPUTE_DEVICE` and :attr:`PLACEMENT_MESSAGES` together."""
+    COMPUTE_DEVICE = "compute_device"
+    """Accepts ``WrapSpec.device_id``: computes there and moves the managed parameters there."""
+    PLACEMENT_MESSAGES = "placement_messages"
+    """Reports misplaced modules and inputs with FSDP1's exact warnings and errors
+    (a CPU module without ``device_id``, a module on another device, a multi-device module)."""
+    DEVICE_MESH = "device_mesh"
+    """Accepts ``WrapSpec.device_mesh`` (a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid)."""
     WORLD_SIZE_1_SWITCH = "world_size_1_no_shard_switch"
     CONTAINER_WARNING = "container_warning"
     HOMOGENEOUS_ATTRIBUTES = "homogeneous_attributes"
@@ -111,6 +131,13 @@ class Capability(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+#: A protocol-1 capability -> the capabilities it stands for now.
+DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability]] = {
+    Capability.DEVICE_ID: frozenset({Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES}),
+    Capability.FLAT_PARAM_INTROSPECTION: frozenset({Capability.RESHARD_INTROSPECTION}),
+}
 
 
 @dataclass(frozen=True)
@@ -240,10 +267,18 @@ class FSDPAdapter(Protocol):
         """``None`` when importable and usable here, else why not (shown by ``impls``)."""
 
     def supports_strategy(self, strategy: str | None) -> bool:
-        """Whether :meth:`wrap` can express ``strategy`` at all."""
+        """Whether :meth:`wrap` can express ``strategy`` at all (``None``: the implementation's default).
+
+        Consulted before ranks start: a case row whose strategy is unsupported is ``n/a``.
+        """
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
-        """Shard ``module`` according to ``spec`` and return the root to train."""
+        """Shard ``module`` according to ``spec`` and return the root to train.
+
+        ``spec.process_group=None`` means the default (world) group. Called on
+        every rank alike; what it builds lives until the case ends (the harness
+        destroys the case's groups; nothing else is torn down for the adapter).
+        """
 
     def units(self, model: nn.Module) -> list[UnitInfo]:
         """Every unit of a wrapped model, root first then in module order."""
@@ -281,16 +316,3 @@ def iter_named_units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> 
     for fqn, module in model.named_modules():
         if is_unit(module):
             yield fqn, module
-
-
-def full_grads(adapter: FSDPAdapter, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
-    """Full, unsharded, averaged gradients keyed like :meth:`FSDPAdapter.full_params`, or ``None``.
-
-    Optional part of the contract: an adapter may define
-    ``full_grads(model) -> dict[str, Tensor | None] | None`` (collective: every
-    rank calls it). ``None`` means the adapter cannot expose them for this wrap
-    (no such method, or e.g. torch's FSDP1 with flat parameters); callers then
-    compare what they can without them and say so.
-    """
-    method = getattr(adapter, "full_grads", None)
-    return None if method is None else method(model)

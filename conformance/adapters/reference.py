@@ -8,7 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
-from conformance.adapters.base import Capability, UnitInfo
+from conformance.adapters.base import DEPRECATED_CAPABILITIES, Capability, UnitInfo
 
 __all__ = ["ReferenceAdapter"]
 
@@ -18,7 +18,7 @@ class ReferenceAdapter(FSDP1LikeAdapter):
     (``flat_param``, ``is_resharded``, ``process_group``, ``compute_device``)."""
 
     name = "reference"
-    capabilities = frozenset(Capability) - {Capability.POST_OPTIM_EVENT}
+    capabilities = frozenset(Capability) - set(DEPRECATED_CAPABILITIES) - {Capability.POST_OPTIM_EVENT}
 
     def _api(self) -> ModuleType:
         import fsdp_impl

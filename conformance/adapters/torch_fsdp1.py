@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
-from conformance.adapters.base import Capability, UnitInfo
+from conformance.adapters.base import DEPRECATED_CAPABILITIES, Capability, UnitInfo
 
 __all__ = ["TorchFSDP1Adapter"]
 
@@ -22,8 +22,11 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
     """
 
     name = "torch-fsdp1"
-    capabilities = frozenset(Capability) - {Capability.POST_OPTIM_EVENT, Capability.OPTIM_STATE_DICT_ON_THREADS,
-                                          Capability.FULL_STATE_DICT_LOAD_ON_THREADS}
+    capabilities = frozenset(Capability) - set(DEPRECATED_CAPABILITIES) - {
+        Capability.POST_OPTIM_EVENT,
+        Capability.OPTIM_STATE_DICT_ON_THREADS,
+        Capability.FULL_STATE_DICT_LOAD_ON_THREADS,
+    }
 
     def _api(self) -> ModuleType:
         import torch.distributed.fsdp as api

@@ -37,9 +37,12 @@ class TorchFSDP2Adapter:
     """``torch.distributed.fsdp.fully_shard`` over a DeviceMesh."""
 
     name = "torch-fsdp2"
+    protocol_version = 2
     capabilities = frozenset(
         {
             Capability.HYBRID_VIA_PG_TUPLE,
+            Capability.DEVICE_MESH,
+            Capability.RESHARD_INTROSPECTION,
             Capability.POST_OPTIM_EVENT,
             Capability.CPU_OFFLOAD,
             Capability.IGNORED_MODULES,
@@ -150,6 +153,14 @@ class TorchFSDP2Adapter:
                 f"for {spec.strategy}; it does not build node-local groups itself"
             )
         return init_device_mesh(device.type, (world,))
+
+    def wrapped_module(self, model: nn.Module) -> nn.Module:
+        """``fully_shard`` shards in place: the model is the user's module."""
+        return model
+
+    def set_post_optim_event(self, model: nn.Module, event: torch.Event) -> None:
+        """FSDP2's ``FSDPModule.set_post_optim_event``: the next all-gather waits on ``event``."""
+        cast(Any, model).set_post_optim_event(event)
 
     # -- introspection ----------------------------------------------------------
     def units(self, model: nn.Module) -> list[UnitInfo]:

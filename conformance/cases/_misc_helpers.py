@@ -12,7 +12,8 @@ index-less ``cuda`` device against it.
 The device-placement contract (``device_id`` moves a CPU module; a module left
 on the CPU without ``device_id`` stays there with a warning; device checks at
 wrap and at the first forward) is FSDP1's constructor contract, so every case
-exercising it requires :attr:`Capability.DEVICE_ID`.
+exercising it requires :attr:`Capability.COMPUTE_DEVICE`, and those checking
+its exact messages :attr:`Capability.PLACEMENT_MESSAGES`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """checkpoint: activation checkpointing and activation offload compose with units.
 
-torch's ``checkpoint_wrapper`` / ``offload_wrapper`` and
+The adapter's activation-checkpoint wrappers (torch's ``checkpoint_wrapper`` /
+``offload_wrapper`` unless it brings its own, see
+:func:`conformance.adapters.optional.activation_checkpoint_wrapper`) and
 ``torch.utils.checkpoint`` are placed outside units, inside them, or around a
 whole unit; every placement must train like the model without them (torch's
 default tolerances: see ``_assert_same_step``).
@@ -8,8 +10,9 @@ default tolerances: see ``_assert_same_step``).
 [Note: save-on-CPU spy]
 "Activations really were offloaded" is checked on the hook the offload wrapper
 itself calls: ``OffloadWrapper.forward`` enters the ``save_on_cpu`` it finds as
-a global of ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``.
-:func:`spy_save_on_cpu` swaps that global for one that builds the real hooks
+a global of ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``; an
+adapter's own offload wrapper enters ``torch.autograd.graph.save_on_cpu``.
+:func:`spy_save_on_cpu` swaps both for one that builds the real hooks
 and counts, per calling thread, the tensors its pack hook moves. Thread ranks
 share the module, so the swap is reference-counted under a lock and the counts
 are keyed by thread; a count above zero means autograd packed activations
@@ -26,15 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+import torch.autograd.graph as autograd_graph
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ckpt_wrapper_module
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    checkpoint_wrapper,
-    offload_wrapper,
-)
 from torch.utils.checkpoint import checkpoint
 
 from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
+from conformance.adapters.optional import activation_checkpoint_wrapper
 from conformance.case import case
 from fixtures.checkpointing import FFN, CheckpointBlock, CheckpointTower, ffn_layers
 from fixtures.parity import assert_close_named, assert_close_seq
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 # -- the save-on-CPU spy ([Note: save-on-CPU spy]) -------------------------------------------
 _spy_lock = threading.Lock()
 _spy_depth = 0
+_SPIED = (ckpt_wrapper_module, autograd_graph)
 _spy_original: Callable[..., Any] | None = None
 _packed: dict[int, int] = {}
 
@@ -70,8 +72,9 @@ def spy_save_on_cpu() -> Iterator[Callable[[], int]]:
     global _spy_depth, _spy_original
     with _spy_lock:
         if _spy_depth == 0:
-            _spy_original = ckpt_wrapper_module.save_on_cpu
-            ckpt_wrapper_module.save_on_cpu = _counting_save_on_cpu  # type: ignore[misc,assignment]
+            _spy_original = autograd_graph.save_on_cpu
+            for module in _SPIED:
+                module.save_on_cpu = _counting_save_on_cpu  # type: ignore[misc,assignment]
         _spy_depth += 1
     ident = threading.get_ident()
     _packed[ident] = 0
@@ -81,7 +84,8 @@ def spy_save_on_cpu() -> Iterator[Callable[[], int]]:
         with _spy_lock:
             _spy_depth -= 1
             if _spy_depth == 0:
-                ckpt_wrapper_module.save_on_cpu = _spy_original  # type: ignore[misc,assignment]
+                for module in _SPIED:
+                    module.save_on_cpu = _spy_original  # type: ignore[misc,assignment]
                 _spy_original = None
         _packed.pop(ident, None)
 
@@ -107,8 +111,8 @@ def _layers(device: torch.device) -> list[nn.Module]:
     return [layer.to(device) for layer in ffn_layers(seed=0)]
 
 
-def _activation_wrapper(offload_activations: bool) -> Callable[[nn.Module], nn.Module]:
-    return offload_wrapper if offload_activations else checkpoint_wrapper
+def _activation_wrapper(impl: FSDPAdapter, offload_activations: bool) -> Callable[[nn.Module], nn.Module]:
+    return lambda module: activation_checkpoint_wrapper(impl, module, offload=offload_activations)
 
 
 def _input(ctx: RankContext) -> torch.Tensor:
@@ -178,7 +182,7 @@ def test_checkpoint_fsdp_wrapping(
     them again.
     """
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
-    wrapper = _activation_wrapper(offload_activations)
+    wrapper = _activation_wrapper(impl, offload_activations)
 
     def unit(layer: nn.Module) -> nn.Module:
         return impl.wrap(layer, spec)
@@ -223,7 +227,7 @@ def test_basic_checkpoint_end_to_end(
     use_orig_params: bool,
 ) -> None:
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
-    wrapper = _activation_wrapper(offload_activations)
+    wrapper = _activation_wrapper(impl, offload_activations)
     seq = FFN(_layers(ctx.device))
     models = {
         "unit only": impl.wrap(copy.deepcopy(seq), spec),
@@ -264,7 +268,7 @@ def test_basic_checkpoint_end_to_end(
             _assert_same_step(ctx, step, names, results, modules)
 
 
-@case("checkpoint/checkpoint_submodule", world_size=2)
+@case("checkpoint/checkpoint_submodule", world_size=2, strategies=["NO_SHARD"])
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant: bool) -> None:
     """``torch.utils.checkpoint`` inside NO_SHARD units gives the grads of the plain model.

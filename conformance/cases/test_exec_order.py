@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
+from conformance.adapters.optional import wrapped_module
 from conformance.case import case
 from fixtures.models import ExecOrderModel
 from fixtures.seeding import generator, rank_seed
@@ -41,8 +42,8 @@ def _wrap(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> nn.Module:
     return impl.wrap(model, spec).to(ctx.device)
 
 
-def _inner(model: nn.Module) -> ExecOrderModel:
-    inner = getattr(model, "module", model)
+def _inner(impl: FSDPAdapter, model: nn.Module) -> ExecOrderModel:
+    inner = wrapped_module(impl, model)
     assert isinstance(inner, ExecOrderModel), type(inner)
     return inner
 
@@ -59,7 +60,7 @@ def _step(ctx: RankContext, model: nn.Module, gen: torch.Generator, *, backward:
 def test_invalid_first_iter_order(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     model = _wrap(ctx, impl, strategy)
     if ctx.rank != 0:
-        _inner(model).flip_path()
+        _inner(impl, model).flip_path()
     gen = generator(rank_seed(0, ctx.rank))
     (inp,) = ExecOrderModel.get_input(ctx.device, gen)
     with pytest.raises(RuntimeError, match=FIRST_ITER_ERROR):
@@ -77,7 +78,7 @@ def test_invalid_later_iter_order(
     for _ in range(iters_before_path_change):
         _step(ctx, model, gen)
     if ctx.rank != 0:
-        _inner(model).flip_path()
+        _inner(impl, model).flip_path()
     expected = re.escape(
         f"Forward order differs from that of the first iteration on rank {ctx.rank}. "
         "Collectives are unchecked and may give incorrect results or hang"

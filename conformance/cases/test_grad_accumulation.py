@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec, full_grads
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.adapters.optional import full_grads
 from conformance.case import case, not_applicable
 from fixtures.models import ThreeLinear
 from fixtures.optimizers import make_optim

@@ -91,6 +91,7 @@ def test_manual_wrap_requires_pg(ctx: RankContext, impl: FSDPAdapter, strategy: 
     "hybrid_shard/invalid_pg_specification",
     world_size=WORLD,
     requires=[Capability.HYBRID_PG_VALIDATION],
+    strategies=["HYBRID_SHARD"],
 )
 def test_invalid_pg_specification(ctx: RankContext, impl: FSDPAdapter) -> None:
     spec = WrapSpec(
@@ -103,8 +104,7 @@ def test_invalid_pg_specification(ctx: RankContext, impl: FSDPAdapter) -> None:
 # -- basic setup: groups and communication pattern ----------------------------------------
 def _setup_requires(params: Mapping[str, Any]) -> list[Capability]:
     needs = _flat_param_needed(params)
-    if not params["use_device_mesh"]:
-        needs.append(Capability.HYBRID_AUTO_GROUPS)
+    needs.append(Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS)
     return needs
 
 
@@ -221,7 +221,8 @@ def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tup
         )
 
 
-@case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, requires=_roundtrip_requires)
+@case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, requires=_roundtrip_requires,
+      strategies=["HYBRID_SHARD"])
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     groups = hybrid_groups(ctx)
     model = _hybrid_three_linear(ctx, impl, 0, groups)
@@ -259,6 +260,7 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> No
     "hybrid_shard/sync_module_states",
     world_size=WORLD,
     requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SYNC_MODULE_STATES],
+    strategies=["HYBRID_SHARD"],
 )
 def test_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
     module = ThreeLinear(seed=rank_seed(3, ctx.rank)).to(ctx.device)

@@ -4,7 +4,9 @@ CPU rows pin the compute device to the CPU; rows the catalogue marks GPU (or
 "GPU variant") declare ``gpus=ANY_GPU`` (they also run with ranks sharing one
 GPU) or ``gpus=distinct_gpus(2)`` (they need ``cuda:{rank}`` per rank) and
 compute on ``ctx.device``.
-Every case here requires :attr:`Capability.DEVICE_ID`; see
+Every case here requires :attr:`Capability.COMPUTE_DEVICE` (``device_id`` is
+honoured) and/or :attr:`Capability.PLACEMENT_MESSAGES` (FSDP1's exact
+placement warnings and errors); see
 [Note: misc device placement] in ``_misc_helpers.py`` for why, and for the
 gloo groups the CPU-pinned cases use.
 """
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 CPU = torch.device("cpu")
-DEVICE_ID = [Capability.DEVICE_ID]
+COMPUTE = [Capability.COMPUTE_DEVICE]
+MESSAGES = [Capability.PLACEMENT_MESSAGES]
 SYNC_CPU_ERROR = "The module has CPU parameters or buffers when `sync_module_states=True`"
 
 
@@ -75,7 +78,7 @@ def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.de
 
 
 @case("misc/cpu_init_with_sync_module_states", world_size=2, gpus=ANY_GPU,
-      requires=[Capability.SYNC_MODULE_STATES, Capability.DEVICE_ID])
+      requires=[Capability.SYNC_MODULE_STATES, Capability.COMPUTE_DEVICE])
 def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A CPU module + sync_module_states needs device_id when computing on an accelerator."""
     device = cuda_device(ctx)
@@ -90,7 +93,7 @@ def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -
 
 
 @case("misc/cpu_init_with_sync_module_states_cpu", world_size=2,
-      requires=[Capability.SYNC_MODULE_STATES, Capability.DEVICE_ID])
+      requires=[Capability.SYNC_MODULE_STATES, Capability.COMPUTE_DEVICE])
 def test_cpu_init_with_sync_module_states_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     """CPU variant: with device_id=cpu, sync_module_states succeeds and syncs params and buffers."""
     inner = NestedModel(seed=ctx.rank)
@@ -144,14 +147,14 @@ def _assert_shards_on(units: list, device: torch.device, what: str) -> None:
     assert not wrong, f"{what}: shards not on {device}: {wrong}"
 
 
-@case("misc/device_id_cpu_offload", world_size=2, requires=[Capability.CPU_OFFLOAD, Capability.DEVICE_ID])
+@case("misc/device_id_cpu_offload", world_size=2, requires=[Capability.CPU_OFFLOAD, Capability.COMPUTE_DEVICE])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
     _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
 
 
 @case("misc/device_id_cpu_offload_gpu", world_size=2, gpus=ANY_GPU,
-      requires=[Capability.CPU_OFFLOAD, Capability.DEVICE_ID])
+      requires=[Capability.CPU_OFFLOAD, Capability.COMPUTE_DEVICE])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_device_id_cpu_offload_gpu(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
     """device_id names the GPU, yet offloaded flat parameters stay on the CPU."""
@@ -159,7 +162,7 @@ def test_device_id_cpu_offload_gpu(ctx: RankContext, impl: FSDPAdapter, use_orig
 
 
 @case("misc/ignored_module_meta", world_size=2,
-      requires=lambda p: [Capability.IGNORED_MODULES, Capability.DEVICE_ID]
+      requires=lambda p: [Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE]
       + ([Capability.PARAM_INIT_FN] if p["use_param_init_fn"] else []))
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
 def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
@@ -184,20 +187,21 @@ def _ignored_params_not_moved(impl: FSDPAdapter, device: torch.device, group: ob
     assert all(dev == CPU for dev, _ in after.values()), f"ignored tensors moved: {after}"
 
 
-@case("misc/ignored_params_not_moved", world_size=2, requires=[Capability.IGNORED_MODULES, Capability.DEVICE_ID])
+@case("misc/ignored_params_not_moved", world_size=2,
+      requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE])
 def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter) -> None:
     """The ignored module keeps its very tensors (same objects, same storage, still CPU)."""
     _ignored_params_not_moved(impl, CPU, cpu_world_group(ctx))
 
 
 @case("misc/ignored_params_not_moved_gpu", world_size=2, gpus=ANY_GPU,
-      requires=[Capability.IGNORED_MODULES, Capability.DEVICE_ID])
+      requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE])
 def test_ignored_params_not_moved_gpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     """device_id names the GPU: the ignored module's params and buffers still stay on the CPU."""
     _ignored_params_not_moved(impl, cuda_device(ctx), None)
 
 
-@case("misc/no_params", world_size=2, requires=lambda p: DEVICE_ID if p["use_device_id"] else [])
+@case("misc/no_params", world_size=2, requires=lambda p: COMPUTE if p["use_device_id"] else [])
 @pytest.mark.parametrize("use_device_id", [False, True])
 def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> None:
     """A module with no parameters wraps and runs forward (nothing to shard is not an error)."""
@@ -209,7 +213,7 @@ def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> 
 # -- GPU-only placement rows ------------------------------------------------------------
 
 
-@case("misc/device_id", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
+@case("misc/device_id", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
 @pytest.mark.parametrize("use_index", [True, False])
 def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
     device = cuda_device(ctx)
@@ -224,7 +228,7 @@ def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None
     _assert_units_on(impl, fsdp, device, "device_id=cuda without index")
 
 
-@case("misc/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
+@case("misc/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
     with ctx.catch_warnings() as caught:
@@ -239,7 +243,7 @@ def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     out.sum().backward()
 
 
-@case("misc/module_device_mismatches_device_id", world_size=2, gpus=distinct_gpus(2), requires=DEVICE_ID)
+@case("misc/module_device_mismatches_device_id", world_size=2, gpus=distinct_gpus(2), requires=COMPUTE + MESSAGES)
 @pytest.mark.parametrize("has_params", [True, False])
 def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter, has_params: bool) -> None:
     """A module on cuda:{rank} with device_id=0 is rejected on every rank but 0."""
@@ -253,7 +257,7 @@ def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter,
             impl.wrap(module, WrapSpec(device_id=0))
 
 
-@case("misc/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
+@case("misc/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
 
@@ -269,7 +273,7 @@ def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
         impl.wrap(mixed(), WrapSpec())
 
 
-@case("misc/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=DEVICE_ID)
+@case("misc/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=MESSAGES)
 def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     cuda_device(ctx)
     model = PairOfLinears()
@@ -280,7 +284,7 @@ def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
 
 
 @case("misc/training_device_mismatch", world_size=1, gpus=ANY_GPU,
-      requires=[Capability.DEVICE_ID, Capability.CPU_OFFLOAD])
+      requires=[Capability.PLACEMENT_MESSAGES, Capability.CPU_OFFLOAD])
 def test_training_device_mismatch(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
     inp = torch.randn((2, 10), generator=generator(0))
@@ -313,14 +317,14 @@ def _device_id_auto_wrap(impl: FSDPAdapter, device: torch.device, group: object,
     _assert_units_on(impl, fsdp, device, f"auto wrap ({kind})")
 
 
-@case("misc/device_id_auto_wrap", world_size=2, requires=DEVICE_ID)
+@case("misc/device_id_auto_wrap", world_size=2, requires=COMPUTE)
 @pytest.mark.parametrize("kind", ["module_classes", "transformer"])
 def test_device_id_auto_wrap(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     """device_id=cpu reaches every nested unit, for a policy object and a policy callable."""
     _device_id_auto_wrap(impl, CPU, cpu_world_group(ctx), kind)
 
 
-@case("misc/device_id_auto_wrap_gpu", world_size=2, gpus=ANY_GPU, requires=DEVICE_ID)
+@case("misc/device_id_auto_wrap_gpu", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
 @pytest.mark.parametrize("kind", ["module_classes", "transformer"])
 def test_device_id_auto_wrap_gpu(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     _device_id_auto_wrap(impl, cuda_device(ctx), None, kind)

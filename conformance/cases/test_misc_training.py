@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from conformance.adapters.base import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import case, not_applicable
+from conformance.adapters.optional import has_backward_hook
+from conformance.case import case
 from conformance.cases._misc_helpers import cpu_world_group, env_on_all_ranks, hybrid_cpu_groups
 from fixtures.misc_models import PassThroughModel, RankInitModel
 from fixtures.models import (
@@ -109,7 +110,7 @@ def test_module_no_compute_grad(
             )
 
 
-@case("misc/not_all_outputs_used_in_loss", world_size=2)
+@case("misc/not_all_outputs_used_in_loss", world_size=2, requires=[Capability.RESHARD_INTROSPECTION])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     """Loss uses (a, b) for 2 steps, then only a for 4 (the seed's 6): units reshard, SGD matches a local model."""
@@ -144,8 +145,8 @@ def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strat
 
 def _assert_all_resharded(impl: FSDPAdapter, model: nn.Module, step: int) -> None:
     units = impl.units(model)
-    if any(u.resharded is None for u in units):
-        not_applicable(f"{impl.name} cannot report whether a unit is resharded")
+    unknown = [u.fqn or "<root>" for u in units if u.resharded is None]
+    assert not unknown, f"{impl.name} declares reshard_introspection but reports no resharded state for {unknown}"
     stale = [u.fqn or "<root>" for u in units if not u.resharded]
     assert not stale, f"step {step}: units not resharded after backward: {stale}"
 
@@ -181,8 +182,7 @@ def test_namedtuple_outputs(ctx: RankContext, impl: FSDPAdapter) -> None:
     out = model(_Quad(t, t, t, t))
     assert isinstance(out, _Quad), f"namedtuple output came back as {type(out).__name__}"
     for name, field in zip(out._fields, out, strict=True):
-        hooks = list((field._backward_hooks or {}).values())
-        assert hooks, f"rank {ctx.rank}: output field {name!r} has no backward hook"
+        assert has_backward_hook(impl, field), f"rank {ctx.rank}: output field {name!r} has no backward hook"
 
 
 HOMOGENEOUS_ATTRS = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval"]
@@ -249,7 +249,7 @@ def test_world_size_1_no_shard_warning(ctx: RankContext, impl: FSDPAdapter, stra
 @case(
     "misc/same_model_across_ranks",
     world_size=2,
-    requires=lambda p: [Capability.SYNC_MODULE_STATES] + ([Capability.DEVICE_ID] if p["use_device_id"] else []),
+    requires=lambda p: [Capability.SYNC_MODULE_STATES] + ([Capability.COMPUTE_DEVICE] if p["use_device_id"] else []),
 )
 @pytest.mark.parametrize("use_device_id", [False, True])
 def test_same_model_across_ranks(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> None:

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec, full_grads
+from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
+from conformance.adapters.optional import full_grads
 from conformance.case import case
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss

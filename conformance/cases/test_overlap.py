@@ -1,7 +1,8 @@
 """overlap: communication hides behind compute, and a non-overlapping run is detected.
 
 [Note: overlap timing]
-Three units of ``LinearWithSleep`` (forward sleeps ``compute_ms``, backward
+The machinery lives in :mod:`fixtures.timing` (shared with
+``bench/overlap_repeat.py``). Three units of ``LinearWithSleep`` (forward sleeps ``compute_ms``, backward
 ``2 * compute_ms``); every collective is delayed by ``comm_ms``: on CPU by the
 harness's communication worker ([Note: communication worker]), on GPU by a
 device sleep on a side stream, as in the seed. The seed's GPU numbers
@@ -20,7 +21,6 @@ rank checks its own time. Efficiency = ideal time (the bound without buffers)
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,135 +28,31 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import case, distinct_gpus
+from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
+from conformance.adapters.optional import PostOptimEventUnsupported, set_post_optim_event
+from conformance.case import case, distinct_gpus, not_applicable
 from conformance.report import CaseReport
-from fixtures.timing import LinearWithSleep
+from fixtures.timing import (
+    COMM_MS,
+    COMPUTE_MS,
+    FWD_BOUND_MS,
+    FWD_BWD_BOUND_MS,
+    FWD_BWD_IDEAL_MS,
+    SCALE,
+    LinearWithSleep,
+    measure_overlap,
+    overlap_summary,
+)
 
 if TYPE_CHECKING:
     from harness import RankContext
-
-SCALE = 16
-COMPUTE_MS, COMM_MS, BUFFER_MS = 25.0 * SCALE, 10.0 * SCALE, 2.0 * SCALE
-FWD_IDEAL_MS = COMM_MS + 3 * COMPUTE_MS
-FWD_BOUND_MS = FWD_IDEAL_MS + BUFFER_MS
-FWD_BWD_IDEAL_MS = FWD_IDEAL_MS + 2 * COMM_MS + 6 * COMPUTE_MS
-FWD_BWD_BOUND_MS = FWD_BOUND_MS + 2 * COMM_MS + 6 * COMPUTE_MS + 2 * BUFFER_MS
-
-
-def _model(ctx: RankContext, impl: FSDPAdapter, prefetch: bool) -> nn.Module:
-    layers = nn.Sequential(*[LinearWithSleep(4, COMPUTE_MS, seed=i) for i in range(3)])
-    spec = WrapSpec(
-        strategy="FULL_SHARD",
-        auto_wrap=AutoWrap((LinearWithSleep,)),
-        use_orig_params=True,
-        forward_prefetch=prefetch,
-        backward_prefetch="BACKWARD_PRE" if prefetch else None,
-        device_id=ctx.device if ctx.device.type == "cuda" else None,
-    )
-    return impl.wrap(layers.to(ctx.device), spec)
-
-
-class _Timer:
-    """Times passes under delayed communication, on CPU (worker thread) or GPU (side stream)."""
-
-    def __init__(self, ctx: RankContext, repeats: int) -> None:
-        self.ctx = ctx
-        self.repeats = repeats
-        self.worker: Any = None
-
-    def __enter__(self) -> _Timer:
-        if self.ctx.device.type == "cuda":
-            self._gpu = _GpuDelay(self.ctx)
-            self._gpu.__enter__()
-        else:
-            from harness.comm_worker import comm_worker
-
-            self._cm = comm_worker(COMM_MS)
-            self.worker = self._cm.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx.device.type == "cuda":
-            self._gpu.__exit__(*exc)
-        else:
-            self._cm.__exit__(*exc)
-
-    def median_ms(self, fn: Callable[[], None]) -> float:
-        samples = []
-        for _ in range(self.repeats):
-            self._sync()
-            start = time.perf_counter()
-            fn()
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
-
-    def _sync(self) -> None:
-        if self.worker is not None:
-            self.worker.drain()
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.ctx.barrier()
-
-
-class _GpuDelay:
-    """The seed's GPU delay: sleep on a side stream before every all-gather / reduce-scatter."""
-
-    def __init__(self, ctx: RankContext) -> None:
-        self.ctx = ctx
-
-    def __enter__(self) -> None:
-        from fixtures.timing import device_sleep
-        from harness.recorder import patch_collectives
-
-        stream = torch.cuda.Stream()
-
-        def delayed(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    device_sleep(COMM_MS, self.ctx.device)
-                torch.cuda.current_stream().wait_stream(stream)
-            return fn(*args, **kwargs)
-
-        self._patch = patch_collectives(delayed)
-        self._patch.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._patch.__exit__(*exc)
-
-
-def _measure(ctx: RankContext, impl: FSDPAdapter, prefetch: bool, repeats: int) -> tuple[float, float, str]:
-    model = _model(ctx, impl, prefetch)
-    inp = torch.randn(2, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
-
-    def fwd() -> None:
-        model(inp)
-
-    def fwd_bwd() -> None:
-        model(inp).sum().backward()
-
-    with _Timer(ctx, repeats) as timer:
-        fwd_bwd()  # warm-up: lazy init, recorded order for prefetching
-        fwd_ms = timer.median_ms(fwd)
-        fwd_bwd_ms = timer.median_ms(fwd_bwd)
-        trace = timer.worker.render() if timer.worker is not None else ""
-    return fwd_ms, fwd_bwd_ms, trace
-
-
-def _summary(fwd_ms: float, fwd_bwd_ms: float) -> str:
-    return (f"forward {fwd_ms:.0f} ms (bound {FWD_BOUND_MS:.0f}), forward+backward {fwd_bwd_ms:.0f} ms "
-            f"(bound {FWD_BWD_BOUND_MS:.0f}), efficiency {FWD_BWD_IDEAL_MS / fwd_bwd_ms:.2f}")
-
 
 @case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300, timing=True)
 def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
     # Process ranks only: thread ranks share one GIL-bound process and the worker
     # thread cannot resolve a thread rank's process group ([Note: communication worker]).
-    fwd_ms, fwd_bwd_ms, trace = _measure(ctx, impl, prefetch=True, repeats=timing_repeats)
-    summary = _summary(fwd_ms, fwd_bwd_ms)
+    fwd_ms, fwd_bwd_ms, trace = measure_overlap(ctx, impl, prefetch=True, repeats=timing_repeats)
+    summary = overlap_summary(fwd_ms, fwd_bwd_ms)
     late = "\n".join(trace.splitlines()[-12:])
     assert fwd_ms <= FWD_BOUND_MS, f"rank {ctx.rank}: forward does not overlap: {summary}\n{late}"
     assert fwd_bwd_ms <= FWD_BWD_BOUND_MS, f"rank {ctx.rank}: backward does not overlap: {summary}\n{late}"
@@ -174,8 +70,8 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: i
 )
 def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
     """Negative control: with prefetching off, the same model must exceed the forward bound."""
-    fwd_ms, fwd_bwd_ms, _ = _measure(ctx, impl, prefetch=False, repeats=timing_repeats)
-    summary = _summary(fwd_ms, fwd_bwd_ms)
+    fwd_ms, fwd_bwd_ms, _ = measure_overlap(ctx, impl, prefetch=False, repeats=timing_repeats)
+    summary = overlap_summary(fwd_ms, fwd_bwd_ms)
     assert fwd_ms > FWD_BOUND_MS, f"rank {ctx.rank}: the bound cannot fail, it is too loose: {summary}"
     return CaseReport(reason=f"without prefetch: {summary}",
                       metrics={"forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms})
@@ -224,13 +120,15 @@ def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
             with implicit_replication():
                 optim.step()
             if use_event:
-                tail: Any = model[1]  # an FSDP2 module (Capability.POST_OPTIM_EVENT)
-                tail.set_post_optim_event(torch.cuda.current_stream().record_event())
+                set_post_optim_event(impl, model[1], torch.cuda.current_stream().record_event())
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
-    train(False)
-    baseline, with_event = train(False), train(True)
+    try:
+        train(False)
+        baseline, with_event = train(False), train(True)
+    except PostOptimEventUnsupported as exc:
+        not_applicable(str(exc))
     assert baseline <= steps * (3 * compute_ms + comm_ms + buffer_ms)
     expected = steps * (3 * compute_ms + buffer_ms) + comm_ms
     assert with_event <= expected, f"{with_event:.1f} ms > {expected:.1f} ms"

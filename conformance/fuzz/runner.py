@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import FSDPAdapter, WrapSpec, full_grads
+from conformance.adapters.base import FSDPAdapter, WrapSpec
+from conformance.adapters.optional import full_grads
 from conformance.fuzz.example import Example
 from conformance.fuzz.model import build_model, loss_of, make_batch
 from fixtures.parity import assert_close_named, named_grads

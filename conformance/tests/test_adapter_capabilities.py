@@ -27,6 +27,26 @@ def _fsdp1_optim_state_dict(ctx: harness.RankContext) -> list[str]:
     return sorted(FullyShardedDataParallel.optim_state_dict(model, optim)["state"])
 
 
+def _fsdp1_full_state_dict(ctx: harness.RankContext) -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with ctx.rng(0):
+        model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        state = model.state_dict()
+        model.load_state_dict(state)
+    return sorted(state)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_fsdp1_full_state_dict_collides_on_thread_ranks() -> None:
+    """FSDP1's model state-dict load profiles its sections in the same class-level set."""
+    assert Capability.FULL_STATE_DICT_LOAD_ON_THREADS not in TorchFSDP1Adapter.capabilities
+    assert harness.run(_fsdp1_full_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
+    with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
+        harness.run(_fsdp1_full_state_dict, world_size=2, mode="thread")
+
+
 # The collision also leaves a profiling generator that raises when it is closed.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_fsdp1_optim_state_dict_collides_on_thread_ranks() -> None:

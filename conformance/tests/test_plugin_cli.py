@@ -21,6 +21,12 @@ class Bare(ReferenceAdapter):
     name = "bare"
     capabilities = frozenset({Capability.THREAD_RANKS})
 
+class NoNoShard(ReferenceAdapter):
+    """The reference refusing NO_SHARD and the hybrid strategies."""
+    name = "no-no-shard"
+    def supports_strategy(self, strategy):
+        return strategy not in ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
 class ProcessOnly(ReferenceAdapter):
     """The reference declaring no capability at all, not even thread ranks."""
     name = "process-only"
@@ -59,13 +65,35 @@ from conformance.report import CaseReport
 
 @case("demo/reports", world_size=2, modes=("thread",))
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("strategy", ["A", None])
-def test_reports(ctx, impl, strategy, n, timing_repeats):
+@pytest.mark.parametrize("variant", ["A", None])
+def test_reports(ctx, impl, variant, n, timing_repeats):
     return CaseReport(reason=f"rank {ctx.rank} says hi", metrics={"repeats": timing_repeats, "n": n})
 
 @case("demo/returns_dict", world_size=2, modes=("thread",))
 def test_returns_dict(ctx, impl):
     return {"reason": "old style"}
+'''
+
+DECISIONS = '''
+import pytest
+from conformance.case import case
+
+@case("demo/strategies", world_size=2, modes=("thread",))
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_strategies(ctx, impl, strategy):
+    pass
+
+@case("demo/hybrid_inside", world_size=2, modes=("thread",), strategies=["HYBRID_SHARD"])
+def test_hybrid_inside(ctx, impl):
+    pass
+
+@case("demo/process_only", world_size=2, modes=("process",))
+def test_process_only(ctx, impl):
+    raise AssertionError("never runs on thread ranks")
+
+@case("demo/skips_in_body", world_size=2, modes=("thread",))
+def test_skips_in_body(ctx, impl):
+    pytest.skip("feeling lazy")
 '''
 
 RESULT_LISTENER = '''
@@ -78,7 +106,8 @@ def pytest_conformance_result(config, result):
 @pytest.fixture
 def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(demo_adapters=ADAPTERS, test_demo=CASES)
-    adapters = "bare=demo_adapters:Bare,process-only=demo_adapters:ProcessOnly,broken=no_such_module:Nope"
+    adapters = ("bare=demo_adapters:Bare,process-only=demo_adapters:ProcessOnly,broken=no_such_module:Nope,"
+                "no-no-shard=demo_adapters:NoNoShard")
     monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", adapters)
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     return pytester
@@ -136,7 +165,7 @@ def test_cli_list_impls_and_empty_selection() -> None:
     listed = _cli("list", "-k", "exec_order")
     assert listed.returncode == 0
     assert re.search(r"^exec_order/invalid_later_iter_order\[strategy=FULL_SHARD,iters_before_path_change=3\] "
-                     r"+cpu, ws 2; modes process/thread$",
+                     r"+cpu, ws 2; modes process/thread; requires exec_order_validation, thread_ranks$",
                      listed.stdout, re.M), listed.stdout
     assert listed.stdout.splitlines()[-1] == "8 cases"
     impls = _cli("impls")
@@ -155,10 +184,10 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     result = suite.runpytest_subprocess("test_reporting.py", "--conformance-json", str(out), "-p", "no:cacheprovider")
     assert result.ret == 1
     rows = {r["case"]: r for r in json.loads(out.read_text())}
-    assert sorted(rows) == ["demo/reports[strategy=A,n=1]", "demo/reports[strategy=A,n=2]",
-                            "demo/reports[strategy=None,n=1]", "demo/reports[strategy=None,n=2]",
+    assert sorted(rows) == ["demo/reports[variant=A,n=1]", "demo/reports[variant=A,n=2]",
+                            "demo/reports[variant=None,n=1]", "demo/reports[variant=None,n=2]",
                             "demo/returns_dict"]
-    reported = rows["demo/reports[strategy=None,n=2]"]
+    reported = rows["demo/reports[variant=None,n=2]"]
     assert reported["outcome"] == "pass" and reported["reason"] == "rank 0 says hi"
     assert reported["metrics"] == {"repeats": 7, "n": 2}
     bad = rows["demo/returns_dict"]
@@ -215,3 +244,27 @@ def test_bad_device_names_its_source(suite: pytest.Pytester, monkeypatch: pytest
     result = suite.runpytest_subprocess("-k", "passes")
     result.stderr.fnmatch_lines(["*FSDP_DEVICE='gpu': expected one of auto, cpu, cuda*"])
     assert result.ret == 4
+
+
+def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
+    """Refused strategies and excluded rank modes are n/a with reasons; a body's skip is not a hardware skip."""
+    suite.makepyfile(test_decisions=DECISIONS)
+    out, md = suite.path / "r.json", suite.path / "r.md"
+    result = suite.runpytest_subprocess("test_decisions.py", "--fsdp-impl", "no-no-shard", "--rank-mode", "thread",
+                                        "--conformance-json", str(out), "--conformance-markdown", str(md))
+    assert result.ret == 1
+    rows = {r["case"]: r for r in json.loads(out.read_text())}
+    assert rows["demo/strategies[strategy=FULL_SHARD]"]["outcome"] == "pass"
+    refused = rows["demo/strategies[strategy=NO_SHARD]"]
+    assert (refused["outcome"], refused["reason"]) == ("n/a", "no-no-shard does not support strategy NO_SHARD")
+    declared = rows["demo/hybrid_inside"]
+    assert (declared["outcome"], declared["reason"]) == ("n/a", "no-no-shard does not support strategy HYBRID_SHARD")
+    excluded = rows["demo/process_only"]
+    assert (excluded["outcome"], excluded["rank_mode"]) == ("n/a", "thread")
+    assert excluded["reason"] == "demo/process_only runs on process ranks only, which the selected rank mode excludes"
+    lazy = rows["demo/skips_in_body"]
+    assert lazy["outcome"] == "error" and "skip means missing hardware" in lazy["reason"]
+    assert "feeling lazy" in lazy["reason"]
+    markdown = md.read_text()
+    assert "NotSetType" not in markdown
+    assert re.search(r"^\| `demo/process_only` \|.*\| n/a \|$", markdown, re.M), markdown

@@ -50,3 +50,43 @@ def test_worker_semantics_on_process_ranks() -> None:
         assert result["gathered"] == [0.0, 1.0]
         assert result["ops"] == ["all_reduce", "all_reduce", "all_gather_into_tensor", "all_reduce"]
         assert result["threads_leaked"] == 0
+
+
+def _old_and_new_names(ctx: harness.RankContext) -> dict[str, object]:
+    """Deprecated names pass async_op positionally; every spelling must behave alike."""
+    import warnings
+
+    calls = {
+        "_all_gather_base positional async": lambda out, inp: dist._all_gather_base(out, inp, None, True),
+        "all_gather_into_tensor keyword async": lambda out, inp: dist.all_gather_into_tensor(out, inp, async_op=True),
+        "_reduce_scatter_base positional async":
+            lambda out, inp: dist._reduce_scatter_base(out, inp, dist.ReduceOp.SUM, None, True),
+        "reduce_scatter_tensor keyword async": lambda out, inp: dist.reduce_scatter_tensor(out, inp, async_op=True),
+    }
+    results: dict[str, object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with comm_worker(comm_ms=100):
+            for label, call in calls.items():
+                gather = "gather" in label
+                out = torch.empty(2 if gather else 1)
+                inp = torch.full((1 if gather else 2,), float(ctx.rank + 1))
+                start = time.perf_counter()
+                handle = call(out, inp)
+                issued_s = time.perf_counter() - start
+                handle.wait()
+                results[label] = (issued_s < 0.05, out.tolist())
+            start = time.perf_counter()
+            out = torch.empty(2)
+            assert dist._all_gather_base(out, torch.ones(1), None, False) is None
+            results["_all_gather_base positional sync blocks"] = time.perf_counter() - start >= 0.1
+    return results
+
+
+def test_worker_binds_collectives_by_signature_old_and_new_names() -> None:
+    for result in harness.run(_old_and_new_names, world_size=2, mode="process"):
+        assert result["_all_gather_base positional async"] == (True, [1.0, 2.0])
+        assert result["all_gather_into_tensor keyword async"] == (True, [1.0, 2.0])
+        assert result["_reduce_scatter_base positional async"] == (True, [3.0])
+        assert result["reduce_scatter_tensor keyword async"] == (True, [3.0])
+        assert result["_all_gather_base positional sync blocks"] is True

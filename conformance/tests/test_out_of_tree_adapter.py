@@ -1,0 +1,86 @@
+"""Acceptance: a third-party adapter package, registered only in its own metadata, gets an honest matrix.
+
+The package lives in a temporary directory with its own ``*.dist-info``
+(entry point ``fsdp_conformance.adapters``); nothing of it is in this
+project's metadata. Its implementation has neither NO_SHARD nor hybrid
+sharding: those rows must be ``n/a`` with the reason, the others must run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance import registry
+from conformance.rows import parse_row_id
+
+ADAPTER = '''
+from conformance.adapters.base import Capability
+from conformance.adapters.reference import ReferenceAdapter
+
+_HYBRID = {Capability.HYBRID_VIA_PG_TUPLE, Capability.HYBRID_AUTO_GROUPS, Capability.HYBRID_MANUAL_WRAP_CHECK,
+           Capability.HYBRID_PG_VALIDATION}
+
+
+class NoReplicationAdapter(ReferenceAdapter):
+    """An implementation that only shards: no NO_SHARD, no hybrid strategies."""
+
+    name = "no-replication"
+    capabilities = ReferenceAdapter.capabilities - _HYBRID
+
+    def supports_strategy(self, strategy):
+        return strategy in (None, "FULL_SHARD", "SHARD_GRAD_OP")
+'''
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    """A directory holding the package and its dist-info, as an installed distribution would."""
+    root = tmp_path / "site"
+    (root / "no_replication_fsdp").mkdir(parents=True)
+    (root / "no_replication_fsdp" / "__init__.py").write_text(ADAPTER)
+    dist = root / "no_replication_fsdp-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: no-replication-fsdp\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[fsdp_conformance.adapters]\nno-replication = no_replication_fsdp:NoReplicationAdapter\n")
+    return root
+
+
+def _cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-m", "conformance", *args], env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+
+
+def test_out_of_tree_adapter_rows_are_na_for_what_it_lacks(site: Path, tmp_path: Path) -> None:
+    assert "no-replication" not in registry.registered(), "the adapter must come only from its own dist-info"
+    selection = "world_size_1_no_shard_warning or manual_wrap_requires_pg or cpu_training_parity_vs_ddp"
+    preview = _cli(site, "list", "--impl", "no-replication", "-k", selection)
+    assert preview.returncode == 0, preview.stderr
+    assert "n/a (process/thread): no-replication does not support strategy NO_SHARD" in preview.stdout
+    out = tmp_path / "r.json"
+    run = _cli(site, "run", "--impl", "no-replication", "--rank-mode", "thread", "-k", selection, "--json", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["rank_mode"] for r in rows} == {"thread"}
+    by_case: dict[str, list[str]] = {}
+    for row in rows:
+        case, params = parse_row_id(row["case"])
+        by_case.setdefault(case, []).append(row["outcome"])
+        strategy = params.get("strategy")
+        if case == "hybrid_shard/manual_wrap_requires_pg":
+            expected = ("n/a", "no-replication lacks capability hybrid_manual_wrap_check")
+        elif strategy in ("NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+            expected = ("n/a", f"no-replication does not support strategy {strategy}")
+        else:
+            expected = ("pass", "")
+        assert (row["outcome"], row["reason"]) == expected, row
+    assert {"pass", "n/a"} <= set(by_case["misc/cpu_training_parity_vs_ddp"])
+    assert {"pass", "n/a"} <= set(by_case["misc/world_size_1_no_shard_warning"])
