@@ -10,6 +10,13 @@ every rank reports the same result for the case (and rank 0 writes the
 report). A case declared for another world size is skipped with the reason.
 A rank blocked in a collective because a peer failed is released by the
 backend's timeout (``timeout_s`` of the first case initialises it).
+
+Placements ([Note: placements] in :mod:`harness.devices`): the job's default
+group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
+its own (it moves CPU and CUDA tensors), else ``gloo``; each case then
+computes on its placement's device (``cpu``; ``cuda:{local_rank}``; a shared
+GPU). Unlike a rank process, a launched rank already exists when the case
+starts, so the ``cpu`` placement cannot hide CUDA from it.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ import torch
 import torch.distributed as dist
 
 from harness.context import RankContext
+from harness.devices import process_backend, rank_device, visible_gpus
 from harness.outcome import Outcome, capture, resolve
 from harness.reset import case_scope
 
-__all__ = ["run_launched", "job_env", "ENV_VARS"]
+__all__ = ["run_launched", "job_env", "job_backend", "ENV_VARS"]
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _control: list[Any] = []
@@ -46,16 +54,21 @@ def job_env() -> dict[str, int]:
     return env
 
 
-def _device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def _device(placement: str, local_rank: int, gpus: int) -> torch.device:
+    device = rank_device(placement, local_rank, gpus)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
-def _ensure_initialised(timeout_s: float, device: torch.device) -> Any:
+def job_backend(local_world_size: int, gpus: int, nccl: bool) -> str:
+    """The launched job's default group: nccl for CUDA tensors only when every local rank has its own GPU."""
+    return process_backend("cuda" if gpus >= local_world_size and nccl else "cpu")
+
+
+def _ensure_initialised(timeout_s: float, job: dict[str, int], gpus: int) -> Any:
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = job_backend(job["LOCAL_WORLD_SIZE"], gpus, dist.is_nccl_available())
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     if not _control:
         _control.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
@@ -63,12 +76,14 @@ def _ensure_initialised(timeout_s: float, device: torch.device) -> Any:
 
 
 def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, args: tuple[Any, ...],
-                 kwargs: Mapping[str, Any], seed: int, env: Mapping[str, str] | None) -> list[Any]:
+                 kwargs: Mapping[str, Any], seed: int, env: Mapping[str, str] | None,
+                 placement: str = "cpu") -> list[Any]:
     job = job_env()
     if world_size != job["WORLD_SIZE"]:
         raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}")
-    device = _device(job["LOCAL_RANK"])
-    control = _ensure_initialised(max(timeout_s, 60.0), device)
+    gpus = visible_gpus()
+    control = _ensure_initialised(max(timeout_s, 60.0), job, gpus)
+    device = _device(placement, job["LOCAL_RANK"], gpus)
     ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
                       local_world_size=job["LOCAL_WORLD_SIZE"], device=device,
                       backend=dist.get_backend(), mode="launched", seed=seed)

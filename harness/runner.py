@@ -72,7 +72,7 @@ def run(
     _check_arguments(world_size, mode, placement, timeout_s)
     if mode == "launched":
         return launched.run_launched(fn, world_size=world_size, timeout_s=timeout_s, args=args,
-                                     kwargs=kwargs, seed=seed, env=env)
+                                     kwargs=kwargs, seed=seed, env=env, placement=placement)
     gpus = visible_gpus() if placement != "cpu" else 0
     check_placement(placement, world_size, gpus, nccl_available())
     task = Task(fn_ref=_fn_ref(fn, mode), args=tuple(args), kwargs=kwargs, seed=seed, env=dict(env or {}))

@@ -68,6 +68,13 @@ def test_rank_devices_and_backends() -> None:
     assert devices.process_backend("cuda-shared") == devices.process_backend("cpu") == "gloo"
 
 
+def test_a_launched_job_uses_nccl_only_with_a_gpu_per_local_rank() -> None:
+    from harness.launched import job_backend
+
+    assert job_backend(2, 2, True) == job_backend(4, 8, True) == "cpu:gloo,cuda:nccl"
+    assert job_backend(2, 1, True) == job_backend(2, 0, True) == job_backend(2, 2, False) == "gloo"
+
+
 @pytest.mark.parametrize(
     ("call", "error", "pattern"),
     [
