@@ -1,9 +1,15 @@
-"""Run one test body on N ranks, as spawned processes or as threads, and attribute every fault.
+"""Run one test body on N ranks, as spawned processes or as threads of a host process, and attribute every fault.
 
-``harness.run(fn, world_size=2, mode="process")`` calls ``fn(ctx, ...)`` on every
-rank and returns the per-rank values, or raises a :class:`RankFailure` whose
-first line names the rank and what went wrong. See the module docs of
-:mod:`harness.process`, :mod:`harness.threads` and :mod:`harness.launched`.
+``harness.run(fn, world_size=2, mode="process", placement="cpu")`` calls
+``fn(ctx, ...)`` on every rank and returns the per-rank values, or raises a
+:class:`RankFailure` whose first line names the rank and what went wrong. See
+the module docs of :mod:`harness.devices` (placements), :mod:`harness.process`,
+:mod:`harness.thread_host`, :mod:`harness.threads` and :mod:`harness.launched`.
+
+Imports point one way: ``runner`` (top) > ``launched``, ``process``,
+``thread_host`` > ``_host_main``, ``_rank_main``, ``threads`` > ``context``,
+``outcome``, ``reset``, ``errors``, ``devices``, ``cpu_budget``, ``_rank_state``
+(bottom). The package re-exports the public names.
 """
 
 from harness.context import RankContext

@@ -24,6 +24,8 @@ __all__ = ["HostSetup", "ThreadTask", "host_main"]
 
 @dataclass
 class HostSetup:
+    """What a thread host needs at start: its placement, the parent's import path, its dump files."""
+
     placement: str
     gpus: int
     sys_path: list[str]

@@ -133,6 +133,7 @@ def visible_gpus() -> int:
 
 
 def nccl_available() -> bool:
+    """Whether this torch can make nccl groups (the ``cuda`` placement needs them)."""
     import torch.distributed as dist
 
     return bool(dist.is_available() and dist.is_nccl_available())
