@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from conformance.adapters.base import FSDPAdapter, WrapSpec, full_grads
+from conformance.adapters.base import FSDPAdapter, WrapSpec
+from conformance.adapters.optional import full_grads
 from conformance.case import case, not_applicable
 from fixtures.models import OUTPUT_USES, OutputUseModel
 from fixtures.optimizers import make_optim
