@@ -24,6 +24,8 @@ from conformance.mutants.hybrid import *  # noqa: F403 - adapters are registered
 from conformance.mutants.hybrid import __all__ as _hybrid
 from conformance.mutants.longer_runs import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.longer_runs import __all__ as _longer_runs
+from conformance.mutants.meshes import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.meshes import __all__ as _meshes
 from conformance.mutants.outputs import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.outputs import __all__ as _outputs
 from conformance.mutants.placement import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
@@ -39,7 +41,7 @@ from conformance.mutants.state_dicts import __all__ as _state_dicts
 
 _ALL = (
     *_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision,
-    *_sharing, *_outputs,
+    *_sharing, *_outputs, *_meshes,
 )
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
