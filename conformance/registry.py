@@ -25,6 +25,7 @@ BUILTIN: dict[str, str] = {
     "reference": "conformance.adapters.reference:ReferenceAdapter",
     "torch-fsdp1": "conformance.adapters.torch_fsdp1:TorchFSDP1Adapter",
     "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+    "fairscale-fsdp": "conformance.adapters.fairscale_fsdp:FairScaleFSDPAdapter",
 }
 
 
@@ -87,10 +88,26 @@ _REQUIRED = ("name", "capabilities", *sorted(m for m in vars(FSDPAdapter) if not
 
 
 def expand(names: list[str]) -> list[str]:
-    """Resolve ``all`` and drop duplicates, keeping the order given."""
+    """Resolve ``all`` (every registered adapter usable here) and drop duplicates, keeping the order given.
+
+    An adapter that is registered but unavailable here (an optional extra not
+    installed) is left out of ``all``; named explicitly, it gives ``error`` rows
+    with its reason.
+    """
     out: list[str] = []
     for name in names:
-        for item in registered() if name == "all" else [name]:
+        for item in _usable() if name == "all" else [name]:
             if item not in out:
                 out.append(item)
     return out
+
+
+def _usable() -> list[str]:
+    usable = []
+    for name in registered():
+        try:
+            if load(name).unavailable_reason() is None:
+                usable.append(name)
+        except Exception:  # noqa: BLE001 - an adapter that does not load is reported when named
+            usable.append(name)
+    return usable
