@@ -165,9 +165,16 @@ def _gather_shard_sized(handle: FlatParamHandle, shard: torch.Tensor) -> torch.T
 
 
 def _expose_full_grads(handle: FlatParamHandle) -> None:
+    """Full gradients on every rank; ranks agree whether there is one, since a rank whose shard
+    holds no parameter's elements (padding only) has no gradient of its own but takes part."""
     local = handle.sharded_grad()
-    has_grad = local is not None
-    shard = local if local is not None else torch.zeros_like(handle.flat_param.data)
+    flag = torch.tensor([0 if local is None else 1], device=handle.compute_device)
+    if handle.shard_size > 1:
+        collectives.all_reduce(flag, handle.shard_group).wait()
+    has_grad = bool(flag.item())
+    stale = handle.flat_param.grad  # the dtype gradients were kept in, also on a padding-only rank
+    dtype = stale.dtype if stale is not None else handle.flat_param.dtype
+    shard = local if local is not None else torch.zeros_like(handle.flat_param.data, dtype=dtype)
     full = _gather_shard_sized(handle, shard)
     for slot in handle.slots:
         view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)

@@ -68,3 +68,13 @@ def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
 def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
     run_example(ctx, impl, Example(world_size=1, model=ModelSpec(blocks=(Block(inner=("linear",)),), unused=True),
                                    wrap=("unused",), use_orig_params=True))
+
+
+# Found by the parity fuzzer (seed 1, world size 4) in torch-fsdp1: a rank died (gloo: "Received data size
+# doesn't match expected size") reading full gradients of a float64 unit whose last shard is padding only
+# (docs/findings/fsdp1-summon-grads-float64-padding-shard.md). Written by hand from the finding: a crash
+# cannot be shrunk. On thread ranks torch-fsdp1 hangs instead of dying; the timeout leaves room for a fresh
+# pool of four ranks warming up on a loaded 2-core machine (about 30 s), not for the default 120 s.
+@case("fuzz/repro_d61e5cb1", world_size=4, timeout_s=90.0)
+def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_example(ctx, impl, Example(world_size=4, wrap=("blocks.0",), use_orig_params=True, dtype="float64"))

@@ -42,8 +42,8 @@ class NoGradDivide(_Mutant):
     breaks = "gradient averaging"
     # Adam is invariant to a uniform gradient scale: only the SGD rows of DDP parity see this.
     expect = Expect(
-        "not_all_outputs_used_in_loss or (cpu_training_parity_vs_ddp and SGD)", "thread",
-        ("misc/not_all_outputs_used_in_loss", "misc/cpu_training_parity_vs_ddp[optim=SGD]"),
+        "not_all_outputs_used_in_loss or (cpu_training_parity_vs_ddp and SGD) or repro_d61e5cb1", "thread",
+        ("misc/not_all_outputs_used_in_loss", "misc/cpu_training_parity_vs_ddp[optim=SGD]", "fuzz/repro_d61e5cb1"),
     )
 
     def _mutate_unit(self, unit: Any) -> None:
