@@ -3,7 +3,9 @@
 The ``head`` unit's output is used through views, modified in place after the
 forward, detached in part, or taken out of a container; ``head`` is resharded
 after its forward, so backward must gather its parameters again from hooks on
-whatever the caller kept. Each rank trains on its own batch; the baseline is
+whatever the caller kept: backward must all-gather again (an implementation
+whose autograd graph still holds the freed parameters may compute right
+gradients without it, so the all-gather itself is checked). Each rank trains on its own batch; the baseline is
 the local model over every rank's batch with the loss divided by the world
 size ([Note: accumulation baseline] in ``test_grad_accumulation``). Full
 gradients and, after each SGD-with-momentum step, parameters equal the
@@ -41,12 +43,20 @@ def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
     optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
     for step in range(STEPS):
         batches = [local.get_input(ctx.device, generator(rank_seed(step, r)))[0] for r in range(ctx.world_size)]
-        model(batches[ctx.rank]).square().sum().backward()
+        loss = model(batches[ctx.rank]).square().sum()
+        with ctx.record_collectives() as trace:
+            loss.backward()
+        gathers = [c for c in trace.calls if c.op.startswith("all_gather")]
+        assert gathers, (
+            f"rank {ctx.rank} step {step}: no all-gather in backward with the head output used as {use!r}; "
+            f"head was resharded after forward, so its backward must gather it again\n{trace.render()}"
+        )
         for batch in batches:
             (local(batch).square().sum() / ctx.world_size).backward()
         grads = full_grads(impl, model)
         if grads is None:
             not_applicable(f"{impl.name} cannot expose full gradients for this wrap")
+            return
         want = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
         assert_close_named(
             {n: None if g is None else g.to(ctx.device) for n, g in grads.items()}, want,
