@@ -80,25 +80,6 @@ def known() -> list[Finding]:
     for part in filter(None, os.environ.get(ENV_VAR, "").split(os.pathsep)):
         found += load_file(Path(part))
     return found
-#: (implementation, row pattern as :func:`conformance.rows.row_matches` reads it) -> write-up,
-#: relative to the repository root.
-KNOWN: dict[tuple[str, str], str] = {
-    ("torch-fsdp1", "misc/same_model_across_ranks"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "misc/cpu_init_with_sync_module_states_cpu"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
-    ("torch-fsdp2", "overlap/training_overlap"): "docs/findings/overlap-cpu-torch.md",
-    ("torch-fsdp1", "hybrid_shard/basic_setup"): "docs/findings/fsdp1-hybrid-cpu.md",
-    ("torch-fsdp1", "hybrid_shard/sync_module_states"): "docs/findings/fsdp1-sync-module-states-cpu.md",
-    ("torch-fsdp1", "checkpoint/*"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "misc/device_id_cpu_offload"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "grad_accumulation/accumulate[cpu_offload=True]"): "docs/findings/fsdp1-cpu-offload-pinning.md",
-    ("torch-fsdp1", "state_dict/roundtrip[kind=FULL]"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
-    ("torch-fsdp1", "state_dict/cross_impl"): "docs/findings/fsdp1-full-optim-state-orig-params.md",
-    ("torch-fsdp1", "mixed_precision/keep_low_precision_grads[strategy=FULL_SHARD]"):
-        "docs/findings/fsdp1-keep-low-precision-grads.md",
-    ("torch-fsdp1", "fuzz/repro_8fc450e8"): "docs/findings/fsdp1-no-shard-unused-unit-params.md",
-    ("torch-fsdp1", "fuzz/repro_d61e5cb1"): "docs/findings/fsdp1-summon-grads-float64-padding-shard.md",
-}
 
 
 def annotate(impl: str, case: str, reason: str) -> str:
