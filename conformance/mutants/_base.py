@@ -29,7 +29,7 @@ import torch.nn as nn
 from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
-__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "_Mutant", "_state_of"]
+__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "_Mutant", "_state_of", "drop_grads"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +158,10 @@ def _state_of(unit: nn.Module) -> Any:
     if state is None:
         raise TypeError(f"{type(unit).__name__} is not a reference FSDP unit")
     return state
+
+
+def drop_grads(handle: Any) -> None:
+    """Forget a flat-parameter handle's gradients (the flat one and each original parameter's)."""
+    handle.flat_param.grad = None
+    for slot in handle.slots:
+        slot.param.grad = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conformance.mutants._base import Expect, Patch, _Mutant
+from conformance.mutants._base import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["OffloadedAccumulationOverwrites"]
 
@@ -15,9 +15,7 @@ Fn = Callable[..., Any]
 def _overwrite_when_offloaded(accumulate: Fn) -> Fn:
     def accumulate_or_replace(handle: Any, grad: Any) -> None:
         if handle.offload_params:
-            handle.flat_param.grad = None
-            for slot in handle.slots:
-                slot.param.grad = None
+            drop_grads(handle)
         accumulate(handle, grad)
 
     return accumulate_or_replace

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from conformance.mutants._base import Expect, Patch, _Mutant, _state_of
+from conformance.mutants._base import Expect, Patch, _Mutant, _state_of, drop_grads
 
 __all__ = [
     "NoGradDivide",
@@ -257,9 +257,7 @@ class OffloadedGradsDropped(_Mutant):
 
 def _accumulate_into_nothing(accumulate: Fn) -> Fn:
     def accumulate_replacing(handle: Any, grad: Any) -> None:
-        handle.flat_param.grad = None
-        for slot in handle.slots:
-            slot.param.grad = None
+        drop_grads(handle)
         accumulate(handle, grad)
 
     return accumulate_replacing
