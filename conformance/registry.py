@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from conformance.adapters.base import Capability, FSDPAdapter
-from conformance.adapters.optional import protocol_version
+from conformance.adapters.base import FSDPAdapter
+from conformance.adapters.optional import CAPABILITY_METHODS, protocol_version
 
 __all__ = ["ENTRY_POINT_GROUP", "BUILTIN", "UnknownAdapter", "AdapterEntry", "registered", "load"]
 
@@ -77,9 +77,10 @@ def load(name: str) -> FSDPAdapter:
         raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter: "
                         f"missing {', '.join(missing)}")
     protocol_version(adapter)
-    if Capability.POST_OPTIM_EVENT in adapter.capabilities and not hasattr(adapter, "set_post_optim_event"):
-        raise TypeError(f"adapter {name!r} declares Capability.POST_OPTIM_EVENT but has no "
-                        "set_post_optim_event(model, event) method")
+    for capability, method in CAPABILITY_METHODS.items():
+        if capability in adapter.capabilities and not hasattr(adapter, method):
+            raise TypeError(f"adapter {name!r} declares Capability.{capability.name} but has no {method} method "
+                            "(conformance.adapters.optional documents its signature)")
     return adapter
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_impl import construct, unit, wrap
+from fsdp_impl import construct, no_sync, unit, wrap
 from fsdp_impl import state_dict as sd
 from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType, TrainingState
 from fsdp_impl.unit_state import STATE_ATTR, UnitState, unit_state, unit_states
@@ -109,6 +109,11 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the output of :meth:`state_dict` for the current ``state_dict_type``."""
         return sd.load_model_state_dict(self, state_dict, strict=strict)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, backwards accumulate unsharded gradients locally and communicate nothing; the
+        first backward after it reduces them with its own (root only; see [Note: no_sync])."""
+        return no_sync.no_sync(self)
 
     # -- introspection (see README: "Introspection") ------------------------------------------
     @property

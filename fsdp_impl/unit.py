@@ -17,6 +17,21 @@ parameter and prefetches for BACKWARD_POST. Reductions are awaited at the latest
 in the final callback, which also reshards units whose outputs were unused and
 ends the iteration (exec order, per-iteration flags).
 
+[Note: no_sync]
+Inside the root's ``no_sync()`` (:mod:`fsdp_impl.no_sync`; ``RootState.sync_gradients``
+is False) the post-accumulate-grad hook reduces nothing: it adds the unsharded
+gradient to ``UnitState.unsynced_grad`` and frees the parameter as the strategy
+says. The kept gradient stays on the compute device (with CPU offload too: only
+a reduced gradient is offloaded) in the dtype backward computed it in:
+``param_dtype`` under mixed precision, as torch's FSDP1 keeps it in the unsharded
+``FlatParameter.grad`` (its FSDP2 upcasts to ``reduce_dtype`` instead). The first
+backward outside the context adds the kept gradient to its own, then reduces the
+sum as usual, so the step sees the mean over ranks of every micro-batch's
+gradient. Meanwhile the exposed (sharded) gradients stay those of the last
+synchronized backward, and ``zero_grad`` does not reach the kept one; torch's FSDP1
+shows the unsharded gradient in ``.grad`` inside the context instead, and keeps a
+SHARD_GRAD_OP unit's unsharded parameter there (a memory-for-speed heuristic).
+
 Forward calls made *during* backward (activation-checkpoint recomputation) skip
 order recording, prefetch and post-forward resharding: the recomputed
 activations are consumed by the backward that is already running.
@@ -43,7 +58,7 @@ from fsdp_impl.api import RESHARD_AFTER_FORWARD, BackwardPrefetch, ShardedState,
 from fsdp_impl.exec_order import ExecOrderData
 from fsdp_impl.unit_state import Reduction, RootState, UnitState, named_unit_states, unit_state
 
-__all__ = ["MAX_PREFETCHED", "lazy_init", "run_forward", "HOMOGENEOUS_ATTRS"]
+__all__ = ["MAX_PREFETCHED", "lazy_init", "run_forward", "in_backward", "HOMOGENEOUS_ATTRS"]
 
 MAX_PREFETCHED = 2
 #: Settings every unit under one root must agree on: the name torch reports -> the UnitConfig field.
@@ -54,7 +69,8 @@ HOMOGENEOUS_ATTRS = {
 }
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -117,7 +133,7 @@ def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if unit.is_root:
         args, kwargs = _to_device((args, kwargs), unit.compute_device)
         args, kwargs = _apply_precision(unit, state, (args, kwargs))
-    recompute = _in_backward()
+    recompute = in_backward()
     _pre_forward(unit, state, recompute)
     output = unit.module(*args, **kwargs)
     _post_forward(unit, state, output, recompute)
@@ -242,8 +258,12 @@ def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
     if grad.requires_grad:
         raise RuntimeError("gradients of gradients (create_graph=True) are not supported")
     unit.training_state = TrainingState.BACKWARD_POST
-    _advance_reductions(state)
-    state.reductions.append(_issue_reduction(unit, grad))
+    grad = _with_unsynced_grad(unit, grad)
+    if state.sync_gradients:
+        _advance_reductions(state)
+        state.reductions.append(_issue_reduction(unit, grad))
+    else:
+        unit.unsynced_grad = grad  # [Note: no_sync]
     if torch._C._current_graph_task_id() != unit.backward_task and unit.ran_pre_backward:
         # A reentrant checkpoint inside this unit runs its own (nested) backward: more of
         # this unit's gradient may arrive in the outer backward, which still needs the
@@ -252,6 +272,12 @@ def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
     handle.reshard()
     if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, state.exec_order.next_backward(unit), unit.config.limit_all_gathers)
+
+
+def _with_unsynced_grad(unit: UnitState, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` plus the gradient backwards inside ``no_sync`` kept for ``unit``, which is taken."""
+    kept, unit.unsynced_grad = unit.unsynced_grad, None
+    return grad if kept is None else kept.add_(grad)
 
 
 def _issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:

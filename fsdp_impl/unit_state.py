@@ -9,7 +9,7 @@ the state in its constructor and exposes its public surface as properties over
 it. Imports therefore point one way:
 
     api, collectives -> flat_param -> exec_order -> unit_state
-        -> init, wrap -> unit, state_dict -> construct -> fully_sharded_data_parallel
+        -> init, wrap -> unit -> no_sync, state_dict -> construct -> fully_sharded_data_parallel
 
 Settings the user gives the constructor live in :class:`UnitConfig` (frozen;
 auto-wrapped children get the same ones), groups in :class:`UnitGroups`, and
@@ -108,6 +108,7 @@ class UnitState:
     training_state: TrainingState = TrainingState.IDLE  # the phase the unit is in
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT  # layout of state_dict()/load
     saved_flat_grad: torch.Tensor | None = None  # flat_param.grad set aside inside summon_full_params
+    unsynced_grad: torch.Tensor | None = None  # unsharded gradient kept by backwards inside no_sync()
 
     @property
     def training(self) -> bool:
@@ -133,6 +134,7 @@ class RootState:
     reductions: list[Reduction] = field(default_factory=list)
     prefetched: list[UnitState] = field(default_factory=list)  # all-gathers issued ahead of use
     callback_queued: bool = False  # the end-of-backward callback is queued for this backward
+    sync_gradients: bool = True  # False inside the root's no_sync(): backward keeps, never reduces
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # the root's buffers as built
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import re
+from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -135,6 +136,10 @@ class FSDP1LikeAdapter:
     def wrapped_module(self, model: nn.Module) -> nn.Module:
         """The user's module: a unit's ``module`` attribute (a plain module is its own)."""
         return model.module if isinstance(model, self._api().FullyShardedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """FSDP1's ``no_sync()`` on the root unit."""
+        return cast(AbstractContextManager[Any], cast(Any, model).no_sync())
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         fsdp_cls = self._api().FullyShardedDataParallel

@@ -92,6 +92,9 @@ class Capability(str, enum.Enum):
     FORWARD_PREFETCH = "forward_prefetch"
     BACKWARD_PREFETCH = "backward_prefetch"
     POST_OPTIM_EVENT = "post_optim_event"
+    NO_SYNC = "no_sync"
+    """Accumulates gradients without communication (FSDP1's ``no_sync()``); the adapter defines
+    ``no_sync(model)`` (:func:`conformance.adapters.optional.no_sync`)."""
     FULL_STATE_DICT = "full_state_dict"
     SHARDED_STATE_DICT = "sharded_state_dict"
     MIXED_PRECISION = "mixed_precision"

@@ -23,7 +23,8 @@ On a machine without CUDA its forward pass and ``summon_full_params`` fail
 from __future__ import annotations
 
 import re
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -47,7 +48,7 @@ class FairScaleFSDPAdapter:
     protocol_version = 2
     #: No THREAD_RANKS: FairScale keeps process-global state (the auto-wrap context is a class attribute),
     #: so ranks that are threads of one process collide.
-    capabilities = frozenset({Capability.FLAT_PARAM})
+    capabilities = frozenset({Capability.FLAT_PARAM, Capability.NO_SYNC})
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -114,6 +115,11 @@ class FairScaleFSDPAdapter:
             out.append(UnitInfo(_clean(fqn), unit, unit.process_group, None, unit.compute_device,
                                 shards, [p.grad for p in params], None))
         return out
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """FairScale's ``no_sync()`` on the root unit (it applies to every unit below it)."""
+        root: Any = model
+        return cast(AbstractContextManager[Any], root.no_sync())
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         buffers = {_clean(n) for n, _ in model.named_buffers()}

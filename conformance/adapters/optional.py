@@ -15,15 +15,18 @@ adapter method (optional)                  default
 ``wrapped_module(model)``                  ``model.module`` if it is a module, else ``model``
 ``has_backward_hook(tensor)``              hooks registered with ``Tensor.register_hook``
 ``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
+``no_sync(model)``                         unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
-adapter sees no change.
+adapter sees no change. A capability that promises an optional method
+(:data:`CAPABILITY_METHODS`) is refused at load without it.
 """
 
 from __future__ import annotations
 
 import warnings
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -32,19 +35,33 @@ import torch.nn as nn
 from conformance.adapters.base import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
 
 __all__ = [
+    "CAPABILITY_METHODS",
+    "NoSyncUnsupported",
     "PostOptimEventUnsupported",
     "activation_checkpoint_wrapper",
     "capabilities_of",
     "full_grads",
     "has_backward_hook",
+    "no_sync",
     "protocol_version",
     "set_post_optim_event",
     "wrapped_module",
 ]
 
 
+#: A capability -> the optional method an adapter declaring it must define (checked at load).
+CAPABILITY_METHODS: dict[Capability, str] = {
+    Capability.POST_OPTIM_EVENT: "set_post_optim_event",
+    Capability.NO_SYNC: "no_sync",
+}
+
+
 class PostOptimEventUnsupported(NotImplementedError):
     """The adapter has no post-optimizer event (cases report ``n/a``)."""
+
+
+class NoSyncUnsupported(NotImplementedError):
+    """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
 
 
 def protocol_version(adapter: Any) -> int:
@@ -133,3 +150,20 @@ def full_grads(adapter: Any, model: nn.Module) -> dict[str, torch.Tensor | None]
     """
     method = getattr(adapter, "full_grads", None)
     return None if method is None else method(model)
+
+
+def no_sync(adapter: Any, model: nn.Module) -> AbstractContextManager[Any]:
+    """A context in which backwards on ``model`` (the root :meth:`wrap` returned) communicate nothing.
+
+    Optional part of the contract: an adapter may define
+    ``no_sync(model) -> ContextManager`` (FSDP1's ``model.no_sync()``): inside
+    it, backward keeps each rank's gradient locally, unreduced; the first
+    backward after it reduces what was kept together with its own, so the
+    optimizer sees the mean over ranks of every micro-batch's gradient. Enter
+    it on every rank alike. Raises :class:`NoSyncUnsupported` when the adapter
+    has no such method.
+    """
+    method = getattr(adapter, "no_sync", None)
+    if method is None:
+        raise NoSyncUnsupported(f"{adapter.name} has no no_sync (gradient accumulation without communication)")
+    return method(model)  # type: ignore[no-any-return]

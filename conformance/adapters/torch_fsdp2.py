@@ -22,6 +22,8 @@ auto-wrap spec selects, then to the root.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -44,6 +46,7 @@ class TorchFSDP2Adapter:
             Capability.DEVICE_MESH,
             Capability.RESHARD_INTROSPECTION,
             Capability.POST_OPTIM_EVENT,
+            Capability.NO_SYNC,
             Capability.CPU_OFFLOAD,
             Capability.IGNORED_MODULES,
             Capability.FULL_STATE_DICT,
@@ -157,6 +160,17 @@ class TorchFSDP2Adapter:
     def wrapped_module(self, model: nn.Module) -> nn.Module:
         """``fully_shard`` shards in place: the model is the user's module."""
         return model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """FSDP2 has no ``no_sync()``: ``set_requires_gradient_sync(False)`` on the root (every unit
+        below it, reduce-scatter and HSDP all-reduce alike) for the block, then ``True`` again."""
+        root = cast(Any, model)
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
 
     def set_post_optim_event(self, model: nn.Module, event: torch.Event) -> None:
         """FSDP2's ``FSDPModule.set_post_optim_event``: the next all-gather waits on ``event``."""

@@ -9,6 +9,16 @@ every rank's batches from the seeds). ``zero_grad`` after the step either sets
 gradients to ``None`` or zeroes them in place; the next step must start from
 nothing either way. Compared with torch's float32 tolerances (the reduction
 sums in another order than the local backward).
+
+[Note: accumulation without communication]
+With ``no_sync=True`` every micro-batch but the last of each step runs inside
+the implementation's ``no_sync`` (:func:`conformance.adapters.optional.no_sync`:
+FSDP1's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``). Those
+backwards must issue no gradient collective (reduce-scatter or all-reduce; the
+all-gathers are the parameters'), and the last backward must reduce what they
+kept with its own: the gradients and parameters are compared with the same
+local model as without it. A kept gradient that outlives its step would show
+in the second step's gradients.
 """
 
 from __future__ import annotations
@@ -20,8 +30,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.adapters import optional
 from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.adapters.optional import full_grads
+from conformance.adapters.optional import NoSyncUnsupported, full_grads
 from conformance.case import case, not_applicable
 from fixtures.models import ThreeLinear
 from fixtures.optimizers import make_optim
@@ -33,6 +44,8 @@ if TYPE_CHECKING:
 
 BACKWARDS = 3
 STEPS = 2
+#: Collectives that reduce gradients, as the recorder names them (all-gathers carry parameters).
+GRAD_COLLECTIVES = frozenset({"reduce_scatter_tensor", "reduce_scatter", "all_reduce"})
 
 
 def _batch(ctx: RankContext, step: int, micro: int, rank: int) -> torch.Tensor:
@@ -54,15 +67,38 @@ def _check_cleared(ctx: RankContext, grads: Mapping[str, torch.Tensor | None], s
         assert not nonzero, f"rank {ctx.rank}: zero_grad(set_to_none=False) left nonzero grads on {nonzero}"
 
 
+def _backward_without_sync(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, batch: torch.Tensor,
+                           where: str) -> None:
+    """One forward and backward inside ``impl``'s ``no_sync``; the backward must reduce no gradient."""
+    try:
+        context = optional.no_sync(impl, model)
+    except NoSyncUnsupported as exc:
+        not_applicable(str(exc))
+    with context:
+        loss = model(batch).sum()
+        with ctx.record_collectives() as trace:
+            loss.backward()
+    reductions = [call for call in trace.calls if call.op in GRAD_COLLECTIVES]
+    assert not reductions, (
+        f"rank {ctx.rank} {where}: the backward inside no_sync issued {len(reductions)} gradient "
+        f"collective(s):\n{trace.render()}"
+    )
+
+
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
-    return [Capability.CPU_OFFLOAD] if params["cpu_offload"] else []
+    wanted = {"cpu_offload": Capability.CPU_OFFLOAD, "no_sync": Capability.NO_SYNC}
+    return [capability for param, capability in wanted.items() if params[param]]
 
 
 @case("grad_accumulation/accumulate", world_size=2, requires=_requires)
+@pytest.mark.parametrize("no_sync", [False, True])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("cpu_offload", [False, True])
-def test_accumulate(ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, set_to_none: bool) -> None:
-    """``BACKWARDS`` backwards per step, ``STEPS`` SGD-with-momentum steps, against a local model."""
+def test_accumulate(
+    ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, set_to_none: bool, no_sync: bool
+) -> None:
+    """``BACKWARDS`` backwards per step (all but the last without sync with ``no_sync``),
+    ``STEPS`` SGD-with-momentum steps, against a local model."""
     model = impl.wrap(
         ThreeLinear(seed=0).to(ctx.device),
         WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), use_orig_params=True, cpu_offload=cpu_offload),
@@ -71,7 +107,11 @@ def test_accumulate(ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, set_
     optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
     for step in range(STEPS):
         for micro in range(BACKWARDS):
-            model(_batch(ctx, step, micro, ctx.rank)).sum().backward()
+            batch = _batch(ctx, step, micro, ctx.rank)
+            if no_sync and micro < BACKWARDS - 1:
+                _backward_without_sync(ctx, impl, model, batch, f"step {step} micro-batch {micro}")
+            else:
+                model(batch).sum().backward()
             for rank in range(ctx.world_size):
                 (local(_batch(ctx, step, micro, rank)).sum() / ctx.world_size).backward()
         grads = full_grads(impl, model)

@@ -60,6 +60,8 @@ def test_a_protocol_one_adapter_loads_with_defaults_and_warned_aliases(monkeypat
     assert type(optional.activation_checkpoint_wrapper(adapter, module, offload=False)).__name__ == "CheckpointWrapper"
     with pytest.raises(optional.PostOptimEventUnsupported, match="protocol-one has no post-optimizer event"):
         optional.set_post_optim_event(adapter, module, torch.Event())
+    with pytest.raises(optional.NoSyncUnsupported, match="protocol-one has no no_sync"):
+        optional.no_sync(adapter, module)
     hooked = torch.ones(1, requires_grad=True) * 2
     assert not optional.has_backward_hook(adapter, hooked)
     hooked.register_hook(lambda g: g)
@@ -134,6 +136,17 @@ def test_post_optim_event_capability_needs_the_method(monkeypatch: pytest.Monkey
 class ClaimsEvent(ReferenceAdapter):
     name = "claims-event"
     capabilities = ReferenceAdapter.capabilities | {Capability.POST_OPTIM_EVENT}
+
+
+def test_no_sync_capability_needs_the_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(registry.ENV_VAR, f"claims-no-sync={__name__}:ClaimsNoSync")
+    with pytest.raises(TypeError, match="declares Capability.NO_SYNC but has no no_sync method"):
+        registry.load("claims-no-sync")
+
+
+class ClaimsNoSync(ProtocolOneAdapter):
+    name = "claims-no-sync"
+    capabilities = ProtocolOneAdapter.capabilities | {Capability.NO_SYNC}
 
 
 def test_builtin_adapters_declare_no_deprecated_capability() -> None:
