@@ -5,17 +5,24 @@ world sizes 1, 2 and 4; a nightly run raises it) from ``FSDP_FUZZ_SEED``
 (default 0), runs each on the
 implementation and on a local baseline, and on a mismatch fails with the
 shrunk example printed as a ready-to-paste case. Paste reproducers below the
-rows; they run against every implementation like any case.
+rows; they run against every implementation like any case (one with a
+mixed-precision policy requires the capabilities the policy needs).
+
+About a third of the examples draw a mixed-precision policy. For an
+implementation without ``Capability.MIXED_PRECISION`` (or without
+``MP_BUFFER_DTYPE``) the drawn policy (or its buffer dtype) is dropped: the
+example still runs, in full precision, and the row's reason says so.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conformance.adapters.base import FSDPAdapter
+from conformance.adapters.base import Capability, FSDPAdapter  # noqa: F401 - pasted reproducers may require some
 from conformance.case import case
 from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
-from conformance.fuzz.example import Block, Example, ModelSpec
+from conformance.fuzz.example import Block, Example, ModelSpec, Policy  # noqa: F401 - pasted reproducers use them
+from conformance.fuzz.precision import precision_note
 from conformance.fuzz.runner import run_example
 from conformance.report import CaseReport
 
@@ -36,9 +43,11 @@ def _parity(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
             f"parity fuzzer (seed {config.seed}): {result.message}\n"
             f"minimal reproducer after {result.runs} runs:\n{render_case(result.failing, result.message or '')}"
         )
+    note = precision_note(impl)
+    policies = note or f"{result.mixed_precision} under a mixed-precision policy"
     return CaseReport(
-        reason=f"{config.budget(ctx.world_size)} examples from seed {config.seed}, no mismatch",
-        metrics={"examples": result.runs},
+        reason=f"{config.budget(ctx.world_size)} examples from seed {config.seed} ({policies}), no mismatch",
+        metrics={"examples": result.runs, "mixed_precision_examples": result.mixed_precision},
     )
 
 

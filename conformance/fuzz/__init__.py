@@ -2,6 +2,7 @@
 
 - :mod:`conformance.fuzz.example`: an example as plain data and the hypothesis strategy drawing it;
 - :mod:`conformance.fuzz.model`: the module and inputs an example describes;
+- :mod:`conformance.fuzz.precision`: a drawn mixed-precision policy, its local baseline and tolerances;
 - :mod:`conformance.fuzz.runner`: one example on the ranks, compared step by step with the baseline;
 - :mod:`conformance.fuzz.driver`: the hypothesis loop across ranks, budgets, reproducers.
 

@@ -36,6 +36,7 @@ from hypothesis.errors import NoSuchExample
 
 from conformance.adapters.base import FSDPAdapter
 from conformance.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
+from conformance.fuzz.precision import precision_features, required
 from conformance.fuzz.runner import check_example
 
 if TYPE_CHECKING:
@@ -88,11 +89,13 @@ class FuzzSettings:
 
 @dataclass(frozen=True)
 class FuzzResult:
-    """What a fuzz run did: examples run (drawn and shrinking tries), and the minimal failure if any."""
+    """What a fuzz run did: examples run (drawn and shrinking tries), how many of them under a
+    mixed-precision policy, and the minimal failure if any."""
 
     runs: int
     failing: Example | None = None
     message: str | None = None
+    mixed_precision: int = 0
 
 
 def _broadcast(ctx: RankContext, message: Any) -> Any:
@@ -109,12 +112,13 @@ def _follow(ctx: RankContext, impl: FSDPAdapter) -> FuzzResult:
 
 
 def _drive(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:
-    runs = 0
+    runs = mixed = 0
     failures: dict[Example, str] = {}
 
     def fails(example: Example) -> bool:
-        nonlocal runs
+        nonlocal runs, mixed
         runs += 1
+        mixed += example.policy is not None
         if os.environ.get("FSDP_FUZZ_VERBOSE") == "1":
             print(f"fuzz example {runs}: {source(example)}", file=sys.stderr, flush=True)
         _broadcast(ctx, ("run", example))
@@ -124,15 +128,16 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzRes
         return failure is not None
 
     strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
+    drawn = examples(ctx.world_size, strategies, precision_features(impl))
     options = settings(
         max_examples=config.budget(ctx.world_size), database=None, deadline=None, phases=(Phase.generate, Phase.shrink)
     )
     result: FuzzResult | None = None
     try:
-        found = find(examples(ctx.world_size, strategies), fails, settings=options, random=random.Random(config.seed))
-        result = FuzzResult(runs=runs, failing=found, message=failures[found])
+        found = find(drawn, fails, settings=options, random=random.Random(config.seed))
+        result = FuzzResult(runs=runs, failing=found, message=failures[found], mixed_precision=mixed)
     except NoSuchExample:
-        result = FuzzResult(runs=runs)
+        result = FuzzResult(runs=runs, mixed_precision=mixed)
     finally:
         _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
     return result
@@ -158,12 +163,15 @@ def fuzz(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResul
 
 
 def render_case(example: Example, message: str) -> str:
-    """A ready-to-paste case that reproduces ``example`` (for ``conformance/cases/test_fuzz.py``)."""
+    """A ready-to-paste case that reproduces ``example`` (for ``conformance/cases/test_fuzz.py``);
+    under a mixed-precision policy it requires the capabilities the policy needs."""
     digest = hashlib.sha1(repr(example).encode()).hexdigest()[:8]
     found = " ".join(message.split())[:300]
+    needs = ", ".join(f"Capability.{cap.name}" for cap in required(example.policy))
+    requires = f", requires=[{needs}]" if needs else ""
     return (
         f"# Found by the parity fuzzer: {found}\n"
-        f'@case("fuzz/repro_{digest}", world_size={example.world_size}, modes=("process",))\n'
+        f'@case("fuzz/repro_{digest}", world_size={example.world_size}, modes=("process",){requires})\n'
         f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
         f"    run_example(ctx, impl, {source(example)})\n"
     )

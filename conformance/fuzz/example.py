@@ -21,13 +21,24 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-__all__ = ["LAYERS", "OPTIMIZERS", "DTYPES", "FUZZ_STRATEGIES", "Block", "ModelSpec", "Example", "examples", "source"]
+__all__ = [
+    "LAYERS", "OPTIMIZERS", "DTYPES", "LOW_DTYPES", "FUZZ_STRATEGIES", "PRECISION_FEATURES",
+    "Block", "ModelSpec", "Policy", "Example", "examples", "source",
+]
 
 #: Layer kinds a block may hold: a width x width linear, a 1-D convolution of
-#: kernel 1 or 3 over the sequence axis, a LayerNorm.
-LAYERS = ("linear", "conv1", "conv3", "norm")
+#: kernel 1 or 3 over the sequence axis, a LayerNorm, a per-feature scale by a
+#: floating buffer (the fuzz models' only buffers, so ``buffer_dtype`` matters).
+LAYERS = ("linear", "conv1", "conv3", "norm", "scale")
 OPTIMIZERS = ("sgd", "adam")
 DTYPES = ("float32", "float64")
+#: Mixed-precision compute dtypes. float16 is drawn on every device, as the
+#: mixed_precision area runs it everywhere: every layer kind computes forward and
+#: backward in both on the CPU (``conformance/tests/test_fuzz.py`` checks that).
+LOW_DTYPES = ("bfloat16", "float16")
+#: What of a mixed-precision policy :func:`examples` may draw: ``"mixed_precision"``
+#: (param and reduce dtypes), ``"buffer_dtype"`` (needs ``"mixed_precision"`` too).
+PRECISION_FEATURES = frozenset({"mixed_precision", "buffer_dtype"})
 #: Strategies the fuzzer draws (hybrid strategies need group pairs: not drawn).
 FUZZ_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -89,14 +100,45 @@ class ModelSpec:
             paths.append("unused")
         return tuple(paths)
 
+    def has_buffers(self) -> bool:
+        """Whether the model has a floating buffer (a ``scale`` layer), so ``buffer_dtype`` applies."""
+        return any("scale" in (*block.layers, *block.inner) for block in self.blocks)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy by dtype names (plain data, see [Note: fuzz examples are plain data]).
+
+    ``param_dtype``: what all-gathers carry and forward and backward compute in;
+    ``reduce_dtype``: gradient reduction (``None``: the param dtype);
+    ``buffer_dtype``: buffers during compute (``None``: their own). Parameters,
+    gradients and optimizer state stay in float32.
+    """
+
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str | None = None
+    buffer_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "param_dtype": (self.param_dtype, LOW_DTYPES),
+            "reduce_dtype": (self.reduce_dtype, (None, "float32")),
+            "buffer_dtype": (self.buffer_dtype, (None, *LOW_DTYPES)),
+        }
+        for name, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise ValueError(f"Policy.{name}={value!r}; expected one of {allowed}")
+
 
 @dataclass(frozen=True)
 class Example:
-    """One fuzz example: model, wrap plan, strategy, optimizer, dtype and accumulation.
+    """One fuzz example: model, wrap plan, strategy, optimizer, dtype policy and accumulation.
 
     ``wrap``: module paths wrapped as their own units (inner first, then the
-    root). ``micro_batches``: backwards per optimizer step (gradients
-    accumulate); ``set_to_none``: how gradients are zeroed after each step.
+    root). ``policy``: mixed precision for every unit (``None``: everything in
+    ``dtype``; a policy needs float32 parameters). ``micro_batches``: backwards
+    per optimizer step (gradients accumulate); ``set_to_none``: how gradients
+    are zeroed after each step.
     """
 
     world_size: int
@@ -106,6 +148,7 @@ class Example:
     use_orig_params: bool = False
     optimizer: str = "sgd"
     dtype: str = "float32"
+    policy: Policy | None = None
     micro_batches: int = 1
     set_to_none: bool = True
     steps: int = 2
@@ -125,6 +168,10 @@ class Example:
                 raise ValueError(f"Example.{name}={value!r}; expected one of {allowed}")
         if self.world_size < 1 or self.micro_batches < 1 or self.steps < 1:
             raise ValueError(f"world_size, micro_batches and steps must be >= 1, got {self}")
+        if self.policy is not None and self.dtype != "float32":
+            raise ValueError(f"Example(policy={self.policy}) keeps parameters in float32, got dtype={self.dtype!r}")
+        if self.policy is not None and self.policy.buffer_dtype is not None and not self.model.has_buffers():
+            raise ValueError(f"Policy(buffer_dtype={self.policy.buffer_dtype!r}) needs a model with a 'scale' layer")
 
 
 @st.composite
@@ -149,22 +196,48 @@ def _models(draw: st.DrawFn) -> ModelSpec:
 
 
 @st.composite
-def examples(draw: st.DrawFn, world_size: int, strategies: Collection[str] = FUZZ_STRATEGIES) -> Example:
-    """Examples for ``world_size`` ranks, drawing only the given ``strategies``."""
+def _policies(draw: st.DrawFn, model: ModelSpec, precision: Collection[str]) -> Policy | None:
+    """``None`` or a policy. Every choice is drawn whatever ``precision`` allows, then what it
+    does not allow is dropped, so a seed draws the same models for every implementation."""
+    param = draw(st.sampled_from((None, *LOW_DTYPES)))
+    if param is None:
+        return None
+    reduce = draw(st.sampled_from((None, "float32")))
+    buffer = draw(st.sampled_from((None, *LOW_DTYPES))) if model.has_buffers() else None
+    if "mixed_precision" not in precision:
+        return None
+    return Policy(param, reduce, buffer if "buffer_dtype" in precision else None)
+
+
+@st.composite
+def examples(
+    draw: st.DrawFn,
+    world_size: int,
+    strategies: Collection[str] = FUZZ_STRATEGIES,
+    precision: Collection[str] = PRECISION_FEATURES,
+) -> Example:
+    """Examples for ``world_size`` ranks, drawing only the given ``strategies``; mixed-precision
+    policies use only the ``precision`` features (of :data:`PRECISION_FEATURES`) given."""
     allowed = [s for s in FUZZ_STRATEGIES if s in strategies]
     if not allowed:
         raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
+    unknown = sorted(set(precision) - PRECISION_FEATURES)
+    if unknown:
+        raise ValueError(f"unknown precision features {unknown}; expected some of {sorted(PRECISION_FEATURES)}")
     model = draw(_models())
     wrappable = model.wrappable()
     wrap = tuple(p for p in wrappable if draw(st.booleans()))
+    strategy, use_orig_params = draw(st.sampled_from(allowed)), draw(st.booleans())
+    optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
     return Example(
         world_size=world_size,
         model=model,
         wrap=wrap,
-        strategy=draw(st.sampled_from(allowed)),
-        use_orig_params=draw(st.booleans()),
-        optimizer=draw(st.sampled_from(OPTIMIZERS)),
-        dtype=draw(st.sampled_from(DTYPES)),
+        strategy=strategy,
+        use_orig_params=use_orig_params,
+        optimizer=optimizer,
+        dtype=dtype,
+        policy=draw(_policies(model, precision)) if dtype == "float32" else None,
         micro_batches=draw(st.integers(min_value=1, max_value=3)),
         set_to_none=not draw(st.booleans()),
         steps=draw(st.integers(min_value=2, max_value=3)),

@@ -30,7 +30,23 @@ class _Conv(nn.Module):
         return self.conv(x.transpose(1, 2)).transpose(1, 2)
 
 
+class _Scale(nn.Module):
+    """``x * (1 + scale)`` per feature, computed in the buffer's dtype (as a normalisation layer
+    computes in its statistics' dtype), so a mixed-precision ``buffer_dtype`` changes the values."""
+
+    scale: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.scale.dtype) * (1 + self.scale)).to(x.dtype)
+
+
 def _layer(kind: str, width: int) -> nn.Module:
+    if kind == "scale":
+        return _Scale(width)
     if kind == "linear":
         return nn.Linear(width, width)
     if kind == "norm":
@@ -55,7 +71,7 @@ class FuzzBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for kind, layer in zip(self.kinds, self.layers, strict=True):
             x = layer(x)
-            if kind != "norm":
+            if kind not in ("norm", "scale"):
                 x = torch.tanh(x)
         return x if self.inner is None else self.inner(x)
 
@@ -105,9 +121,15 @@ def make_batch(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.dev
     return torch.randn((BATCH, SEQ, spec.width), generator=gen).to(device=device, dtype=dtype)
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A low-precision output in float32 (as ``fixtures.precision.low_precision_loss``), else as is."""
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
 def loss_of(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A scalar loss using every returned output (mean of squares; the aux output at half weight)."""
+    """A scalar loss using every returned output (mean of squares; the aux output at half weight),
+    in float32 for low-precision outputs."""
     if isinstance(output, tuple):
         main, aux = output
-        return main.pow(2).mean() + 0.5 * aux.pow(2).mean()
-    return output.pow(2).mean()
+        return _full(main).pow(2).mean() + 0.5 * _full(aux).pow(2).mean()
+    return _full(output).pow(2).mean()

@@ -13,11 +13,15 @@ then names the hung rank.
 The baseline is the unwrapped model on every rank, fed every rank's batches:
 rank ``r``'s loss is compared with the baseline's loss on rank ``r``'s batch,
 and the baseline's gradient is the mean over ranks of those losses'
-gradients, which is what data-parallel averaging produces. Comparisons are
-``torch.testing.assert_close`` with its defaults for the dtype (through
-:mod:`fixtures.parity`). A missing gradient (``None``) and an all-zero one are
-treated alike: flat-parameter implementations cannot tell them apart within a
-unit, and ``misc/module_no_compute_grad`` checks that contract on its own.
+gradients, which is what data-parallel averaging produces. Under a
+mixed-precision policy the baseline trains as [Note: fuzz mixed-precision
+baseline] in :mod:`conformance.fuzz.precision` says, and every output must come
+out in the param dtype. Comparisons are ``torch.testing.assert_close`` with its
+defaults for the dtype (through :mod:`fixtures.parity`; under a policy, losses
+and gradients in the param dtype, as that note explains). A missing gradient
+(``None``) and an all-zero one are treated alike: flat-parameter
+implementations cannot tell them apart within a unit, and
+``misc/module_no_compute_grad`` checks that contract on its own.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ from conformance.adapters.base import FSDPAdapter, WrapSpec
 from conformance.adapters.optional import full_grads
 from conformance.fuzz.example import Example
 from conformance.fuzz.model import build_model, loss_of, make_batch
+from conformance.fuzz.precision import (
+    as_compared,
+    dtype_of,
+    in_compute_dtype,
+    local_backward,
+    low_precision_model,
+    mixed_precision_spec,
+)
 from fixtures.parity import assert_close_named, named_grads
 
 if TYPE_CHECKING:
@@ -51,7 +63,8 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 def wrap_plan(impl: FSDPAdapter, model: nn.Module, example: Example) -> nn.Module:
     """Wrap each path of ``example.wrap`` (deepest first) as its own unit, then the root."""
-    spec = WrapSpec(strategy=example.strategy, use_orig_params=example.use_orig_params)
+    spec = WrapSpec(strategy=example.strategy, use_orig_params=example.use_orig_params,
+                    mixed_precision=mixed_precision_spec(example.policy))
     for path in sorted(example.wrap, key=lambda p: p.count("."), reverse=True):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -75,11 +88,12 @@ class _Run:
     local: nn.Module
     optim: torch.optim.Optimizer
     local_optim: torch.optim.Optimizer
+    low: nn.Module | None = None  # the baseline's low-precision copy under a policy
     mismatch: str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(torch, self.example.dtype)
+        return dtype_of(self.example.dtype)
 
     def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``check(*args, **kwargs)``; keep the first mismatch (the step goes on: see the module note)."""
@@ -98,9 +112,9 @@ class _Run:
                          list(self.model.parameters()), list(self.local.parameters()))
         grads = full_grads(self.impl, self.model)  # None: not exposed for this wrap; params still compared
         if grads is not None:
-            want = named_grads(self.local)
-            self.compare("grads after backward", assert_close_named,
-                         _zeros_for_none(grads, want), _zeros_for_none(want, grads), what="grads")
+            want, policy = named_grads(self.local), self.example.policy
+            self.compare("grads after backward", assert_close_named, in_compute_dtype(_zeros_for_none(grads, want),
+                         policy), in_compute_dtype(_zeros_for_none(want, grads), policy), what="grads")
         for optim in (self.optim, self.local_optim):
             optim.step()
             optim.zero_grad(set_to_none=self.example.set_to_none)
@@ -116,12 +130,30 @@ class _Run:
                 make_batch(ex.model, _batch_seed(ex, step, micro, r), self.dtype, self.device)
                 for r in range(ex.world_size)
             ]
-            loss = loss_of(self.model(batches[self.rank]))
+            output = self.model(batches[self.rank])
+            if ex.policy is not None:
+                self.compare(f"output dtype of micro-batch {micro}", _assert_dtypes, output, ex.policy.param_dtype)
+            loss = loss_of(output)
             loss.backward()
-            local_losses = [loss_of(self.local(batch)) for batch in batches]
-            (sum(local_losses) / ex.world_size).backward()  # type: ignore[union-attr]
-            want = local_losses[self.rank].detach()
-            self.compare(f"loss of micro-batch {micro}", torch.testing.assert_close, loss.detach(), want)
+            want = self.local_backward(batches)[self.rank]
+            self.compare(f"loss of micro-batch {micro}", torch.testing.assert_close,
+                         as_compared(loss.detach(), ex.policy), as_compared(want, ex.policy))
+
+    def local_backward(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The baseline's backward of every rank's batch; each rank's loss."""
+        if self.example.policy is not None:
+            assert self.low is not None
+            return local_backward(self.local, self.low, batches, self.example.policy)
+        local_losses = [loss_of(self.local(batch)) for batch in batches]
+        (sum(local_losses) / self.example.world_size).backward()  # type: ignore[union-attr]
+        return [loss.detach() for loss in local_losses]
+
+
+def _assert_dtypes(output: torch.Tensor | tuple[torch.Tensor, ...], want: str) -> None:
+    outputs = output if isinstance(output, tuple) else (output,)
+    got = [str(o.dtype).removeprefix("torch.") for o in outputs]
+    if any(name != want for name in got):
+        raise AssertionError(f"the wrapped model's outputs are {got}, expected {want} (the policy's param_dtype)")
 
 
 def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -141,7 +173,7 @@ def _zeros_for_none(
 
 
 def _setup(ctx: RankContext, impl: FSDPAdapter, example: Example) -> _Run:
-    dtype = getattr(torch, example.dtype)
+    dtype = dtype_of(example.dtype)
     local = build_model(example.model, example.seed, dtype, ctx.device)
     model = wrap_plan(impl, build_model(example.model, example.seed, dtype, ctx.device), example)
     return _Run(
@@ -153,6 +185,7 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, example: Example) -> _Run:
         local=local,
         optim=_optimizer(example.optimizer, model.parameters()),
         local_optim=_optimizer(example.optimizer, local.parameters()),
+        low=low_precision_model(local, example.policy),
     )
 
 

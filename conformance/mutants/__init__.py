@@ -20,6 +20,8 @@ from conformance.mutants.accumulation import *  # noqa: F403 - adapters are regi
 from conformance.mutants.accumulation import __all__ as _accumulation
 from conformance.mutants.construction import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.construction import __all__ as _construction
+from conformance.mutants.fuzz import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
+from conformance.mutants.fuzz import __all__ as _fuzz
 from conformance.mutants.hybrid import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
 from conformance.mutants.hybrid import __all__ as _hybrid
 from conformance.mutants.longer_runs import *  # noqa: F403 - adapters are registered as conformance.mutants:Class
@@ -41,7 +43,7 @@ from conformance.mutants.state_dicts import __all__ as _state_dicts
 
 _ALL = (
     *_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision,
-    *_sharing, *_outputs, *_meshes,
+    *_sharing, *_outputs, *_meshes, *_fuzz,
 )
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 

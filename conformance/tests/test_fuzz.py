@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Collection
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 
+import conformance.cases.test_fuzz as fuzz_cases
 import conformance.fuzz.example as example_mod
-from conformance.adapters.base import FSDPAdapter
+from conformance.adapters.base import Capability, FSDPAdapter
+from conformance.adapters.reference import ReferenceAdapter
 from conformance.fuzz.driver import FuzzResult, FuzzSettings, fuzz, render_case
-from conformance.fuzz.example import Block, Example, ModelSpec, examples, source
-from conformance.mutants import NoGradDivide
+from conformance.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
+from conformance.fuzz.model import build_model, loss_of, make_batch
+from conformance.fuzz.precision import precision_note
+from conformance.fuzz.runner import check_example
+from conformance.mutants import NoGradDivide, ParamDtypeIgnored
 from harness import RankContext, run
 
 
@@ -23,7 +31,7 @@ def test_source_rebuilds_the_example(example: Example) -> None:
     assert eval(source(example), vars(example_mod)) == example
 
 
-def _drawn(seed: int, count: int) -> list[Example]:
+def _drawn(seed: int, count: int, precision: Collection[str] = example_mod.PRECISION_FEATURES) -> list[Example]:
     seen: list[Example] = []
 
     def record(example: Example) -> bool:
@@ -32,7 +40,7 @@ def _drawn(seed: int, count: int) -> list[Example]:
 
     options = settings(max_examples=count, database=None, phases=(Phase.generate,))
     with pytest.raises(Exception, match="No examples found"):
-        find(examples(world_size=4), record, settings=options, random=random.Random(seed))
+        find(examples(world_size=4, precision=precision), record, settings=options, random=random.Random(seed))
     return seen
 
 
@@ -52,11 +60,52 @@ def test_drawing_is_deterministic_by_seed() -> None:
         (lambda: Example(world_size=2, wrap=("blocks.3",)), "blocks.3"),
         (lambda: Example(world_size=2, strategy="HYBRID_SHARD"), "strategy='HYBRID_SHARD'"),
         (lambda: Example(world_size=2, micro_batches=0), "micro_batches"),
+        (lambda: Policy(param_dtype="float32"), "param_dtype='float32'"),
+        (lambda: Policy(reduce_dtype="bfloat16"), "reduce_dtype='bfloat16'"),
+        (lambda: Example(world_size=2, dtype="float64", policy=Policy()), "dtype='float64'"),
+        (lambda: Example(world_size=2, policy=Policy(buffer_dtype="float16")), "buffer_dtype='float16'"),
     ],
 )
 def test_bad_examples_name_the_bad_value(build: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_policies_are_drawn_and_dropped_where_unsupported() -> None:
+    """A seed draws policies of every kind; for an implementation without a feature it draws the
+    same examples with that part of the policy dropped (they still run, in full precision)."""
+    full = _drawn(5, 80)
+    policies = [e.policy for e in full if e.policy is not None]
+    assert {p.param_dtype for p in policies} == set(LOW_DTYPES), policies
+    assert {p.reduce_dtype for p in policies} == {None, "float32"}, policies
+    assert {p.buffer_dtype for p in policies} == {None, *LOW_DTYPES}, policies
+    no_buffers = [dataclasses.replace(e.policy, buffer_dtype=None) if e.policy else None for e in full]
+    assert [e.policy for e in _drawn(5, 80, {"mixed_precision"})] == no_buffers
+    assert _drawn(5, 80, ()) == [dataclasses.replace(e, policy=None) for e in full]
+    with pytest.raises(ValueError, match="unknown precision features"):
+        find(examples(world_size=2, precision={"fp8"}), lambda _: True, settings=settings(database=None))
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_every_layer_kind_computes_in_low_precision_here(kind: str, dtype: str) -> None:
+    """float16 is drawn on every device (as the mixed_precision area runs it): this fails on a torch
+    whose CPU kernels cannot compute a layer kind in it, naming the layer."""
+    spec = ModelSpec(width=3, blocks=(Block(layers=(kind,)),))
+    low = getattr(torch, dtype)
+    model = build_model(spec, 0, low, torch.device("cpu"))
+    loss_of(model(make_batch(spec, 0, low, torch.device("cpu")))).backward()
+    assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {low}, kind
+
+
+class _NoMixedPrecision(ReferenceAdapter):
+    name = "no-mixed-precision"
+    capabilities = ReferenceAdapter.capabilities - {Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE}
+
+
+def test_report_says_what_of_a_policy_is_left_out() -> None:
+    assert precision_note(ReferenceAdapter()) == ""
+    assert "lacks mixed_precision" in precision_note(_NoMixedPrecision())
 
 
 def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,3 +138,29 @@ def test_fuzzer_catches_missing_grad_divide_and_shrinks_it() -> None:
     case_text = render_case(result.failing, result.message)
     assert "run_example(ctx, impl, Example(world_size=2))" in case_text, case_text
     compile(case_text, "<reproducer>", "exec")
+
+
+def shrink_and_replay(
+    ctx: RankContext, mutant: FSDPAdapter, config: FuzzSettings
+) -> tuple[FuzzResult, list[str | None]]:
+    """Fuzz ``mutant``, then run the shrunk example again on it and on the reference (module level)."""
+    result = fuzz(ctx, mutant, config)
+    assert result.failing is not None, f"no failure in {result.runs} runs"
+    return result, [check_example(ctx, impl, result.failing) for impl in (mutant, ReferenceAdapter())]
+
+
+def test_a_policy_mismatch_shrinks_to_a_reproducer_with_the_policy() -> None:
+    """Against a reference that ignores param_dtype (a policy override, no patch, so the shared rank
+    pool stays clean) the fuzzer shrinks to the bare policy; the pasted case names the policy and the
+    capability it needs, and its example fails on the mutant again and passes on the reference."""
+    results = run(shrink_and_replay, world_size=1, mode="process", timeout_s=240,
+                  args=(ParamDtypeIgnored(), FuzzSettings(examples=12, seed=0)))
+    result, (again, reference) = results[0]
+    assert source(result.failing) == "Example(world_size=1, policy=Policy())", result.failing
+    assert result.message is not None and "expected bfloat16" in result.message, result.message
+    assert again is not None and "expected bfloat16" in again, again
+    assert reference is None, reference
+    case_text = render_case(result.failing, result.message)
+    assert "requires=[Capability.MIXED_PRECISION])" in case_text, case_text
+    assert "run_example(ctx, impl, Example(world_size=1, policy=Policy()))" in case_text, case_text
+    exec(compile(case_text, "<reproducer>", "exec"), dict(vars(fuzz_cases)))  # its names resolve there
