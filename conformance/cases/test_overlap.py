@@ -14,7 +14,8 @@ inside the buffer; the ratios are the seed's. Bounds:
 - forward + backward <= that + 2 * comm + 6 * compute + 2 * buffer.
 
 Each pass is timed ``timing_repeats`` times (``--timing-repeats``) after a warm-up step (which
-also records the order prefetching follows); the median is compared. Every
+also records the order prefetching follows, and computes without sleeping: it is not timed);
+the median is compared. Every
 rank checks its own time. Efficiency = ideal time (the bound without buffers)
 / measured median, reported in the matrix reason.
 """
@@ -52,6 +53,7 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: i
     # Process ranks only: thread ranks share one GIL-bound process and the worker
     # thread cannot resolve a thread rank's process group ([Note: communication worker]).
     fwd_ms, fwd_bwd_ms, trace = measure_overlap(ctx, impl, prefetch=True, repeats=timing_repeats)
+    assert fwd_bwd_ms is not None
     summary = overlap_summary(fwd_ms, fwd_bwd_ms)
     late = "\n".join(trace.splitlines()[-12:])
     assert fwd_ms <= FWD_BOUND_MS, f"rank {ctx.rank}: forward does not overlap: {summary}\n{late}"
@@ -69,12 +71,16 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: i
     requires=[Capability.FORWARD_PREFETCH, Capability.BACKWARD_PREFETCH],
 )
 def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
-    """Negative control: with prefetching off, the same model must exceed the forward bound."""
-    fwd_ms, fwd_bwd_ms, _ = measure_overlap(ctx, impl, prefetch=False, repeats=timing_repeats)
-    summary = overlap_summary(fwd_ms, fwd_bwd_ms)
-    assert fwd_ms > FWD_BOUND_MS, f"rank {ctx.rank}: the bound cannot fail, it is too loose: {summary}"
-    return CaseReport(reason=f"without prefetch: {summary}",
-                      metrics={"forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms})
+    """Negative control: with prefetching off, the same model must exceed the forward bound.
+
+    Only the forward is timed: that is the bound this control proves can fail. That the
+    forward+backward bound can fail is proven by ``mutant-no-backward-prefetch``, which keeps
+    forward prefetch and must fail ``overlap/training_overlap`` (conformance/mutants/runtime.py).
+    """
+    fwd_ms, _, _ = measure_overlap(ctx, impl, prefetch=False, repeats=timing_repeats, backward=False)
+    summary = overlap_summary(fwd_ms, None)
+    assert fwd_ms > FWD_BOUND_MS, f"rank {ctx.rank}: the forward bound cannot fail, it is too loose: {summary}"
+    return CaseReport(reason=f"without prefetch: {summary}", metrics={"forward_ms": fwd_ms})
 
 
 @case(

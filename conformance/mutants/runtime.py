@@ -16,6 +16,7 @@ __all__ = [
     "NoReshardAfterBackward",
     "NoRegatherForRecompute",
     "NoPrefetch",
+    "NoBackwardPrefetch",
     "AlwaysPrefetch",
     "HooksOnPlainTensorOutputsOnly",
     "ZeroGradForUnused",
@@ -139,6 +140,17 @@ class NoPrefetch(_Mutant):
     # The timing case's negative control: the same model without prefetch exceeds the bound.
     expect = Expect("training_overlap", "process", ("overlap/training_overlap",))
     spec_overrides = {"forward_prefetch": False, "backward_prefetch": None}
+
+
+class NoBackwardPrefetch(_Mutant):
+    """Prefetches in forward only: every backward all-gather is issued when its unit's backward runs."""
+
+    name = "mutant-no-backward-prefetch"
+    breaks = "backward prefetching (communication/compute overlap in backward)"
+    # The forward stays within its bound: only the forward+backward bound can catch this, which
+    # proves that bound can fail (the no-prefetch control times the forward only).
+    expect = Expect("training_overlap", "process", ("overlap/training_overlap",))
+    spec_overrides = {"backward_prefetch": None}
 
 
 class AlwaysPrefetch(_Mutant):

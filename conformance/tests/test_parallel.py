@@ -47,7 +47,8 @@ LEAVING = '''
 import json, os, time
 
 def pytest_sessionfinish(session):
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # workerinput, not PYTEST_XDIST_WORKER: a controller started from an xdist worker inherits that.
+    worker = getattr(session.config, "workerinput", {}).get("workerid")
     if worker:
         with open(os.environ["STAMPS"], "a") as f:
             f.write(json.dumps({"left": worker, "at": time.time()}) + "\\n")
