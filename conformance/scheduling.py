@@ -65,8 +65,9 @@ _DIR_KEY = pytest.StashKey[str]()
 _WORKERINPUT_DIR = "fsdp_timing_dir"
 #: Rank processes a typical case starts; ``-n auto`` gives each worker this many cores.
 RANKS_PER_CASE = 2
-#: Below this many workers ``-n auto`` runs serially: every case already keeps ``RANKS_PER_CASE``
-#: cores busy, and on 2 cores two workers were not reliably faster than one process (docs/PERFORMANCE.md).
+#: ``-n auto`` starts at least this many workers on a machine with two cores or more: a case's
+#: ranks spend much of their time waiting on each other's collectives, and on 2 cores two
+#: workers filled those waits (docs/PERFORMANCE.md, "Suite time").
 MIN_AUTO_WORKERS = 2
 
 
@@ -100,11 +101,13 @@ def is_controller(config: pytest.Config) -> bool:
 
 
 def auto_workers(cores: int, ranks_per_case: int = RANKS_PER_CASE) -> int:
-    """Workers for ``-n auto``: one per ``ranks_per_case`` cores; 0 (serial) when that is fewer than two."""
+    """Workers for ``-n auto``: one per ``ranks_per_case`` cores, at least :data:`MIN_AUTO_WORKERS`
+    with two cores or more; 0 (serial) on one core."""
     if cores < 1 or ranks_per_case < 1:
         raise ValueError(f"cores and ranks_per_case must be >= 1, got {cores} and {ranks_per_case}")
-    workers = cores // ranks_per_case
-    return workers if workers >= MIN_AUTO_WORKERS else 0
+    if cores < 2:
+        return 0
+    return max(cores // ranks_per_case, MIN_AUTO_WORKERS)
 
 
 # -- every session ---------------------------------------------------------------------

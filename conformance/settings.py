@@ -14,7 +14,7 @@ which bound the rank mode chosen here.
 - workers: ``-n auto|N`` (pytest-xdist's option, which the CLI passes on);
   default 0, one process running cases one after another. ``auto`` is fitted
   to the cores (:func:`conformance.scheduling.auto_workers`: one worker per
-  two cores, serial below four cores).
+  two cores, at least two from two cores on, serial on one core).
 - device: ``--device``; then ``FSDP_DEVICE``; default ``auto``. One of
   ``auto``, ``cpu``, ``cuda`` ([Note: device setting] in :mod:`harness.devices`).
 

@@ -135,7 +135,7 @@ def test_a_crashed_timing_worker_hands_its_timing_tests_back() -> None:
 
 
 def test_auto_workers_fit_the_cores() -> None:
-    assert [auto_workers(c) for c in (1, 2, 3, 4, 8, 16)] == [0, 0, 0, 2, 4, 8]
+    assert [auto_workers(c) for c in (1, 2, 3, 4, 8, 16)] == [0, 2, 2, 2, 4, 8]
     with pytest.raises(ValueError, match="cores and ranks_per_case must be >= 1, got 0 and 2"):
         auto_workers(0)
 
