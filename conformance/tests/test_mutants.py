@@ -38,7 +38,12 @@ def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
     report = tmp_path / f"{mutant}.json"
     env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
         f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
-    cmd = [sys.executable, "-m", "pytest", str(CASES_DIR), "-q", "-p", "no:cacheprovider",
+    # Only the modules declaring the expected cases are collected (a session per mutant: each
+    # module it need not import saves that start-up); a pattern naming no declared case still
+    # collects every module, so the staleness check below reports it.
+    cases = {parse_row_id(pattern)[0] for pattern in expect.must_fail}
+    files = sorted({DECLARED_IN[c] for c in cases}) if cases <= DECLARED_IN.keys() else [str(CASES_DIR)]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",
            "--fsdp-impl", mutant, "--rank-mode", expect.rank_mode, "-k", expect.keyword,
            "--conformance-json", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -46,22 +51,23 @@ def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
     return json.loads(report.read_text())
 
 
-def _declared_specs() -> dict[str, CaseSpec]:
-    """Every declared case id -> its declaration."""
+def _declared_specs() -> tuple[dict[str, CaseSpec], dict[str, str]]:
+    """Every declared case id -> its declaration, and -> the path of the module declaring it."""
     import importlib
 
-    specs = {}
+    specs, modules = {}, {}
     for path in sorted(CASES_DIR.glob("test_*.py")):
         module = importlib.import_module(f"conformance.cases.{path.stem}")
         for fn in vars(module).values():
             for mark in getattr(fn, "pytestmark", ()):
                 if mark.name == "conformance":
                     specs[mark.args[0].id] = mark.args[0]
-    return specs
+                    modules[mark.args[0].id] = str(path)
+    return specs, modules
 
 
-#: Every declared case id -> its declaration.
-DECLARED = _declared_specs()
+#: Every declared case id -> its declaration; -> the module file declaring it.
+DECLARED, DECLARED_IN = _declared_specs()
 
 
 def _marks(expect: Expect, specs: dict[str, CaseSpec]) -> list[pytest.MarkDecorator]:
