@@ -8,8 +8,10 @@ shrunk example printed as a ready-to-paste case. Paste reproducers below the
 rows; they run against every implementation like any case (one with a
 mixed-precision policy requires the capabilities the policy needs).
 
-About a third of the examples draw a mixed-precision policy. For an
-implementation without ``Capability.MIXED_PRECISION`` (or without
+A fifth to a third of the examples draw a mixed-precision policy
+(``conformance.fuzz.precision``; gradients reduced in low precision only where
+that has one correct value, [Note: low-precision reductions in the fuzzer]).
+For an implementation without ``Capability.MIXED_PRECISION`` (or without
 ``MP_BUFFER_DTYPE``) the drawn policy (or its buffer dtype) is dropped: the
 example still runs, in full precision, and the row's reason says so.
 """
@@ -18,10 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conformance.adapters.base import Capability, FSDPAdapter  # noqa: F401 - pasted reproducers may require some
+from conformance.adapters.base import Capability, FSDPAdapter
 from conformance.case import case
 from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
-from conformance.fuzz.example import Block, Example, ModelSpec, Policy  # noqa: F401 - pasted reproducers use them
+from conformance.fuzz.example import Block, Example, ModelSpec, Policy
 from conformance.fuzz.precision import precision_note
 from conformance.fuzz.runner import run_example
 from conformance.report import CaseReport
@@ -87,3 +89,11 @@ def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
 @case("fuzz/repro_d61e5cb1", world_size=4, timeout_s=90.0)
 def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
     run_example(ctx, impl, Example(world_size=4, wrap=("blocks.0",), use_orig_params=True, dtype="float64"))
+
+
+# Found by the parity fuzzer (seed 0, 60 examples) in torch-fsdp1: with a bfloat16 reduction, NO_SHARD (what
+# FSDP1 runs at world size 1) adds a second backward's gradient to the first in bfloat16, where the sharded
+# strategies add in float32 (docs/findings/fsdp1-no-shard-low-precision-accumulation.md).
+@case("fuzz/repro_57555c45", world_size=1, requires=[Capability.MIXED_PRECISION])
+def test_repro_57555c45(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_example(ctx, impl, Example(world_size=1, policy=Policy(), micro_batches=2))

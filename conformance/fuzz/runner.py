@@ -53,12 +53,18 @@ if TYPE_CHECKING:
 __all__ = ["check_example", "run_example", "wrap_plan"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
+#: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
+#: features passes back exactly zero in theory, and what flows through it is rounding) takes a step of
+#: a tenth of the learning rate, so two correct implementations rounding differently end 2e-5 apart
+#: (the reference, torch FSDP1 and FSDP2 alike, at four ranks); at 1e-3 such noise moves a parameter
+#: by 1e-8, while real gradients (1e-2 and up) still take Adam's normalised steps.
+ADAM_EPS = 1e-3
 
 
 def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=_LR[kind], momentum=0.9)
-    return torch.optim.Adam(params, lr=_LR[kind])
+    return torch.optim.Adam(params, lr=_LR[kind], eps=ADAM_EPS)
 
 
 def wrap_plan(impl: FSDPAdapter, model: nn.Module, example: Example) -> nn.Module:

@@ -31,7 +31,9 @@ def test_source_rebuilds_the_example(example: Example) -> None:
     assert eval(source(example), vars(example_mod)) == example
 
 
-def _drawn(seed: int, count: int, precision: Collection[str] = example_mod.PRECISION_FEATURES) -> list[Example]:
+def _drawn(
+    seed: int, count: int, precision: Collection[str] = example_mod.PRECISION_FEATURES, world_size: int = 4
+) -> list[Example]:
     seen: list[Example] = []
 
     def record(example: Example) -> bool:
@@ -40,7 +42,7 @@ def _drawn(seed: int, count: int, precision: Collection[str] = example_mod.PRECI
 
     options = settings(max_examples=count, database=None, phases=(Phase.generate,))
     with pytest.raises(Exception, match="No examples found"):
-        find(examples(world_size=4, precision=precision), record, settings=options, random=random.Random(seed))
+        find(examples(world_size, precision=precision), record, settings=options, random=random.Random(seed))
     return seen
 
 
@@ -64,6 +66,8 @@ def test_drawing_is_deterministic_by_seed() -> None:
         (lambda: Policy(reduce_dtype="bfloat16"), "reduce_dtype='bfloat16'"),
         (lambda: Example(world_size=2, dtype="float64", policy=Policy()), "dtype='float64'"),
         (lambda: Example(world_size=2, policy=Policy(buffer_dtype="float16")), "buffer_dtype='float16'"),
+        (lambda: Example(world_size=4, policy=Policy()), "world_size=4, policy=Policy"),
+        (lambda: Example(world_size=2, policy=Policy(param_dtype="float16")), "a float16 reduction"),
     ],
 )
 def test_bad_examples_name_the_bad_value(build: Any, message: str) -> None:
@@ -74,14 +78,17 @@ def test_bad_examples_name_the_bad_value(build: Any, message: str) -> None:
 def test_policies_are_drawn_and_dropped_where_unsupported() -> None:
     """A seed draws policies of every kind; for an implementation without a feature it draws the
     same examples with that part of the policy dropped (they still run, in full precision)."""
-    full = _drawn(5, 80)
+    full = _drawn(3, 100, world_size=2)
     policies = [e.policy for e in full if e.policy is not None]
     assert {p.param_dtype for p in policies} == set(LOW_DTYPES), policies
     assert {p.reduce_dtype for p in policies} == {None, "float32"}, policies
     assert {p.buffer_dtype for p in policies} == {None, *LOW_DTYPES}, policies
     no_buffers = [dataclasses.replace(e.policy, buffer_dtype=None) if e.policy else None for e in full]
-    assert [e.policy for e in _drawn(5, 80, {"mixed_precision"})] == no_buffers
-    assert _drawn(5, 80, ()) == [dataclasses.replace(e, policy=None) for e in full]
+    assert [e.policy for e in _drawn(3, 100, {"mixed_precision"}, world_size=2)] == no_buffers
+    assert _drawn(3, 100, (), world_size=2) == [dataclasses.replace(e, policy=None) for e in full]
+    assert {p.reduce_dtype for p in policies if p.param_dtype == "float16"} == {"float32"}, policies
+    at_four = [e.policy for e in _drawn(3, 100) if e.policy is not None]
+    assert at_four and {p.reduce_dtype for p in at_four} == {"float32"}, "a low-precision reduction at 4 ranks"
     with pytest.raises(ValueError, match="unknown precision features"):
         find(examples(world_size=2, precision={"fp8"}), lambda _: True, settings=settings(database=None))
 
