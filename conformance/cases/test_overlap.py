@@ -13,9 +13,10 @@ inside the buffer; the ratios are the seed's. Bounds:
 - forward <= comm + 3 * compute + buffer (only the first all-gather is exposed);
 - forward + backward <= that + 2 * comm + 6 * compute + 2 * buffer.
 
-Each pass is timed ``timing_repeats`` times (``--timing-repeats``) after a warm-up step (which
-also records the order prefetching follows, and computes without sleeping: it is not timed);
-the median is compared. Every
+Forward+backward passes are timed ``timing_repeats`` times (``--timing-repeats``), the forward's
+time taken inside each, after a warm-up step (which also records the order prefetching follows,
+and computes without sleeping: it is not timed); the medians are compared. The negative control
+times forward-only passes. Every
 rank checks its own time. Efficiency = ideal time (the bound without buffers)
 / measured median, reported in the matrix reason.
 """
