@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from conformance.mutants._base import Expect, Patch, _Mutant
+from conformance.mutants._base import Expect, Patch, _Mutant, drop_grads
 
-__all__ = ["MasterRoundedToParamDtype"]
+__all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype"]
 
 Fn = Callable[..., Any]
 
@@ -35,3 +35,28 @@ class MasterRoundedToParamDtype(_Mutant):
     #: The fuzzer draws a policy for about a third of its examples; world size 2 draws 15.
     expect = Expect("parity_ws2", "process", ("fuzz/parity_ws2",))
     patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.start_unshard", _round_master_first),)
+
+
+def _add_in_reduce_dtype(accumulate: Fn) -> Fn:
+    def accumulate_in_reduce_dtype(handle: Any, grad: torch.Tensor) -> None:
+        # Adds the new reduced gradient to the kept one in the reduction's dtype, then stores the
+        # rounded sum (torch FSDP1's NO_SHARD does this, see fuzz/repro_57555c45).
+        previous = handle.sharded_grad()
+        if previous is None or previous.dtype == grad.dtype:
+            accumulate(handle, grad)
+            return
+        summed = previous.to(grad.dtype) + grad
+        drop_grads(handle)
+        accumulate(handle, summed)
+
+    return accumulate_in_reduce_dtype
+
+
+class AccumulatesInReduceDtype(_Mutant):
+    """With a low-precision reduction, a second backward's gradient is added to the first in that
+    dtype (bfloat16) instead of in the parameters' float32."""
+
+    name = "mutant-accumulates-in-reduce-dtype"
+    breaks = "accumulating gradients across backwards in the parameters' dtype"
+    expect = Expect("repro_57555c45", "thread", ("fuzz/repro_57555c45",))
+    patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _add_in_reduce_dtype),)
