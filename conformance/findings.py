@@ -6,7 +6,10 @@ case is right) so a reader does not have to rediscover it.
 
 Findings come from three places, all in one format (a JSON list of
 ``{"impl": ..., "rows": ..., "doc": ...}``, ``rows`` a pattern as
-:func:`conformance.rows.row_matches` reads it, ``doc`` a path or URL):
+:func:`conformance.rows.row_matches` reads it, ``doc`` a path or URL; an
+optional ``"reason"``, a regular expression, limits the finding to failures
+whose reason it matches: a row that can fail for more than one cause, such as
+a fuzzer row, is explained only for the cause the write-up describes):
 
 - this suite's own, :data:`BUILTIN_FILE`;
 - packages, under the :data:`ENTRY_POINT_GROUP` entry-point group: the entry
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -34,23 +38,40 @@ ENTRY_POINT_GROUP = "fsdp_conformance.findings"
 ENV_VAR = "FSDP_CONFORMANCE_FINDINGS"
 
 
+_REQUIRED = frozenset({"impl", "rows", "doc"})
+_OPTIONAL = frozenset({"reason"})
+
+
 @dataclass(frozen=True)
 class Finding:
-    """A FAIL of ``impl`` on the rows ``rows`` matches is explained by ``doc``."""
+    """A FAIL of ``impl`` on the rows ``rows`` matches is explained by ``doc`` (only a FAIL whose
+    reason matches the regular expression ``reason``, when one is given)."""
 
     impl: str
     rows: str
     doc: str
+    reason: str | None = None
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any], source: str) -> Finding:
         """Validate one entry; errors name ``source`` and the entry."""
-        if not isinstance(entry, Mapping) or set(entry) != {"impl", "rows", "doc"}:
-            raise ValueError(f"{source}: a finding is {{'impl', 'rows', 'doc'}}, got {entry!r}")
+        if not isinstance(entry, Mapping) or not _REQUIRED <= set(entry) <= _REQUIRED | _OPTIONAL:
+            raise ValueError(f"{source}: a finding is {{'impl', 'rows', 'doc'}} and optionally 'reason', "
+                             f"got {entry!r}")
         if not all(isinstance(v, str) and v for v in entry.values()):
-            raise ValueError(f"{source}: impl, rows and doc must be non-empty strings, got {entry!r}")
+            raise ValueError(f"{source}: impl, rows, doc and reason must be non-empty strings, got {entry!r}")
         parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
-        return cls(entry["impl"], entry["rows"], entry["doc"])
+        if "reason" in entry:
+            try:
+                re.compile(entry["reason"])
+            except re.error as exc:
+                raise ValueError(f"{source}: reason {entry['reason']!r} is not a regular expression: {exc}") from None
+        return cls(entry["impl"], entry["rows"], entry["doc"], entry.get("reason"))
+
+    def explains(self, impl: str, case: str, reason: str) -> bool:
+        """Whether this finding is the known cause of ``impl`` failing ``case`` with ``reason``."""
+        return (self.impl == impl and row_matches(case, self.rows)
+                and (self.reason is None or re.search(self.reason, reason) is not None))
 
 
 def load_file(path: Path) -> list[Finding]:
@@ -85,6 +106,6 @@ def known() -> list[Finding]:
 def annotate(impl: str, case: str, reason: str) -> str:
     """``reason``, prefixed with the finding's write-up when this failure is a known one."""
     for finding in known():
-        if finding.impl == impl and row_matches(case, finding.rows):
+        if finding.explains(impl, case, reason):
             return f"known finding, see {finding.doc}: {reason}"
     return reason

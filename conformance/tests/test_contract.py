@@ -127,6 +127,23 @@ def test_findings_from_a_file_and_an_entry_point(tmp_path: Path, monkeypatch: py
     assert proc.stdout.strip() == "known finding, see docs/my-fsdp-checkpoint.md: boom", proc.stderr
 
 
+def test_a_finding_with_a_reason_explains_only_that_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fuzzer row fails for whatever the fuzzer finds; a finding may claim one cause of it."""
+    listed = tmp_path / "mine.json"
+    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "fuzz/parity_ws1", "doc": "d.md",
+                                   "reason": r"has \d+ parameters, the local model \d+"}]))
+    monkeypatch.setenv(ENV_VAR, str(listed))
+    assert annotate("my-fsdp", "fuzz/parity_ws1", "step 0: has 6 parameters, the local model 8") == (
+        "known finding, see d.md: step 0: has 6 parameters, the local model 8")
+    assert annotate("my-fsdp", "fuzz/parity_ws1", "step 0: grads differ") == "step 0: grads differ"
+    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "fuzz/parity_ws1", "doc": "d.md", "reason": "("}]))
+    with pytest.raises(ValueError, match=r"reason '\(' is not a regular expression"):
+        annotate("my-fsdp", "fuzz/parity_ws1", "boom")
+    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "fuzz/parity_ws1", "doc": "d.md", "why": "x"}]))
+    with pytest.raises(ValueError, match=r"optionally 'reason', got"):
+        annotate("my-fsdp", "fuzz/parity_ws1", "boom")
+
+
 def test_post_optim_event_capability_needs_the_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(registry.ENV_VAR, f"claims-event={__name__}:ClaimsEvent")
     with pytest.raises(TypeError, match="declares Capability.POST_OPTIM_EVENT but has no set_post_optim_event"):
