@@ -144,21 +144,22 @@ def test_a_finding_with_a_reason_explains_only_that_cause(tmp_path: Path, monkey
         annotate("my-fsdp", "fuzz/parity_ws1", "boom")
 
 
-def test_post_optim_event_capability_needs_the_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(registry.ENV_VAR, f"claims-event={__name__}:ClaimsEvent")
-    with pytest.raises(TypeError, match="declares Capability.POST_OPTIM_EVENT but has no set_post_optim_event"):
-        registry.load("claims-event")
+@pytest.mark.parametrize(("adapter", "capability", "method"), [
+    ("ClaimsEvent", "POST_OPTIM_EVENT", "set_post_optim_event"),
+    ("ClaimsNoSync", "NO_SYNC", "no_sync"),
+])
+def test_a_capability_needs_its_method(monkeypatch: pytest.MonkeyPatch, adapter: str, capability: str,
+                                       method: str) -> None:
+    """An adapter declaring a capability that promises an optional method, without the method, is refused."""
+    name = globals()[adapter].name
+    monkeypatch.setenv(registry.ENV_VAR, f"{name}={__name__}:{adapter}")
+    with pytest.raises(TypeError, match=f"declares Capability.{capability} but has no {method} method"):
+        registry.load(name)
 
 
 class ClaimsEvent(ReferenceAdapter):
     name = "claims-event"
     capabilities = ReferenceAdapter.capabilities | {Capability.POST_OPTIM_EVENT}
-
-
-def test_no_sync_capability_needs_the_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(registry.ENV_VAR, f"claims-no-sync={__name__}:ClaimsNoSync")
-    with pytest.raises(TypeError, match="declares Capability.NO_SYNC but has no no_sync method"):
-        registry.load("claims-no-sync")
 
 
 class ClaimsNoSync(ProtocolOneAdapter):
