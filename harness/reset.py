@@ -8,6 +8,10 @@ filters, the ``torch.distributed`` debug level, any attribute of
 ``torch.distributed`` / ``distributed_c10d`` a case monkeypatched (e.g. a
 collective recorder left installed after a failure), and it destroys every
 process group the case created, so the next case sees only the default group.
+Last, it calls every function registered with :func:`on_case_end`: code that
+changes its own process-global state for one case (the suite's mutants patch
+``fsdp_impl`` from inside a case) undoes it there, so the next case in the
+process starts from the pristine state.
 
 [Note: mesh-keyed caches]
 A ``DeviceMesh`` hashes and compares by its ranks, layout, device type and dim
@@ -25,7 +29,7 @@ import os
 import random
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -33,7 +37,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["seed_everything", "case_scope", "process_global_scope", "clear_mesh_keyed_caches"]
+__all__ = ["seed_everything", "case_scope", "process_global_scope", "clear_mesh_keyed_caches", "on_case_end"]
+
+#: Called, in registration order, at the end of every case scope ([Note: per-case reset]).
+_case_end: list[Callable[[], None]] = []
+
+
+def on_case_end(fn: Callable[[], None]) -> None:
+    """Call ``fn`` at the end of every later case in this process (once, however often registered).
+
+    Under thread ranks it runs once per run, after every rank thread has finished;
+    under process ranks once per case in each rank process.
+    """
+    if fn not in _case_end:
+        _case_end.append(fn)
 
 
 def seed_everything(seed: int) -> None:
@@ -65,6 +82,8 @@ def process_global_scope(env: Mapping[str, str] | None) -> Iterator[None]:
         dist.set_debug_level(saved_level)
         for module, attrs in saved_attrs:
             _restore_attrs(module, attrs)
+        for fn in list(_case_end):
+            fn()
 
 
 def _restore_attrs(module: Any, saved: dict[str, Any]) -> None:

@@ -8,9 +8,12 @@ suite's own tests (``conformance/tests/test_mutants.py``) run those cases
 against each mutant and assert they report FAIL: a case that passes against a
 mutant it should catch is not testing what it claims.
 
-Mutants patch ``fsdp_impl`` in the process they run in, so they are only ever
-run in a separate pytest session (never next to the real reference). Register
-them with ``FSDP_CONFORMANCE_ADAPTERS="name=conformance.mutants:Class,..."``.
+A mutant patches ``fsdp_impl`` in the rank processes (or thread host) running
+a case, from the case's first ``wrap`` until the case ends, when the harness's
+per-case reset puts the originals back; so the cases of several mutants can
+run one after another in one session. The suite still runs mutants in pytest
+sessions of their own, never next to the real reference. Register them with
+``FSDP_CONFORMANCE_ADAPTERS="name=conformance.mutants:Class,..."``.
 """
 
 from __future__ import annotations

@@ -28,8 +28,10 @@ import torch.nn as nn
 
 from conformance.adapters.base import WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
+from harness.reset import on_case_end
 
-__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "_Mutant", "_state_of", "drop_grads"]
+__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "revert_patches", "_Mutant", "_state_of",
+           "drop_grads"]
 
 
 @dataclass(frozen=True)
@@ -107,22 +109,34 @@ def check_declaration(mutant: type) -> None:
 
 
 _patch_lock = threading.Lock()
-_patched: set[tuple[int, str]] = set()
+#: (id(owner), attribute) -> (owner, attribute, original value) of every patch applied in this process.
+_patched: dict[tuple[int, str], tuple[Any, str, Any]] = {}
 
 
 def apply_patches(patches: tuple[Patch, ...]) -> None:
-    """Apply each patch unless its target was already patched in this process.
+    """Apply each patch unless its target was already patched in this process, until the case ends.
 
     ``wrap`` runs on every rank; under thread ranks the ranks share one process
     and its modules. The first rank's patch wins, so a replacement that wraps the
-    original is never wrapped around another rank's replacement.
+    original is never wrapped around another rank's replacement. When the case
+    ends, the harness's per-case reset calls :func:`revert_patches`, so one
+    process can run several mutants' cases one after another.
     """
     with _patch_lock:
+        on_case_end(revert_patches)
         for patch in patches:
             owner, attr, original = patch.resolve()
             if (id(owner), attr) not in _patched:
                 setattr(owner, attr, patch.replace(original))
-                _patched.add((id(owner), attr))
+                _patched[(id(owner), attr)] = (owner, attr, original)
+
+
+def revert_patches() -> None:
+    """Put back every original :func:`apply_patches` replaced in this process."""
+    with _patch_lock:
+        for owner, attr, original in _patched.values():
+            setattr(owner, attr, original)
+        _patched.clear()
 
 
 class _Mutant(ReferenceAdapter):
@@ -131,7 +145,7 @@ class _Mutant(ReferenceAdapter):
     breaks = ""
     #: The cases that must report FAIL against this mutant.
     expect: ClassVar[Expect]
-    #: Attributes of ``fsdp_impl`` replaced (once per process) before the first wrap.
+    #: Attributes of ``fsdp_impl`` replaced on the first wrap of a case, put back when it ends.
     patches: ClassVar[tuple[Patch, ...]] = ()
     #: ``WrapSpec`` fields replaced on every wrap, whatever the case asked for.
     spec_overrides: ClassVar[Mapping[str, Any]] = {}

@@ -1,8 +1,15 @@
 """Every case fails against a reference with the behaviour it checks broken.
 
-Each mutant (``conformance/mutants/``) runs in its own pytest session, since
-it patches the reference in-process. Each mutant's ``expect`` says which cases
-must turn into FAIL; a case that still passes is not testing what it claims.
+Each mutant (``conformance/mutants/``) declares which cases must turn into FAIL
+against it; a case that still passes is not testing what it claims. Mutants run
+in batches, a pytest session per batch: those declared in one module with the
+same rank mode, GPU need and timing need. Each batch session selects, for each
+of its mutants, only the rows its keyword names (``-k "(m1 and (kw1)) or ..."``,
+one ``--fsdp-impl`` per mutant); a mutant's patches last one case (the harness's
+per-case reset reverts them), so its neighbours in the session run against the
+reference they expect. Batching spares each mutant a session's start-up (its
+interpreter's and its rank pool's torch imports, about 6 s on a 2-core box).
+``-k <module>-<rank mode>`` selects one batch (``-k runtime-thread``).
 Patch targets and expectations are checked without running anything first.
 
 Placement mutants are only visible on GPU rows: on a CPU-only machine the CPU is
@@ -20,6 +27,7 @@ import os
 import subprocess
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,28 +35,11 @@ import pytest
 from conformance.case import CaseSpec, accelerator_skip_reason
 from conformance.cli import CASES_DIR
 from conformance.mutants import MUTANTS, Expect, Patch, check_declaration
-from conformance.mutants._base import apply_patches
+from conformance.mutants._base import apply_patches, revert_patches
 from conformance.rows import parse_row_id, row_matches
 
 #: mutant name -> the cases that must report FAIL against it (declared on each mutant).
 EXPECTED: dict[str, Expect] = {name: cls.expect for name, cls in MUTANTS.items()}
-
-
-def _run(mutant: str, expect: Expect, tmp_path: Path) -> list[dict]:
-    report = tmp_path / f"{mutant}.json"
-    env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
-        f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
-    # Only the modules declaring the expected cases are collected (a session per mutant: each
-    # module it need not import saves that start-up); a pattern naming no declared case still
-    # collects every module, so the staleness check below reports it.
-    cases = {parse_row_id(pattern)[0] for pattern in expect.must_fail}
-    files = sorted({DECLARED_IN[c] for c in cases}) if cases <= DECLARED_IN.keys() else [str(CASES_DIR)]
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",
-           "--fsdp-impl", mutant, "--rank-mode", expect.rank_mode, "-k", expect.keyword,
-           "--conformance-json", str(report)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(report.read_text())
 
 
 def _declared_specs() -> tuple[dict[str, CaseSpec], dict[str, str]]:
@@ -70,27 +61,117 @@ def _declared_specs() -> tuple[dict[str, CaseSpec], dict[str, str]]:
 DECLARED, DECLARED_IN = _declared_specs()
 
 
-def _marks(expect: Expect, specs: dict[str, CaseSpec]) -> list[pytest.MarkDecorator]:
-    """gpu where the mutant needs accelerators; timing where it runs a timing case (alone under -n)."""
-    timing = any(specs[case].timing for case in (parse_row_id(p)[0] for p in expect.must_fail) if case in specs)
-    return [pytest.mark.gpu] * bool(expect.accelerators) + [pytest.mark.timing] * timing
+def _runs_timing_case(expect: Expect) -> bool:
+    cases = (parse_row_id(pattern)[0] for pattern in expect.must_fail)
+    return any(DECLARED[case].timing for case in cases if case in DECLARED)
 
 
-@pytest.mark.parametrize(
-    "mutant",
-    [pytest.param(name, marks=_marks(EXPECTED[name], DECLARED)) for name in sorted(EXPECTED)],
-)
-def test_mutant_is_caught(mutant: str, tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Batch:
+    """Mutants whose cases run in one pytest session."""
+
+    name: str
+    mutants: tuple[str, ...]
+    rank_mode: str
+    accelerators: int
+    timing: bool
+
+    def marks(self) -> list[pytest.MarkDecorator]:
+        """gpu where the mutants need accelerators; timing where they run a timing case (alone under -n)."""
+        return [pytest.mark.gpu] * bool(self.accelerators) + [pytest.mark.timing] * self.timing
+
+    def keyword(self) -> str:
+        """Each mutant's own rows: its adapter's name (in every row id) and its keyword."""
+        return " or ".join(f"({name} and ({EXPECTED[name].keyword}))" for name in self.mutants)
+
+    def case_files(self) -> list[str]:
+        """The modules declaring the expected cases (each module not imported saves start-up); every
+        module if a pattern names no declared case, so the staleness check reports it."""
+        cases = {parse_row_id(p)[0] for name in self.mutants for p in EXPECTED[name].must_fail}
+        return sorted({DECLARED_IN[c] for c in cases}) if cases <= DECLARED_IN.keys() else [str(CASES_DIR)]
+
+
+def _batches() -> list[Batch]:
+    groups: dict[tuple[str, str, int, bool], list[str]] = {}
+    for name in sorted(EXPECTED):
+        expect = EXPECTED[name]
+        module = MUTANTS[name].__module__.rsplit(".", 1)[-1]
+        groups.setdefault((module, expect.rank_mode, expect.accelerators, _runs_timing_case(expect)), []).append(name)
+    return [
+        Batch("-".join([module, mode, *([f"gpu{gpus}"] if gpus else []), *(["timing"] if timing else [])]),
+              tuple(names), mode, gpus, timing)
+        for (module, mode, gpus, timing), names in sorted(groups.items())
+    ]
+
+
+BATCHES = _batches()
+
+
+def _run(batch: Batch, tmp_path: Path) -> list[dict]:
+    report = tmp_path / f"{batch.name}.json"
+    env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
+        f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
+    impls = [arg for name in batch.mutants for arg in ("--fsdp-impl", name)]
+    cmd = [sys.executable, "-m", "pytest", *batch.case_files(), "-q", "-p", "no:cacheprovider", *impls,
+           "--rank-mode", batch.rank_mode, "-k", batch.keyword(), "--conformance-json", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+def _uncaught(mutant: str, rows: list[dict]) -> list[str]:
+    """What is wrong with ``mutant``'s rows: a pattern matching none, or a selected row not FAILing."""
     expect = EXPECTED[mutant]
-    hardware = accelerator_skip_reason(expect.accelerators)
-    if hardware is not None:
-        pytest.skip(hardware)
-    rows = _run(mutant, expect, tmp_path)
     unmatched = [p for p in expect.must_fail if not any(row_matches(r["case"], p) for r in rows)]
-    assert not unmatched, f"no case matched {unmatched}; the expectation table is stale"
+    if unmatched:
+        return [f"{mutant}: no case matched {unmatched}; the expectation table is stale"]
     selected = [r for r in rows if any(row_matches(r["case"], p) for p in expect.must_fail)]
     missed = [f"{r['case']} ({r['outcome']})" for r in selected if r["outcome"] != "FAIL"]
-    assert not missed, f"{mutant} ({MUTANTS[mutant].breaks}) was not caught by: {missed}"
+    return [f"{mutant} ({MUTANTS[mutant].breaks}) was not caught by: {missed}"] if missed else []
+
+
+@pytest.mark.parametrize("batch", [pytest.param(b, id=b.name, marks=b.marks()) for b in BATCHES])
+def test_mutants_are_caught(batch: Batch, tmp_path: Path) -> None:
+    hardware = accelerator_skip_reason(batch.accelerators)
+    if hardware is not None:
+        pytest.skip(hardware)
+    rows = _run(batch, tmp_path)
+    problems = [p for name in batch.mutants for p in _uncaught(name, [r for r in rows if r["impl"] == name])]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
+    """In one session, a patching mutant's row is followed by the reference's, which must pass.
+
+    ``mutant-assumes-parameters`` passes ``ignored_params_not_moved`` (its patch
+    is harmless there) and fails ``no_params``; the reference runs each case's rows
+    first. Had the patch outlived the mutant's passing row, the reference's
+    ``no_params`` row, next in the same rank processes (or thread host), would fail.
+    """
+    report = tmp_path / "r.json"
+    env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": "mutant-assumes-parameters=conformance.mutants:AssumesParameters"}
+    cmd = [sys.executable, "-m", "pytest", DECLARED_IN["misc/no_params"], "-q", "-p", "no:cacheprovider",
+           "--fsdp-impl", "reference", "--fsdp-impl", "mutant-assumes-parameters", "--rank-mode", "both",
+           "-k", "(ignored_params_not_moved and not _gpu) or (no_params and False)",
+           "--conformance-json", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in json.loads(report.read_text())]
+    mutant = "mutant-assumes-parameters"
+    assert rows == [(case, impl, mode, "FAIL" if (case, impl) == ("misc/no_params", mutant) else "pass")
+                    for case in ("misc/ignored_params_not_moved", "misc/no_params")
+                    for mode in ("process", "thread") for impl in ("reference", mutant)], rows
+
+
+def test_batches_hold_every_mutant_once() -> None:
+    """Each batch shares what its session runs with: rank mode, GPUs, timing phase."""
+    names = [name for batch in BATCHES for name in batch.mutants]
+    assert sorted(names) == sorted(EXPECTED)
+    for batch in BATCHES:
+        for name in batch.mutants:
+            expect = EXPECTED[name]
+            assert (expect.rank_mode, expect.accelerators, _runs_timing_case(expect)) == (
+                batch.rank_mode, batch.accelerators, batch.timing), (batch.name, name)
 
 
 def test_every_mutant_declares_an_expectation() -> None:
@@ -130,15 +211,42 @@ def test_a_malformed_target_is_rejected() -> None:
         Patch.instead("fsdp_impl.unit._final_callback", None).resolve()
 
 
-def test_the_first_patch_of_a_target_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Thread ranks share one process: a second rank's patch must not wrap the first one's."""
+def _probe_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module = types.ModuleType("mutant_patch_probe")
     module.f = lambda: 1  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    double = Patch("mutant_patch_probe:f", lambda original: lambda: 2 * original())
-    apply_patches((double,))
-    apply_patches((double,))
-    assert module.f() == 2  # type: ignore[attr-defined]
+    return module
+
+
+_DOUBLE = Patch("mutant_patch_probe:f", lambda original: lambda: 2 * original())
+
+
+def test_the_first_patch_of_a_target_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread ranks share one process: a second rank's patch must not wrap the first one's."""
+    module = _probe_module(monkeypatch)
+    try:
+        apply_patches((_DOUBLE,))
+        apply_patches((_DOUBLE,))
+        assert module.f() == 2  # type: ignore[attr-defined]
+    finally:
+        revert_patches()
+    assert module.f() == 1  # type: ignore[attr-defined]
+
+
+def test_patches_last_until_the_case_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness's per-case reset puts the originals back: the next mutant's case starts clean."""
+    from harness.reset import process_global_scope
+
+    module = _probe_module(monkeypatch)
+    original = module.f  # type: ignore[attr-defined]
+    with process_global_scope(None):
+        apply_patches((_DOUBLE,))
+        assert module.f() == 2  # type: ignore[attr-defined]
+    assert module.f is original  # type: ignore[attr-defined]
+    with process_global_scope(None):  # a later case patches afresh
+        apply_patches((_DOUBLE,))
+        assert module.f() == 2  # type: ignore[attr-defined]
+    assert module.f is original  # type: ignore[attr-defined]
 
 
 def test_a_mutant_without_expectation_is_rejected() -> None:

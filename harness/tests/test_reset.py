@@ -38,3 +38,31 @@ def test_the_caches_it_clears_exist() -> None:
 
     reset.clear_mesh_keyed_caches()
     assert torch._C._get_DTensor_sharding_propagator_cache_stats() is not None
+
+
+_patched: dict[str, int] = {"active": 0, "undone": 0}
+
+
+def _undo() -> None:
+    _patched["active"] = 0
+    _patched["undone"] += 1
+
+
+def _patch_for_this_case(ctx: harness.RankContext) -> int:
+    reset.on_case_end(_undo)
+    reset.on_case_end(_undo)  # registered once, however often
+    _patched["active"] = 1
+    ctx.barrier()  # every thread rank has patched before any could finish
+    return _patched["undone"]
+
+
+def _seen(ctx: harness.RankContext) -> tuple[int, int]:
+    return _patched["active"], _patched["undone"]
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_case_end_callbacks_undo_a_case_s_own_changes(mode: str) -> None:
+    """A case's process-global change is undone when it ends: once per rank process, once per thread run."""
+    before = harness.run(_patch_for_this_case, world_size=2, mode=mode)
+    after = harness.run(_seen, world_size=2, mode=mode)
+    assert after == [(0, before[0] + 1), (0, before[1] + 1)]
