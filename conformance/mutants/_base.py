@@ -41,12 +41,18 @@ class Expect:
     Every row a ``must_fail`` pattern matches (:func:`conformance.rows.row_matches`:
     a case id, optionally with a subset of its parameters) must FAIL.
     ``accelerators`` is how many GPUs the selected rows need (0: they run on CPU).
+    ``timing_repeats``, for a mutant that pushes a timing case's measurement past a
+    bound by far more than the machine's jitter, is how many times the case repeats
+    each timed region (``--timing-repeats``; ``None``: the default). One run then
+    proves the bound can fail; a mutant that must bring a measurement *under* a
+    bound keeps the default's median.
     """
 
     keyword: str
     rank_mode: str
     must_fail: tuple[str, ...]
     accelerators: int = 0
+    timing_repeats: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank_mode not in ("thread", "process"):
@@ -55,6 +61,8 @@ class Expect:
             raise ValueError(f"{self.keyword!r}: must_fail names no case")
         if self.accelerators < 0:
             raise ValueError(f"{self.keyword!r}: accelerators must be >= 0, got {self.accelerators}")
+        if self.timing_repeats is not None and self.timing_repeats < 1:
+            raise ValueError(f"{self.keyword!r}: timing_repeats must be >= 1, got {self.timing_repeats}")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -75,6 +76,7 @@ class Batch:
     rank_mode: str
     accelerators: int
     timing: bool
+    timing_repeats: int | None = None
 
     def marks(self) -> list[pytest.MarkDecorator]:
         """gpu where the mutants need accelerators; timing where they run a timing case (alone under -n)."""
@@ -91,16 +93,22 @@ class Batch:
         return sorted({DECLARED_IN[c] for c in cases}) if cases <= DECLARED_IN.keys() else [str(CASES_DIR)]
 
 
+def _session_key(name: str) -> tuple[str, str, int, bool, int]:
+    """What a batch's session shares: declaring module, rank mode, GPUs, timing phase, timing repeats."""
+    expect = EXPECTED[name]
+    module = MUTANTS[name].__module__.rsplit(".", 1)[-1]
+    return module, expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats or 0
+
+
 def _batches() -> list[Batch]:
-    groups: dict[tuple[str, str, int, bool], list[str]] = {}
+    groups: dict[tuple[str, str, int, bool, int], list[str]] = {}
     for name in sorted(EXPECTED):
-        expect = EXPECTED[name]
-        module = MUTANTS[name].__module__.rsplit(".", 1)[-1]
-        groups.setdefault((module, expect.rank_mode, expect.accelerators, _runs_timing_case(expect)), []).append(name)
+        groups.setdefault(_session_key(name), []).append(name)
     return [
-        Batch("-".join([module, mode, *([f"gpu{gpus}"] if gpus else []), *(["timing"] if timing else [])]),
-              tuple(names), mode, gpus, timing)
-        for (module, mode, gpus, timing), names in sorted(groups.items())
+        Batch("-".join([module, mode, *([f"gpu{gpus}"] if gpus else []), *(["timing"] if timing else []),
+                        *([f"repeats{repeats}"] if repeats else [])]),
+              tuple(names), mode, gpus, timing, repeats or None)
+        for (module, mode, gpus, timing, repeats), names in sorted(groups.items())
     ]
 
 
@@ -111,8 +119,10 @@ def _run(batch: Batch, tmp_path: Path) -> list[dict]:
     report = tmp_path / f"{batch.name}.json"
     env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
         f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
-    impls = [arg for name in batch.mutants for arg in ("--fsdp-impl", name)]
-    cmd = [sys.executable, "-m", "pytest", *batch.case_files(), "-q", "-p", "no:cacheprovider", *impls,
+    options = [arg for name in batch.mutants for arg in ("--fsdp-impl", name)]
+    if batch.timing_repeats is not None:
+        options += ["--timing-repeats", str(batch.timing_repeats)]
+    cmd = [sys.executable, "-m", "pytest", *batch.case_files(), "-q", "-p", "no:cacheprovider", *options,
            "--rank-mode", batch.rank_mode, "-k", batch.keyword(), "--conformance-json", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -164,14 +174,14 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
 
 
 def test_batches_hold_every_mutant_once() -> None:
-    """Each batch shares what its session runs with: rank mode, GPUs, timing phase."""
+    """Each batch shares what its session runs with: rank mode, GPUs, timing phase, timing repeats."""
     names = [name for batch in BATCHES for name in batch.mutants]
     assert sorted(names) == sorted(EXPECTED)
     for batch in BATCHES:
         for name in batch.mutants:
             expect = EXPECTED[name]
-            assert (expect.rank_mode, expect.accelerators, _runs_timing_case(expect)) == (
-                batch.rank_mode, batch.accelerators, batch.timing), (batch.name, name)
+            assert (expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats) == (
+                batch.rank_mode, batch.accelerators, batch.timing, batch.timing_repeats), (batch.name, name)
 
 
 def test_every_mutant_declares_an_expectation() -> None:
@@ -247,6 +257,21 @@ def test_patches_last_until_the_case_ends(monkeypatch: pytest.MonkeyPatch) -> No
         apply_patches((_DOUBLE,))
         assert module.f() == 2  # type: ignore[attr-defined]
     assert module.f is original  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank_mode": "both"}, "rank_mode must be thread or process, got 'both'"),
+        ({"must_fail": ()}, "'k': must_fail names no case"),
+        ({"accelerators": -1}, "'k': accelerators must be >= 0, got -1"),
+        ({"timing_repeats": 0}, "'k': timing_repeats must be >= 1, got 0"),
+    ],
+)
+def test_a_malformed_expectation_names_the_bad_value(kwargs: dict, message: str) -> None:
+    fields = {"keyword": "k", "rank_mode": "thread", "must_fail": ("misc/no_params",), **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Expect(**fields)
 
 
 def test_a_mutant_without_expectation_is_rejected() -> None:
