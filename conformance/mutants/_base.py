@@ -131,7 +131,6 @@ def apply_patches(patches: tuple[Patch, ...]) -> None:
     process can run several mutants' cases one after another.
     """
     with _patch_lock:
-        on_case_end(revert_patches)
         for patch in patches:
             owner, attr, original = patch.resolve()
             if (id(owner), attr) not in _patched:
@@ -145,6 +144,9 @@ def revert_patches() -> None:
         for owner, attr, original in _patched.values():
             setattr(owner, attr, original)
         _patched.clear()
+
+
+on_case_end(revert_patches)  # in every process that imports the mutants: its rank processes and thread hosts
 
 
 class _Mutant(ReferenceAdapter):

@@ -115,18 +115,27 @@ def _batches() -> list[Batch]:
 BATCHES = _batches()
 
 
+#: Every mutant, registered as an adapter for a session's ``--fsdp-impl``.
+_ADAPTERS_ENV = {"FSDP_CONFORMANCE_ADAPTERS": ",".join(
+    f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
+
+
+def _session(files: list[str], options: list[str], report: Path) -> list[dict]:
+    """The conformance rows of one pytest session over ``files`` with ``options``."""
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", *options,
+           "--conformance-json", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ADAPTERS_ENV},
+                          timeout=900, check=False)
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
 def _run(batch: Batch, tmp_path: Path) -> list[dict]:
-    report = tmp_path / f"{batch.name}.json"
-    env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": ",".join(
-        f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
     options = [arg for name in batch.mutants for arg in ("--fsdp-impl", name)]
     if batch.timing_repeats is not None:
         options += ["--timing-repeats", str(batch.timing_repeats)]
-    cmd = [sys.executable, "-m", "pytest", *batch.case_files(), "-q", "-p", "no:cacheprovider", *options,
-           "--rank-mode", batch.rank_mode, "-k", batch.keyword(), "--conformance-json", str(report)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
-    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(report.read_text())
+    options += ["--rank-mode", batch.rank_mode, "-k", batch.keyword()]
+    return _session(batch.case_files(), options, tmp_path / f"{batch.name}.json")
 
 
 def _uncaught(mutant: str, rows: list[dict]) -> list[str]:
@@ -158,15 +167,10 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     first. Had the patch outlived the mutant's passing row, the reference's
     ``no_params`` row, next in the same rank processes (or thread host), would fail.
     """
-    report = tmp_path / "r.json"
-    env = {**os.environ, "FSDP_CONFORMANCE_ADAPTERS": "mutant-assumes-parameters=conformance.mutants:AssumesParameters"}
-    cmd = [sys.executable, "-m", "pytest", DECLARED_IN["misc/no_params"], "-q", "-p", "no:cacheprovider",
-           "--fsdp-impl", "reference", "--fsdp-impl", "mutant-assumes-parameters", "--rank-mode", "both",
-           "-k", "(ignored_params_not_moved and not _gpu) or (no_params and False)",
-           "--conformance-json", str(report)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in json.loads(report.read_text())]
+    options = ["--fsdp-impl", "reference", "--fsdp-impl", "mutant-assumes-parameters", "--rank-mode", "both",
+               "-k", "(ignored_params_not_moved and not _gpu) or (no_params and False)"]
+    report = _session([DECLARED_IN["misc/no_params"]], options, tmp_path / "r.json")
+    rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in report]
     mutant = "mutant-assumes-parameters"
     assert rows == [(case, impl, mode, "FAIL" if (case, impl) == ("misc/no_params", mutant) else "pass")
                     for case in ("misc/ignored_params_not_moved", "misc/no_params")
