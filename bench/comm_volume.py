@@ -31,8 +31,8 @@ import torch.nn as nn
 
 import harness
 from bench._common import base_parser, print_table, write_json
-from conformance import registry
-from conformance.adapters.base import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, WrapSpec
+from conformance.contract import registry
+from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, WrapSpec
 from fixtures.seeding import generator, seeded_init_
 
 __all__ = ["measure_step", "theory", "Stack"]

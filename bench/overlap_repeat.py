@@ -15,7 +15,7 @@ from typing import Any
 
 import harness
 from bench._common import base_parser, median, print_table, write_json
-from conformance import registry
+from conformance.contract import registry
 from fixtures import timing
 
 

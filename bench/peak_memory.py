@@ -21,8 +21,8 @@ import torch.nn as nn
 import harness
 from bench._common import base_parser, print_table, write_json
 from bench.step_time import EncoderStack
-from conformance import registry
-from conformance.adapters.base import AutoWrap, WrapSpec
+from conformance.contract import registry
+from conformance.contract.adapter import AutoWrap, WrapSpec
 from fixtures.seeding import generator
 
 __all__ = ["measure_peak", "INFLIGHT"]

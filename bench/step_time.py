@@ -18,8 +18,8 @@ import torch.nn as nn
 
 import harness
 from bench._common import base_parser, median, print_table, save_plot, write_json
-from conformance import registry
-from conformance.adapters.base import AutoWrap, WrapSpec
+from conformance.contract import registry
+from conformance.contract.adapter import AutoWrap, WrapSpec
 from fixtures.seeding import generator, seeded_init_
 
 IMPLS = ("reference", "torch-fsdp1", "torch-fsdp2")

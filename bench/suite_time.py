@@ -10,7 +10,7 @@ produce the same rows (ids, outcomes, order) and exit codes (``--impl all``
 has FAIL rows, the findings, so its runs exit 1); the script says so or exits 1.
 
 Critical path: timing cases run one after another, alone, at the end of a
-parallel run ([Note: timing phase] in ``conformance/scheduling.py``), so a
+parallel run ([Note: timing phase] in ``harness/scheduling.py``), so a
 parallel run cannot take less than their summed time plus the longest other
 case; the slowest cases are listed from the runs' own ``--json`` durations.
 """
@@ -59,15 +59,15 @@ class _TimingRows:
         self.rows: set[str] = set()
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        from conformance.rows import case_row_id
-        from conformance.scheduling import is_timing
+        from conformance.contract.rows import case_row_id
+        from harness.workers import is_timing
 
         self.rows |= {case_row_id(item) for item in session.items if is_timing(item)}
 
 
 def timing_rows() -> set[str]:
     """Row ids of the cases declared ``timing=True`` (collected in-process, nothing runs)."""
-    from conformance.cli import CASES_DIR
+    from conformance.runner.cli import CASES_DIR
 
     collector = _TimingRows()
     with contextlib.redirect_stdout(io.StringIO()):

@@ -5,7 +5,7 @@ the command line > an environment variable > an ini option > the default.
 :func:`resolve` applies it to one setting; a value that does not parse is a
 :class:`SettingError` naming the source and the value. The harness resolves
 the rank mode here; the conformance suite builds its settings on the same
-function (``conformance.settings``).
+function (``conformance.runner.settings``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import (
+from conformance.contract.adapter import (
     STRATEGIES,
     Capability,
     UnitInfo,

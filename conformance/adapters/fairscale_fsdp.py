@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Capability, UnitInfo, WrapSpec
+from conformance.contract.adapter import Capability, UnitInfo, WrapSpec
 
 __all__ = ["FairScaleFSDPAdapter"]
 

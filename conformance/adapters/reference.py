@@ -8,7 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
-from conformance.adapters.base import DEPRECATED_CAPABILITIES, Capability, UnitInfo
+from conformance.contract.adapter import DEPRECATED_CAPABILITIES, Capability, UnitInfo
 
 __all__ = ["ReferenceAdapter"]
 

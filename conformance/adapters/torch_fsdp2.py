@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.adapters.base import HYBRID_STRATEGIES, Capability, UnitInfo, WrapSpec
+from conformance.contract.adapter import HYBRID_STRATEGIES, Capability, UnitInfo, WrapSpec
 
 __all__ = ["TorchFSDP2Adapter"]
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, FSDPAdapter, UnitInfo, WrapSpec
+from conformance.contract.adapter import AutoWrap, FSDPAdapter, UnitInfo, WrapSpec
 from fixtures.models import TiedTransformer
 from fixtures.seeding import generator, rank_seed
 

@@ -2,7 +2,7 @@
 
 The adapter's activation-checkpoint wrappers (torch's ``checkpoint_wrapper`` /
 ``offload_wrapper`` unless it brings its own, see
-:func:`conformance.adapters.optional.activation_checkpoint_wrapper`) and
+:func:`conformance.contract.optional.activation_checkpoint_wrapper`) and
 ``torch.utils.checkpoint`` are placed outside units, inside them, or around a
 whole unit; every placement must train like the model without them (torch's
 default tolerances: see ``_assert_same_step``).
@@ -34,9 +34,9 @@ import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ckpt_wrapp
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
-from conformance.adapters.optional import activation_checkpoint_wrapper
-from conformance.case import case
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case
+from conformance.contract.optional import activation_checkpoint_wrapper
 from fixtures.checkpointing import FFN, CheckpointBlock, CheckpointTower, ffn_layers
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator, rank_seed

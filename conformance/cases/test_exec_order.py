@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
-from conformance.adapters.optional import wrapped_module
-from conformance.case import case
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case
+from conformance.contract.optional import wrapped_module
 from fixtures.models import ExecOrderModel
 from fixtures.seeding import generator, rank_seed
 

@@ -1,4 +1,4 @@
-"""fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.fuzz`).
+"""fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.cases.fuzz`).
 
 Each row draws ``FSDP_FUZZ_EXAMPLES`` examples (default: 12, 15 and 3 for
 world sizes 1, 2 and 4; a nightly run raises it) from ``FSDP_FUZZ_SEED``
@@ -9,7 +9,7 @@ rows; they run against every implementation like any case (one with a
 mixed-precision policy requires the capabilities the policy needs).
 
 A fifth to a third of the examples draw a mixed-precision policy
-(``conformance.fuzz.precision``; gradients reduced in low precision only where
+(``conformance.cases.fuzz.precision``; gradients reduced in low precision only where
 that has one correct value, [Note: low-precision reductions in the fuzzer]).
 For an implementation without ``Capability.MIXED_PRECISION`` (or without
 ``MP_BUFFER_DTYPE``) the drawn policy (or its buffer dtype) is dropped: the
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conformance.adapters.base import Capability, FSDPAdapter
-from conformance.case import case
-from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
-from conformance.fuzz.example import Block, Example, ModelSpec, Policy
-from conformance.fuzz.precision import precision_note
-from conformance.fuzz.runner import run_example
-from conformance.report import CaseReport
+from conformance.cases.fuzz.driver import FuzzSettings, fuzz, render_case
+from conformance.cases.fuzz.example import Block, Example, ModelSpec, Policy
+from conformance.cases.fuzz.precision import precision_note
+from conformance.cases.fuzz.runner import run_example
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import case
+from conformance.contract.results import CaseReport
 
 if TYPE_CHECKING:
     from harness import RankContext

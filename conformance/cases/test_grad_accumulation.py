@@ -12,7 +12,7 @@ sums in another order than the local backward).
 
 [Note: accumulation without communication]
 With ``no_sync=True`` every micro-batch but the last of each step runs inside
-the implementation's ``no_sync`` (:func:`conformance.adapters.optional.no_sync`:
+the implementation's ``no_sync`` (:func:`conformance.contract.optional.no_sync`:
 FSDP1's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``). Those
 backwards must issue no gradient collective (reduce-scatter or all-reduce; the
 all-gathers are the parameters'), and the last backward must reduce what they
@@ -30,10 +30,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters import optional
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.adapters.optional import NoSyncUnsupported, full_grads
-from conformance.case import case, not_applicable
+from conformance.contract import optional
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case, not_applicable
+from conformance.contract.optional import NoSyncUnsupported, full_grads
 from fixtures.models import ThreeLinear
 from fixtures.optimizers import make_optim
 from fixtures.parity import assert_close_named

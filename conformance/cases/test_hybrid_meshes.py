@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
-from conformance.case import case
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
+from conformance.contract.case import case
 from fixtures.optimizers import make_optim
 from fixtures.parity import assert_close_named, assert_close_seq, assert_differs_across_ranks, assert_same_across_ranks
 from fixtures.seeding import generator, rank_seed, seeded_init_

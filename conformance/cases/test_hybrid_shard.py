@@ -28,8 +28,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import case
 from conformance.cases._hybrid_helpers import (
     HYBRID,
     LAYERS,
@@ -50,6 +48,8 @@ from conformance.cases._hybrid_helpers import (
     split_units,
 )
 from conformance.cases._misc_helpers import env_on_all_ranks
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case
 from fixtures.models import ThreeLinear, TiedTransformer
 from fixtures.optimizers import OPTIMIZERS, make_optim
 from fixtures.parity import (

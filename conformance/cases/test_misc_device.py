@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import ANY_GPU, case, distinct_gpus
 from conformance.cases._misc_helpers import cpu_world_group, cuda_device
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import ANY_GPU, case, distinct_gpus
 from fixtures.misc_models import NoParamsModel, SeqAndLinear
 from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
 from fixtures.parity import assert_close_named, assert_runs_match, assert_same_across_ranks, run_steps

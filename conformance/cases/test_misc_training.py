@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conformance.adapters.base import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.adapters.optional import has_backward_hook
-from conformance.case import case
 from conformance.cases._misc_helpers import cpu_world_group, env_on_all_ranks, hybrid_cpu_groups
+from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case
+from conformance.contract.optional import has_backward_hook
 from fixtures.misc_models import PassThroughModel, RankInitModel
 from fixtures.models import (
     MLP,

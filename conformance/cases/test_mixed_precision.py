@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
-from conformance.adapters.optional import full_grads
-from conformance.case import case
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
+from conformance.contract.case import case
+from conformance.contract.optional import full_grads
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss
 from fixtures.seeding import generator, rank_seed

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
-from conformance.adapters.optional import PostOptimEventUnsupported, set_post_optim_event
-from conformance.case import case, distinct_gpus, not_applicable
-from conformance.report import CaseReport
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case, distinct_gpus, not_applicable
+from conformance.contract.optional import PostOptimEventUnsupported, set_post_optim_event
+from conformance.contract.results import CaseReport
 from fixtures.timing import (
     COMM_MS,
     COMPUTE_MS,
@@ -76,7 +76,7 @@ def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats
 
     Only the forward is timed: that is the bound this control proves can fail. That the
     forward+backward bound can fail is proven by ``mutant-no-backward-prefetch``, which keeps
-    forward prefetch and must fail ``overlap/training_overlap`` (conformance/mutants/runtime.py).
+    forward prefetch and must fail ``overlap/training_overlap`` (conformance/selftest/mutants/runtime.py).
     """
     fwd_ms, _, _ = measure_overlap(ctx, impl, prefetch=False, repeats=timing_repeats, backward=False)
     summary = overlap_summary(fwd_ms, None)

@@ -33,9 +33,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance import registry
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import case, not_applicable
+from conformance.contract import registry
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case, not_applicable
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator

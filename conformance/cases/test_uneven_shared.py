@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Capability, FSDPAdapter, WrapSpec
-from conformance.case import case
-from conformance.report import CaseReport
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import case
+from conformance.contract.results import CaseReport
 from fixtures.models import UnevenTiedModel
 from fixtures.optimizers import make_optim
 from fixtures.parity import assert_close_named, assert_close_seq

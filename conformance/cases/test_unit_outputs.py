@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from conformance.adapters.base import FSDPAdapter, WrapSpec
-from conformance.adapters.optional import full_grads
-from conformance.case import case, not_applicable
+from conformance.contract.adapter import FSDPAdapter, WrapSpec
+from conformance.contract.case import case, not_applicable
+from conformance.contract.optional import full_grads
 from fixtures.models import OUTPUT_USES, OutputUseModel
 from fixtures.optimizers import make_optim
 from fixtures.parity import assert_close_named

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import harness
-from conformance.adapters.base import Capability
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
+from conformance.contract.adapter import Capability
 
 
 def _fsdp1_optim_state_dict(ctx: harness.RankContext) -> list[str]:

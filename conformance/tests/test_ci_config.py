@@ -51,7 +51,7 @@ def test_nightly_gpu_is_scheduled_on_a_gpu_runner_and_uploads_reports() -> None:
 def test_gpu_check_fails_loudly_without_enough_devices() -> None:
     import torch
 
-    from conformance.gpu_check import check
+    from conformance.runner.gpu_check import check
 
     problem = check(min_devices=torch.cuda.device_count() + 1)
     assert problem is not None and ("needs" in problem or "no CUDA device" in problem)
@@ -59,9 +59,9 @@ def test_gpu_check_fails_loudly_without_enough_devices() -> None:
 
 def test_gpu_env_checks_devices_then_runs_gpu_mutants_and_the_matrix() -> None:
     commands = [line.strip() for line in _tox()["testenv:gpu"]["commands"].splitlines() if line.strip()]
-    assert commands[0].startswith("python -m conformance.gpu_check"), commands
+    assert commands[0].startswith("python -m conformance.runner.gpu_check"), commands
     assert "pytest conformance/tests/test_mutants.py -m gpu" in commands, commands
-    assert commands[0] == "python -m conformance.gpu_check --min-devices 1", "one GPU is enough (cuda-shared)"
+    assert commands[0] == "python -m conformance.runner.gpu_check --min-devices 1", "one GPU is enough (cuda-shared)"
     matrix = next(line for line in commands if line.startswith("fsdp-conformance run --impl all"))
     assert "--device cuda" in matrix and "-m gpu" in commands[commands.index(matrix) + 3], commands
 
@@ -78,7 +78,7 @@ def test_ci_runs_the_tests_on_every_claimed_torch() -> None:
 
 
 def test_gpu_rows_carry_the_gpu_mark() -> None:
-    from conformance.case import ANY_GPU, case
+    from conformance.contract.case import ANY_GPU, case
 
     @case("area/gpu_row", gpus=ANY_GPU)
     def test_gpu_row(ctx: object, impl: object) -> None: ...

@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance import registry
-from conformance.adapters import optional
-from conformance.adapters.base import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
 from conformance.adapters.reference import ReferenceAdapter
-from conformance.findings import ENV_VAR, annotate
-from conformance.listing import collect_rows
+from conformance.contract import optional, registry
+from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
+from conformance.runner.findings import ENV_VAR, annotate
+from conformance.runner.listing import collect_rows
 
 pytest_plugins = ["pytester"]
 
@@ -114,13 +113,13 @@ def test_findings_from_a_file_and_an_entry_point(tmp_path: Path, monkeypatch: py
     pkg = tmp_path / "site"
     (pkg / "myfindings").mkdir(parents=True)
     (pkg / "myfindings" / "__init__.py").write_text(
-        "from conformance.findings import Finding\n"
+        "from conformance.runner.findings import Finding\n"
         "FINDINGS = [Finding('my-fsdp', 'checkpoint/*', 'docs/my-fsdp-checkpoint.md')]\n")
     dist = pkg / "myfindings-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myfindings\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[fsdp_conformance.findings]\nmy-fsdp = myfindings:FINDINGS\n")
-    code = ("from conformance.findings import annotate; "
+    code = ("from conformance.runner.findings import annotate; "
             "print(annotate('my-fsdp', 'checkpoint/checkpoint_submodule[use_reentrant=True]', 'boom'))")
     proc = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(pkg), "PATH": ""},
                           capture_output=True, text=True, check=False)

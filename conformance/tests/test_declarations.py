@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from conformance import registry
-from conformance.adapters.base import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.case import CaseSpec, NotApplicable, case
+from conformance.contract import registry
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import CaseSpec, NotApplicable, case
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ def test_fsdp2_has_no_exec_order_validation() -> None:
 def test_known_findings_annotate_but_never_change_outcomes() -> None:
     from pathlib import Path
 
-    from conformance.findings import BUILTIN_FILE, annotate, load_file
+    from conformance.runner.findings import BUILTIN_FILE, annotate, load_file
 
     root = Path(__file__).resolve().parents[2]
     builtin = load_file(BUILTIN_FILE)

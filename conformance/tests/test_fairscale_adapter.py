@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 import harness
-from conformance import registry
-from conformance.adapters.base import AutoWrap, WrapSpec
 from conformance.adapters.fairscale_fsdp import FairScaleFSDPAdapter
+from conformance.contract import registry
+from conformance.contract.adapter import AutoWrap, WrapSpec
 
 HAS_FAIRSCALE = importlib.util.find_spec("fairscale") is not None
 

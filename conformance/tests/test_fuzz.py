@@ -11,16 +11,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 
+import conformance.cases.fuzz.example as example_mod
 import conformance.cases.test_fuzz as fuzz_cases
-import conformance.fuzz.example as example_mod
-from conformance.adapters.base import Capability, FSDPAdapter
 from conformance.adapters.reference import ReferenceAdapter
-from conformance.fuzz.driver import FuzzResult, FuzzSettings, fuzz, render_case
-from conformance.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
-from conformance.fuzz.model import build_model, loss_of, make_batch
-from conformance.fuzz.precision import precision_note
-from conformance.fuzz.runner import check_example
-from conformance.mutants import NoGradDivide, ParamDtypeIgnored
+from conformance.cases.fuzz.driver import FuzzResult, FuzzSettings, fuzz, render_case
+from conformance.cases.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
+from conformance.cases.fuzz.model import build_model, loss_of, make_batch
+from conformance.cases.fuzz.precision import precision_note
+from conformance.cases.fuzz.runner import check_example
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.selftest.mutants import NoGradDivide, ParamDtypeIgnored
 from harness import RankContext, run
 
 

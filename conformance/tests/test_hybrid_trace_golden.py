@@ -10,7 +10,6 @@ from __future__ import annotations
 from expecttest import TestCase
 
 import harness
-from conformance import registry
 from conformance.cases.test_hybrid_shard import (
     NODE,
     WORLD,
@@ -18,6 +17,7 @@ from conformance.cases.test_hybrid_shard import (
     build_hybrid_transformer,
     fwd_bwd,
 )
+from conformance.contract import registry
 
 SETUP = Setup(
     strategy="HYBRID_SHARD", mode="ALL_HYBRID", use_orig_params=False, use_device_mesh=True

@@ -1,6 +1,6 @@
 """Every case fails against a reference with the behaviour it checks broken.
 
-Each mutant (``conformance/mutants/``) declares which cases must turn into FAIL
+Each mutant (``conformance/selftest/mutants/``) declares which cases must turn into FAIL
 against it; a case that still passes is not testing what it claims. Mutants run
 in batches, a pytest session per batch: those declared in one module with the
 same rank mode, GPU need and timing need. Each batch session selects, for each
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance.case import CaseSpec, accelerator_skip_reason
-from conformance.cli import CASES_DIR
-from conformance.mutants import MUTANTS, Expect, Patch, check_declaration
-from conformance.mutants._base import apply_patches, revert_patches
-from conformance.rows import parse_row_id, row_matches
+from conformance.contract.case import CaseSpec, accelerator_skip_reason
+from conformance.contract.rows import parse_row_id, row_matches
+from conformance.runner.cli import CASES_DIR
+from conformance.selftest.declare import apply_patches, revert_patches
+from conformance.selftest.mutants import MUTANTS, Expect, Patch, check_declaration
 
 #: mutant name -> the cases that must report FAIL against it (declared on each mutant).
 EXPECTED: dict[str, Expect] = {name: cls.expect for name, cls in MUTANTS.items()}
@@ -117,7 +117,7 @@ BATCHES = _batches()
 
 #: Every mutant, registered as an adapter for a session's ``--fsdp-impl``.
 _ADAPTERS_ENV = {"FSDP_CONFORMANCE_ADAPTERS": ",".join(
-    f"{name}=conformance.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
+    f"{name}=conformance.selftest.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
 
 
 def _session(files: list[str], options: list[str], report: Path) -> list[dict]:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance import registry
-from conformance.rows import parse_row_id
+from conformance.contract import registry
+from conformance.contract.rows import parse_row_id
 
 ADAPTER = '''
-from conformance.adapters.base import Capability
+from conformance.contract.adapter import Capability
 from conformance.adapters.reference import ReferenceAdapter
 
 _HYBRID = {Capability.HYBRID_VIA_PG_TUPLE, Capability.HYBRID_AUTO_GROUPS, Capability.HYBRID_MANUAL_WRAP_CHECK,

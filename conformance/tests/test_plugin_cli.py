@@ -13,7 +13,7 @@ import pytest
 pytest_plugins = ["pytester"]
 
 ADAPTERS = '''
-from conformance.adapters.base import Capability
+from conformance.contract.adapter import Capability
 from conformance.adapters.reference import ReferenceAdapter
 
 class Bare(ReferenceAdapter):
@@ -35,8 +35,8 @@ class ProcessOnly(ReferenceAdapter):
 
 CASES = '''
 import pytest, torch, torch.distributed as dist
-from conformance.adapters.base import Capability
-from conformance.case import case, distinct_gpus
+from conformance.contract.adapter import Capability
+from conformance.contract.case import case, distinct_gpus
 
 @case("demo/passes", world_size=2)
 def test_passes(ctx, impl):
@@ -60,8 +60,8 @@ def test_needs_gpus(ctx, impl):
 
 REPORTING = '''
 import pytest
-from conformance.case import case
-from conformance.report import CaseReport
+from conformance.contract.case import case
+from conformance.contract.results import CaseReport
 
 @case("demo/reports", world_size=2, modes=("thread",))
 @pytest.mark.parametrize("n", [1, 2])
@@ -76,7 +76,7 @@ def test_returns_dict(ctx, impl):
 
 DECISIONS = '''
 import pytest
-from conformance.case import case
+from conformance.contract.case import case
 
 @case("demo/strategies", world_size=2, modes=("thread",))
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
@@ -192,7 +192,8 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     assert reported["metrics"] == {"repeats": 7, "n": 2}
     bad = rows["demo/returns_dict"]
     assert bad["outcome"] == "FAIL"
-    assert "demo/returns_dict returned dict; a case returns None or conformance.report.CaseReport" in bad["reason"]
+    assert ("demo/returns_dict returned dict; a case returns None or "
+            "conformance.contract.results.CaseReport") in bad["reason"]
     listened = (suite.path / "listened.txt").read_text().splitlines()
     assert sorted(listened) == sorted(f"{case} {row['outcome']}" for case, row in rows.items())
     result.stdout.fnmatch_lines(["fsdp-conformance: impls: ('reference',) (from default); rank mode: both *"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from expecttest import TestCase
 
-from conformance.report import Result, render_markdown, render_matrix, summary_line, write_json
+from conformance.contract.results import Result
+from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
 
 RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
@@ -73,7 +74,7 @@ def test_empty_matrix() -> None:
 
 
 def test_summary_counts_outcomes_per_area_and_lists_failures() -> None:
-    from conformance.summarize import summarize
+    from conformance.runner.summarize import summarize
 
     text = summarize(RESULTS)
     assert "| exec_order | 1 pass, 1 FAIL | 1 n/a |" in text

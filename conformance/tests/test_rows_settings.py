@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.report import CaseReport
-from conformance.rows import format_row_id, parse_row_id, row_matches
-from conformance.settings import IMPL_ENV, TIMING_REPEATS_ENV, SettingError, resolve_settings
+from conformance.contract.results import CaseReport
+from conformance.contract.rows import format_row_id, parse_row_id, row_matches
+from conformance.runner.settings import IMPL_ENV, TIMING_REPEATS_ENV, SettingError, resolve_settings
 
 NO_CLI: dict[str, tuple[str, object]] = {}
 

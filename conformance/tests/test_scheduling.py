@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conformance.scheduling import TimingLastScheduling, auto_workers
-from conformance.settings import SettingError, resolve_settings
+from conformance.runner.settings import SettingError, resolve_settings
+from harness.scheduling import TimingLastScheduling
+from harness.workers import auto_workers
 
 
 @dataclass(eq=False)
@@ -148,8 +149,8 @@ def test_worker_count_setting_names_its_source() -> None:
 
 
 def test_a_timing_case_carries_the_timing_mark() -> None:
-    from conformance.case import case
     from conformance.cases import test_overlap
+    from conformance.contract.case import case
 
     @case("demo/timed", timing=True)
     def timed(ctx: object, impl: object) -> None: ...

@@ -3,6 +3,9 @@
 * No import cycle among the project's modules, counting every import the code
   can execute or a type checker reads: module level, inside functions, and under
   ``if TYPE_CHECKING:``.
+* Each package imports only the packages :data:`LAYERS` allows it (tests aside):
+  the contract adapter authors import needs nothing above the harness; the
+  runner, the cases and the self-test never import each other.
 * No module over :data:`MAX_MODULE_LINES` lines and no function over
   :data:`MAX_FUNCTION_LINES` (tests and golden text aside).
 """
@@ -20,6 +23,21 @@ IMPORT_PACKAGES = ("fsdp_impl", "harness", "conformance", "fixtures", "bench")
 #: The packages checked for sizes (test modules excluded).
 SIZE_PACKAGES = ("fsdp_impl", "harness", "conformance", "fixtures", "bench")
 MAX_MODULE_LINES = 400
+#: Package -> the other packages its modules may import, lowest layers first. A module's
+#: package is its top-level package, or ``conformance.<sub>`` inside ``conformance``.
+LAYERS: dict[str, frozenset[str]] = {
+    "fsdp_impl": frozenset(),
+    "harness": frozenset(),
+    "conformance.contract": frozenset({"harness"}),
+    "fixtures": frozenset({"harness", "conformance.contract"}),
+    "conformance.adapters": frozenset({"conformance.contract", "fsdp_impl", "harness", "fixtures"}),
+    "conformance.runner": frozenset({"conformance.contract", "harness"}),
+    "conformance.cases": frozenset({"conformance.contract", "fixtures", "harness"}),
+    "conformance.selftest": frozenset({"conformance.contract", "conformance.adapters", "fsdp_impl", "harness",
+                                       "fixtures"}),
+    "conformance": frozenset({"conformance.runner"}),  # ``python -m conformance`` is the CLI
+    "bench": frozenset({"conformance.contract", "conformance.runner", "fixtures", "harness", "fsdp_impl"}),
+}
 MAX_FUNCTION_LINES = 60
 
 
@@ -144,6 +162,45 @@ def test_imports_see_function_level_and_type_checking_imports(tmp_path: Path) ->
 def test_no_import_cycles() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def package_of(module: str) -> str:
+    """The :data:`LAYERS` key a module belongs to (``conformance.cases.fuzz.model`` -> ``conformance.cases``)."""
+    parts = module.split(".")
+    if parts[0] == "conformance" and len(parts) > 1 and (ROOT / "conformance" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _is_test_module(module: str) -> bool:
+    return "tests" in module.split(".")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a imports b`` for every import of a non-test module that :data:`LAYERS` does not allow."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if _is_test_module(module):
+            continue
+        source = package_of(module)
+        if source not in LAYERS:
+            found.append(f"{module}: package {source} has no entry in LAYERS")
+            continue
+        found += [f"{module} imports {target}" for target in sorted(targets)
+                  if package_of(target) != source and package_of(target) not in LAYERS[source]]
+    return found
+
+
+def test_layer_violations_are_named() -> None:
+    graph = {"conformance.runner.cli": {"conformance.cases.test_x"}, "conformance.cases.test_x": {"harness.run"},
+             "conformance.tests.test_y": {"conformance.selftest.declare"}, "conformance.__main__": {"fsdp_impl"}}
+    assert layer_violations(graph) == ["conformance.__main__ imports fsdp_impl",
+                                       "conformance.runner.cli imports conformance.cases.test_x"]
+
+
+def test_packages_import_only_lower_layers() -> None:
+    violations = layer_violations(import_graph())
+    assert not violations, "imports against conformance/tests/test_structure.py's LAYERS:\n" + "\n".join(violations)
 
 
 def _readme_layout() -> list[str]:

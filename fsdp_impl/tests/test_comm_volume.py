@@ -6,7 +6,7 @@ import pytest
 
 import harness
 from bench.comm_volume import measure_step
-from conformance.adapters.base import HYBRID_STRATEGIES, STRATEGIES
+from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

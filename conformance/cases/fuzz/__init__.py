@@ -1,0 +1,10 @@
+"""The parity fuzzer: random small models, wrap plans and training loops, against a local baseline.
+
+- :mod:`conformance.cases.fuzz.example`: an example as plain data and the hypothesis strategy drawing it;
+- :mod:`conformance.cases.fuzz.model`: the module and inputs an example describes;
+- :mod:`conformance.cases.fuzz.precision`: a drawn mixed-precision policy, its local baseline and tolerances;
+- :mod:`conformance.cases.fuzz.runner`: one example on the ranks, compared step by step with the baseline;
+- :mod:`conformance.cases.fuzz.driver`: the hypothesis loop across ranks, budgets, reproducers.
+
+The matrix rows are ``fuzz/parity_ws{1,2,4}`` in ``conformance/cases/test_fuzz.py``.
+"""

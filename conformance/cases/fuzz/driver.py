@@ -1,0 +1,177 @@
+"""The fuzz loop: hypothesis on rank 0, every rank running each example it draws.
+
+[Note: hypothesis inside rank processes]
+Hypothesis must see one deterministic property. Only rank 0 runs it
+(``hypothesis.find`` with a seeded ``Random``, no example database, no
+deadline): for each example it draws or tries while shrinking, rank 0 sends the
+plain-data :class:`~conformance.cases.fuzz.example.Example` to every rank (an
+all-gather of objects in which only rank 0's entry counts), all ranks run it
+(:func:`~conformance.cases.fuzz.runner.check_example`, whose verdict is the same on
+every rank), and rank 0 returns that verdict to hypothesis. The other ranks
+loop on received messages until rank 0 sends ``stop``, which it always does,
+even when hypothesis raises. One rank run per world size evaluates the whole
+budget, so the harness's per-case cost is paid once.
+
+Settings come from the environment so a nightly job can raise the budget
+without code changes: ``FSDP_FUZZ_EXAMPLES`` (examples drawn per world size;
+unset: :data:`MAIN_JOB_EXAMPLES`) and ``FSDP_FUZZ_SEED`` (default 0).
+With ``FSDP_FUZZ_VERBOSE=1`` rank 0 prints each example before running it, so
+a run that dies (a crash cannot be shrunk) names the example it died in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hypothesis import Phase, find, settings
+from hypothesis.errors import NoSuchExample
+
+from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
+from conformance.cases.fuzz.precision import precision_features, required
+from conformance.cases.fuzz.runner import check_example
+from conformance.contract.adapter import FSDPAdapter
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "fuzz", "render_case"]
+
+#: Examples per world size in the main job, 30 in all; few at world size 4, where four
+#: rank processes share the two cores of a small CI runner (about 1 s per example there,
+#: against 0.1-0.3 s at world sizes 1 and 2).
+MAIN_JOB_EXAMPLES = {1: 12, 2: 15, 4: 3}
+
+
+@dataclass(frozen=True)
+class FuzzSettings:
+    """How many examples to draw per world size (``None``: the main job's) and from which seed."""
+
+    examples: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.examples is not None and self.examples < 1:
+            raise ValueError(f"FSDP_FUZZ_EXAMPLES must be >= 1, got {self.examples}")
+
+    def budget(self, world_size: int) -> int:
+        """Examples to draw at ``world_size``."""
+        return self.examples if self.examples is not None else MAIN_JOB_EXAMPLES.get(world_size, 3)
+
+    @classmethod
+    def from_env(cls) -> FuzzSettings:
+        """``FSDP_FUZZ_EXAMPLES`` / ``FSDP_FUZZ_SEED``, else the defaults."""
+        values: dict[str, int] = {}
+        for field_name, var in (("examples", "FSDP_FUZZ_EXAMPLES"), ("seed", "FSDP_FUZZ_SEED")):
+            text = os.environ.get(var)
+            if text is None or not text.strip():
+                continue
+            try:
+                values[field_name] = int(text)
+            except ValueError:
+                raise ValueError(f"{var}={text!r} is not an integer") from None
+        return cls(**values)
+
+    def env(self) -> dict[str, str]:
+        """The same settings as environment variables (what a case passes to its ranks)."""
+        env = {"FSDP_FUZZ_SEED": str(self.seed)}
+        if self.examples is not None:
+            env["FSDP_FUZZ_EXAMPLES"] = str(self.examples)
+        return env
+
+
+@dataclass(frozen=True)
+class FuzzResult:
+    """What a fuzz run did: examples run (drawn and shrinking tries), how many of them under a
+    mixed-precision policy, and the minimal failure if any."""
+
+    runs: int
+    failing: Example | None = None
+    message: str | None = None
+    mixed_precision: int = 0
+
+
+def _broadcast(ctx: RankContext, message: Any) -> Any:
+    """Rank 0's ``message`` on every rank (others pass ``None``)."""
+    return ctx.all_gather_object(message if ctx.rank == 0 else None)[0]
+
+
+def _follow(ctx: RankContext, impl: FSDPAdapter) -> FuzzResult:
+    while True:
+        kind, payload = _broadcast(ctx, None)
+        if kind == "stop":
+            return payload
+        check_example(ctx, impl, payload)
+
+
+def _drive(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:
+    runs = mixed = 0
+    failures: dict[Example, str] = {}
+
+    def fails(example: Example) -> bool:
+        nonlocal runs, mixed
+        runs += 1
+        mixed += example.policy is not None
+        if os.environ.get("FSDP_FUZZ_VERBOSE") == "1":
+            print(f"fuzz example {runs}: {source(example)}", file=sys.stderr, flush=True)
+        _broadcast(ctx, ("run", example))
+        failure = check_example(ctx, impl, example)
+        if failure is not None:
+            failures[example] = failure
+        return failure is not None
+
+    strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
+    drawn = examples(ctx.world_size, strategies, precision_features(impl))
+    options = settings(
+        max_examples=config.budget(ctx.world_size), database=None, deadline=None, phases=(Phase.generate, Phase.shrink)
+    )
+    result: FuzzResult | None = None
+    try:
+        found = find(drawn, fails, settings=options, random=random.Random(config.seed))
+        result = FuzzResult(runs=runs, failing=found, message=failures[found], mixed_precision=mixed)
+    except NoSuchExample:
+        result = FuzzResult(runs=runs, mixed_precision=mixed)
+    finally:
+        _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
+    return result
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Tiny ops on one thread per rank: with several threads per rank process, ranks
+    outnumbering the cores spend their time in OpenMP spin-waits (a 3-wide fp32
+    convolution took seconds at world size 4 on 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fuzz(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:
+    """Run the fuzz loop on every rank (collective); every rank returns rank 0's result."""
+    with _one_intra_op_thread():
+        return _drive(ctx, impl, config) if ctx.rank == 0 else _follow(ctx, impl)
+
+
+def render_case(example: Example, message: str) -> str:
+    """A ready-to-paste case that reproduces ``example`` (for ``conformance/cases/test_fuzz.py``);
+    under a mixed-precision policy it requires the capabilities the policy needs."""
+    digest = hashlib.sha1(repr(example).encode()).hexdigest()[:8]
+    found = " ".join(message.split())[:300]
+    needs = ", ".join(f"Capability.{cap.name}" for cap in required(example.policy))
+    requires = f", requires=[{needs}]" if needs else ""
+    return (
+        f"# Found by the parity fuzzer: {found}\n"
+        f'@case("fuzz/repro_{digest}", world_size={example.world_size}, modes=("process",){requires})\n'
+        f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
+        f"    run_example(ctx, impl, {source(example)})\n"
+    )

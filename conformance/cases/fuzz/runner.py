@@ -1,0 +1,233 @@
+"""Run one fuzz example on the harness's ranks against a local baseline.
+
+[Note: fuzz verdicts agree across ranks]
+A mismatch never raises mid-step: it is kept and the step goes on, so a rank
+never leaves the others waiting in the implementation's next collective. After
+the wrap and after every step, ranks all-gather their failure text (a kept
+mismatch, or an exception from the implementation) and all stop at the first
+one, so every rank reaches the same verdict, which the driver
+(:mod:`conformance.cases.fuzz.driver`) hands to hypothesis. Only an implementation
+that raises on some ranks but not others can still hang a run; the harness
+then names the hung rank.
+
+The baseline is the unwrapped model on every rank, fed every rank's batches:
+rank ``r``'s loss is compared with the baseline's loss on rank ``r``'s batch,
+and the baseline's gradient is the mean over ranks of those losses'
+gradients, which is what data-parallel averaging produces. Under a
+mixed-precision policy the baseline trains as [Note: fuzz mixed-precision
+baseline] in :mod:`conformance.cases.fuzz.precision` says, and every output must come
+out in the param dtype. Comparisons are ``torch.testing.assert_close`` with its
+defaults for the dtype (through :mod:`fixtures.parity`; under a policy, losses
+and gradients in the param dtype, as that note explains). A missing gradient
+(``None``) and an all-zero one are treated alike: flat-parameter
+implementations cannot tell them apart within a unit, and
+``misc/module_no_compute_grad`` checks that contract on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from conformance.cases.fuzz.example import Example
+from conformance.cases.fuzz.model import build_model, loss_of, make_batch
+from conformance.cases.fuzz.precision import (
+    as_compared,
+    dtype_of,
+    in_compute_dtype,
+    local_backward,
+    low_precision_model,
+    mixed_precision_spec,
+)
+from conformance.contract.adapter import FSDPAdapter, WrapSpec
+from conformance.contract.optional import full_grads
+from fixtures.parity import assert_close_named, named_grads
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["check_example", "run_example", "wrap_plan"]
+
+_LR = {"sgd": 0.05, "adam": 0.01}
+#: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
+#: features passes back exactly zero in theory, and what flows through it is rounding) takes a step of
+#: a tenth of the learning rate, so two correct implementations rounding differently end 2e-5 apart
+#: (the reference, torch FSDP1 and FSDP2 alike, at four ranks); at 1e-3 such noise moves a parameter
+#: by 1e-8, while real gradients (1e-2 and up) still take Adam's normalised steps.
+ADAM_EPS = 1e-3
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=_LR[kind], momentum=0.9)
+    return torch.optim.Adam(params, lr=_LR[kind], eps=ADAM_EPS)
+
+
+def wrap_plan(impl: FSDPAdapter, model: nn.Module, example: Example) -> nn.Module:
+    """Wrap each path of ``example.wrap`` (deepest first) as its own unit, then the root."""
+    spec = WrapSpec(strategy=example.strategy, use_orig_params=example.use_orig_params,
+                    mixed_precision=mixed_precision_spec(example.policy))
+    for path in sorted(example.wrap, key=lambda p: p.count("."), reverse=True):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, name, impl.wrap(getattr(parent, name), spec))
+    return impl.wrap(model, spec)
+
+
+def _batch_seed(example: Example, step: int, micro: int, rank: int) -> int:
+    return ((example.seed * 8 + step) * 8 + micro) * 8 + rank
+
+
+@dataclass
+class _Run:
+    """One example's two models on this rank."""
+
+    example: Example
+    impl: FSDPAdapter
+    rank: int
+    device: torch.device
+    model: nn.Module
+    local: nn.Module
+    optim: torch.optim.Optimizer
+    local_optim: torch.optim.Optimizer
+    low: nn.Module | None = None  # the baseline's low-precision copy under a policy
+    mismatch: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_of(self.example.dtype)
+
+    def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``check(*args, **kwargs)``; keep the first mismatch (the step goes on: see the module note)."""
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:
+            if self.mismatch is None:
+                lines = str(exc).strip().splitlines()
+                self.mismatch = f"{label}: {' | '.join(lines[:6])}"
+
+    def step(self, step: int) -> None:
+        """One optimizer step: micro-batches, grads, the update, params."""
+        self.forward_backward(step)
+        if self.example.use_orig_params:  # the original parameters stay registered on the module
+            self.compare("parameters registered after backward", _assert_same_count,
+                         list(self.model.parameters()), list(self.local.parameters()))
+        grads = full_grads(self.impl, self.model)  # None: not exposed for this wrap; params still compared
+        if grads is not None:
+            want, policy = named_grads(self.local), self.example.policy
+            self.compare("grads after backward", assert_close_named, in_compute_dtype(_zeros_for_none(grads, want),
+                         policy), in_compute_dtype(_zeros_for_none(want, grads), policy), what="grads")
+        for optim in (self.optim, self.local_optim):
+            optim.step()
+            optim.zero_grad(set_to_none=self.example.set_to_none)
+        got = self.impl.full_params(self.model)
+        want_params = {name: p.detach() for name, p in self.local.named_parameters()}
+        self.compare("params after step", assert_close_named, got, want_params, what="params")
+
+    def forward_backward(self, step: int) -> None:
+        """Every micro-batch: this rank's loss on the wrapped model, every rank's on the baseline."""
+        ex = self.example
+        for micro in range(ex.micro_batches):
+            batches = [
+                make_batch(ex.model, _batch_seed(ex, step, micro, r), self.dtype, self.device)
+                for r in range(ex.world_size)
+            ]
+            output = self.model(batches[self.rank])
+            if ex.policy is not None:
+                self.compare(f"output dtype of micro-batch {micro}", _assert_dtypes, output, ex.policy.param_dtype)
+            loss = loss_of(output)
+            loss.backward()
+            want = self.local_backward(batches)[self.rank]
+            self.compare(f"loss of micro-batch {micro}", torch.testing.assert_close,
+                         as_compared(loss.detach(), ex.policy), as_compared(want, ex.policy))
+
+    def local_backward(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The baseline's backward of every rank's batch; each rank's loss."""
+        if self.example.policy is not None:
+            assert self.low is not None
+            return local_backward(self.local, self.low, batches, self.example.policy)
+        local_losses = [loss_of(self.local(batch)) for batch in batches]
+        (sum(local_losses) / self.example.world_size).backward()  # type: ignore[union-attr]
+        return [loss.detach() for loss in local_losses]
+
+
+def _assert_dtypes(output: torch.Tensor | tuple[torch.Tensor, ...], want: str) -> None:
+    outputs = output if isinstance(output, tuple) else (output,)
+    got = [str(o.dtype).removeprefix("torch.") for o in outputs]
+    if any(name != want for name in got):
+        raise AssertionError(f"the wrapped model's outputs are {got}, expected {want} (the policy's param_dtype)")
+
+
+def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    if len(got) != len(want):
+        raise AssertionError(f"the wrapped model has {len(got)} parameters, the local model {len(want)}")
+
+
+def _zeros_for_none(
+    grads: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]
+) -> dict[str, torch.Tensor | None]:
+    """``grads`` with a ``None`` replaced by zeros where ``other`` has a tensor (see the module note)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, grad in grads.items():
+        peer = other.get(name)
+        out[name] = torch.zeros_like(peer) if grad is None and peer is not None else grad
+    return out
+
+
+def _setup(ctx: RankContext, impl: FSDPAdapter, example: Example) -> _Run:
+    dtype = dtype_of(example.dtype)
+    local = build_model(example.model, example.seed, dtype, ctx.device)
+    model = wrap_plan(impl, build_model(example.model, example.seed, dtype, ctx.device), example)
+    return _Run(
+        example=example,
+        impl=impl,
+        rank=ctx.rank,
+        device=ctx.device,
+        model=model,
+        local=local,
+        optim=_optimizer(example.optimizer, model.parameters()),
+        local_optim=_optimizer(example.optimizer, local.parameters()),
+        low=low_precision_model(local, example.policy),
+    )
+
+
+def _attempt(what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """``(fn(*args), None)``, or ``(None, failure text)`` if it raised."""
+    try:
+        return fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - any exception is this rank's verdict (see the module note)
+        text = str(exc).strip().splitlines()
+        return None, f"{what}: {type(exc).__name__}: {' | '.join(text[:6])}"
+
+
+def _agree(ctx: RankContext, failure: str | None) -> str | None:
+    """The first rank's failure text, the same on every rank, or ``None`` if none failed."""
+    failures = ctx.all_gather_object(failure)
+    return next((f"rank {rank}: {text}" for rank, text in enumerate(failures) if text), None)
+
+
+def check_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> str | None:
+    """Train ``example`` on ``impl`` and on the baseline; the first failure (same on every rank) or ``None``."""
+    if example.world_size != ctx.world_size:
+        raise ValueError(f"example is for world_size {example.world_size}, running on {ctx.world_size} ranks")
+    run, failure = _attempt("wrap", _setup, ctx, impl, example)
+    failure = _agree(ctx, failure)
+    if failure is not None:
+        return failure
+    for step in range(example.steps):
+        raised = _attempt("raised", run.step, step)[1]
+        failure = _agree(ctx, raised or run.mismatch)
+        if failure is not None:
+            return f"step {step}, {failure}"
+    return None
+
+
+def run_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> None:
+    """A reproducer's body: fail with the first mismatch of ``example`` on every rank."""
+    failure = check_example(ctx, impl, example)
+    if failure is not None:
+        raise AssertionError(f"{impl.name} differs from the local baseline: {failure}")

@@ -1,0 +1,321 @@
+"""The adapter contract: how a case drives an FSDP implementation.
+
+A case never imports an FSDP directly. It asks the adapter to wrap a module for
+a :class:`WrapSpec`, to enumerate the resulting units, to summon full
+parameters, and to save/load state dicts. What an implementation cannot express
+is declared up front in :attr:`FSDPAdapter.capabilities`; a case that needs a
+missing capability is reported *not applicable* naming that capability, never
+passed.
+
+Adapters are looked up by name through the ``fsdp_conformance.adapters`` entry
+point group (see :mod:`conformance.contract.registry`). Process ranks receive the adapter
+by pickling, so an adapter must be a module-level class whose instances hold
+only plain data.
+
+The protocol is versioned (:data:`PROTOCOL_VERSION`). :class:`FSDPAdapter`
+lists the methods every adapter has; methods added since version 1 are
+optional, have defaults, and are reached through the functions in
+:mod:`conformance.contract.optional`. Renamed capabilities stay accepted
+(:data:`DEPRECATED_CAPABILITIES`) with a ``DeprecationWarning``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DEPRECATED_CAPABILITIES",
+    "Capability",
+    "STRATEGIES",
+    "HYBRID_STRATEGIES",
+    "AutoWrap",
+    "MixedPrecisionSpec",
+    "WrapSpec",
+    "UnitInfo",
+    "FSDPAdapter",
+]
+
+#: Version of the adapter protocol this suite speaks. 1: the methods of :class:`FSDPAdapter`.
+#: 2: optional methods (:mod:`conformance.contract.optional`), fine-grained capabilities.
+PROTOCOL_VERSION = 2
+
+#: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+class Capability(str, enum.Enum):
+    """Behaviours a case may require; an adapter lists the ones it has."""
+
+    EXEC_ORDER_VALIDATION = "exec_order_validation"
+    """Checks, with debug level DETAIL, that ranks all-gather units in the same order."""
+    FLAT_PARAM = "flat_param"
+    """Can expose one flat parameter per unit (``use_orig_params=False``)."""
+    FLAT_PARAM_INTROSPECTION = "flat_param_introspection"
+    """Deprecated (protocol 1): :attr:`RESHARD_INTROSPECTION`."""
+    RESHARD_INTROSPECTION = "reshard_introspection"
+    """:meth:`FSDPAdapter.units` reports whether each unit is resharded (``UnitInfo.resharded`` is not None)."""
+    HYBRID_VIA_PG_TUPLE = "hybrid_via_pg_tuple"
+    """Hybrid strategies accept a ``(shard_group, replicate_group)`` tuple."""
+    HYBRID_AUTO_GROUPS = "hybrid_auto_groups"
+    """Hybrid + auto-wrap with no group builds intra/inter-node groups itself."""
+    HYBRID_MANUAL_WRAP_CHECK = "hybrid_manual_wrap_check"
+    """Manual hybrid wrapping without groups raises the catalogued ValueError."""
+    HYBRID_PG_VALIDATION = "hybrid_pg_validation"
+    """A hybrid strategy given one (non-tuple) process group raises the catalogued ValueError."""
+    SYNC_MODULE_STATES = "sync_module_states"
+    CPU_OFFLOAD = "cpu_offload"
+    IGNORED_MODULES = "ignored_modules"
+    PARAM_INIT_FN = "param_init_fn"
+    DEVICE_ID = "device_id"
+    """Deprecated (protocol 1): :attr:`COMPUTE_DEVICE` and :attr:`PLACEMENT_MESSAGES` together."""
+    COMPUTE_DEVICE = "compute_device"
+    """Accepts ``WrapSpec.device_id``: computes there and moves the managed parameters there."""
+    PLACEMENT_MESSAGES = "placement_messages"
+    """Reports misplaced modules and inputs with FSDP1's exact warnings and errors
+    (a CPU module without ``device_id``, a module on another device, a multi-device module)."""
+    DEVICE_MESH = "device_mesh"
+    """Accepts ``WrapSpec.device_mesh`` (a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid)."""
+    WORLD_SIZE_1_SWITCH = "world_size_1_no_shard_switch"
+    CONTAINER_WARNING = "container_warning"
+    HOMOGENEOUS_ATTRIBUTES = "homogeneous_attributes"
+    UNSAFE_SETATTR = "unsafe_setattr"
+    OPTIM_IN_BACKWARD_CHECK = "optim_in_backward_check"
+    FORWARD_PREFETCH = "forward_prefetch"
+    BACKWARD_PREFETCH = "backward_prefetch"
+    POST_OPTIM_EVENT = "post_optim_event"
+    NO_SYNC = "no_sync"
+    """Accumulates gradients without communication (FSDP1's ``no_sync()``); the adapter defines
+    ``no_sync(model)`` (:func:`conformance.contract.optional.no_sync`)."""
+    FULL_STATE_DICT = "full_state_dict"
+    SHARDED_STATE_DICT = "sharded_state_dict"
+    MIXED_PRECISION = "mixed_precision"
+    """Computes in ``MixedPrecisionSpec.param_dtype`` (all-gathers in it) and reduces gradients in
+    ``reduce_dtype``; the sharded parameters and their gradients stay in full precision."""
+    MP_KEEP_LOW_PRECISION_GRADS = "mp_keep_low_precision_grads"
+    """``MixedPrecisionSpec.keep_low_precision_grads``: gradients are handed to the optimizer in the
+    parameter dtype (torch's FSDP2 has no such option)."""
+    MP_BUFFER_DTYPE = "mp_buffer_dtype"
+    """``MixedPrecisionSpec.buffer_dtype``: buffers are cast for compute (FSDP2 leaves buffers alone)."""
+    MP_FULL_PRECISION_IN_EVAL = "mp_full_precision_in_eval"
+    """With ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at wrap time, a unit in eval mode gathers and computes in
+    full precision despite its mixed-precision policy (an FSDP1 setting)."""
+    THREAD_RANKS = "thread_ranks"
+    """Runs under the harness's threaded process group (one process, N threads).
+
+    Every case needs it in the ``thread`` rank mode (:meth:`CaseSpec.required`);
+    an adapter without it gets ``n/a`` there instead of failures that say
+    nothing about FSDP.
+    """
+    OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
+    """Saves and loads optimizer state dicts while ranks are threads of one process.
+
+    torch's FSDP1 cannot: its optimizer state-dict code times its sections with
+    ``torch.distributed.fsdp._debug_utils.SimpleProfiler``, whose set of running
+    sections is a class attribute shared by every thread, so a second rank
+    entering the same section raises.
+    """
+
+    FULL_STATE_DICT_LOAD_ON_THREADS = "full_state_dict_load_on_threads"
+    """Loads FULL model state dicts while ranks are threads of one process.
+
+    torch's FSDP1 cannot, for the reason given under
+    :attr:`OPTIM_STATE_DICT_ON_THREADS`: its FULL load hook times a section with
+    the same process-global profiler.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: A protocol-1 capability -> the capabilities it stands for now.
+DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability]] = {
+    Capability.DEVICE_ID: frozenset({Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES}),
+    Capability.FLAT_PARAM_INTROSPECTION: frozenset({Capability.RESHARD_INTROSPECTION}),
+}
+
+
+@dataclass(frozen=True)
+class AutoWrap:
+    """Which submodules become their own unit.
+
+    ``module_classes``: every instance of these classes (ModuleWrapPolicy).
+    ``transformer``: the same set, but through ``transformer_auto_wrap_policy``
+    (a callable policy), to check implementations accept both forms.
+    ``always``: every submodule (``always_wrap_policy``).
+    """
+
+    module_classes: tuple[type[nn.Module], ...] = ()
+    kind: str = "module_classes"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("module_classes", "transformer", "always"):
+            raise ValueError(f"AutoWrap.kind must be module_classes|transformer|always, got {self.kind!r}")
+        if self.kind != "always" and not self.module_classes:
+            raise ValueError(f"AutoWrap(kind={self.kind!r}) needs at least one module class")
+
+
+@dataclass(frozen=True)
+class MixedPrecisionSpec:
+    """Dtypes for a wrap, in ``torch.distributed.fsdp.MixedPrecision`` terms (``None``: unchanged).
+
+    ``param_dtype``: unsharded parameters (what all-gathers carry and forward and
+    backward compute in); ``reduce_dtype``: gradient reduction (``None``: the
+    param dtype); ``buffer_dtype``: buffers during compute;
+    ``keep_low_precision_grads``: leave gradients in the param dtype for the optimizer.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"MixedPrecisionSpec.{name} must be a floating torch.dtype or None, got {value!r}")
+
+    def required(self) -> list[Capability]:
+        """The capabilities an adapter needs to express this spec."""
+        caps = [Capability.MIXED_PRECISION]
+        if self.buffer_dtype is not None:
+            caps.append(Capability.MP_BUFFER_DTYPE)
+        if self.keep_low_precision_grads:
+            caps.append(Capability.MP_KEEP_LOW_PRECISION_GRADS)
+        return caps
+
+
+@dataclass(frozen=True)
+class WrapSpec:
+    """Everything a case can ask of a wrap, in ``FullyShardedDataParallel`` terms.
+
+    ``strategy=None`` means "the implementation's default". ``process_group`` is
+    a group, or a ``(shard, replicate)`` tuple for hybrid strategies.
+    ``device_mesh`` is a 1-D or 2-D (replicate, shard) mesh. ``extra`` passes
+    implementation-specific keyword arguments through untouched.
+    """
+
+    strategy: str | None = "FULL_SHARD"
+    auto_wrap: AutoWrap | None = None
+    process_group: Any = None
+    device_mesh: Any = None
+    device_id: torch.device | int | None = None
+    cpu_offload: bool = False
+    use_orig_params: bool = False
+    sync_module_states: bool = False
+    ignored_modules: Sequence[nn.Module] = ()
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    forward_prefetch: bool = False
+    backward_prefetch: str | None = "BACKWARD_PRE"
+    limit_all_gathers: bool = True
+    mixed_precision: MixedPrecisionSpec | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; expected one of {STRATEGIES}")
+        if self.backward_prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST"):
+            raise ValueError(
+                f"backward_prefetch must be None, 'BACKWARD_PRE' or 'BACKWARD_POST', "
+                f"got {self.backward_prefetch!r}"
+            )
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.strategy in HYBRID_STRATEGIES
+
+
+@dataclass
+class UnitInfo:
+    """One FSDP unit as a case sees it.
+
+    ``shard_group`` is the group parameters are sharded over (the replicate
+    group is ``None`` unless the strategy is hybrid). ``resharded`` is ``None``
+    when the implementation cannot tell (no introspection capability).
+    ``local_shards`` are this rank's sharded parameter storage (one flat shard
+    for flat-parameter implementations, one local tensor per parameter for
+    per-parameter sharding) and ``local_grads`` their gradients, aligned.
+    ``strategy`` is the unit's own sharding strategy as :data:`STRATEGIES`
+    spells it, or ``None`` when the implementation has no per-unit strategy.
+    """
+
+    fqn: str
+    module: nn.Module
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+    compute_device: torch.device | None
+    local_shards: list[torch.Tensor]
+    local_grads: list[torch.Tensor | None]
+    resharded: bool | None
+    strategy: str | None = None
+
+
+@runtime_checkable
+class FSDPAdapter(Protocol):
+    """What the suite needs from an FSDP implementation."""
+
+    name: str
+    capabilities: frozenset[Capability]
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when importable and usable here, else why not (shown by ``impls``)."""
+
+    def supports_strategy(self, strategy: str | None) -> bool:
+        """Whether :meth:`wrap` can express ``strategy`` at all (``None``: the implementation's default).
+
+        Consulted before ranks start: a case row whose strategy is unsupported is ``n/a``.
+        """
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        """Shard ``module`` according to ``spec`` and return the root to train.
+
+        ``spec.process_group=None`` means the default (world) group. Called on
+        every rank alike; what it builds lives until the case ends (the harness
+        destroys the case's groups; nothing else is torn down for the adapter).
+        """
+
+    def units(self, model: nn.Module) -> list[UnitInfo]:
+        """Every unit of a wrapped model, root first then in module order."""
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Copies of every full, unsharded parameter, keyed as the unwrapped module names them."""
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Unflattened, unpadded state dict with the unwrapped module's keys, on every rank."""
+
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """This rank's shards, loadable into a model of the same layout."""
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, Any], *, sharded: bool) -> None:
+        """Load the output of :meth:`full_state_dict` / :meth:`sharded_state_dict`."""
+
+    def optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool
+    ) -> dict[str, Any]:
+        """Optimizer state keyed by original parameter names."""
+
+    def load_optim_state_dict(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        state: dict[str, Any],
+        *,
+        sharded: bool,
+    ) -> None:
+        """Load the output of :meth:`optim_state_dict` into ``optim``."""
+
+
+def iter_named_units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, module)`` for every unit in ``named_modules`` order (root first)."""
+    for fqn, module in model.named_modules():
+        if is_unit(module):
+            yield fqn, module

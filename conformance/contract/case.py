@@ -1,0 +1,187 @@
+"""Declaring a conformance case.
+
+A case is a test function in ``conformance/cases/test_<area>.py``::
+
+    @case("exec_order/train_eval", world_size=2, requires=[Capability.EXEC_ORDER_VALIDATION])
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+    def test_train_eval(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+        ...
+
+The grid is always ``pytest.mark.parametrize``. The body runs on every rank
+(the harness's ``ranks`` marker, which :func:`case` adds); ``impl`` is the
+adapter under test, parametrized by the conformance plugin. Requirements and
+hardware needs are checked in the parent *before* any rank starts:
+
+- a missing capability -> :class:`NotApplicable` ("n/a", capability named);
+- missing hardware -> a plain skip ("needs 2 distinct GPUs, found 1");
+- a sharding strategy the adapter does not support (a ``strategy`` grid
+  parameter, or ``strategies=``) -> :class:`NotApplicable`, strategy named.
+
+A row that computes on a GPU declares what it needs with ``gpus=``:
+:data:`ANY_GPU` (ranks may share one GPU, so it also runs on a one-GPU
+machine) or ``distinct_gpus(N)`` (e.g. a module spread over two GPUs, or a
+device check that expects ``cuda:{rank}``). Rows without ``gpus`` are CPU rows.
+The plugin turns the need into a placement with :func:`harness.devices.decide`
+([Note: placements]); the body reads its device from ``ctx.device``.
+
+A case that measures wall time declares ``timing=True``: it gets the
+``timing`` marker, so ``-n N`` runs it after every other case, alone
+([Note: timing phase] in :mod:`harness.scheduling`).
+
+None is ever reported as passed. A body may also raise
+:class:`NotApplicable` itself (via :func:`not_applicable`) when only the
+run-time combination is inexpressible; all ranks must agree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from conformance.contract.adapter import STRATEGIES, Capability
+from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
+
+__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "accelerator_skip_reason",
+           "ANY_GPU", "GpuNeed", "distinct_gpus"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
+_MODES = ("process", "thread")
+
+Requires = Iterable[Capability] | Callable[[Mapping[str, Any]], Iterable[Capability]]
+
+
+class NotApplicable(pytest.skip.Exception):  # type: ignore[name-defined,misc]
+    """The implementation cannot express this case; reported as ``n/a``, never as passed."""
+
+
+def not_applicable(reason: str) -> None:
+    """Stop the case as not applicable (call on every rank alike)."""
+    raise NotApplicable(reason, _use_item_location=True)
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """A case's declaration, validated when the module is imported."""
+
+    id: str
+    world_size: int = 2
+    modes: tuple[str, ...] = _MODES
+    requires: Requires = ()
+    #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``).
+    gpus: GpuNeed | None = None
+    timeout_s: float = 120.0
+    isolated: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    timing: bool = False
+    #: Strategies the body wraps with besides a ``strategy`` grid parameter (checked before ranks start).
+    strategies: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _ID.match(self.id):
+            raise ValueError(f"case id {self.id!r} must look like 'area/name' (lowercase, digits, _)")
+        if self.world_size < 1:
+            raise ValueError(f"case {self.id}: world_size must be >= 1, got {self.world_size}")
+        bad = [m for m in self.modes if m not in _MODES]
+        if bad or not self.modes:
+            raise ValueError(f"case {self.id}: modes must be a non-empty subset of {_MODES}, got {self.modes}")
+        if self.gpus is not None and not isinstance(self.gpus, GpuNeed):
+            raise ValueError(f"case {self.id}: gpus must be None, ANY_GPU or distinct_gpus(N), got {self.gpus!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"case {self.id}: timeout_s must be > 0, got {self.timeout_s}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"case {self.id}: strategies {unknown} not in {STRATEGIES}")
+
+    @property
+    def area(self) -> str:
+        return self.id.split("/", 1)[0]
+
+    def required(self, params: Mapping[str, Any]) -> list[Capability]:
+        """The capabilities this grid point needs (``params`` includes ``rank_mode``).
+
+        Thread ranks add :attr:`Capability.THREAD_RANKS` to what the case declares.
+        """
+        caps = list(self.requires(params) if callable(self.requires) else self.requires)
+        if params.get("rank_mode") == "thread" and Capability.THREAD_RANKS not in caps:
+            caps.append(Capability.THREAD_RANKS)
+        return caps
+
+    @property
+    def accelerators(self) -> int:
+        """The fewest GPUs a machine needs to run this row (0: a CPU row)."""
+        return 0 if self.gpus is None else self.gpus.distinct
+    def strategies_for(self, params: Mapping[str, Any]) -> list[str | None]:
+        """The sharding strategies this grid point wraps with: a ``strategy`` parameter and the declared ones."""
+        out: list[str | None] = list(self.strategies)
+        if "strategy" in params and params["strategy"] not in out:
+            out.append(params["strategy"])
+        return out
+
+    def needs_text(self) -> str:
+        """Hardware needs as ``list`` shows them."""
+        if self.gpus is not None:
+            return f"{self.gpus.describe()}, ws {self.world_size}"
+        return f"cpu, ws {self.world_size}"
+
+
+def case(
+    case_id: str,
+    *,
+    world_size: int = 2,
+    modes: Iterable[str] = _MODES,
+    requires: Requires = (),
+    gpus: GpuNeed | None = None,
+    timeout_s: float = 120.0,
+    isolated: bool = False,
+    env: Mapping[str, str] | None = None,
+    timing: bool = False,
+    strategies: Iterable[str] = (),
+) -> Callable[[_F], _F]:
+    """Declare a conformance case (see the module docstring).
+
+    ``strategies``: sharding strategies the body uses that are not a ``strategy``
+    grid parameter; an adapter whose ``supports_strategy`` refuses one makes the row ``n/a``.
+    """
+    spec = CaseSpec(
+        id=case_id,
+        world_size=world_size,
+        modes=tuple(modes),
+        requires=requires if callable(requires) else tuple(requires),
+        gpus=gpus,
+        timeout_s=timeout_s,
+        isolated=isolated,
+        env=dict(env or {}),
+        timing=timing,
+        strategies=tuple(strategies),
+    )
+
+    def decorate(fn: _F) -> _F:
+        fn = pytest.mark.conformance(spec)(fn)
+        if spec.gpus is not None:
+            fn = pytest.mark.gpu(fn)  # selected by `tox -e gpu` (-m gpu)
+        if spec.timing:
+            fn = pytest.mark.timing(fn)
+        return pytest.mark.ranks(
+            world_size=spec.world_size,
+            modes=spec.modes,
+            timeout_s=spec.timeout_s,
+            isolated=spec.isolated,
+            env=spec.env or None,
+        )(fn)
+
+    return decorate
+
+
+def accelerator_skip_reason(needed: int) -> str | None:
+    """Why this machine cannot run something that needs ``needed`` accelerators, or ``None``."""
+    if needed:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < needed:
+            return f"needs {needed} accelerators, found {found}"
+    return None

@@ -1,0 +1,169 @@
+"""Optional adapter methods: the one way the suite reaches them, with their defaults.
+
+Methods added to the adapter protocol after version 1 are optional so that an
+adapter written against an older protocol keeps loading and running. Each has
+a function here, ``fn(adapter, ...)``: it calls the adapter's method when the
+adapter defines one and applies the default otherwise. Cases and the plugin
+call these functions, never ``getattr(adapter, ...)`` themselves.
+
+========================================== ====================================================
+adapter method (optional)                  default
+========================================== ====================================================
+``protocol_version: int``                  1
+``activation_checkpoint_wrapper(m, offload)`` torch's ``checkpoint_wrapper`` / ``offload_wrapper``
+``set_post_optim_event(model, event)``     unsupported: the case is ``n/a``
+``wrapped_module(model)``                  ``model.module`` if it is a module, else ``model``
+``has_backward_hook(tensor)``              hooks registered with ``Tensor.register_hook``
+``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
+``no_sync(model)``                         unsupported: the case is ``n/a``
+========================================== ====================================================
+
+Each default is what the suite did before the method existed, so an older
+adapter sees no change. A capability that promises an optional method
+(:data:`CAPABILITY_METHODS`) is refused at load without it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
+
+__all__ = [
+    "CAPABILITY_METHODS",
+    "NoSyncUnsupported",
+    "PostOptimEventUnsupported",
+    "activation_checkpoint_wrapper",
+    "capabilities_of",
+    "full_grads",
+    "has_backward_hook",
+    "no_sync",
+    "protocol_version",
+    "set_post_optim_event",
+    "wrapped_module",
+]
+
+
+#: A capability -> the optional method an adapter declaring it must define (checked at load).
+CAPABILITY_METHODS: dict[Capability, str] = {
+    Capability.POST_OPTIM_EVENT: "set_post_optim_event",
+    Capability.NO_SYNC: "no_sync",
+}
+
+
+class PostOptimEventUnsupported(NotImplementedError):
+    """The adapter has no post-optimizer event (cases report ``n/a``)."""
+
+
+class NoSyncUnsupported(NotImplementedError):
+    """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
+
+
+def protocol_version(adapter: Any) -> int:
+    """The protocol version the adapter was written for (1 when it does not say)."""
+    version = getattr(adapter, "protocol_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: protocol_version must be an int >= 1, "
+                        f"got {version!r}")
+    if version > PROTOCOL_VERSION:
+        raise ValueError(f"adapter {getattr(adapter, 'name', adapter)!r} needs adapter protocol {version}; "
+                         f"this suite speaks {PROTOCOL_VERSION}: upgrade fsdp-conformance")
+    return version
+
+
+def capabilities_of(adapter: Any) -> frozenset[Capability]:
+    """The adapter's capabilities with deprecated names replaced by what they stand for.
+
+    A deprecated capability warns (``DeprecationWarning``) naming its replacements.
+    """
+    declared = frozenset(adapter.capabilities)
+    out = set(declared)
+    for old, new in DEPRECATED_CAPABILITIES.items():
+        if old in declared:
+            warnings.warn(
+                f"adapter {adapter.name!r} declares deprecated Capability.{old.name}; declare "
+                f"{', '.join(sorted('Capability.' + c.name for c in new))} instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            out.discard(old)
+            out |= new
+    return frozenset(out)
+
+
+def activation_checkpoint_wrapper(adapter: Any, module: nn.Module, *, offload: bool) -> nn.Module:
+    """``module`` wrapped to recompute (``offload=False``) or CPU-offload (``offload=True``) its activations.
+
+    An offloading wrapper must pack activations through
+    ``torch.autograd.graph.save_on_cpu`` (looked up when it runs) so that cases can
+    see the offload happen.
+    """
+    method = getattr(adapter, "activation_checkpoint_wrapper", None)
+    if method is not None:
+        return method(module, offload=offload)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+
+    return offload_wrapper(module) if offload else checkpoint_wrapper(module)
+
+
+def set_post_optim_event(adapter: Any, model: nn.Module, event: torch.Event) -> None:
+    """Tell the implementation the optimizer step ended at ``event``, so the next all-gather waits on it.
+
+    Raises :class:`PostOptimEventUnsupported` when the adapter has no such method.
+    """
+    method = getattr(adapter, "set_post_optim_event", None)
+    if method is None:
+        raise PostOptimEventUnsupported(f"{adapter.name} has no post-optimizer event")
+    method(model, event)
+
+
+def wrapped_module(adapter: Any, model: nn.Module) -> nn.Module:
+    """The user's module inside what :meth:`wrap` returned (the model itself for in-place sharding)."""
+    method = getattr(adapter, "wrapped_module", None)
+    if method is not None:
+        return method(model)
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def has_backward_hook(adapter: Any, tensor: torch.Tensor) -> bool:
+    """Whether the implementation registered a backward hook on ``tensor`` (an output of a unit)."""
+    method = getattr(adapter, "has_backward_hook", None)
+    if method is not None:
+        return bool(method(tensor))
+    return bool(tensor._backward_hooks)
+
+
+def full_grads(adapter: Any, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
+    """Full, unsharded, averaged gradients keyed like :meth:`FSDPAdapter.full_params`, or ``None``.
+
+    Optional part of the contract: an adapter may define
+    ``full_grads(model) -> dict[str, Tensor | None] | None`` (collective: every
+    rank calls it). ``None`` means the adapter cannot expose them for this wrap
+    (no such method, or e.g. torch's FSDP1 with flat parameters); callers then
+    compare what they can without them and say so.
+    """
+    method = getattr(adapter, "full_grads", None)
+    return None if method is None else method(model)
+
+
+def no_sync(adapter: Any, model: nn.Module) -> AbstractContextManager[Any]:
+    """A context in which backwards on ``model`` (the root :meth:`wrap` returned) communicate nothing.
+
+    Optional part of the contract: an adapter may define
+    ``no_sync(model) -> ContextManager`` (FSDP1's ``model.no_sync()``): inside
+    it, backward keeps each rank's gradient locally, unreduced; the first
+    backward after it reduces what was kept together with its own, so the
+    optimizer sees the mean over ranks of every micro-batch's gradient. Enter
+    it on every rank alike. Raises :class:`NoSyncUnsupported` when the adapter
+    has no such method.
+    """
+    method = getattr(adapter, "no_sync", None)
+    if method is None:
+        raise NoSyncUnsupported(f"{adapter.name} has no no_sync (gradient accumulation without communication)")
+    return method(model)  # type: ignore[no-any-return]

@@ -1,0 +1,114 @@
+"""Finding adapters by name.
+
+Adapters register under the ``fsdp_conformance.adapters`` entry-point group,
+name -> ``module:Class``. The built-in ones register the same way in this
+project's ``pyproject.toml``; :data:`BUILTIN` is only a fallback for running
+from a source tree whose metadata predates an adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from conformance.contract.adapter import FSDPAdapter
+from conformance.contract.optional import CAPABILITY_METHODS, protocol_version
+
+__all__ = ["ENTRY_POINT_GROUP", "BUILTIN", "UnknownAdapter", "AdapterEntry", "registered", "load"]
+
+ENTRY_POINT_GROUP = "fsdp_conformance.adapters"
+ENV_VAR = "FSDP_CONFORMANCE_ADAPTERS"
+
+BUILTIN: dict[str, str] = {
+    "reference": "conformance.adapters.reference:ReferenceAdapter",
+    "torch-fsdp1": "conformance.adapters.torch_fsdp1:TorchFSDP1Adapter",
+    "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
+    "fairscale-fsdp": "conformance.adapters.fairscale_fsdp:FairScaleFSDPAdapter",
+}
+
+
+class UnknownAdapter(LookupError):
+    """No adapter is registered under the requested name."""
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    name: str
+    target: str  # "module:Class"
+
+
+def registered() -> dict[str, AdapterEntry]:
+    """Every adapter name -> entry: built-ins, entry points, then :data:`ENV_VAR` entries.
+
+    ``FSDP_CONFORMANCE_ADAPTERS="name=module:Class,other=pkg.mod:Cls"`` registers
+    adapters without packaging (handy while writing one); a malformed entry is
+    an error naming the variable.
+    """
+    found = {name: AdapterEntry(name, target) for name, target in BUILTIN.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name] = AdapterEntry(ep.name, ep.value)
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV_VAR, "").split(","))):
+        name, _, target = item.partition("=")
+        if not name or ":" not in target:
+            raise ValueError(f"{ENV_VAR}: expected name=module:Class entries, got {item!r}")
+        found[name.strip()] = AdapterEntry(name.strip(), target.strip())
+    return found
+
+
+def load(name: str) -> FSDPAdapter:
+    """Instantiate the adapter registered as ``name``.
+
+    Raises :class:`UnknownAdapter` listing the known names, or the import error
+    of a registered adapter whose module cannot be imported.
+    """
+    entries = registered()
+    if name not in entries:
+        raise UnknownAdapter(
+            f"no FSDP adapter named {name!r}; registered: {', '.join(sorted(entries))} "
+            f"(third parties register under the {ENTRY_POINT_GROUP!r} entry-point group)"
+        )
+    module_name, _, attr = entries[name].target.partition(":")
+    adapter_cls = getattr(importlib.import_module(module_name), attr)
+    adapter = adapter_cls()
+    if not isinstance(adapter, FSDPAdapter):
+        missing = [m for m in _REQUIRED if not hasattr(adapter, m)]
+        raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter: "
+                        f"missing {', '.join(missing)}")
+    protocol_version(adapter)
+    for capability, method in CAPABILITY_METHODS.items():
+        if capability in adapter.capabilities and not hasattr(adapter, method):
+            raise TypeError(f"adapter {name!r} declares Capability.{capability.name} but has no {method} method "
+                            "(conformance.contract.optional documents its signature)")
+    return adapter
+
+
+_REQUIRED = ("name", "capabilities", *sorted(m for m in vars(FSDPAdapter) if not m.startswith("_")
+                                             and callable(getattr(FSDPAdapter, m))))
+
+
+def expand(names: list[str]) -> list[str]:
+    """Resolve ``all`` (every registered adapter usable here) and drop duplicates, keeping the order given.
+
+    An adapter that is registered but unavailable here (an optional extra not
+    installed) is left out of ``all``; named explicitly, it gives ``error`` rows
+    with its reason.
+    """
+    out: list[str] = []
+    for name in names:
+        for item in _usable() if name == "all" else [name]:
+            if item not in out:
+                out.append(item)
+    return out
+
+
+def _usable() -> list[str]:
+    usable = []
+    for name in registered():
+        try:
+            if load(name).unavailable_reason() is None:
+                usable.append(name)
+        except Exception:  # noqa: BLE001 - an adapter that does not load is reported when named
+            usable.append(name)
+    return usable

@@ -1,0 +1,111 @@
+"""Known, investigated disagreements between an implementation and a case.
+
+A known finding never changes an outcome: the case still reports FAIL. The
+matrix reason points at the write-up (minimal repro, exact output, why the
+case is right) so a reader does not have to rediscover it.
+
+Findings come from three places, all in one format (a JSON list of
+``{"impl": ..., "rows": ..., "doc": ...}``, ``rows`` a pattern as
+:func:`conformance.contract.rows.row_matches` reads it, ``doc`` a path or URL; an
+optional ``"reason"``, a regular expression, limits the finding to failures
+whose reason it matches: a row that can fail for more than one cause, such as
+a fuzzer row, is explained only for the cause the write-up describes):
+
+- this suite's own, :data:`BUILTIN_FILE`;
+- packages, under the :data:`ENTRY_POINT_GROUP` entry-point group: the entry
+  point names a list of :class:`Finding` (or of such mappings) or a callable
+  returning one, e.g. ``my-fsdp = "my_fsdp.conformance:FINDINGS"``;
+- files named in :data:`ENV_VAR` (``os.pathsep``-separated paths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from conformance.contract.rows import parse_row_id, row_matches
+
+__all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "Finding", "annotate", "known", "load_file"]
+
+BUILTIN_FILE = Path(__file__).with_name("known_findings.json")
+ENTRY_POINT_GROUP = "fsdp_conformance.findings"
+ENV_VAR = "FSDP_CONFORMANCE_FINDINGS"
+
+
+_REQUIRED = frozenset({"impl", "rows", "doc"})
+_OPTIONAL = frozenset({"reason"})
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A FAIL of ``impl`` on the rows ``rows`` matches is explained by ``doc`` (only a FAIL whose
+    reason matches the regular expression ``reason``, when one is given)."""
+
+    impl: str
+    rows: str
+    doc: str
+    reason: str | None = None
+
+    @classmethod
+    def from_mapping(cls, entry: Mapping[str, Any], source: str) -> Finding:
+        """Validate one entry; errors name ``source`` and the entry."""
+        if not isinstance(entry, Mapping) or not _REQUIRED <= set(entry) <= _REQUIRED | _OPTIONAL:
+            raise ValueError(f"{source}: a finding is {{'impl', 'rows', 'doc'}} and optionally 'reason', "
+                             f"got {entry!r}")
+        if not all(isinstance(v, str) and v for v in entry.values()):
+            raise ValueError(f"{source}: impl, rows, doc and reason must be non-empty strings, got {entry!r}")
+        parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
+        if "reason" in entry:
+            try:
+                re.compile(entry["reason"])
+            except re.error as exc:
+                raise ValueError(f"{source}: reason {entry['reason']!r} is not a regular expression: {exc}") from None
+        return cls(entry["impl"], entry["rows"], entry["doc"], entry.get("reason"))
+
+    def explains(self, impl: str, case: str, reason: str) -> bool:
+        """Whether this finding is the known cause of ``impl`` failing ``case`` with ``reason``."""
+        return (self.impl == impl and row_matches(case, self.rows)
+                and (self.reason is None or re.search(self.reason, reason) is not None))
+
+
+def load_file(path: Path) -> list[Finding]:
+    """The findings in a JSON file (a list of entries)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read findings: {exc}") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of findings, got {type(data).__name__}")
+    return [Finding.from_mapping(entry, str(path)) for entry in data]
+
+
+def _from_entry_points() -> list[Finding]:
+    found: list[Finding] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        source = f"entry point {ep.name} ({ep.value})"
+        value = ep.load()
+        entries: Iterable[Any] = value() if callable(value) else value
+        found += [e if isinstance(e, Finding) else Finding.from_mapping(e, source) for e in entries]
+    return found
+
+
+def known() -> list[Finding]:
+    """Every registered finding: built-in, entry points, then :data:`ENV_VAR` files."""
+    found = load_file(BUILTIN_FILE) + _from_entry_points()
+    for part in filter(None, os.environ.get(ENV_VAR, "").split(os.pathsep)):
+        found += load_file(Path(part))
+    return found
+
+
+def annotate(impl: str, case: str, reason: str) -> str:
+    """``reason``, prefixed with the finding's write-up when this failure is a known one."""
+    for finding in known():
+        if finding.explains(impl, case, reason):
+            return f"known finding, see {finding.doc}: {reason}"
+    return reason

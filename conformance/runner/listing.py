@@ -1,0 +1,88 @@
+"""The case rows a selection holds, with what each requires and, per adapter, why it would be ``n/a``.
+
+Backs ``fsdp-conformance list`` (and ``list --impl NAME``, the preview of an
+implementation's ``n/a`` rows); it collects the cases without running them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conformance.contract.adapter import Capability
+from conformance.contract.applicability import not_applicable_reason
+from conformance.contract.rows import all_params, case_row_id, case_spec
+
+__all__ = ["CASES_DIR", "ListedRow", "collect_rows"]
+
+CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
+
+
+@dataclass
+class ListedRow:
+    """One matrix row: its hardware needs, declared rank modes, required capabilities, and n/a reasons."""
+
+    row_id: str
+    needs: str
+    modes: tuple[str, ...]
+    requires: set[Capability] = field(default_factory=set)
+    #: rank mode -> why the row is n/a there for the adapter given to :func:`collect_rows`.
+    not_applicable: dict[str, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        line = f"{self.needs}; modes {'/'.join(self.modes)}"
+        if self.requires:
+            line += f"; requires {', '.join(sorted(str(c) for c in self.requires))}"
+        for reason in dict.fromkeys(self.not_applicable.values()):
+            modes = [m for m, r in self.not_applicable.items() if r == reason]
+            line += f"; n/a ({'/'.join(modes)}): {reason}"
+        return line
+
+
+class _Collector:
+    """A pytest plugin that turns the collected items into :class:`ListedRow` values."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, ListedRow] = {}
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        for item in session.items:
+            spec = case_spec(item)
+            if spec is None:
+                continue
+            params = all_params(item)
+            row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(), spec.modes))
+            row.requires.update(spec.required(params))
+            impl = params.get("impl")
+            mode = str(params.get("rank_mode"))
+            if impl is None:
+                continue
+            if not hasattr(impl, "capabilities"):  # an adapter that failed to load
+                row.not_applicable[mode] = f"adapter failed to load: {getattr(impl, 'error', impl)}"
+                continue
+            reason = not_applicable_reason(spec, impl, params)
+            if reason is not None:
+                row.not_applicable[mode] = reason
+
+
+def collect_rows(keyword: str | None = None, impl: str | None = None) -> list[ListedRow]:
+    """Every row of the cases matching ``keyword``; with ``impl``, its n/a reasons in both rank modes.
+
+    Raises ``RuntimeError`` with pytest's output when collection fails.
+    """
+    collector = _Collector()
+    args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "--rank-mode", "both"]
+    if keyword:
+        args += ["-k", keyword]
+    if impl:
+        args += ["--fsdp-impl", impl]
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        code = int(pytest.main(args, plugins=[collector]))
+    if code not in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)):
+        raise RuntimeError(f"collecting cases failed (exit {code}):\n{captured.getvalue()[-4000:]}")
+    return list(collector.rows.values())

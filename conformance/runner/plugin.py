@@ -1,0 +1,335 @@
+"""pytest plugin: parametrize cases over implementations and collect the matrix.
+
+Registered as the ``fsdp_conformance`` pytest11 entry point, so
+``pytest conformance --fsdp-impl torch-fsdp2`` works without the CLI; the CLI
+(:mod:`conformance.runner.cli`) is a thin layer that adds options and calls
+``pytest.main``.
+
+Settings (implementations, rank mode, timing repeats, device) come from
+:func:`conformance.runner.settings.resolve_settings`, which states the precedence.
+Each row's placement is decided in the parent before its ranks start
+(:func:`harness.devices.decide`, from the device setting, the GPUs visible
+and the case's ``gpus`` need), handed to the harness through its
+``pytest_ranks_placement`` hook, and recorded in the row's result.
+The plugin meets the harness's plugin through declared hooks: it implements
+``pytest_ranks_returned`` (:mod:`harness.hookspecs`) to receive a case's
+:class:`~conformance.contract.results.CaseReport`, and calls
+``pytest_conformance_result`` (:mod:`conformance.runner.hookspecs`) once per cell.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.contract import registry
+from conformance.contract.applicability import RANK_MODES, not_applicable_reason
+from conformance.contract.case import CaseSpec, NotApplicable
+from conformance.contract.results import CaseReport, Result
+from conformance.contract.rows import all_params, case_row_id, case_spec
+from conformance.runner.findings import annotate
+from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
+from conformance.runner.settings import Settings, resolve_settings
+from harness import devices
+from harness.settings import modes_of
+from harness.workers import is_worker
+
+__all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
+
+RESULTS_KEY = pytest.StashKey[list[Result]]()
+SETTINGS_KEY = pytest.StashKey[Settings]()
+_GPUS_KEY = pytest.StashKey[int]()
+_STATE_KEY = pytest.StashKey["_ItemState"]()
+
+
+@dataclass
+class _ItemState:
+    outcome: str = "pass"
+    reason: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    report: CaseReport | None = None
+    placement: str = ""
+    #: The skip raised is the plugin's own missing-hardware skip.
+    hardware_skip: bool = False
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from conformance.runner import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp-conformance")
+    group.addoption(
+        "--fsdp-impl",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="implementation adapter to run cases against (repeatable; 'all' = every registered "
+        "adapter). Default: $FSDP_CONFORMANCE_IMPL or 'reference'.",
+    )
+    group.addoption("--conformance-json", metavar="PATH", help="write the results as JSON")
+    group.addoption("--conformance-markdown", metavar="PATH", help="write the matrix as markdown")
+    group.addoption(
+        "--conformance-progress",
+        action="store_true",
+        help="print one line per case as it finishes and the matrix at the end",
+    )
+    group.addoption(
+        "--timing-repeats",
+        default=None,
+        metavar="N",
+        help="repetitions of each timed region in timing cases (median is used). "
+        "Default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3.",
+    )
+    group.addoption(
+        "--device",
+        default=None,
+        metavar="auto|cpu|cuda",
+        help="where rows compute: CPU rows always on the CPU; GPU rows on a GPU per rank, else shared GPUs, "
+        "else skipped (auto); cpu skips GPU rows; cuda requires a GPU. Default: $FSDP_DEVICE or auto.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "conformance(spec): a conformance case (added by conformance.contract.case)"
+    )
+    config.stash[RESULTS_KEY] = []
+    try:  # a bad value is a usage error before collection, naming its source
+        config.stash[SETTINGS_KEY] = resolve_settings(
+            {
+                "impls": ("--fsdp-impl", config.getoption("--fsdp-impl")),
+                "rank_mode": ("--rank-mode", config.getoption("--rank-mode", None)),
+                "timing_repeats": ("--timing-repeats", config.getoption("--timing-repeats")),
+                "workers": ("-n", config.getoption("numprocesses", None)),
+                "device": ("--device", config.getoption("--device")),
+            },
+            ini={"rank_mode": config.getini("rank_mode")},
+        )
+        device = config.stash[SETTINGS_KEY].device
+        config.stash[_GPUS_KEY] = devices.visible_gpus() if device.value != "cpu" else 0
+        devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
+    except ValueError as exc:  # SettingError included
+        raise pytest.UsageError(str(exc)) from exc
+
+
+def settings_of(config: pytest.Config) -> Settings:
+    """The settings this session resolved at configure time."""
+    return config.stash[SETTINGS_KEY]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"fsdp-conformance: {settings_of(config).describe()}"
+
+
+@pytest.fixture
+def timing_repeats(request: pytest.FixtureRequest) -> int:
+    """How many times a timing case repeats each timed region (the median is used)."""
+    return settings_of(request.config).timing_repeats.value
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "impl" not in metafunc.fixturenames or metafunc.definition.get_closest_marker("conformance") is None:
+        return
+    adapters: list[Any] = []
+    for name in settings_of(metafunc.config).impls.value:
+        try:
+            adapters.append(registry.load(name))
+        except Exception as exc:  # noqa: BLE001 - reported per case as an error row
+            adapters.append(_Unloadable(name, f"{type(exc).__name__}: {exc}"))
+    metafunc.parametrize("impl", adapters, ids=[a.name for a in adapters])
+
+
+@dataclass(frozen=True)
+class _Unloadable:
+    """Stands in for an adapter whose module failed to import."""
+
+    name: str
+    error: str
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    spec = case_spec(item)
+    if spec is None:
+        return
+    item.stash[_STATE_KEY] = _ItemState()
+    impl = all_params(item).get("impl")
+    if impl is None:
+        raise pytest.UsageError(f"{item.nodeid}: a conformance case must take the impl parameter")
+    if isinstance(impl, _Unloadable):
+        pytest.fail(f"adapter {impl.name!r} failed to load: {impl.error}", pytrace=False)
+    reason = impl.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
+    decision = _plan(item.config, spec)
+    item.stash[_STATE_KEY].placement = decision.placement or ""
+    not_applicable = not_applicable_reason(spec, impl, all_params(item))
+    if not_applicable is not None:
+        raise NotApplicable(not_applicable)
+    if decision.placement is None:
+        item.stash[_STATE_KEY].hardware_skip = True
+        pytest.skip(decision.reason)
+
+
+def _plan(config: pytest.Config, spec: CaseSpec) -> devices.Decision:
+    """Where this row runs ([Note: device setting] in :mod:`harness.devices`)."""
+    return devices.decide(setting=settings_of(config).device.value, gpus=config.stash[_GPUS_KEY],
+                          world_size=spec.world_size, need=spec.gpus, nccl=devices.nccl_available())
+
+
+@pytest.hookimpl
+def pytest_ranks_placement(item: pytest.Item) -> str | None:
+    """The placement planned for a conformance row in setup; other tests keep the harness default."""
+    state = item.stash.get(_STATE_KEY, None)
+    return (state.placement or None) if state is not None else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    state = item.stash.get(_STATE_KEY, None)
+    if state is None or state.outcome != "pass":
+        return report
+    if report.failed:
+        state.outcome = "FAIL" if report.when == "call" else "error"
+        state.reason = _failure_reason(call, report)
+    elif report.skipped:
+        excinfo = call.excinfo
+        message = getattr(excinfo.value, "msg", None) if excinfo is not None else None
+        reason = str(message) if message else _skip_reason(report)
+        if excinfo is not None and isinstance(excinfo.value, NotApplicable):
+            state.outcome, state.reason = "n/a", reason
+        elif state.hardware_skip or item.config.getoption("--launcher", "spawn") == "torchrun":
+            state.outcome, state.reason = "skip", reason  # missing hardware (or, launched, the job's size)
+        else:
+            state.outcome = "error"
+            state.reason = f"skipped, but skip means missing hardware (use not_applicable() for n/a): {reason}"
+            report.outcome, report.longrepr = "failed", state.reason
+    return report
+
+
+@pytest.hookimpl
+def pytest_ranks_returned(item: pytest.Item, values: list[Any]) -> None:
+    """Keep rank 0's :class:`CaseReport`; any other non-``None`` return value is a mistake in the case."""
+    state = item.stash.get(_STATE_KEY, None)
+    if state is None or not values:
+        return
+    value = values[0]
+    if value is not None and not isinstance(value, CaseReport):
+        raise TypeError(
+            f"{case_row_id(item)} returned {type(value).__name__}; a case returns None or "
+            f"conformance.contract.results.CaseReport(reason=..., metrics=...)"
+        )
+    state.report = value
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    state = item.stash.get(_STATE_KEY, None)
+    spec = case_spec(item)
+    if state is None or spec is None:
+        return
+    params = all_params(item)
+    impl_name = getattr(params.get("impl"), "name", "?")
+    case_id = case_row_id(item)
+    reason = state.reason
+    if state.outcome == "pass" and state.report is not None and state.report.reason:
+        reason = state.report.reason
+    result = Result(
+        case=case_id,
+        impl=impl_name,
+        rank_mode=_rank_mode_column(item.config, params.get("rank_mode", "process")),
+        world_size=spec.world_size,
+        outcome=state.outcome,
+        reason=annotate(impl_name, case_id, reason) if state.outcome == "FAIL" else reason,
+        duration_s=round(time.perf_counter() - state.started, 3),
+        metrics=dict(state.report.metrics) if state.report is not None else {},
+        placement=state.placement,
+    )
+    item.config.hook.pytest_conformance_result(config=item.config, result=result)
+
+
+@pytest.hookimpl
+def pytest_conformance_result(config: pytest.Config, result: Result) -> None:
+    """Add the cell to the matrix; with ``--conformance-progress`` print its line."""
+    config.stash[RESULTS_KEY].append(result)
+    if not config.getoption("--conformance-progress") or is_worker(config):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            f"[{len(config.stash[RESULTS_KEY]):4d}] {result.outcome:5s} {result.case}  "
+            f"{result.impl}/{result.rank_mode}  {result.duration_s:.2f}s"
+            + (f"  ({result.reason})" if result.reason else "")
+        )
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
+    """Silence pytest's own progress characters when the plugin prints lines."""
+    if not config.getoption("--conformance-progress"):
+        return None
+    category: str
+    if report.when == "call":
+        category = report.outcome
+    elif report.failed:
+        category = "error"
+    elif report.skipped:
+        category = "skipped"
+    else:
+        return None
+    return category, "", category.upper()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The matrix and the report files; under ``-n`` only the controller, which has every result."""
+    results = config.stash.get(RESULTS_KEY, [])
+    if not results or is_worker(config):
+        return
+    if config.getoption("--conformance-progress"):
+        terminalreporter.write_sep("=", "conformance matrix")
+        terminalreporter.write_line(render_matrix(results))
+        terminalreporter.write_line(summary_line(results))
+    json_path = config.getoption("--conformance-json")
+    if json_path:
+        write_json(results, Path(json_path))
+    md_path = config.getoption("--conformance-markdown")
+    if md_path:
+        Path(md_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(md_path).write_text(render_markdown(results))
+
+
+def _rank_mode_column(config: pytest.Config, mode: Any) -> str:
+    """The row's rank mode; the selected one when the selection excluded every mode the case declares."""
+    if mode in RANK_MODES:
+        return str(mode)
+    return "/".join(modes_of(settings_of(config).rank_mode.value))
+
+
+def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:
+    """First line of the failure; a rank failure's own summary already names the rank."""
+    from harness.errors import RankFailure
+
+    if call.excinfo is None:
+        return _first_line(report.longreprtext)
+    if isinstance(call.excinfo.value, RankFailure):
+        return _first_line(str(call.excinfo.value))
+    return _first_line(call.excinfo.exconly())
+
+
+def _first_line(text: str) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line[:400]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return _first_line(str(longrepr))
