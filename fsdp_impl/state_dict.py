@@ -35,7 +35,8 @@ import torch.nn as nn
 
 from fsdp_impl import collectives
 from fsdp_impl.api import StateDictType, TrainingState
-from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _set_param, set_grad
+from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
+from fsdp_impl.layout import ParamSlot
 from fsdp_impl.unit_state import UnitState, unit_state, unit_states
 
 __all__ = [
