@@ -57,8 +57,14 @@ def clean_fqn(name: str) -> str:
 
 
 def _managing_units(module: nn.Module) -> list[UnitState]:
-    """Every unit in ``module``'s tree that has a flat parameter."""
-    return [unit for unit in unit_states(module) if unit.handle is not None]
+    """Every unit in ``module``'s tree that has a flat parameter (the wrapper's: see below)."""
+    units = [unit for unit in unit_states(module) if unit.handle is not None]
+    if any(unit.handle is not None and unit.handle.sharding is not None for unit in units):
+        raise TypeError(
+            "summon_full_params and the wrapper's state dicts take FullyShardedDataParallel units; "
+            "fully_shard modules hold DTensors: use model.state_dict(), torch.distributed.checkpoint, full_tensor()"
+        )
+    return units
 
 
 def _state_dict_type(root: nn.Module) -> StateDictType:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_impl import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from fsdp_impl import FSDP, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_impl.tests.models import OddModel, batch, prefixed
 from fsdp_impl.unit_state import unit_state
 from harness.context import RankContext
@@ -474,6 +474,8 @@ def _errors_body(ctx: RankContext) -> None:
         (lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, mp_policy=torch.bfloat16), TypeError,  # type: ignore[arg-type]
          "mp_policy must be MixedPrecisionPolicy, got torch.bfloat16"),
         (lambda: fully_shard(fully_shard(nn.Linear(2, 2), mesh=mesh), mesh=mesh), ValueError, "already applied"),
+        (lambda: FSDP.summon_full_params(fully_shard(nn.Linear(2, 2), mesh=mesh)).__enter__(), TypeError,
+         "fully_shard modules hold DTensors"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=message):
