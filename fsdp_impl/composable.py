@@ -38,6 +38,7 @@ parameter views its piece again.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -67,8 +68,9 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
 #: Original class -> its ``FSDP<Class>``, made once per class.
 _FSDP_CLASSES: dict[type, type] = {}
-#: Set on an original parameter once a unit manages it (a DTensor parameter replaced it on its modules).
-_MANAGED_ATTR = "_fsdp_impl_managed"
+#: An original parameter's identity, kept on the DTensor parameter that replaces it (tags come from _ORIGINS).
+_ORIGIN_ATTR = "_fsdp_impl_origin"
+_ORIGINS = itertools.count()
 
 
 def fully_shard(
@@ -95,31 +97,20 @@ def fully_shard(
     check_type("offload_policy", offload_policy, OffloadPolicy, allow_none=False)
     mesh = mesh if mesh is not None else _default_mesh()
     groups, strategy, sharding = _mesh_groups(mesh)
-    setting, groups.post_forward_group = _post_forward(reshard_after_forward, groups, mesh)
+    setting, groups.post_forward_group = _reshard_setting(reshard_after_forward, groups, mesh)
     device = _mesh_device(mesh)
     params, buffers = _managed(module, ignored_params)
     _move(params, buffers, device)
     config = _config(strategy, mp_policy, offload_policy)
-    handle = None
-    if params:
-        handle = FlatParamHandle(
-            params,
-            compute_device=device,
-            offload_params=config.cpu_offload.offload_params,
-            shard_group=groups.shard_group,
-            shard_size=groups.shard_size,
-            shard_rank=groups.shard_rank,
-            use_orig_params=True,
-            mixed_precision=config.mixed_precision,
-            sharding=sharding,
-        )
-    for _, _, _, param in params:
-        setattr(param, _MANAGED_ATTR, True)
+    handle = _build_handle(params, device, groups, config, sharding) if params else None
+    _check_not_shared(module, handle)
     module.__dict__[STATE_ATTR] = UnitState(module, config, groups, device, handle, UnitControls(setting))
     module.register_forward_pre_hook(unit.pre_forward_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward_hook, with_kwargs=True)
     cls = type(module)
-    module.__class__ = _FSDP_CLASSES.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+    module.__class__ = _FSDP_CLASSES[cls]
     return module
 
 
@@ -143,12 +134,53 @@ def _managed(
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
             )
-        if getattr(param, _MANAGED_ATTR, False):  # torch raises this at the first forward
-            raise ValueError(
-                f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP group. "
-                "For shared/tied parameters, apply fully_shard to a common ancestor of their modules."
-            )
     return params, buffers
+
+
+def _build_handle(
+    params: list[tuple[str, nn.Module, str, nn.Parameter]],
+    device: torch.device,
+    groups: UnitGroups,
+    config: UnitConfig,
+    sharding: MeshSharding,
+) -> FlatParamHandle:
+    """The unit's flat parameter; each DTensor parameter keeps its original's identity tag."""
+    handle = FlatParamHandle(
+        params,
+        compute_device=device,
+        offload_params=config.cpu_offload.offload_params,
+        shard_group=groups.shard_group,
+        shard_size=groups.shard_size,
+        shard_rank=groups.shard_rank,
+        use_orig_params=True,
+        mixed_precision=config.mixed_precision,
+        sharding=sharding,
+    )
+    originals = {id(param): param for _, _, _, param in params}.values()  # in the slots' order
+    for slot, original in zip(handle.slots, originals, strict=True):
+        if not hasattr(original, _ORIGIN_ATTR):
+            setattr(original, _ORIGIN_ATTR, next(_ORIGINS))
+        setattr(slot.param, _ORIGIN_ATTR, getattr(original, _ORIGIN_ATTR))
+    return handle
+
+
+def _check_not_shared(module: nn.Module, handle: FlatParamHandle | None) -> None:
+    """A parameter that two units of ``module``'s tree (``handle`` its own) would manage raises the
+    ValueError torch raises at the root's first forward (here: when the second unit joins a tree)."""
+    seen: dict[int, str] = {}
+    for prefix, sub in module.named_modules():
+        state = unit_state(sub)
+        owned = handle if sub is module else (None if state is None else state.handle)
+        for slot in [] if owned is None else owned.slots:
+            origin, fqn = getattr(slot.param, _ORIGIN_ATTR, None), f"{prefix}.{slot.fqn}".lstrip(".")
+            if origin in seen:
+                raise ValueError(
+                    f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP group "
+                    f"({seen[origin]!r}). For shared/tied parameters, apply fully_shard to a common ancestor "
+                    "of their modules only."
+                )
+            if origin is not None:
+                seen[origin] = fqn
 
 
 def _default_mesh() -> Any:
@@ -176,7 +208,7 @@ def _mesh_groups(mesh: Any) -> tuple[UnitGroups, ShardingStrategy, MeshSharding]
     return init.unit_groups(groups, strategy), strategy, MeshSharding(mesh, placements)
 
 
-def _post_forward(value: Any, groups: UnitGroups, mesh: Any) -> tuple[bool | int | None, dist.ProcessGroup | None]:
+def _reshard_setting(value: Any, groups: UnitGroups, mesh: Any) -> tuple[bool | int | None, dist.ProcessGroup | None]:
     """``reshard_after_forward`` validated, and for a proper factor of the shard size the group of
     that many consecutive shard ranks this rank gathers over in backward (1 means False, the whole
     shard size True, as torch reads them)."""
@@ -196,11 +228,12 @@ def _post_forward(value: Any, groups: UnitGroups, mesh: Any) -> tuple[bool | int
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group
-    return value, mine
+    return int(value), mine
 
 
-def _move(params: list[tuple[str, nn.Module, str, nn.Parameter]], buffers: list[tuple[nn.Module, str]],
-          device: torch.device) -> None:
+def _move(
+    params: list[tuple[str, nn.Module, str, nn.Parameter]], buffers: list[tuple[nn.Module, str]], device: torch.device
+) -> None:
     """Managed parameters and buffers to ``device``; meta tensors stay for ``to_empty`` later."""
     with torch.no_grad():
         for _, _, _, param in params:
@@ -261,7 +294,9 @@ class FSDPModule:
         return state
 
     def _units(self, recurse: bool) -> list[UnitState]:
-        return [s for m in self.modules() if (s := unit_state(m))] if recurse else [self._own()]  # type: ignore[attr-defined]
+        if not recurse:
+            return [self._own()]
+        return [state for m in self.modules() if (state := unit_state(m)) is not None]  # type: ignore[attr-defined]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (not its submodules'); with ``async_op`` return a

@@ -208,11 +208,10 @@ def _reshard_after_forward(unit: UnitState, grad_follows: bool) -> None:
     root), or keep a piece of it for a smaller all-gather in backward (an int)."""
     handle, setting = unit.handle, unit.controls.reshard_after_forward
     assert handle is not None
-    if (not grad_follows and unit.config.reshard_without_grad) or setting is True or (
-        setting is None and not unit.is_root
-    ):
+    unless_root = setting is None and not unit.is_root
+    if setting is True or unless_root or (not grad_follows and unit.config.reshard_without_grad):
         handle.reshard()
-    elif type(setting) is int:
+    elif setting is not None and setting is not False:
         assert unit.groups.post_forward_group is not None
         handle.reshard_to(unit.groups.post_forward_group)
 
