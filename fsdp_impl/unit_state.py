@@ -8,8 +8,8 @@ what is its state?") and read or write the state's fields. The top class builds
 the state in its constructor and exposes its public surface as properties over
 it. Imports therefore point one way:
 
-    api, collectives -> layout -> flat_param -> exec_order -> unit_state -> init, wrap -> unit
-        -> no_sync, state_dict -> construct -> fully_sharded_data_parallel, composable
+    api, collectives -> layout -> flat_param -> exec_order -> unit_state -> precision, init, wrap
+        -> unit -> no_sync, state_dict -> construct -> fully_sharded_data_parallel, composable
 
 Settings the user gives the constructor or ``fully_shard`` live in
 :class:`UnitConfig` (frozen; auto-wrapped children get the same ones), the ones
