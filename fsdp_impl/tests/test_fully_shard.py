@@ -22,8 +22,8 @@ from fsdp_impl.unit_state import unit_state
 from harness.context import RankContext
 
 AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
-Shard_ = Callable[..., nn.Module]
-IMPLS: dict[str, Shard_] = {"reference": fully_shard, "torch": torch_fully_shard}
+ShardFn = Callable[..., nn.Module]
+IMPLS: dict[str, ShardFn] = {"reference": fully_shard, "torch": torch_fully_shard}
 
 
 def _mesh(ctx: RankContext, hybrid: bool = False) -> DeviceMesh:
@@ -32,7 +32,7 @@ def _mesh(ctx: RankContext, hybrid: bool = False) -> DeviceMesh:
     return init_device_mesh("cpu", (ctx.world_size,))
 
 
-def _shard(model: OddModel, shard: Shard_, mesh: DeviceMesh, **kw: Any) -> OddModel:
+def _shard(model: OddModel, shard: ShardFn, mesh: DeviceMesh, **kw: Any) -> OddModel:
     """``shard`` bottom-up: every block, then the root (which keeps the head)."""
     for block in (model.b1, model.b2, model.b3):
         shard(block, mesh=mesh, **kw)
@@ -86,9 +86,10 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
 
 
-def _train_alike(ctx: RankContext, models: dict[str, nn.Module], steps: int = 3, **tol: Any) -> None:
-    """Adam steps on every model; the sharded ones' losses, gradients and parameters must equal the
-    local model's (``"local"``, fed every rank's batch) and each other's."""
+def _train_alike(ctx: RankContext, models: dict[str, nn.Module], steps: int = 3) -> None:
+    """Adam steps on every model: losses, gradients and parameters must equal the first model's
+    (``"local"`` when given: the unsharded model fed every rank's batch)."""
+    first = next(iter(models))
     optims = {name: torch.optim.Adam(m.parameters(), lr=1e-2) for name, m in models.items()}
     for step in range(steps):
         xs = _batches(ctx, step)
@@ -99,16 +100,15 @@ def _train_alike(ctx: RankContext, models: dict[str, nn.Module], steps: int = 3,
             losses["local"] = _local_backward(models["local"], xs)[ctx.rank]
         grads = {name: _grads(model) for name, model in models.items()}
         for name in models:
-            label = f"{name} vs {next(iter(models))} step {step} rank {ctx.rank}"
-            first = next(iter(models))
-            torch.testing.assert_close(losses[name], losses[first], msg=prefixed(f"{label}: loss"), **tol)
-            torch.testing.assert_close(grads[name], grads[first], msg=prefixed(f"{label}: grads"), **tol)
+            label = f"{name} vs {first} step {step} rank {ctx.rank}"
+            torch.testing.assert_close(losses[name], losses[first], msg=prefixed(f"{label}: loss"))
+            torch.testing.assert_close(grads[name], grads[first], msg=prefixed(f"{label}: grads"))
         for optim in optims.values():
             optim.step()
             optim.zero_grad()
     params = {name: _params(model) for name, model in models.items()}
     for name in models:
-        torch.testing.assert_close(params[name], params[next(iter(models))], msg=prefixed(f"{name}: params"), **tol)
+        torch.testing.assert_close(params[name], params[first], msg=prefixed(f"{name} vs {first}: params"))
 
 
 def _parity_body(ctx: RankContext, hybrid: bool) -> None:
