@@ -1,11 +1,22 @@
 """A minimal, readable reference implementation of Fully Sharded Data Parallel.
 
 Mirrors ``torch.distributed.fsdp`` for what it supports, so swapping the import
-works: ``from fsdp_impl import FullyShardedDataParallel as FSDP``.
+works: ``from fsdp_impl import FullyShardedDataParallel as FSDP`` (FSDP1's
+wrapper) or ``from fsdp_impl import fully_shard`` (FSDP2's per-module API).
 """
 
 from fsdp_impl import wrap
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from fsdp_impl.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
+from fsdp_impl.composable import FSDPModule, UnshardHandle, fully_shard
 from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
 
 FSDP = FullyShardedDataParallel
@@ -18,5 +29,11 @@ __all__ = [
     "CPUOffload",
     "MixedPrecision",
     "StateDictType",
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
     "wrap",
 ]

@@ -1,7 +1,8 @@
 """Public enums and config dataclasses, spelled as ``torch.distributed.fsdp`` spells them.
 
 Only the members this reference implements exist, so a user who swaps the import
-gets an ``AttributeError`` instead of a silently ignored option.
+gets an ``AttributeError`` instead of a silently ignored option. The wrapper's
+options (FSDP1) come first, then ``fully_shard``'s policies (FSDP2).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ __all__ = [
     "StateDictType",
     "CPUOffload",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
     "TrainingState",
     "ShardedState",
     "RESHARD_AFTER_FORWARD",
@@ -83,12 +87,48 @@ class MixedPrecision:
     ``buffer_dtype``: the root casts every buffer to it before forward.
     ``keep_low_precision_grads``: hand the optimizer gradients in the dtype they
     were reduced in instead of the sharded parameter's dtype.
+    ``cast_forward_inputs``: every unit casts its floating inputs to its
+    ``param_dtype``; ``cast_root_forward_inputs``: the root does.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``fully_shard``'s mixed precision (``None``: unchanged).
+
+    ``param_dtype``: all-gather, forward and backward (the sharded parameter
+    keeps its dtype); ``reduce_dtype``: gradient reduction (``None``:
+    ``param_dtype``), and gradients accumulated without synchronizing;
+    ``output_dtype``: floating outputs of the module's forward;
+    ``cast_forward_inputs``: cast floating forward inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """``fully_shard``'s default: no offloading."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and their gradients on the CPU; compute on the mesh's device.
+
+    ``pin_memory``: page-locked host memory, used when the mesh is on an accelerator.
+    """
+
+    pin_memory: bool = True
 
 
 class TrainingState(enum.Enum):

@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 from fsdp_impl import init, wrap
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_impl.api import RESHARD_AFTER_FORWARD, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle
-from fsdp_impl.unit_state import UnitConfig, UnitGroups, UnitState
+from fsdp_impl.unit_state import UnitConfig, UnitControls, UnitGroups, UnitState
 
 __all__ = ["UnitArgs", "build_unit", "check_type"]
 
@@ -105,7 +105,8 @@ def build_unit(
     config = _config(args, strategy)
     unit_groups = init.unit_groups(groups, strategy)
     handle = _build_handle(module, params, compute_device, config, unit_groups)
-    return UnitState(module, config, unit_groups, compute_device, handle)
+    controls = UnitControls(reshard_after_forward=None if strategy in RESHARD_AFTER_FORWARD else False)
+    return UnitState(module, config, unit_groups, compute_device, handle, controls)
 
 
 def _config(args: UnitArgs, strategy: ShardingStrategy) -> UnitConfig:

@@ -1,25 +1,25 @@
 """One unit's parameters as a single padded flat tensor, sharded across the shard group.
 
 [Note: flat parameter layout]
-A unit's unique original parameters are concatenated (registration order, each
-flattened) into ``numel`` elements, then zero-padded to ``padded_numel``, a
-multiple of the shard-group size. Rank ``r`` of the shard group owns elements
-``[r * shard_numel, (r + 1) * shard_numel)``: its *local shard*, which is the
-data of :attr:`FlatParamHandle.flat_param`. The *unsharded* flat parameter
-:attr:`FlatParamHandle.full` is one persistent leaf tensor per unit whose storage
-is resized to 0 when resharded and re-allocated before each all-gather, so
-autograd's saved views of it stay valid across free/re-gather cycles. It is only
-written through ``.data`` (a separate version counter), so re-gathering in
+A unit's unique original parameters (registration order) live in one flat
+tensor of ``padded_numel`` elements, sharded across the shard group as [Note:
+shard layouts] in ``layout.py`` says (the wrapper: concatenated, zero-padded at
+the end, rank ``r`` owning ``[r * shard_numel, (r + 1) * shard_numel)``). A
+rank's elements are its *local shard*, the data of ``flat_param``. The
+*unsharded* flat parameter ``full`` is one persistent leaf tensor per unit whose
+storage is resized to 0 when resharded and re-allocated before each all-gather,
+so autograd's saved views of it stay valid across free/re-gather cycles. It is
+only written through ``.data`` (a separate version counter), so re-gathering in
 backward never trips autograd's in-place checks. Module parameters are set to
-views of ``full`` for compute; gradients accumulate into ``full.grad``, which
-is reduce-scattered into the local shard's gradient.
+views of ``full`` for compute; gradients accumulate into ``full.grad``, which is
+reduce-scattered into the local shard's gradient.
 
 With ``use_orig_params=True`` the original ``nn.Parameter`` objects stay
-registered while sharded: their ``.data`` is this rank's 1-D piece of the local
-shard (possibly empty) and their ``.grad`` the matching piece of the sharded
-gradient. With a shard group of size 1 (NO_SHARD) the pieces keep their
-original shapes. With ``use_orig_params=False`` the module exposes only
-``flat_param`` (registered as ``_flat_param``).
+registered while sharded: their ``.data`` is this rank's piece of the local
+shard (1-D, possibly empty; original shape for a shard group of one) and their
+``.grad`` the matching piece of the sharded gradient; ``fully_shard`` registers
+DTensor parameters over the same pieces instead. With ``use_orig_params=False``
+the module exposes only ``flat_param`` (registered as ``_flat_param``).
 
 [Note: mixed precision]
 With a ``MixedPrecision`` policy the unsharded leaf ``full`` is in
@@ -36,7 +36,6 @@ dtype than its parameter is attached with :func:`set_grad`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,8 +43,9 @@ import torch.nn as nn
 
 from fsdp_impl import collectives
 from fsdp_impl.api import MixedPrecision, ShardedState
+from fsdp_impl.layout import MeshSharding, ParamSlot, ShardLayout, build_slots, local_tensor
 
-__all__ = ["ParamSlot", "FlatParamHandle", "FLAT_PARAM_NAME", "unsafe_setattr_enabled", "set_grad"]
+__all__ = ["FlatParamHandle", "FLAT_PARAM_NAME", "unsafe_setattr_enabled", "set_grad"]
 
 FLAT_PARAM_NAME = "_flat_param"
 
@@ -53,21 +53,6 @@ FLAT_PARAM_NAME = "_flat_param"
 def unsafe_setattr_enabled() -> bool:
     """``FSDP_USE_UNSAFE_SETATTR=1`` bypasses modules' ``__setattr__`` overrides, as torch does."""
     return os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") == "1"
-
-
-@dataclass
-class ParamSlot:
-    """One unique original parameter and every (module, attribute) that refers to it."""
-
-    param: nn.Parameter
-    fqn: str
-    shape: torch.Size
-    offset: int
-    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
 
 
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -99,7 +84,12 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter, unsafe: bool) 
 
 
 class FlatParamHandle:
-    """Owns one unit's flat parameter: layout, storage lifecycle, views and sharded grads."""
+    """Owns one unit's flat parameter: layout, storage lifecycle, views and sharded grads.
+
+    ``sharding`` selects ``fully_shard``'s presentation ([Note: two front doors]):
+    the PER_PARAMETER layout, and every original parameter replaced by a DTensor
+    parameter whose local tensor is its piece of the local shard.
+    """
 
     def __init__(
         self,
@@ -112,27 +102,38 @@ class FlatParamHandle:
         shard_rank: int,
         use_orig_params: bool,
         mixed_precision: MixedPrecision | None = None,
+        sharding: MeshSharding | None = None,
     ) -> None:
         self.compute_device = compute_device
         self.offload_params = offload_params
         self.shard_group = shard_group
         self.shard_size = shard_size
         self.shard_rank = shard_rank
-        self.use_orig_params = use_orig_params
-        self.slots = self._build_slots(named_params)
-        self.numel = sum(slot.numel for slot in self.slots)
-        self.shard_numel = -(-self.numel // shard_size)
-        self.padded_numel = self.shard_numel * shard_size
+        self.use_orig_params = use_orig_params or sharding is not None
+        self.sharding = sharding
+        self.slots = build_slots(named_params)
+        self.layout = ShardLayout([s.shape for s in self.slots], shard_size, shard_rank, sharding is not None)
+        for slot, offset in zip(self.slots, self.layout.offsets, strict=True):
+            slot.offset = offset
+        self.numel, self.shard_numel = self.layout.numel, self.layout.shard_numel
+        self.padded_numel = self.layout.padded_numel
         self.state = ShardedState.SHARDED
         self._pending: collectives.Pending | None = None
+        # reshard_after_forward=<int>: this rank's piece of the gathered parameter and the group to gather it over
+        self._post_forward: tuple[torch.Tensor, dist.ProcessGroup] | None = None
         self._hooked: set[int] = set()  # ids of the leaves whose post-accumulate hook is registered
         self.flat_param = self._build_flat_param()
         mp = mixed_precision or MixedPrecision()
+        self._policy_dtype = mp.param_dtype
         self.param_dtype = mp.param_dtype or self.flat_param.dtype
         self.keep_low_precision_grads = mp.keep_low_precision_grads
         self._leaves: dict[torch.dtype, torch.Tensor] = {}
         self.full = self._leaf(self.param_dtype)
-        if use_orig_params:
+        if sharding is not None:
+            for slot in self.slots:
+                exposed = self._exposed(slot, self.sharded_view(slot, self.flat_param.data))
+                slot.param = nn.Parameter(exposed, requires_grad=slot.param.requires_grad)
+        if self.use_orig_params:
             self.install_sharded_params()
         else:
             # Stale views (storage freed) keep attribute access and repr working between uses.
@@ -142,31 +143,9 @@ class FlatParamHandle:
             self._free_storage()
 
     # -- construction ---------------------------------------------------------------
-    @staticmethod
-    def _build_slots(
-        named_params: list[tuple[str, nn.Module, str, nn.Parameter]],
-    ) -> list[ParamSlot]:
-        slots: dict[int, ParamSlot] = {}
-        offset = 0
-        dtypes = {param.dtype for _, _, _, param in named_params}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"one unit's parameters must share a dtype, got {sorted(map(str, dtypes))}"
-            )
-        for fqn, module, name, param in named_params:
-            slot = slots.get(id(param))
-            if slot is None:
-                slot = ParamSlot(param, fqn, param.shape, offset)
-                slots[id(param)] = slot
-                offset += slot.numel
-            slot.registrations.append((module, name))
-        return list(slots.values())
-
     def _storage_device(self) -> torch.device:
-        """Where the sharded flat parameter lives: the CPU when offloading, else where the
-        module's parameters are. Never ``compute_device`` by itself: a CPU module wrapped
-        without ``device_id`` stays on the CPU (torch's contract) until the user moves it,
-        and the first forward reports it if they do not."""
+        """The CPU when offloading, else where the parameters are (a CPU module wrapped without
+        ``device_id`` stays there, torch's contract; the first forward reports it)."""
         if self.offload_params:
             return torch.device("cpu")
         return self.slots[0].param.device if self.slots else self.compute_device
@@ -174,13 +153,11 @@ class FlatParamHandle:
     def _build_flat_param(self) -> nn.Parameter:
         storage_device = self._storage_device()
         with torch.no_grad():
-            pieces = [slot.param.detach().reshape(-1).to(storage_device) for slot in self.slots]
             dtype = self.slots[0].param.dtype if self.slots else torch.float32
-            padded = torch.zeros(self.padded_numel, dtype=dtype, device=storage_device)
-            if pieces:
-                torch.cat(pieces, out=padded[: self.numel])
-            start = self.shard_rank * self.shard_numel
-            shard = padded[start : start + self.shard_numel].clone()
+            full = torch.zeros(self.padded_numel, dtype=dtype, device=storage_device)
+            for slot in self.slots:
+                full[slot.offset : slot.offset + slot.numel] = slot.param.detach().reshape(-1).to(storage_device)
+            shard = self.layout.shard_of(full).clone()
         requires = {slot.param.requires_grad for slot in self.slots}
         if not self.use_orig_params and len(requires) > 1:
             names = [(slot.fqn, slot.param.requires_grad) for slot in self.slots]
@@ -189,11 +166,27 @@ class FlatParamHandle:
             )
         return nn.Parameter(shard, requires_grad=any(requires) if requires else False)
 
+    def follow_moved_params(self) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``.to``) gave the parameters new local data: a
+        local shard where and in the dtype they now are, filled from them, that they view again."""
+        pieces = [local_tensor(slot.param) for slot in self.slots]
+        with torch.no_grad():
+            shard = torch.zeros(self.shard_numel, dtype=pieces[0].dtype, device=pieces[0].device)
+            for slot, piece in zip(self.slots, pieces, strict=True):
+                lo, hi = self.local_range(slot)
+                shard[lo:hi] = piece.reshape(-1)
+        self.flat_param = nn.Parameter(shard, requires_grad=self.flat_param.requires_grad)
+        if self._policy_dtype is None and self.param_dtype != shard.dtype:
+            self.param_dtype = shard.dtype
+            self.full = self._leaf(shard.dtype)
+        self.install_sharded_params()
+
     # -- introspection -------------------------------------------------------------------
     @property
     def is_resharded(self) -> bool:
         """Unsharded storage freed and nothing outstanding: only the local shard exists."""
-        return self.state is ShardedState.SHARDED and self.full.untyped_storage().size() == 0
+        freed = self.state is ShardedState.SHARDED and self.full.untyped_storage().size() == 0
+        return freed and self._post_forward is None
 
     def requires_grad(self) -> bool:
         if self.use_orig_params:
@@ -202,10 +195,7 @@ class FlatParamHandle:
 
     def local_range(self, slot: ParamSlot) -> tuple[int, int]:
         """``slot``'s piece of the local shard as ``[lo, hi)`` offsets (empty: ``lo == hi``)."""
-        start = self.shard_rank * self.shard_numel
-        lo = max(slot.offset, start)
-        hi = min(slot.offset + slot.numel, start + self.shard_numel)
-        return (lo - start, hi - start) if lo < hi else (0, 0)
+        return self.layout.local_range(slot.index)
 
     # -- storage lifecycle -------------------------------------------------------------
     def _leaf(self, dtype: torch.dtype) -> torch.Tensor:
@@ -240,17 +230,21 @@ class FlatParamHandle:
             storage.resize_(nbytes)
 
     def start_unshard(self) -> None:
-        """Allocate the unsharded storage and issue its all-gather (no wait)."""
+        """Allocate the unsharded storage and issue its all-gather (no wait): of the local shard
+        over the shard group, or of the piece ``reshard_to`` kept over its smaller group."""
         if self.state is not ShardedState.SHARDED:
             return
         self._writeback_orig_params()
         self._alloc_storage()
         shard = self.flat_param.data.to(self.compute_device, self.full.dtype)  # no copy if both match
+        source, group = self._post_forward or (shard, self.shard_group)
+        self._post_forward = None
         if self.shard_size == 1:
-            self.full.data.copy_(shard)
+            self.full.data.copy_(source)
             self._pending = None
         else:
-            self._pending = collectives.all_gather(self.full.data, shard, self.shard_group)
+            out = self.full.data if self.layout.gathers_in_place else torch.empty_like(self.full.data)
+            self._pending = collectives.all_gather(out, source, group)
         self.state = ShardedState.UNSHARDING
 
     def wait_unshard(self) -> None:
@@ -259,7 +253,9 @@ class FlatParamHandle:
             self.start_unshard()
         if self.state is ShardedState.UNSHARDING:
             if self._pending is not None:
-                self._pending.wait()
+                gathered = self._pending.wait()
+                if not self.layout.gathers_in_place:
+                    self.layout.to_param_major(gathered, self.full.data)
                 self._pending = None
             self.state = ShardedState.UNSHARDED
 
@@ -268,20 +264,34 @@ class FlatParamHandle:
         if self.state is ShardedState.UNSHARDING:
             self.wait_unshard()
         self._free_storage()
+        self._post_forward = None
         self.state = ShardedState.SHARDED
         if self.use_orig_params:
             self.install_sharded_params()
 
+    def reshard_to(self, group: dist.ProcessGroup) -> None:
+        """Reshard, keeping this rank's piece of the gathered parameter for a later all-gather over
+        ``group``: consecutive ranks of the shard group, each keeping the shards of as many
+        consecutive ranks (``reshard_after_forward=<int>``, see [Note: unit lifecycle])."""
+        self.wait_unshard()
+        gathered = self.layout.to_rank_major(self.full.data)
+        piece = gathered.numel() // collectives.group_size(group)
+        start = collectives.group_rank(group) * piece
+        kept = gathered[start : start + piece].clone()
+        self.reshard()
+        self._post_forward = (kept, group)
+
     def _writeback_orig_params(self) -> None:
-        """Copy an original parameter's ``.data`` back if something replaced it."""
+        """Copy an original parameter's data back if something replaced it (``param.data = ...``)."""
         if not self.use_orig_params:
             return
         shard = self.flat_param.data
         for slot in self.slots:
             lo, hi = self.local_range(slot)
-            if hi > lo and slot.param.data.data_ptr() != shard[lo:hi].data_ptr():
+            data = local_tensor(slot.param)
+            if hi > lo and data.data_ptr() != shard[lo:hi].data_ptr():
                 with torch.no_grad():
-                    shard[lo:hi].copy_(slot.param.data.reshape(-1))
+                    shard[lo:hi].copy_(data.reshape(-1))
 
     # -- views -------------------------------------------------------------------------
     def unsharded_views(self) -> list[torch.Tensor]:
@@ -303,20 +313,30 @@ class FlatParamHandle:
         unsafe = unsafe_setattr_enabled()
         for slot, view in zip(self.slots, self.unsharded_views(), strict=True):
             for module, name in slot.registrations:
-                _set_tensor(module, name, view, unsafe)
+                if self.sharding is None:
+                    _set_tensor(module, name, view, unsafe)
+                else:  # the DTensor parameter stays registered ([Note: two front doors])
+                    module.__dict__[name] = view
 
     def sharded_view(self, slot: ParamSlot, tensor: torch.Tensor) -> torch.Tensor:
-        """``slot``'s piece of a shard-sized ``tensor`` (original shape when unsharded groups)."""
+        """``slot``'s piece of a shard-sized ``tensor``, in its layout's local shape."""
         lo, hi = self.local_range(slot)
-        piece = tensor[lo:hi]
-        return piece.view(slot.shape) if self.shard_size == 1 else piece
+        return tensor[lo:hi].view(self.layout.local_shape(slot.index))
+
+    def _exposed(self, slot: ParamSlot, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` as the user sees it: a DTensor under ``fully_shard``, else itself."""
+        return piece if self.sharding is None else self.layout.as_dtensor(slot.index, piece, self.sharding)
 
     def install_sharded_params(self) -> None:
         """use_orig_params: re-register the original parameters over their local pieces."""
         unsafe = unsafe_setattr_enabled()
         shard = self.flat_param.data
         for slot in self.slots:
-            slot.param.data = self.sharded_view(slot, shard)
+            piece = self.sharded_view(slot, shard)
+            if self.sharding is None:
+                slot.param.data = piece
+            else:  # the DTensor parameter's local data is its piece ([Note: two front doors])
+                slot.param._local_tensor = piece  # type: ignore[attr-defined]
             for module, name in slot.registrations:
                 _set_param(module, name, slot.param, unsafe)
 
@@ -344,14 +364,14 @@ class FlatParamHandle:
         set_grad(self.flat_param, total)
         for slot in self.slots:
             if slot.param.requires_grad:  # empty pieces too, so every rank has optimizer state
-                set_grad(slot.param, self.sharded_view(slot, total))
+                set_grad(slot.param, self._exposed(slot, self.sharded_view(slot, total)))
 
     def sharded_grad(self) -> torch.Tensor | None:
         """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""
         if not self.use_orig_params:
             return self.flat_param.grad
         grads = [
-            (s, s.param.grad)
+            (s, local_tensor(s.param.grad))
             for s in self.slots
             if s.param.grad is not None and s.param.grad.numel()
         ]

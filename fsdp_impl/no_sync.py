@@ -1,8 +1,8 @@
 """The root's ``no_sync()`` context: backwards inside it accumulate gradients without communicating.
 
 What a backward does inside it is [Note: no_sync] in :mod:`fsdp_impl.unit`; this
-module only checks where the context may be entered and flips
-``RootState.sync_gradients`` for every unit under the root.
+module only checks where the context may be entered and turns off
+``UnitControls.requires_gradient_sync`` of every unit under the root.
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ def no_sync(module: nn.Module) -> Iterator[None]:
         )
     root = state.root
     assert root is not None
-    previous, root.sync_gradients = root.sync_gradients, False
+    previous = [u.controls.requires_gradient_sync for u in root.units]
+    for u in root.units:
+        u.controls.requires_gradient_sync = False
     try:
         yield
     finally:
-        root.sync_gradients = previous
+        for u, sync in zip(root.units, previous, strict=True):
+            u.controls.requires_gradient_sync = sync

@@ -35,7 +35,8 @@ import torch.nn as nn
 
 from fsdp_impl import collectives
 from fsdp_impl.api import StateDictType, TrainingState
-from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, ParamSlot, _set_param, set_grad
+from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
+from fsdp_impl.layout import ParamSlot
 from fsdp_impl.unit_state import UnitState, unit_state, unit_states
 
 __all__ = [
@@ -56,8 +57,14 @@ def clean_fqn(name: str) -> str:
 
 
 def _managing_units(module: nn.Module) -> list[UnitState]:
-    """Every unit in ``module``'s tree that has a flat parameter."""
-    return [unit for unit in unit_states(module) if unit.handle is not None]
+    """Every unit in ``module``'s tree that has a flat parameter (the wrapper's: see below)."""
+    units = [unit for unit in unit_states(module) if unit.handle is not None]
+    if any(unit.handle is not None and unit.handle.sharding is not None for unit in units):
+        raise TypeError(
+            "summon_full_params and the wrapper's state dicts take FullyShardedDataParallel units; "
+            "fully_shard modules hold DTensors: use model.state_dict(), torch.distributed.checkpoint, full_tensor()"
+        )
+    return units
 
 
 def _state_dict_type(root: nn.Module) -> StateDictType:

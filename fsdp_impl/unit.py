@@ -1,36 +1,45 @@
 """The per-unit runtime: unshard/reshard around forward and backward, hooks, prefetch.
 
 [Note: unit lifecycle]
-Forward: the root's first forward runs lazy init (shares one :class:`RootState`
-across its units). Each unit's pre-forward checks/records the execution order,
-waits for its all-gather (issuing it unless prefetched), installs views of the
-unsharded flat parameter, and with ``forward_prefetch`` issues the next unit's
-all-gather before computing. Post-forward frees the unsharded parameter for
-FULL_SHARD / HYBRID_SHARD non-root units (or whenever no backward can follow)
-and registers a pre-backward hook on every tensor output.
+Both front doors run the same hooks (:func:`pre_forward_hook`,
+:func:`post_forward_hook`); what a user may change between iterations is in
+``UnitControls``. Forward: the root's first forward runs lazy init (shares one
+:class:`RootState` across its units). Each unit's pre-forward checks/records the
+execution order, waits for its all-gather (issuing it unless prefetched),
+installs views of the unsharded flat parameter, then issues the all-gathers it
+prefetches: the modules listed with ``set_modules_to_forward_prefetch``, else
+with ``forward_prefetch`` the next unit recorded. Post-forward reshards as
+``reshard_after_forward`` says (None, FULL_SHARD's rule: every unit but the
+root; the wrapper also whenever no backward can follow); an int keeps this
+rank's share of the gathered parameter for an all-gather over that many
+consecutive ranks in backward. It then hooks every tensor output.
 
 Backward: the first pre-backward hook queues the root's final callback; a
-unit's pre-backward hook all-gathers again if the parameter was freed (then
-prefetches the next unit for BACKWARD_PRE); the post-accumulate-grad hook on the
-unsharded leaf issues the gradient reduction asynchronously, frees the unsharded
-parameter and prefetches for BACKWARD_POST. Reductions are awaited at the latest
-in the final callback, which also reshards units whose outputs were unused and
-ends the iteration (exec order, per-iteration flags).
+unit's pre-backward hook all-gathers again if the parameter was freed, then
+prefetches (the listed modules, else the previous recorded unit for
+BACKWARD_PRE); the post-accumulate-grad hook on the unsharded leaf issues the
+gradient reduction asynchronously, frees the unsharded parameter (unless
+``reshard_after_backward`` is off) and prefetches for BACKWARD_POST. Reductions
+are awaited at the latest in the final callback, which also reshards units
+whose outputs were unused and ends the iteration (exec order, per-iteration
+flags).
 
 [Note: no_sync]
-Inside the root's ``no_sync()`` (:mod:`fsdp_impl.no_sync`; ``RootState.sync_gradients``
-is False) the post-accumulate-grad hook reduces nothing: it adds the unsharded
-gradient to ``UnitState.unsynced_grad`` and frees the parameter as the strategy
-says. The kept gradient stays on the compute device (with CPU offload too: only
-a reduced gradient is offloaded) in the dtype backward computed it in:
-``param_dtype`` under mixed precision, as torch's FSDP1 keeps it in the unsharded
-``FlatParameter.grad`` (its FSDP2 upcasts to ``reduce_dtype`` instead). The first
-backward outside the context adds the kept gradient to its own, then reduces the
-sum as usual, so the step sees the mean over ranks of every micro-batch's
-gradient. Meanwhile the exposed (sharded) gradients stay those of the last
-synchronized backward, and ``zero_grad`` does not reach the kept one; torch's FSDP1
-shows the unsharded gradient in ``.grad`` inside the context instead, and keeps a
-SHARD_GRAD_OP unit's unsharded parameter there (a memory-for-speed heuristic).
+With ``UnitControls.requires_gradient_sync`` off (every unit inside the root's
+``no_sync()``, :mod:`fsdp_impl.no_sync`; per unit with FSDP2's
+``set_requires_gradient_sync``) the post-accumulate-grad hook reduces nothing:
+it adds the unsharded gradient to ``UnitState.unsynced_grad`` and frees the
+parameter as configured. The kept gradient stays on the compute device (with CPU
+offload too: only a reduced gradient is offloaded) in the dtype backward
+computed it in: ``param_dtype`` under mixed precision, as torch's FSDP1 keeps it
+in the unsharded ``FlatParameter.grad``; ``fully_shard`` units keep it in
+``reduce_dtype`` as FSDP2 does. The first synchronizing backward adds the kept
+gradient to its own, then reduces the sum as usual, so the step sees the mean
+over ranks of every micro-batch's gradient. Meanwhile the exposed (sharded)
+gradients stay those of the last synchronized backward, and ``zero_grad`` does
+not reach the kept one; torch's FSDP1 shows the unsharded gradient in ``.grad``
+inside the context instead, and keeps a SHARD_GRAD_OP unit's unsharded parameter
+there (a memory-for-speed heuristic).
 
 Forward calls made *during* backward (activation-checkpoint recomputation) skip
 order recording, prefetch and post-forward resharding: the recomputed
@@ -51,14 +60,22 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from fsdp_impl import collectives
-from fsdp_impl.api import RESHARD_AFTER_FORWARD, BackwardPrefetch, ShardedState, TrainingState
+from fsdp_impl import collectives, precision
+from fsdp_impl.api import BackwardPrefetch, ShardedState, TrainingState
 from fsdp_impl.exec_order import ExecOrderData
 from fsdp_impl.unit_state import Reduction, RootState, UnitState, named_unit_states, unit_state
 
-__all__ = ["MAX_PREFETCHED", "lazy_init", "run_forward", "in_backward", "HOMOGENEOUS_ATTRS"]
+__all__ = [
+    "MAX_PREFETCHED",
+    "lazy_init",
+    "run_forward",
+    "pre_forward_hook",
+    "post_forward_hook",
+    "in_backward",
+    "HOMOGENEOUS_ATTRS",
+]
 
 MAX_PREFETCHED = 2
 #: Settings every unit under one root must agree on: the name torch reports -> the UnitConfig field.
@@ -124,47 +141,35 @@ def _check_ready_for_training(unit: UnitState) -> None:
 
 # -- forward ---------------------------------------------------------------------------------
 def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The unit ``module``'s forward wrapped in its pre- and post-forward logic."""
+    """The wrapper's forward: its wrapped module between the unit's pre- and post-forward."""
+    args, kwargs = pre_forward_hook(module, args, kwargs)
+    return post_forward_hook(module, args, kwargs, _state(module).module(*args, **kwargs))
+
+
+def pre_forward_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Before the unit ``module`` computes (``fully_shard`` registers it as a forward pre-hook):
+    lazy init, the root's input placement and precision, input casts, the all-gather."""
     unit = _state(module)
     if unit.root is None:
         lazy_init(module)
     state = unit.root
     assert state is not None
     if unit.is_root:
-        args, kwargs = _to_device((args, kwargs), unit.compute_device)
-        args, kwargs = _apply_precision(unit, state, (args, kwargs))
-    recompute = in_backward()
-    _pre_forward(unit, state, recompute)
-    output = unit.module(*args, **kwargs)
-    _post_forward(unit, state, output, recompute)
-    return output
+        args, kwargs = precision.to_device((args, kwargs), unit.compute_device)
+        precision.set_root_precision(unit, state)
+    args, kwargs = precision.cast_inputs(unit, (args, kwargs))
+    _pre_forward(unit, state, in_backward())
+    return args, kwargs
 
 
-def _to_device(tree: Any, device: torch.device) -> Any:
-    return tree_map(
-        lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x, tree
-    )
-
-
-def _apply_precision(root: UnitState, state: RootState, inputs: Any) -> Any:
-    """The root's forward under each unit's policy ([Note: mixed precision] in ``flat_param.py``):
-    every unit gathers in its param dtype or in full precision (eval with
-    ``use_full_prec_in_eval``), buffers take the buffer dtype or their own, and
-    floating inputs are cast to the root's param dtype."""
-    for unit in state.units:
-        if unit.handle is not None:
-            unit.handle.set_full_precision(unit.config.low_precision(unit.training) is None)
-    policy = root.config.low_precision(root.training)
-    for name, buf in root.module.named_buffers():
-        want = state.buffer_dtypes.get(name, buf.dtype)
-        if policy is not None and policy.buffer_dtype is not None and buf.is_floating_point():
-            want = policy.buffer_dtype
-        if buf.dtype != want:
-            buf.data = buf.data.to(want)
-    dtype = None if policy is None else policy.param_dtype
-    if dtype is None:
-        return inputs
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, inputs)
+def post_forward_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """After the unit ``module`` computed (``fully_shard``'s forward hook): reshard, hook the outputs."""
+    unit = _state(module)
+    assert unit.root is not None
+    _post_forward(unit, unit.root, output, in_backward())
+    return precision.cast_floating(output, unit.config.output_dtype)
 
 
 def _pre_forward(unit: UnitState, state: RootState, recompute: bool) -> None:
@@ -181,25 +186,34 @@ def _pre_forward(unit: UnitState, state: RootState, recompute: bool) -> None:
     else:
         handle.install_unsharded_views()
     handle.register_post_accumulate_hook(functools.partial(_post_backward_hook, unit))
-    if unit.config.forward_prefetch and not recompute:
-        _prefetch(state, state.exec_order.next_forward(unit), unit.config.limit_all_gathers)
+    if not recompute:
+        recorded = state.exec_order.next_forward(unit) if unit.config.forward_prefetch else None
+        _prefetch_next(unit, state, unit.controls.forward_prefetch, recorded)
 
 
 def _post_forward(unit: UnitState, state: RootState, output: Any, recompute: bool) -> None:
-    handle = unit.handle
     grad_follows = torch.is_grad_enabled()
-    if handle is not None and not recompute:
-        reshard_now = not grad_follows or (
-            not unit.is_root and unit.config.sharding_strategy in RESHARD_AFTER_FORWARD
-        )
-        if reshard_now:
-            handle.reshard()
+    if unit.handle is not None and not recompute:
+        _reshard_after_forward(unit, grad_follows)
     if grad_follows:
         hook = functools.partial(_pre_backward_hook, unit)
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(hook)
     unit.training_state = TrainingState.IDLE
+
+
+def _reshard_after_forward(unit: UnitState, grad_follows: bool) -> None:
+    """Free the unsharded parameter as ``UnitControls.reshard_after_forward`` says (None: unless
+    root), or keep a piece of it for a smaller all-gather in backward (an int)."""
+    handle, setting = unit.handle, unit.controls.reshard_after_forward
+    assert handle is not None
+    unless_root = setting is None and not unit.is_root
+    if setting is True or unless_root or (not grad_follows and unit.config.reshard_without_grad):
+        handle.reshard()
+    elif setting is not None and setting is not False:
+        assert unit.groups.post_forward_group is not None
+        handle.reshard_to(unit.groups.post_forward_group)
 
 
 def _unshard_now(unit: UnitState, state: RootState) -> None:
@@ -218,6 +232,15 @@ def _prefetch(state: RootState, target: UnitState | None, limit: bool) -> None:
         return
     target.handle.start_unshard()
     state.prefetched.append(target)
+
+
+def _prefetch_next(
+    unit: UnitState, state: RootState, explicit: list[UnitState] | None, recorded: UnitState | None
+) -> None:
+    """Issue the all-gathers the user listed for ``unit`` (FSDP2's ``set_modules_to_*_prefetch``),
+    in their order, else the one of the recorded order's neighbour (None: none)."""
+    for target in explicit if explicit is not None else [recorded]:
+        _prefetch(state, target, unit.config.limit_all_gathers)
 
 
 # -- backward --------------------------------------------------------------------------------
@@ -243,8 +266,8 @@ def _pre_backward_hook(unit: UnitState, grad: torch.Tensor) -> None:
         # Views for activation-checkpoint recomputation, which runs in backward.
         with torch.enable_grad():
             handle.install_unsharded_views()
-    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        _prefetch(state, state.exec_order.next_backward(unit), unit.config.limit_all_gathers)
+    pre = unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+    _prefetch_next(unit, state, unit.controls.backward_prefetch, state.exec_order.next_backward(unit) if pre else None)
 
 
 def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
@@ -259,17 +282,20 @@ def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
         raise RuntimeError("gradients of gradients (create_graph=True) are not supported")
     unit.training_state = TrainingState.BACKWARD_POST
     grad = _with_unsynced_grad(unit, grad)
-    if state.sync_gradients:
+    if unit.controls.requires_gradient_sync:
         _advance_reductions(state)
         state.reductions.append(_issue_reduction(unit, grad))
-    else:
-        unit.unsynced_grad = grad  # [Note: no_sync]
+    else:  # [Note: no_sync]
+        policy = unit.config.low_precision(unit.training)
+        keep_in = policy.reduce_dtype if policy is not None and unit.config.unsynced_in_reduce_dtype else None
+        unit.unsynced_grad = grad if keep_in is None else grad.to(keep_in)
     if torch._C._current_graph_task_id() != unit.backward_task and unit.ran_pre_backward:
         # A reentrant checkpoint inside this unit runs its own (nested) backward: more of
         # this unit's gradient may arrive in the outer backward, which still needs the
         # parameters. Reductions of the pieces add up; the final callback reshards.
         return
-    handle.reshard()
+    if unit.controls.reshard_after_backward:
+        handle.reshard()
     if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, state.exec_order.next_backward(unit), unit.config.limit_all_gathers)
 
@@ -288,9 +314,8 @@ def _issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:
         grad = grad.to(policy.reduce_dtype or policy.param_dtype or grad.dtype)
     if handle.shard_size > 1:
         out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        return Reduction(
-            unit, collectives.reduce_scatter(out, grad, handle.shard_group), "reduce_scatter"
-        )
+        full = handle.layout.to_rank_major(grad)  # the order reduce-scatter splits in ([Note: shard layouts])
+        return Reduction(unit, collectives.reduce_scatter(out, full, handle.shard_group), "reduce_scatter")
     return _start_all_reduce(unit, grad)
 
 
@@ -325,10 +350,13 @@ def _final_callback(state: RootState) -> None:
     """End of backward: finish reductions, reshard everything, start the next iteration."""
     _finish_reductions(state)
     for unit in state.units:
-        if unit.handle is not None and unit.handle.state is not ShardedState.SHARDED:
-            unit.handle.reshard()
-        elif unit.handle is not None and unit.handle.use_orig_params:
-            unit.handle.install_sharded_params()
+        handle = unit.handle
+        if handle is None or not unit.controls.reshard_after_backward:
+            pass
+        elif not handle.is_resharded:
+            handle.reshard()
+        elif handle.use_orig_params:
+            handle.install_sharded_params()
         unit.ran_pre_backward = False
         unit.backward_task = -1
         unit.training_state = TrainingState.IDLE

@@ -8,12 +8,14 @@ what is its state?") and read or write the state's fields. The top class builds
 the state in its constructor and exposes its public surface as properties over
 it. Imports therefore point one way:
 
-    api, collectives -> flat_param -> exec_order -> unit_state
-        -> init, wrap -> unit -> no_sync, state_dict -> construct -> fully_sharded_data_parallel
+    api, collectives -> layout -> flat_param -> exec_order -> unit_state -> precision, init, wrap
+        -> unit -> no_sync, state_dict -> construct -> fully_sharded_data_parallel, composable
 
-Settings the user gives the constructor live in :class:`UnitConfig` (frozen;
-auto-wrapped children get the same ones), groups in :class:`UnitGroups`, and
-per-iteration bookkeeping directly on :class:`UnitState`.
+Settings the user gives the constructor or ``fully_shard`` live in
+:class:`UnitConfig` (frozen; auto-wrapped children get the same ones), the ones
+FSDP2's ``set_*`` methods change between iterations in :class:`UnitControls`,
+groups in :class:`UnitGroups`, and per-iteration bookkeeping directly on
+:class:`UnitState`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fsdp_impl.flat_param import FlatParamHandle
 __all__ = [
     "STATE_ATTR",
     "UnitConfig",
+    "UnitControls",
     "UnitGroups",
     "UnitState",
     "Reduction",
@@ -65,12 +68,27 @@ class UnitConfig:
     use_orig_params: bool  # keep the original parameters registered (views of the flat shard)
     use_full_prec_in_eval: bool  # FSDP_USE_FULL_PREC_IN_EVAL=1 at construction; must agree across units
     mixed_precision: MixedPrecision | None = None  # compute/communication dtypes (see [Note: mixed precision])
+    output_dtype: torch.dtype | None = None  # fully_shard: floating forward outputs are cast to it
+    reshard_without_grad: bool = True  # the wrapper frees after a forward no backward can follow
+    unsynced_in_reduce_dtype: bool = False  # fully_shard: gradients kept unsynchronized add up in reduce_dtype
 
     def low_precision(self, training: bool) -> MixedPrecision | None:
         """The mixed-precision policy in force for a forward in this mode (None: full precision)."""
         if self.mixed_precision is None or (self.use_full_prec_in_eval and not training):
             return None
         return self.mixed_precision
+
+
+@dataclass
+class UnitControls:
+    """What a unit does around forward and backward, changeable between iterations (FSDP2's
+    ``set_*`` methods; the wrapper's ``no_sync()`` flips ``requires_gradient_sync``)."""
+
+    reshard_after_forward: bool | int | None  # None: unless root; int: to the post-forward group (UnitGroups)
+    reshard_after_backward: bool = True  # free the unsharded parameter after its gradient is reduced
+    requires_gradient_sync: bool = True  # False: backward keeps the unsharded gradient ([Note: no_sync])
+    forward_prefetch: list[UnitState] | None = None  # all-gathers issued after this unit's (None: recorded order)
+    backward_prefetch: list[UnitState] | None = None  # likewise in backward (None: BackwardPrefetch)
 
 
 @dataclass
@@ -84,6 +102,7 @@ class UnitGroups:
     shard_size: int  # ranks the flat parameter is split over (1 for NO_SHARD)
     shard_rank: int  # this rank's index in the shard group
     dp_world_size: int  # shard x replicate size: summed gradients are divided by it
+    post_forward_group: dist.ProcessGroup | None = None  # reshard_after_forward=<int>: gathered over in backward
 
     @property
     def replicate_size(self) -> int:
@@ -100,6 +119,7 @@ class UnitState:
     groups: UnitGroups
     compute_device: torch.device  # where the unsharded parameter lives and compute runs
     handle: FlatParamHandle | None  # this unit's flat parameter; None when it manages no parameter
+    controls: UnitControls
     is_root: bool | None = None  # set by lazy init at the first forward: no unit above it
     root: RootState | None = None  # shared with every unit under the same root, set by lazy init
     fqn_prefix: str = ""  # the unit's name under its root plus ".", for messages naming parameters
@@ -134,7 +154,6 @@ class RootState:
     reductions: list[Reduction] = field(default_factory=list)
     prefetched: list[UnitState] = field(default_factory=list)  # all-gathers issued ahead of use
     callback_queued: bool = False  # the end-of-backward callback is queued for this backward
-    sync_gradients: bool = True  # False inside the root's no_sync(): backward keeps, never reduces
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # the root's buffers as built
 
 

@@ -23,12 +23,16 @@ class Block(nn.Module):
 
 
 class OddModel(nn.Module):
-    """Blocks of 17, 60 and 257 elements plus a root-owned head (68 elements)."""
+    """Blocks of 17, 60 and 257 elements plus a root-owned head (68 elements).
 
-    def __init__(self, seed: int = 0) -> None:
+    ``b2_extra``: the middle block's ``scale`` elements (0: an empty parameter,
+    which torch 2.13's ``fully_shard`` cannot reduce: ``_chunk_cat expects non-empty tensor``).
+    """
+
+    def __init__(self, seed: int = 0, b2_extra: int = 0) -> None:
         super().__init__()
         self.b1 = Block(4, 3, 2)
-        self.b2 = Block(3, 15, 0)
+        self.b2 = Block(3, 15, b2_extra)
         self.b3 = Block(15, 16, 1)
         self.head = nn.Linear(16, 4)
         seeded_init_(self, seed)

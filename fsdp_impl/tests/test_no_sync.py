@@ -56,12 +56,12 @@ def _errors_body(rank: int) -> None:
         "but current state is TrainingState."
     assert caught == [f"{expected}FORWARD", f"{expected}BACKWARD_PRE (inside a backward)",
                       f"{expected}IDLE (inside a backward)"], caught
-    root = unit_state(fsdp).root  # type: ignore[union-attr]
+    units = unit_state(fsdp).root.units  # type: ignore[union-attr]
     with fsdp.no_sync():
         with fsdp.no_sync():
             pass
-        assert not root.sync_gradients, "leaving a nested no_sync() re-enabled gradient sync"
-    assert root.sync_gradients, "leaving no_sync() did not re-enable gradient sync"
+        assert not any(u.controls.requires_gradient_sync for u in units), "leaving a nested no_sync() re-enabled sync"
+    assert all(u.controls.requires_gradient_sync for u in units), "leaving no_sync() did not re-enable gradient sync"
 
 
 @pytest.mark.ranks(world_size=2, modes=("thread",))
