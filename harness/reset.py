@@ -22,6 +22,9 @@ two-rank cases that each create one group, that was 26 failures in 1,731 runs
 on a 2-core box, and none with a barrier between creating and destroying. So
 after a case that returned normally on this rank and created groups, the
 ranks meet at a barrier on the default group before the reset destroys them.
+"Created groups" is read from c10d's group counter, which every rank's
+``new_group`` call advances, member or not: a rank outside ``new_group([0, 1])``
+gets no group in its map, yet ranks 0 and 1 wait for it at the barrier.
 A rank whose case raised skips it; a peer left waiting there is counted as
 aborted, as one blocked in a collective is (the pool is replaced after a
 failure anyway).
@@ -121,11 +124,12 @@ _MISSING = object()
 def case_scope(seed: int, env: Mapping[str, str] | None) -> Iterator[None]:
     """Everything :func:`process_global_scope` restores, plus seeds and new process groups."""
     before = set(c10d._world.pg_map)
+    groups_made = c10d._world.group_count
     seed_everything(seed)
     with process_global_scope(env):
         try:
             yield
-            if set(c10d._world.pg_map) - before:
+            if c10d._world.group_count != groups_made:
                 dist.barrier()  # see [Note: groups outlive their handshake]
         finally:
             clear_mesh_keyed_caches()

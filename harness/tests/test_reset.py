@@ -84,3 +84,17 @@ def test_a_group_made_just_before_the_case_ends_is_never_torn_down_mid_handshake
         except harness.RankFailure as exc:
             failures.append(f"run {i}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures[:5])
+
+
+def _group_of_two_in_four(ctx: harness.RankContext) -> int:
+    """Ranks 2 and 3 take part in ``new_group`` but get no group of their own."""
+    group = ctx.new_group([0, 1])
+    return dist.get_world_size(group) if ctx.rank < 2 else 0
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_group_some_ranks_are_not_in_still_ends_the_case(mode: str) -> None:
+    # Negative control (process ranks): with the barrier keyed on each rank's own group map, ranks 0 and 1
+    # waited at the barrier for ranks 2 and 3, which skipped it, until the timeout.
+    assert harness.run(_group_of_two_in_four, world_size=4, mode=mode, timeout_s=60) == [2, 2, 0, 0]
+    assert harness.run(_group_of_two_in_four, world_size=4, mode=mode, timeout_s=60) == [2, 2, 0, 0]
