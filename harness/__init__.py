@@ -21,12 +21,13 @@ from harness.errors import (
     RankRaised,
     RankTimedOut,
 )
+from harness.rank_mode import RankMode
 from harness.recorder import Call, Trace, patch_collectives
-from harness.runner import MODES, run, shutdown_pools
+from harness.runner import run, shutdown_pools
 
 __all__ = [
     "run",
-    "MODES",
+    "RankMode",
     "RankContext",
     "RankFailure",
     "RankRaised",

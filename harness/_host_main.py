@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import IO, Any
 
 from harness._rank_main import Task, apply_placement, prepare_child, resolve_fn
+from harness.rank_mode import RankMode
 
 __all__ = ["HostSetup", "ThreadTask", "host_main"]
 
@@ -107,7 +108,7 @@ def _send(conn: Connection, reply: tuple[str, Any], world_size: int) -> None:
         from harness.errors import RankError, make_failure
 
         error = RankError(0, "raised", f"TypeError: the thread ranks returned a value that does not pickle: {exc}")
-        conn.send(("failure", make_failure([error], world_size=world_size, mode="thread")))
+        conn.send(("failure", make_failure([error], world_size=world_size, mode=RankMode.THREAD)))
 
 
 def host_main(setup: HostSetup, conn: Connection) -> None:

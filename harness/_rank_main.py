@@ -19,6 +19,7 @@ from typing import Any
 
 from harness._rank_state import mark_rank_process
 from harness.devices import hide_cuda, process_backend, rank_device
+from harness.rank_mode import RankMode
 
 __all__ = ["Task", "RankSetup", "rank_main", "resolve_fn", "prepare_child", "apply_placement"]
 
@@ -123,7 +124,7 @@ def _run(setup: RankSetup, device: Any, task: Task) -> Any:
         local_world_size=setup.world_size,
         device=device,
         backend=process_backend(setup.placement),
-        mode="process",
+        mode=RankMode.PROCESS,
         seed=task.seed,
     )
     try:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import harness.warnings_capture as warnings_capture
+from harness.rank_mode import RankMode
 
 __all__ = ["RankContext"]
 
@@ -35,7 +36,7 @@ class RankContext:
     local_world_size: int
     device: torch.device
     backend: str
-    mode: str
+    mode: RankMode
     seed: int
 
     @property

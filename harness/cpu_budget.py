@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from harness.settings import resolve, whole_number
+
 __all__ = ["available_cores", "concurrent_workers", "intra_op_threads", "WORKERS_ENV"]
 
 #: Set this to the number of suites sharing the machine's cores (read by :func:`concurrent_workers`).
@@ -39,17 +41,8 @@ def available_cores() -> int:
 def concurrent_workers(environ: Mapping[str, str] | None = None) -> int:
     """Concurrent runners sharing the cores, from the environment (see the module docstring)."""
     env = os.environ if environ is None else environ
-    for name in (WORKERS_ENV, _XDIST_ENV):
-        value = env.get(name)
-        if value:
-            try:
-                workers = int(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r}: expected a positive integer") from None
-            if workers < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
-            return workers
-    return 1
+    return resolve("concurrent workers", [(name, env.get(name)) for name in (WORKERS_ENV, _XDIST_ENV)],
+                   whole_number(1), 1).value
 
 
 def intra_op_threads(world_size: int, *, workers: int | None = None, cores: int | None = None) -> int:

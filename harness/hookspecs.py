@@ -32,3 +32,14 @@ def pytest_ranks_placement(item: pytest.Item) -> str | None:
     that plans placements (the conformance suite, from its device setting)
     answers for its own items ([Note: placements] in :mod:`harness.devices`).
     """
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_ranks_timeout(item: pytest.Item) -> float | None:
+    """Seconds a ``ranks`` test's ranks may take before the harness stops them as hung.
+
+    Asked at collection (pytest-timeout guards the parent with it plus the pool's
+    start-up margin) and when the body runs; the first non-``None`` answer wins,
+    else the marker's ``timeout_s``. A plugin whose settings decide a timeout
+    (the conformance suite) answers for its own items.
+    """

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from harness.context import RankContext
 from harness.devices import process_backend, rank_device, visible_gpus
 from harness.outcome import Outcome, capture, resolve
+from harness.rank_mode import RankMode
 from harness.reset import case_scope
 
 __all__ = ["run_launched", "job_env", "job_backend", "ENV_VARS"]
@@ -47,7 +48,7 @@ def job_env() -> dict[str, int]:
     if missing:
         raise RuntimeError(
             f"launched mode needs {', '.join(ENV_VARS)} in the environment (missing {missing}); "
-            "start the suite with torchrun, e.g. torchrun --nproc-per-node=2 -m conformance run --launcher torchrun"
+            "start the suite with torchrun, e.g. torchrun --nproc-per-node=2 -m conformance run --rank-mode launched"
         )
     env = {name: int(os.environ[name]) for name in ENV_VARS}
     env["LOCAL_WORLD_SIZE"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
@@ -86,7 +87,7 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
     device = _device(placement, job["LOCAL_RANK"], gpus)
     ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
                       local_world_size=job["LOCAL_WORLD_SIZE"], device=device,
-                      backend=dist.get_backend(), mode="launched", seed=seed)
+                      backend=dist.get_backend(), mode=RankMode.LAUNCHED, seed=seed)
     try:
         with case_scope(seed, env):
             outcome = Outcome(rank=ctx.rank, ok=True, value=fn(ctx, *args, **kwargs))
@@ -94,4 +95,4 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
         outcome = capture(ctx.rank, exc)
     outcomes: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(outcomes, outcome, group=control)
-    return resolve(outcomes, world_size=ctx.world_size, mode="launched")
+    return resolve(outcomes, world_size=ctx.world_size, mode=RankMode.LAUNCHED)

@@ -27,10 +27,12 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from harness import settings
 from harness._rank_main import RankSetup, Task, rank_main
 from harness.cpu_budget import intra_op_threads
 from harness.errors import RankError, make_failure
 from harness.outcome import Outcome, resolve
+from harness.rank_mode import RankMode
 
 __all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text",
            "FAILURE_GRACE_S"]
@@ -47,9 +49,9 @@ FAILURE_GRACE_S = 0.5
 # parent) without paying torch's import on every start, which matters because
 # a pool is replaced after every failure. FSDP_HARNESS_START_METHOD=spawn
 # selects plain spawn.
-START_METHOD = os.environ.get("FSDP_HARNESS_START_METHOD", "forkserver")
-if START_METHOD not in ("forkserver", "spawn"):
-    raise ValueError(f"FSDP_HARNESS_START_METHOD must be forkserver or spawn, got {START_METHOD!r}")
+START_METHOD_ENV = "FSDP_HARNESS_START_METHOD"
+START_METHOD = settings.resolve("start method", [(START_METHOD_ENV, os.environ.get(START_METHOD_ENV))],
+                                settings.choice(("forkserver", "spawn")), "forkserver").value
 
 #: What the forkserver imports once; none of it may probe CUDA (a ``cpu`` placement hides it later).
 #: ``torch._dynamo`` is imported by the first optimizer a rank builds (seconds per process otherwise).
@@ -105,7 +107,7 @@ class ProcessPool:
         arrivals, pending = self._collect(timeout_s)
         outcomes = [a for a in arrivals if isinstance(a, Outcome)]
         if not pending and len(outcomes) == self.world_size:
-            return resolve(outcomes, world_size=self.world_size, mode="process")
+            return resolve(outcomes, world_size=self.world_size, mode=RankMode.PROCESS)
         errors = [_as_error(a) for a in arrivals if not (isinstance(a, Outcome) and a.ok)]
         culprits = [e for e in errors if e.kind in ("raised", "died")]
         stacks = self._dump_stacks(pending)
@@ -115,7 +117,7 @@ class ProcessPool:
                 errors.append(RankError(rank, "aborted", summary, stack=stacks[rank]))
             else:
                 errors.append(RankError(rank, "timed_out", f"no result after {timeout_s:g} s", stack=stacks[rank]))
-        raise make_failure(_primary_first(errors), world_size=self.world_size, mode="process")
+        raise make_failure(_primary_first(errors), world_size=self.world_size, mode=RankMode.PROCESS)
 
     def _collect(self, timeout_s: float) -> tuple[list[Outcome | RankError], set[int]]:
         """Results in arrival order (deaths before results seen in the same wakeup)."""

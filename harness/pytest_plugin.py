@@ -14,13 +14,14 @@ a skip. Plugins receive every rank's return value through the
 under the placement the ``pytest_ranks_placement`` hook answers, else the
 marker's ``placement`` (default ``cpu``).
 
-Rank-mode selection, stated once: the marker's ``modes`` bound what a test
-*can* run under; within that, the command line ``--rank-mode`` wins over the
-``FSDP_RANK_MODE`` environment variable, which wins over the ``rank_mode``
-ini option (default ``both``). ``--launcher torchrun`` replaces the modes with
-``launched`` (this process is one rank of a torchrun job). pytest-timeout
-guards the parent: a marked test without its own ``timeout`` mark gets
-``timeout_s`` plus :data:`POOL_START_MARGIN_S`.
+The rank modes are selected once per session ([Note: rank modes] in
+:mod:`harness.rank_mode`) and kept in the config (:func:`rank_mode_setting`,
+:func:`selected_modes`); ``--launcher torchrun`` is a deprecated spelling of
+``--rank-mode launched``. A test is parametrized over the selected modes it
+declares; when it declares none of them, over the selected ones, each
+skipped with the reason (the conformance plugin reports those rows n/a).
+pytest-timeout guards the parent: a marked test without its own ``timeout``
+mark gets ``timeout_s`` plus :data:`POOL_START_MARGIN_S`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from typing import Any
 
 import pytest
 
-from harness.settings import SettingError, modes_of, resolve_rank_mode
+from harness.rank_mode import SELECTIONS, SPAWNED, RankMode, excluded_reason, modes_of, resolve_selection
+from harness.settings import Resolved, SettingError
 
-__all__ = ["POOL_START_MARGIN_S", "selected_modes"]
+__all__ = ["POOL_START_MARGIN_S", "rank_mode_setting", "ranks_timeout", "selected_modes"]
 
 POOL_START_MARGIN_S = 120.0
+_RANK_MODE_KEY = pytest.StashKey[Resolved[str]]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -45,13 +48,11 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-harness")
-    group.addoption("--rank-mode", default=None, help="process, thread or both (default: both)")
-    group.addoption(
-        "--launcher",
-        default="spawn",
-        choices=("spawn", "torchrun"),
-        help="spawn: the harness starts ranks; torchrun: this process is one rank of a launched job",
-    )
+    group.addoption("--rank-mode", default=None, metavar="|".join(SELECTIONS),
+                    help="process or thread ranks, both (process then thread), or launched (this process is one "
+                    "rank of a job torchrun started). Default: $FSDP_RANK_MODE or both.")
+    group.addoption("--launcher", default=None, choices=("spawn", "torchrun"),
+                    help="deprecated: --launcher torchrun is --rank-mode launched")
     parser.addini("rank_mode", "default rank mode for @pytest.mark.ranks tests", default="both")
 
 
@@ -61,22 +62,31 @@ def pytest_configure(config: pytest.Config) -> None:
         "ranks(world_size=2, modes=('process', 'thread'), timeout_s=60, isolated=False, placement='cpu', "
         "env=None): run the test body on world_size ranks (first parameter: ctx)",
     )
-    selected_modes(config)  # validate early, with the source of a bad value
+    config.addinivalue_line(
+        "markers", "rank_mode_excluded(reason): the row's rank mode is not one its test declares (added by the harness)"
+    )
+    rank_mode_setting(config)  # resolved once, early: a bad value is a usage error naming its source
 
 
-def selected_modes(config: pytest.Config) -> tuple[str, ...]:
-    """The rank modes chosen for this session (see the module docstring for precedence)."""
-    if config.getoption("--launcher") == "torchrun":
-        return ("launched",)
-    try:
-        chosen = resolve_rank_mode(
-            cli=config.getoption("--rank-mode"),
-            env=os.environ.get("FSDP_RANK_MODE"),
-            ini=config.getini("rank_mode"),
-        )
-    except SettingError as exc:
-        raise pytest.UsageError(str(exc)) from exc
-    return modes_of(chosen.value)
+def rank_mode_setting(config: pytest.Config) -> Resolved[str]:
+    """This session's rank-mode selection and its source, resolved on first use and kept in the config."""
+    if _RANK_MODE_KEY not in config.stash:
+        cli, flag = config.getoption("--rank-mode"), "--rank-mode"
+        if config.getoption("--launcher") == "torchrun":
+            if cli not in (None, RankMode.LAUNCHED.value):
+                raise pytest.UsageError(f"--launcher torchrun (that is, --rank-mode launched) with --rank-mode {cli}")
+            cli, flag = RankMode.LAUNCHED.value, "--launcher torchrun"
+        try:
+            config.stash[_RANK_MODE_KEY] = resolve_selection(
+                cli=cli, env=os.environ.get("FSDP_RANK_MODE"), ini=config.getini("rank_mode"), cli_flag=flag)
+        except SettingError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+    return config.stash[_RANK_MODE_KEY]
+
+
+def selected_modes(config: pytest.Config) -> tuple[RankMode, ...]:
+    """The rank modes this session runs, in order ([Note: rank modes])."""
+    return modes_of(rank_mode_setting(config).value)
 
 
 class _CtxPlaceholder:
@@ -93,8 +103,8 @@ def ctx() -> Any:
 
 
 @pytest.fixture
-def rank_mode(request: pytest.FixtureRequest) -> str:
-    return str(getattr(request, "param", "process"))
+def rank_mode(request: pytest.FixtureRequest) -> RankMode:
+    return RankMode(getattr(request, "param", RankMode.PROCESS))
 
 
 def _marker_kwargs(marker: pytest.Mark) -> dict[str, Any]:
@@ -104,7 +114,7 @@ def _marker_kwargs(marker: pytest.Mark) -> dict[str, Any]:
         raise pytest.UsageError(f"@pytest.mark.ranks takes keywords {sorted(allowed)}; got {marker}")
     return {
         "world_size": marker.kwargs.get("world_size", 2),
-        "modes": tuple(marker.kwargs.get("modes", ("process", "thread"))),
+        "modes": tuple(RankMode(m) for m in marker.kwargs.get("modes", SPAWNED)),
         "timeout_s": float(marker.kwargs.get("timeout_s", 60.0)),
         "isolated": bool(marker.kwargs.get("isolated", False)),
         "placement": marker.kwargs.get("placement", "cpu"),
@@ -120,17 +130,33 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         raise pytest.UsageError(f"{metafunc.definition.nodeid}: a ranks test's first parameter must be ctx")
     declared = _marker_kwargs(marker)["modes"]
     chosen = selected_modes(metafunc.config)
-    modes = ["launched"] if chosen == ("launched",) else [m for m in declared if m in chosen]
+    runnable = [m for m in chosen if excluded_reason(m, declared) is None]
+    params = [pytest.param(m, id=str(m), marks=() if runnable else pytest.mark.rank_mode_excluded(
+        excluded_reason(m, declared))) for m in (runnable or chosen)]
     if "rank_mode" not in metafunc.fixturenames:
         metafunc.fixturenames.append("rank_mode")
-    metafunc.parametrize("rank_mode", modes, ids=modes, indirect=True)
+    metafunc.parametrize("rank_mode", params, indirect=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A row whose declared modes the selection excludes is skipped with the reason (plugins may say more)."""
+    excluded = item.get_closest_marker("rank_mode_excluded")
+    if excluded is not None:
+        pytest.skip(excluded.args[0])
+
+
+def ranks_timeout(item: pytest.Item) -> float:
+    """The seconds a ``ranks`` test's ranks may take (:func:`harness.hookspecs.pytest_ranks_timeout`)."""
+    answer = item.ihook.pytest_ranks_timeout(item=item)
+    marker = item.get_closest_marker("ranks")
+    return float(answer) if answer is not None else _marker_kwargs(marker)["timeout_s"] if marker else 60.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        marker = item.get_closest_marker("ranks")
-        if marker is not None and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(_marker_kwargs(marker)["timeout_s"] + POOL_START_MARGIN_S))
+        if item.get_closest_marker("ranks") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(ranks_timeout(item) + POOL_START_MARGIN_S))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -146,9 +172,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     values = harness.run(
         pyfuncitem.obj,
         world_size=options["world_size"],
-        mode=str(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),
+        mode=RankMode(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),
         placement=pyfuncitem.ihook.pytest_ranks_placement(item=pyfuncitem) or options["placement"],
-        timeout_s=options["timeout_s"],
+        timeout_s=ranks_timeout(pyfuncitem),
         kwargs=kwargs,
         isolated=options["isolated"],
         env=options["env"],

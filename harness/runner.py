@@ -14,13 +14,12 @@ from harness._rank_main import Task
 from harness._rank_state import is_rank_process
 from harness.cpu_budget import intra_op_threads
 from harness.devices import PLACEMENTS, check_placement, nccl_available, visible_gpus
+from harness.rank_mode import RankMode
 
-__all__ = ["run", "MODES", "shutdown_pools"]
-
-MODES = ("process", "thread", "launched")
+__all__ = ["run", "shutdown_pools"]
 
 
-def _fn_ref(fn: Callable[..., Any], mode: str) -> tuple[str, str]:
+def _fn_ref(fn: Callable[..., Any], mode: RankMode) -> tuple[str, str]:
     """``(module, qualname)`` a rank process or thread host imports ``fn`` by; a clear error if it cannot."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or "<locals>" in qualname or "<lambda>" in qualname:
@@ -39,7 +38,7 @@ def _fn_ref(fn: Callable[..., Any], mode: str) -> tuple[str, str]:
     return module, qualname
 
 
-def _check_picklable(what: str, value: Any, mode: str) -> None:
+def _check_picklable(what: str, value: Any, mode: RankMode) -> None:
     try:
         pickle.dumps(value)
     except Exception as exc:
@@ -50,7 +49,7 @@ def run(
     fn: Callable[..., Any],
     *,
     world_size: int,
-    mode: str = "process",
+    mode: RankMode | str = RankMode.PROCESS,
     placement: str = "cpu",
     timeout_s: float = 60.0,
     args: tuple[Any, ...] = (),
@@ -69,15 +68,15 @@ def run(
     rejected before anything starts.
     """
     kwargs = dict(kwargs or {})
-    _check_arguments(world_size, mode, placement, timeout_s)
-    if mode == "launched":
+    mode = _check_arguments(world_size, mode, placement, timeout_s)
+    if mode is RankMode.LAUNCHED:
         return launched.run_launched(fn, world_size=world_size, timeout_s=timeout_s, args=args,
                                      kwargs=kwargs, seed=seed, env=env, placement=placement)
     gpus = visible_gpus() if placement != "cpu" else 0
     check_placement(placement, world_size, gpus, nccl_available())
     task = Task(fn_ref=_fn_ref(fn, mode), args=tuple(args), kwargs=kwargs, seed=seed, env=dict(env or {}))
     _check_picklable("the arguments", (task.args, task.kwargs), mode)
-    if mode == "thread":
+    if mode is RankMode.THREAD:
         job = ThreadTask(task=task, world_size=world_size, timeout_s=timeout_s,
                          intra_op_threads=intra_op_threads(world_size))
         return thread_host.run_in_host(job, placement, gpus)
@@ -93,17 +92,21 @@ def run(
     return result
 
 
-def _check_arguments(world_size: int, mode: str, placement: str, timeout_s: float) -> None:
+def _check_arguments(world_size: int, mode: RankMode | str, placement: str, timeout_s: float) -> RankMode:
+    """The rank mode ``mode`` names; ValueError naming a bad argument."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    try:
+        rank_mode = RankMode(mode)
+    except ValueError:
+        raise ValueError(f"mode must be one of {', '.join(m.value for m in RankMode)}, got {mode!r}") from None
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     if is_rank_process():
         raise RuntimeError("harness.run called from inside a rank; nested runs are not supported")
+    return rank_mode
 
 
 def shutdown_pools() -> None:

@@ -3,9 +3,10 @@
 Precedence, stated once for the whole project: a pytest marker on the test >
 the command line > an environment variable > an ini option > the default.
 :func:`resolve` applies it to one setting; a value that does not parse is a
-:class:`SettingError` naming the source and the value. The harness resolves
-the rank mode here; the conformance suite builds its settings on the same
-function (``conformance.runner.settings``).
+:class:`SettingError` naming the source and the value. :func:`choice` and
+:func:`whole_number` are the parsers every setting uses. The rank mode is
+resolved with them in :mod:`harness.rank_mode`; the conformance runner builds
+its settings on the same functions (``conformance.runner.settings``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["RANK_MODE_ENV", "RANK_MODES", "Resolved", "SettingError", "modes_of", "resolve", "resolve_rank_mode"]
+__all__ = ["Resolved", "SettingError", "choice", "resolve", "whole_number", "word_or_whole_number"]
 
 T = TypeVar("T")
-
-RANK_MODE_ENV = "FSDP_RANK_MODE"
-#: Rank-mode choices; ``both`` means process then thread.
-RANK_MODES = ("process", "thread", "both")
 
 
 class SettingError(ValueError):
@@ -61,24 +58,43 @@ def resolve(
     return Resolved(name, default, "default")
 
 
-def _parse_rank_mode(raw: Any) -> str:
-    value = str(raw).strip()
-    if value not in RANK_MODES:
-        raise ValueError(f"expected one of {', '.join(RANK_MODES)}")
-    return value
+def choice(choices: Sequence[str]) -> Callable[[Any], str]:
+    """A parser accepting exactly one of ``choices`` (surrounding spaces ignored)."""
+
+    def parse(raw: Any) -> str:
+        value = str(raw).strip()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+
+    return parse
 
 
-def resolve_rank_mode(*, cli: str | None, env: str | None, ini: str | None = None,
-                      cli_flag: str = "--rank-mode") -> Resolved[str]:
-    """The rank mode: ``cli_flag`` > :data:`RANK_MODE_ENV` > ini ``rank_mode`` > ``both``."""
-    return resolve(
-        "rank mode",
-        [(cli_flag, cli), (RANK_MODE_ENV, env), ("ini rank_mode", ini)],
-        _parse_rank_mode,
-        "both",
-    )
+def whole_number(minimum: int) -> Callable[[Any], int]:
+    """A parser accepting a whole number >= ``minimum``."""
+
+    def parse(raw: Any) -> int:
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"expected a whole number >= {minimum}") from None
+        if value < minimum:
+            raise ValueError(f"expected a whole number >= {minimum}")
+        return value
+
+    return parse
 
 
-def modes_of(rank_mode: str) -> tuple[str, ...]:
-    """The rank modes a rank-mode choice runs, in order."""
-    return ("process", "thread") if rank_mode == "both" else (rank_mode,)
+def word_or_whole_number(words: Sequence[str], minimum: int) -> Callable[[Any], int | str]:
+    """A parser accepting one of ``words`` (e.g. ``auto``) or a whole number >= ``minimum``."""
+    number = whole_number(minimum)
+
+    def parse(raw: Any) -> int | str:
+        if str(raw).strip() in words:
+            return str(raw).strip()
+        try:
+            return number(raw)
+        except ValueError:
+            raise ValueError(f"expected {' or '.join(words)} or a whole number >= {minimum}") from None
+
+    return parse

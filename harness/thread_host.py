@@ -34,6 +34,7 @@ from harness._host_main import HostSetup, ThreadTask, host_main
 from harness.errors import RankError, make_failure
 from harness.outcome import skip_exception
 from harness.process import mp_context, read_text
+from harness.rank_mode import RankMode
 from harness.threads import STOP_GRACE_S
 
 __all__ = ["ThreadHost", "run_in_host", "shutdown_hosts", "HOST_MARGIN_S"]
@@ -104,7 +105,7 @@ class ThreadHost:
                             detected_at=detected_at)]
         errors += [RankError(r, "aborted", f"its thread host died with rank {culprit}")
                    for r in range(world_size) if r != culprit]
-        return make_failure(errors, world_size=world_size, mode="thread")
+        return make_failure(errors, world_size=world_size, mode=RankMode.THREAD)
 
     def _unresponsive(self, world_size: int, limit: float) -> BaseException:
         try:
@@ -115,7 +116,7 @@ class ThreadHost:
         stack = read_text(self._path("stack")) or "(no stack: the host did not respond)"
         errors = [RankError(r, "timed_out", f"the thread host (pid {self.proc.pid}) gave no result after "
                             f"{limit:g} s", stack=stack if r == 0 else "") for r in range(world_size)]
-        return make_failure(errors, world_size=world_size, mode="thread")
+        return make_failure(errors, world_size=world_size, mode=RankMode.THREAD)
 
     def close(self, *, graceful: bool = True) -> None:
         if self.closed:

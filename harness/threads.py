@@ -34,6 +34,7 @@ from harness.context import RankContext
 from harness.devices import rank_device
 from harness.errors import RankError, make_failure
 from harness.outcome import Outcome, capture, resolve
+from harness.rank_mode import RankMode
 from harness.reset import process_global_scope, seed_everything
 
 __all__ = ["ThreadRun", "run_threads", "STOP_GRACE_S"]
@@ -78,7 +79,7 @@ def _rank_body(run: ThreadRun, rank: int, store: Any, out: dict[int, Outcome]) -
             torch.cuda.set_device(device)  # the current device is per thread
         dist.init_process_group(tl.BACKEND, rank=rank, world_size=world_size, store=store)
         ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
-                          device=device, backend=tl.BACKEND, mode="thread", seed=seed)
+                          device=device, backend=tl.BACKEND, mode=RankMode.THREAD, seed=seed)
         out[rank] = Outcome(rank=rank, ok=True, value=run.fn(ctx, *run.args, **run.kwargs))
     except BaseException as exc:  # noqa: BLE001 - reported to the caller
         aborted = tl.is_abort(exc)
@@ -120,8 +121,8 @@ def _run_locked(run: ThreadRun) -> list[Any]:
             t.join(max(0.0, deadline - time.monotonic()))
         late = [r for r, t in enumerate(threads) if t.is_alive()]
         if late:
-            raise make_failure(_stop(threads, late, timeout_s, out), world_size=world_size, mode="thread")
-        return resolve(list(out.values()), world_size=world_size, mode="thread")
+            raise make_failure(_stop(threads, late, timeout_s, out), world_size=world_size, mode=RankMode.THREAD)
+        return resolve(list(out.values()), world_size=world_size, mode=RankMode.THREAD)
     finally:
         tl.uninstall()
         tl.reset()

@@ -1,8 +1,8 @@
 """fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.cases.fuzz`).
 
-Each row draws ``FSDP_FUZZ_EXAMPLES`` examples (default: 12, 15 and 3 for
-world sizes 1, 2 and 4; a nightly run raises it) from ``FSDP_FUZZ_SEED``
-(default 0), runs each on the
+Each row draws ``--fuzz-examples`` (``FSDP_FUZZ_EXAMPLES``) examples (default:
+12, 15 and 3 for world sizes 1, 2 and 4; a nightly run raises it) from
+``--fuzz-seed`` (``FSDP_FUZZ_SEED``, default 0), runs each on the
 implementation and on a local baseline, and on a mismatch fails with the
 shrunk example printed as a ready-to-paste case. Paste reproducers below the
 rows; they run against every implementation like any case (one with a
@@ -25,20 +25,20 @@ from conformance.cases.fuzz.example import Block, Example, ModelSpec, Policy
 from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import run_example
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case
+from conformance.contract.case import CaseSettings, case
 from conformance.contract.results import CaseReport
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-SETTINGS = FuzzSettings.from_env()
-#: Pool start and three world sizes' worth of examples, each well under a second; shrinking a failure
-#: runs a few hundred more.
-TIMEOUT_S = 120.0 + 3.0 * SETTINGS.budget(2)
+def _timeout_s(settings: CaseSettings) -> float:
+    """Pool start and three world sizes' worth of examples, each well under a second; shrinking a
+    failure runs a few hundred more."""
+    return 120.0 + 3.0 * FuzzSettings.of(settings).budget(2)
 
 
-def _parity(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
-    config = FuzzSettings.from_env()
+def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
+    config = FuzzSettings.of(settings)
     result = fuzz(ctx, impl, config)
     if result.failing is not None:
         raise AssertionError(
@@ -53,22 +53,22 @@ def _parity(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     )
 
 
-@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
-def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
+@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s)
+def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random models, wrap plans and training loops on one rank match the local model."""
-    return _parity(ctx, impl)
+    return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
-def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
+@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s)
+def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on two ranks (uneven shards for odd widths)."""
-    return _parity(ctx, impl)
+    return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=TIMEOUT_S, env=SETTINGS.env())
-def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
+@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s)
+def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
-    return _parity(ctx, impl)
+    return _parity(ctx, impl, case_settings)
 
 
 # -- reproducers the fuzzer found ---------------------------------------------------------------

@@ -13,7 +13,7 @@ inside the buffer; the ratios are the seed's. Bounds:
 - forward <= comm + 3 * compute + buffer (only the first all-gather is exposed);
 - forward + backward <= that + 2 * comm + 6 * compute + 2 * buffer.
 
-Forward+backward passes are timed ``timing_repeats`` times (``--timing-repeats``), the forward's
+Forward+backward passes are timed ``case_settings.timing_repeats`` times (``--timing-repeats``), the forward's
 time taken inside each, after a warm-up step (which also records the order prefetching follows,
 and computes without sleeping: it is not timed); the medians are compared. The negative control
 times forward-only passes. Every
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case, distinct_gpus, not_applicable
+from conformance.contract.case import CaseSettings, case, distinct_gpus, not_applicable
 from conformance.contract.optional import PostOptimEventUnsupported, set_post_optim_event
 from conformance.contract.results import CaseReport
 from fixtures.timing import (
@@ -50,10 +50,10 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 @case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300, timing=True)
-def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
+def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     # Process ranks only: thread ranks share one GIL-bound process and the worker
     # thread cannot resolve a thread rank's process group ([Note: communication worker]).
-    fwd_ms, fwd_bwd_ms, trace = measure_overlap(ctx, impl, prefetch=True, repeats=timing_repeats)
+    fwd_ms, fwd_bwd_ms, trace = measure_overlap(ctx, impl, prefetch=True, repeats=case_settings.timing_repeats)
     assert fwd_bwd_ms is not None
     summary = overlap_summary(fwd_ms, fwd_bwd_ms)
     late = "\n".join(trace.splitlines()[-12:])
@@ -71,14 +71,14 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, timing_repeats: i
     timing=True,
     requires=[Capability.FORWARD_PREFETCH, Capability.BACKWARD_PREFETCH],
 )
-def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, timing_repeats: int) -> CaseReport:
+def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Negative control: with prefetching off, the same model must exceed the forward bound.
 
     Only the forward is timed: that is the bound this control proves can fail. That the
     forward+backward bound can fail is proven by ``mutant-no-backward-prefetch``, which keeps
     forward prefetch and must fail ``overlap/training_overlap`` (conformance/selftest/mutants/runtime.py).
     """
-    fwd_ms, _, _ = measure_overlap(ctx, impl, prefetch=False, repeats=timing_repeats, backward=False)
+    fwd_ms, _, _ = measure_overlap(ctx, impl, prefetch=False, repeats=case_settings.timing_repeats, backward=False)
     summary = overlap_summary(fwd_ms, None)
     assert fwd_ms > FWD_BOUND_MS, f"rank {ctx.rank}: the forward bound cannot fail, it is too loose: {summary}"
     return CaseReport(reason=f"without prefetch: {summary}", metrics={"forward_ms": fwd_ms})

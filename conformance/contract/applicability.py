@@ -12,22 +12,22 @@ from typing import Any
 
 from conformance.contract.case import CaseSpec
 from conformance.contract.optional import capabilities_of
+from harness.rank_mode import RankMode, excluded_reason
 
-__all__ = ["RANK_MODES", "not_applicable_reason"]
-
-#: Rank modes a case row can have; anything else means the selection excluded every mode the case declares.
-RANK_MODES = ("process", "thread", "launched")
+__all__ = ["not_applicable_reason"]
 
 
 def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any]) -> str | None:
     """Why this row (``params`` include ``rank_mode``) cannot run against ``adapter``, or ``None``.
 
-    In order: the selected rank mode is one the case does not declare; a
-    capability the row requires is not declared; a strategy the row wraps with
-    is refused by ``adapter.supports_strategy``.
+    In order: the row's rank mode is one the case does not declare
+    ([Note: rank modes] in :mod:`harness.rank_mode`); a capability the row
+    requires is not declared; a strategy the row wraps with is refused by
+    ``adapter.supports_strategy``.
     """
-    if params.get("rank_mode") not in RANK_MODES:
-        return f"{spec.id} runs on {'/'.join(spec.modes)} ranks only, which the selected rank mode excludes"
+    excluded = excluded_reason(RankMode(params["rank_mode"]), spec.modes)
+    if excluded is not None:
+        return f"{spec.id} is {excluded}"
     capabilities = capabilities_of(adapter)
     missing = [str(c) for c in spec.required(params) if c not in capabilities]
     if missing:

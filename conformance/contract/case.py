@@ -45,13 +45,13 @@ import torch
 
 from conformance.contract.adapter import STRATEGIES, Capability
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
+from harness.rank_mode import SPAWNED, RankMode
 
-__all__ = ["CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "accelerator_skip_reason",
+__all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "accelerator_skip_reason",
            "ANY_GPU", "GpuNeed", "distinct_gpus"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
-_MODES = ("process", "thread")
 
 Requires = Iterable[Capability] | Callable[[Mapping[str, Any]], Iterable[Capability]]
 
@@ -66,16 +66,32 @@ def not_applicable(reason: str) -> None:
 
 
 @dataclass(frozen=True)
+class CaseSettings:
+    """The run's settings a case body may read: its ``case_settings`` fixture (resolved by the runner).
+
+    ``timing_repeats``: how many times a timing case repeats each timed region (the median is used).
+    ``fuzz_examples``: examples a fuzzer draws per world size (``None``: the main job's budget);
+    ``fuzz_seed``: where it draws them from; ``fuzz_verbose``: print each example as it starts.
+    """
+
+    timing_repeats: int = 3
+    fuzz_examples: int | None = None
+    fuzz_seed: int = 0
+    fuzz_verbose: bool = False
+
+
+@dataclass(frozen=True)
 class CaseSpec:
     """A case's declaration, validated when the module is imported."""
 
     id: str
     world_size: int = 2
-    modes: tuple[str, ...] = _MODES
+    modes: tuple[RankMode, ...] = SPAWNED
     requires: Requires = ()
     #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``).
     gpus: GpuNeed | None = None
-    timeout_s: float = 120.0
+    #: Seconds the ranks may take, or a function of the run's :class:`CaseSettings` (e.g. a fuzz budget).
+    timeout_s: float | Callable[[CaseSettings], float] = 120.0
     isolated: bool = False
     env: dict[str, str] = field(default_factory=dict)
     timing: bool = False
@@ -87,16 +103,23 @@ class CaseSpec:
             raise ValueError(f"case id {self.id!r} must look like 'area/name' (lowercase, digits, _)")
         if self.world_size < 1:
             raise ValueError(f"case {self.id}: world_size must be >= 1, got {self.world_size}")
-        bad = [m for m in self.modes if m not in _MODES]
+        bad = [m for m in self.modes if m not in SPAWNED]
         if bad or not self.modes:
-            raise ValueError(f"case {self.id}: modes must be a non-empty subset of {_MODES}, got {self.modes}")
+            raise ValueError(f"case {self.id}: modes must be a non-empty subset of "
+                             f"{tuple(str(m) for m in SPAWNED)}, got {self.modes}")
         if self.gpus is not None and not isinstance(self.gpus, GpuNeed):
             raise ValueError(f"case {self.id}: gpus must be None, ANY_GPU or distinct_gpus(N), got {self.gpus!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"case {self.id}: timeout_s must be > 0, got {self.timeout_s}")
+        self.timeout(CaseSettings())  # a bad value (or function) fails at import
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ValueError(f"case {self.id}: strategies {unknown} not in {STRATEGIES}")
+
+    def timeout(self, settings: CaseSettings) -> float:
+        """Seconds this case's ranks may take under ``settings``; ValueError naming a non-positive one."""
+        value = self.timeout_s(settings) if callable(self.timeout_s) else self.timeout_s
+        if not value > 0:
+            raise ValueError(f"case {self.id}: timeout_s must be > 0, got {value!r}")
+        return float(value)
 
     @property
     def area(self) -> str:
@@ -108,7 +131,7 @@ class CaseSpec:
         Thread ranks add :attr:`Capability.THREAD_RANKS` to what the case declares.
         """
         caps = list(self.requires(params) if callable(self.requires) else self.requires)
-        if params.get("rank_mode") == "thread" and Capability.THREAD_RANKS not in caps:
+        if params.get("rank_mode") == RankMode.THREAD and Capability.THREAD_RANKS not in caps:
             caps.append(Capability.THREAD_RANKS)
         return caps
 
@@ -134,10 +157,10 @@ def case(
     case_id: str,
     *,
     world_size: int = 2,
-    modes: Iterable[str] = _MODES,
+    modes: Iterable[RankMode | str] = SPAWNED,
     requires: Requires = (),
     gpus: GpuNeed | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float | Callable[[CaseSettings], float] = 120.0,
     isolated: bool = False,
     env: Mapping[str, str] | None = None,
     timing: bool = False,
@@ -151,7 +174,7 @@ def case(
     spec = CaseSpec(
         id=case_id,
         world_size=world_size,
-        modes=tuple(modes),
+        modes=tuple(_rank_mode(case_id, m) for m in modes),
         requires=requires if callable(requires) else tuple(requires),
         gpus=gpus,
         timeout_s=timeout_s,
@@ -170,12 +193,20 @@ def case(
         return pytest.mark.ranks(
             world_size=spec.world_size,
             modes=spec.modes,
-            timeout_s=spec.timeout_s,
+            timeout_s=spec.timeout(CaseSettings()),  # the conformance plugin answers with the run's settings
             isolated=spec.isolated,
             env=spec.env or None,
         )(fn)
 
     return decorate
+
+
+def _rank_mode(case_id: str, mode: RankMode | str) -> RankMode:
+    try:
+        return RankMode(mode)
+    except ValueError:
+        raise ValueError(f"case {case_id}: {mode!r} is not a rank mode; expected one of "
+                         f"{tuple(str(m) for m in SPAWNED)}") from None
 
 
 def accelerator_skip_reason(needed: int) -> str | None:
@@ -185,3 +216,4 @@ def accelerator_skip_reason(needed: int) -> str | None:
         if found < needed:
             return f"needs {needed} accelerators, found {found}"
     return None
+

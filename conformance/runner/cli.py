@@ -1,11 +1,11 @@
 """``fsdp-conformance``: run the case matrix, list cases, list implementations.
 
 A thin layer over ``pytest.main`` and the conformance plugin: every option here
-maps onto a pytest option, so ``pytest conformance/cases --fsdp-impl X`` gives
-the same results. Settings are resolved by
-:func:`conformance.runner.settings.resolve_settings`, as in the plugin (environment
-variables such as ``FSDP_RANK_MODE`` apply to ``run`` too), printed with their
-sources, and passed to pytest explicitly.
+maps onto a pytest option and is forwarded as given, so ``pytest conformance/cases
+--fsdp-impl X`` gives the same results. The settings are resolved once, by the
+plugins inside that session (:mod:`conformance.runner.settings`; the rank mode
+by the harness, [Note: rank modes] in :mod:`harness.rank_mode`), which print
+them with their sources; this module decides none of them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from conformance.contract import registry
 from conformance.runner.listing import CASES_DIR, collect_rows
-from conformance.runner.settings import SettingError, Settings, resolve_settings
+from harness.rank_mode import SELECTIONS
 
 __all__ = ["main", "CASES_DIR"]
 
@@ -34,24 +34,26 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--impl", action="append", metavar="NAME",
                      help="adapter name, repeatable; 'all' for every one (default: $FSDP_CONFORMANCE_IMPL "
                      "or reference)")
-    run.add_argument("--rank-mode", choices=("process", "thread", "both"), default=None,
-                     help="default: $FSDP_RANK_MODE or both")
+    run.add_argument("--rank-mode", default=None, metavar="|".join(SELECTIONS),
+                     help="process or thread ranks, both, or launched (inside a torchrun job); "
+                     "default: $FSDP_RANK_MODE or both")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     run.add_argument("--json", metavar="PATH", help="write results as JSON")
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
-    run.add_argument("--timing-repeats", type=int, default=None, metavar="N")
+    run.add_argument("--timing-repeats", default=None, metavar="N",
+                     help="times a timing case repeats each timed region, the median counting "
+                     "(default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
+    run.add_argument("--fuzz-examples", default=None, metavar="N",
+                     help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
+    run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
     run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+    run.add_argument("--device", default=None, metavar="auto|cpu|cuda",
                      help="where rows compute (README: Devices and placements); default $FSDP_DEVICE or auto")
-    run.add_argument(
-        "--launcher",
-        choices=("spawn", "torchrun"),
-        default="spawn",
-        help="spawn: the harness starts ranks; torchrun: this process is already one rank of a job",
-    )
+    run.add_argument("--launcher", choices=("spawn", "torchrun"), default=None,
+                     help="deprecated: --launcher torchrun is --rank-mode launched")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
     lst = sub.add_parser("list", help="list case rows with their hardware needs and required capabilities")
     lst.add_argument("-k", dest="keyword", metavar="EXPR")
@@ -60,71 +62,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _reporting_rank(ns: argparse.Namespace) -> bool:
-    """Under torchrun every rank runs the session; only rank 0 prints and writes reports."""
-    return ns.launcher != "torchrun" or os.environ.get("RANK", "0") == "0"
+def _quiet_rank() -> bool:
+    """A rank other than 0 of a launched job: it runs every case too, but rank 0 alone speaks."""
+    return os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ
 
 
-def _settings(ns: argparse.Namespace) -> Settings:
-    return resolve_settings({
-        "impls": ("--impl", ns.impl),
-        "rank_mode": ("--rank-mode", ns.rank_mode),
-        "timing_repeats": ("--timing-repeats", ns.timing_repeats),
-        "workers": ("-n", ns.workers),
-        "device": ("--device", ns.device),
-    })
+#: CLI option -> the pytest option it is forwarded as, value untouched.
+_FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
+              "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
+              "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--junitxml",
+              "launcher": "--launcher", "workers": "-n"}
 
 
-def _run_args(ns: argparse.Namespace, settings: Settings) -> list[str]:
-    args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    if not _reporting_rank(ns):
-        ns.json = ns.markdown = ns.junitxml = None
-    else:
-        args.append("--conformance-progress")
-    for name in settings.impls.value:
-        args += ["--fsdp-impl", name]
-    args += ["--rank-mode", settings.rank_mode.value, "--timing-repeats", str(settings.timing_repeats.value),
-             "--device", settings.device.value]
-    if ns.keyword:
-        args += ["-k", ns.keyword]
-    if ns.json:
-        args += ["--conformance-json", ns.json]
-    if ns.markdown:
-        args += ["--conformance-markdown", ns.markdown]
-    if ns.junitxml:
-        args += ["--junitxml", ns.junitxml]
-    if ns.launcher == "torchrun":
-        args += ["--launcher", "torchrun"]
-    if settings.workers.value != 0:
-        args += ["-n", str(settings.workers.value)]
-    extra = [a for a in ns.pytest_args if a != "--"]
-    return args + extra
+def _run_args(ns: argparse.Namespace) -> list[str]:
+    """The pytest command line for ``ns``: each given option forwarded as it was typed."""
+    args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+            "--conformance-progress"]
+    for name in ns.impl or ():
+        args += ["--impl", name]
+    for dest, flag in _FORWARDED.items():
+        value = getattr(ns, dest)
+        if value is not None:
+            args += [flag, str(value)]
+    return args + [a for a in ns.pytest_args if a != "--"]
 
 
 def _run(ns: argparse.Namespace) -> int:
-    try:
-        settings = _settings(ns)
-    except SettingError as exc:
-        print(f"fsdp-conformance: {exc}", file=sys.stderr)
-        return 2
-    if ns.launcher == "torchrun" and settings.workers.value != 0:
-        print(f"fsdp-conformance: -n {settings.workers.value} with --launcher torchrun: a torchrun job's ranks "
-              "run every case in lockstep; leave -n out", file=sys.stderr)
-        return 2
-    if _reporting_rank(ns):
-        print(f"fsdp-conformance: {settings.describe()}", flush=True)
-        code = int(pytest.main(_run_args(ns, settings)))
+    if not _quiet_rank():
+        code = int(pytest.main(_run_args(ns)))
     else:
-        # Every rank computes the same outcomes (they are exchanged per case); only
-        # rank 0 prints them. Other ranks stay quiet unless the session itself breaks.
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured):
-            code = int(pytest.main(_run_args(ns, settings)))
+            code = int(pytest.main(_run_args(ns)))
         if code not in (0, 1):
             print(captured.getvalue()[-4000:], file=sys.stderr)
     if code == int(pytest.ExitCode.NO_TESTS_COLLECTED):
         print("fsdp-conformance: no case matched the selection", file=sys.stderr)
-    return code
+    return 2 if code == int(pytest.ExitCode.USAGE_ERROR) else code  # 2, as argparse's own usage errors
 
 
 def _list(ns: argparse.Namespace) -> int:

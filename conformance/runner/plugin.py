@@ -19,6 +19,7 @@ The plugin meets the harness's plugin through declared hooks: it implements
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -28,15 +29,16 @@ from typing import Any
 import pytest
 
 from conformance.contract import registry
-from conformance.contract.applicability import RANK_MODES, not_applicable_reason
-from conformance.contract.case import CaseSpec, NotApplicable
+from conformance.contract.applicability import not_applicable_reason
+from conformance.contract.case import CaseSettings, CaseSpec, NotApplicable
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
 from conformance.runner.findings import annotate
 from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
 from conformance.runner.settings import Settings, resolve_settings
 from harness import devices
-from harness.settings import modes_of
+from harness.pytest_plugin import rank_mode_setting, selected_modes
+from harness.rank_mode import RankMode
 from harness.workers import is_worker
 
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
@@ -68,6 +70,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance")
     group.addoption(
         "--fsdp-impl",
+        "--impl",
         action="append",
         default=None,
         metavar="NAME",
@@ -95,6 +98,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="where rows compute: CPU rows always on the CPU; GPU rows on a GPU per rank, else shared GPUs, "
         "else skipped (auto); cpu skips GPU rows; cuda requires a GPU. Default: $FSDP_DEVICE or auto.",
     )
+    group.addoption("--fuzz-examples", default=None, metavar="N",
+                    help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's budget)")
+    group.addoption("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
+    group.addoption("--fuzz-verbose", action="store_true", default=None,
+                    help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,16 +111,17 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[RESULTS_KEY] = []
     try:  # a bad value is a usage error before collection, naming its source
-        config.stash[SETTINGS_KEY] = resolve_settings(
-            {
-                "impls": ("--fsdp-impl", config.getoption("--fsdp-impl")),
-                "rank_mode": ("--rank-mode", config.getoption("--rank-mode", None)),
-                "timing_repeats": ("--timing-repeats", config.getoption("--timing-repeats")),
-                "workers": ("-n", config.getoption("numprocesses", None)),
-                "device": ("--device", config.getoption("--device")),
-            },
-            ini={"rank_mode": config.getini("rank_mode")},
-        )
+        flags = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "device": "--device",
+                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose"}
+        if "--impl" in config.invocation_params.args:  # forwarded by ``fsdp-conformance run --impl``
+            flags["impls"] = "--impl"
+        cli = {name: (flag, config.getoption("--fsdp-impl" if name == "impls" else flag))
+               for name, flag in flags.items()}
+        cli["workers"] = ("-n", config.getoption("numprocesses", None))
+        config.stash[SETTINGS_KEY] = resolve_settings(cli, rank_mode=rank_mode_setting(config))
+        if launched(config) and config.stash[SETTINGS_KEY].workers.value != 0:
+            raise ValueError(f"-n {config.stash[SETTINGS_KEY].workers.value} with launched ranks: a launched "
+                             "job's ranks run every case in lockstep; leave -n out")
         device = config.stash[SETTINGS_KEY].device
         config.stash[_GPUS_KEY] = devices.visible_gpus() if device.value != "cpu" else 0
         devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
@@ -125,14 +134,39 @@ def settings_of(config: pytest.Config) -> Settings:
     return config.stash[SETTINGS_KEY]
 
 
+def launched(config: pytest.Config) -> bool:
+    """Whether this session is one rank of a launched job ([Note: rank modes] in :mod:`harness.rank_mode`)."""
+    return RankMode.LAUNCHED in selected_modes(config)
+
+
+def reports_here(config: pytest.Config) -> bool:
+    """Whether this process prints the matrix and writes reports: not an xdist worker, and of a launched
+    job only rank 0 (every rank decides the same cells; they are exchanged per case)."""
+    return not is_worker(config) and (not launched(config) or os.environ.get("RANK", "0") == "0")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"fsdp-conformance: {settings_of(config).describe()}"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With progress lines, the settings and their sources first (pytest's header is hidden by -q)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if session.config.getoption("--conformance-progress") and reports_here(session.config) and reporter is not None:
+        reporter.write_line(f"fsdp-conformance: {settings_of(session.config).describe()}")
+
+
 @pytest.fixture
-def timing_repeats(request: pytest.FixtureRequest) -> int:
-    """How many times a timing case repeats each timed region (the median is used)."""
-    return settings_of(request.config).timing_repeats.value
+def case_settings(request: pytest.FixtureRequest) -> CaseSettings:
+    """The run's settings a case body may read (timing repeats, the fuzz budget)."""
+    return settings_of(request.config).for_cases()
+
+
+@pytest.hookimpl
+def pytest_ranks_timeout(item: pytest.Item) -> float | None:
+    """A conformance row's timeout: its case's, under this run's settings."""
+    spec = case_spec(item)
+    return None if spec is None else spec.timeout(settings_of(item.config).for_cases())
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -207,7 +241,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = str(message) if message else _skip_reason(report)
         if excinfo is not None and isinstance(excinfo.value, NotApplicable):
             state.outcome, state.reason = "n/a", reason
-        elif state.hardware_skip or item.config.getoption("--launcher", "spawn") == "torchrun":
+        elif state.hardware_skip or launched(item.config):
             state.outcome, state.reason = "skip", reason  # missing hardware (or, launched, the job's size)
         else:
             state.outcome = "error"
@@ -245,7 +279,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     result = Result(
         case=case_id,
         impl=impl_name,
-        rank_mode=_rank_mode_column(item.config, params.get("rank_mode", "process")),
+        rank_mode=str(params["rank_mode"]),
         world_size=spec.world_size,
         outcome=state.outcome,
         reason=annotate(impl_name, case_id, reason) if state.outcome == "FAIL" else reason,
@@ -260,7 +294,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 def pytest_conformance_result(config: pytest.Config, result: Result) -> None:
     """Add the cell to the matrix; with ``--conformance-progress`` print its line."""
     config.stash[RESULTS_KEY].append(result)
-    if not config.getoption("--conformance-progress") or is_worker(config):
+    if not config.getoption("--conformance-progress") or not reports_here(config):
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -290,7 +324,7 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     """The matrix and the report files; under ``-n`` only the controller, which has every result."""
     results = config.stash.get(RESULTS_KEY, [])
-    if not results or is_worker(config):
+    if not results or not reports_here(config):
         return
     if config.getoption("--conformance-progress"):
         terminalreporter.write_sep("=", "conformance matrix")
@@ -303,13 +337,6 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if md_path:
         Path(md_path).parent.mkdir(parents=True, exist_ok=True)
         Path(md_path).write_text(render_markdown(results))
-
-
-def _rank_mode_column(config: pytest.Config, mode: Any) -> str:
-    """The row's rank mode; the selected one when the selection excluded every mode the case declares."""
-    if mode in RANK_MODES:
-        return str(mode)
-    return "/".join(modes_of(settings_of(config).rank_mode.value))
 
 
 def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:

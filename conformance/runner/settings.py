@@ -1,27 +1,32 @@
 """The conformance run's settings, each with the source it came from.
 
-One resolver for the plugin and the CLI (:func:`resolve_settings`). Precedence
-is the project's (:mod:`harness.settings`): marker > command line >
-environment > default. The only marker today is a case's declared rank modes,
-which bound the rank mode chosen here.
+One resolver for the plugin (:func:`resolve_settings`, called once per
+session at configure time; ``fsdp-conformance run`` forwards its flags to
+pytest untouched). Precedence is the project's (:mod:`harness.settings`):
+marker > command line > environment > default; every value is parsed by
+:func:`harness.settings.choice` or :func:`harness.settings.whole_number`.
 
-- impls: ``--fsdp-impl`` (pytest) / ``--impl`` (CLI), repeatable; then
-  ``FSDP_CONFORMANCE_IMPL`` (comma separated); default ``reference``.
-- rank mode: ``--rank-mode``; then ``FSDP_RANK_MODE``; then the ini option
-  ``rank_mode``; default ``both``.
-- timing repeats: ``--timing-repeats``; then ``FSDP_CONFORMANCE_TIMING_REPEATS``;
-  default 3. Cases receive it as the ``timing_repeats`` fixture.
-- workers: ``-n auto|N`` (pytest-xdist's option, which the CLI passes on);
-  default 0, one process running cases one after another. ``auto`` is fitted
-  to the cores (:func:`harness.scheduling.auto_workers`: one worker per
-  two cores, at least two from two cores on, serial on one core).
-- device: ``--device``; then ``FSDP_DEVICE``; default ``auto``. One of
-  ``auto``, ``cpu``, ``cuda`` ([Note: device setting] in :mod:`harness.devices`).
+========================== ============================= ===================================== =========
+setting                    command line                  environment                           default
+========================== ============================= ===================================== =========
+implementations            ``--fsdp-impl`` / ``--impl``  ``FSDP_CONFORMANCE_IMPL`` (a,b)        reference
+rank mode                  ``--rank-mode``               ``FSDP_RANK_MODE``                    both
+timing repeats             ``--timing-repeats``          ``FSDP_CONFORMANCE_TIMING_REPEATS``   3
+workers                    ``-n auto|N``                 (pytest-xdist's own)                  0
+device                     ``--device``                  ``FSDP_DEVICE``                       auto
+fuzz examples              ``--fuzz-examples``           ``FSDP_FUZZ_EXAMPLES``                per world size
+fuzz seed                  ``--fuzz-seed``               ``FSDP_FUZZ_SEED``                    0
+fuzz verbose               ``--fuzz-verbose``            ``FSDP_FUZZ_VERBOSE`` (0|1)           0
+========================== ============================= ===================================== =========
 
-A new setting (the compute device, the number of parallel workers) is a new
-field of :class:`Settings` resolved in :func:`resolve_settings` with
-:func:`harness.settings.resolve`, plus its command-line option in the plugin
-and the CLI; nothing else reads the environment for it.
+The rank mode is the harness's ([Note: rank modes] in :mod:`harness.rank_mode`):
+its pytest plugin resolves it and this module takes that value as it is. What
+a case body may read of these (timing repeats, the fuzz budget) reaches it as
+the ``case_settings`` fixture, a :class:`conformance.contract.case.CaseSettings`.
+
+A new setting is a field of :class:`Settings` resolved in :func:`resolve_settings`
+with :func:`harness.settings.resolve`, plus its command-line option in the
+plugin and the CLI; nothing else reads the environment for it.
 """
 
 from __future__ import annotations
@@ -32,15 +37,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from conformance.contract import registry
+from conformance.contract.case import CaseSettings
 from harness.devices import SETTINGS as DEVICE_SETTINGS
-from harness.settings import RANK_MODE_ENV, Resolved, SettingError, resolve, resolve_rank_mode
+from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
 
-__all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "Settings", "SettingError", "resolve_settings"]
+__all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_VERBOSE_ENV",
+           "Settings", "SettingError", "resolve_settings"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
-DEFAULT_TIMING_REPEATS = 3
 DEVICE_ENV = "FSDP_DEVICE"
+FUZZ_EXAMPLES_ENV = "FSDP_FUZZ_EXAMPLES"
+FUZZ_SEED_ENV = "FSDP_FUZZ_SEED"
+FUZZ_VERBOSE_ENV = "FSDP_FUZZ_VERBOSE"
 
 
 @dataclass(frozen=True)
@@ -50,13 +59,25 @@ class Settings:
     impls: Resolved[tuple[str, ...]]
     rank_mode: Resolved[str]
     timing_repeats: Resolved[int]
-    workers: Resolved[int | str] = Resolved("workers", 0, "default")
-    device: Resolved[str] = Resolved("device", "auto", "default")
+    workers: Resolved[int | str]
+    device: Resolved[str]
+    fuzz_examples: Resolved[int | None]
+    fuzz_seed: Resolved[int]
+    fuzz_verbose: Resolved[bool]
+
+    def all(self) -> tuple[Resolved[Any], ...]:
+        """Every setting, in the order :meth:`describe` shows them."""
+        return (self.impls, self.rank_mode, self.timing_repeats, self.workers, self.device, self.fuzz_examples,
+                self.fuzz_seed, self.fuzz_verbose)
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
-        return "; ".join(s.describe() for s in (self.impls, self.rank_mode, self.timing_repeats, self.workers,
-                                                self.device))
+        return "; ".join(s.describe() for s in self.all())
+
+    def for_cases(self) -> CaseSettings:
+        """What a case body may read of them (the ``case_settings`` fixture)."""
+        return CaseSettings(timing_repeats=self.timing_repeats.value, fuzz_examples=self.fuzz_examples.value,
+                            fuzz_seed=self.fuzz_seed.value, fuzz_verbose=self.fuzz_verbose.value)
 
 
 def _parse_impls(raw: Any) -> tuple[str, ...]:
@@ -71,60 +92,44 @@ def _parse_impls(raw: Any) -> tuple[str, ...]:
     return tuple(wanted)
 
 
-def _parse_repeats(raw: Any) -> int:
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise ValueError("expected a whole number >= 1") from None
-    if value < 1:
-        raise ValueError("expected a whole number >= 1")
-    return value
-
-
-def _parse_workers(raw: Any) -> int | str:
-    if str(raw).strip() == "auto":
-        return "auto"
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise ValueError("expected auto or a whole number >= 0") from None
-    if value < 0:
-        raise ValueError("expected auto or a whole number >= 0")
-    return value
-def _parse_device(raw: Any) -> str:
-    if raw not in DEVICE_SETTINGS:
-        raise ValueError(f"expected one of {', '.join(DEVICE_SETTINGS)}")
-    return str(raw)
+_DEFAULT_FLAGS = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "workers": "-n",
+                  "device": "--device", "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
+                  "fuzz_verbose": "--fuzz-verbose"}
 
 
 def resolve_settings(
     cli: Mapping[str, tuple[str, Any]],
+    *,
+    rank_mode: Resolved[str],
     env: Mapping[str, str] | None = None,
-    ini: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Resolve every setting.
+    """Resolve every setting but the rank mode, which the harness resolved (``rank_mode``).
 
-    ``cli`` maps a setting (``impls``, ``rank_mode``, ``timing_repeats``, ``workers``, ``device``) to
-    ``(option as spelled, value or None)``, so errors name the option the user
-    typed; ``env`` defaults to ``os.environ``; ``ini`` holds ini options
-    (``rank_mode``). Raises :class:`SettingError` naming the source of a bad value.
+    ``cli`` maps a setting (``impls``, ``timing_repeats``, ``workers``, ``device``, ``fuzz_examples``,
+    ``fuzz_seed``, ``fuzz_verbose``) to ``(option as spelled, value or None)``, so errors name the
+    option the user typed; ``env`` defaults to ``os.environ``. Raises :class:`SettingError` naming
+    the source of a bad value.
     """
     env = os.environ if env is None else env
-    ini = ini or {}
-    impl_flag, impl_cli = cli.get("impls", ("--fsdp-impl", None))
-    mode_flag, mode_cli = cli.get("rank_mode", ("--rank-mode", None))
-    repeats_flag, repeats_cli = cli.get("timing_repeats", ("--timing-repeats", None))
-    workers_flag, workers_cli = cli.get("workers", ("-n", None))
-    device_flag, device_cli = cli.get("device", ("--device", None))
+
+    def given(name: str, env_var: str | None = None) -> list[tuple[str, Any]]:
+        flag, value = cli.get(name, (_DEFAULT_FLAGS[name], None))
+        return [(flag, value)] + ([(env_var, env.get(env_var))] if env_var else [])
+
     return Settings(
-        impls=resolve("impls", [(impl_flag, impl_cli), (IMPL_ENV, env.get(IMPL_ENV))], _parse_impls,
-                      ("reference",)),
-        rank_mode=resolve_rank_mode(cli=mode_cli, env=env.get(RANK_MODE_ENV), ini=ini.get("rank_mode"),
-                                    cli_flag=mode_flag),
-        timing_repeats=resolve("timing repeats", [(repeats_flag, repeats_cli),
-                                                  (TIMING_REPEATS_ENV, env.get(TIMING_REPEATS_ENV))],
-                               _parse_repeats, DEFAULT_TIMING_REPEATS),
-        workers=resolve("workers", [(workers_flag, workers_cli)], _parse_workers, 0),
-        device=resolve("device", [(device_flag, device_cli), (DEVICE_ENV, env.get(DEVICE_ENV))], _parse_device,
-                       "auto"),
+        impls=resolve("impls", given("impls", IMPL_ENV), _parse_impls, ("reference",)),
+        rank_mode=rank_mode,
+        timing_repeats=resolve("timing repeats", given("timing_repeats", TIMING_REPEATS_ENV), whole_number(1), 3),
+        workers=resolve("workers", given("workers"), word_or_whole_number(("auto",), 0), 0),
+        device=resolve("device", given("device", DEVICE_ENV), choice(DEVICE_SETTINGS), "auto"),
+        fuzz_examples=resolve("fuzz examples", given("fuzz_examples", FUZZ_EXAMPLES_ENV), whole_number(1), None),
+        fuzz_seed=resolve("fuzz seed", given("fuzz_seed", FUZZ_SEED_ENV), whole_number(0), 0),
+        fuzz_verbose=resolve("fuzz verbose", given("fuzz_verbose", FUZZ_VERBOSE_ENV), _parse_flag, False),
     )
+
+
+def _parse_flag(raw: Any) -> bool:
+    """``True``/``1`` or ``False``/``0`` (a command-line switch gives the bool itself)."""
+    if isinstance(raw, bool):
+        return raw
+    return choice(("0", "1"))(raw) == "1"

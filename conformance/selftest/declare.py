@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.contract.adapter import WrapSpec
+from harness.rank_mode import SPAWNED
 from harness.reset import on_case_end
 
 __all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "revert_patches", "_Mutant", "_state_of",
@@ -55,8 +56,8 @@ class Expect:
     timing_repeats: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rank_mode not in ("thread", "process"):
-            raise ValueError(f"rank_mode must be thread or process, got {self.rank_mode!r}")
+        if self.rank_mode not in SPAWNED:
+            raise ValueError(f"rank_mode must be one of {', '.join(map(str, SPAWNED))}, got {self.rank_mode!r}")
         if not self.must_fail:
             raise ValueError(f"{self.keyword!r}: must_fail names no case")
         if self.accelerators < 0:

@@ -20,6 +20,7 @@ from conformance.cases.fuzz.model import build_model, loss_of, make_batch
 from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import check_example
 from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import CaseSettings
 from conformance.selftest.mutants import NoGradDivide, ParamDtypeIgnored
 from harness import RankContext, run
 
@@ -115,16 +116,12 @@ def test_report_says_what_of_a_policy_is_left_out() -> None:
     assert "lacks mixed_precision" in precision_note(_NoMixedPrecision())
 
 
-def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FSDP_FUZZ_EXAMPLES", raising=False)
-    monkeypatch.setenv("FSDP_FUZZ_SEED", "7")
-    config = FuzzSettings.from_env()
-    assert (config.budget(1), config.budget(2), config.budget(4), config.seed) == (12, 15, 3, 7)
-    monkeypatch.setenv("FSDP_FUZZ_EXAMPLES", "200")
-    assert FuzzSettings.from_env().budget(4) == 200
-    monkeypatch.setenv("FSDP_FUZZ_EXAMPLES", "many")
-    with pytest.raises(ValueError, match="FSDP_FUZZ_EXAMPLES='many'"):
-        FuzzSettings.from_env()
+def test_budget_from_the_run_s_settings() -> None:
+    config = FuzzSettings.of(CaseSettings(fuzz_seed=7, fuzz_verbose=True))
+    assert (config.budget(1), config.budget(2), config.budget(4), config.seed, config.verbose) == (12, 15, 3, 7, True)
+    assert FuzzSettings.of(CaseSettings(fuzz_examples=200)).budget(4) == 200
+    with pytest.raises(ValueError, match="fuzz examples must be >= 1, got 0"):
+        FuzzSettings(examples=0)
 
 
 def fuzz_on_ranks(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:

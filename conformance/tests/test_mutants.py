@@ -266,7 +266,7 @@ def test_patches_last_until_the_case_ends(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rank_mode": "both"}, "rank_mode must be thread or process, got 'both'"),
+        ({"rank_mode": "both"}, "rank_mode must be one of process, thread, got 'both'"),
         ({"must_fail": ()}, "'k': must_fail names no case"),
         ({"accelerators": -1}, "'k': accelerators must be >= 0, got -1"),
         ({"timing_repeats": 0}, "'k': timing_repeats must be >= 1, got 0"),

@@ -66,8 +66,8 @@ from conformance.contract.results import CaseReport
 @case("demo/reports", world_size=2, modes=("thread",))
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("variant", ["A", None])
-def test_reports(ctx, impl, variant, n, timing_repeats):
-    return CaseReport(reason=f"rank {ctx.rank} says hi", metrics={"repeats": timing_repeats, "n": n})
+def test_reports(ctx, impl, variant, n, case_settings):
+    return CaseReport(reason=f"rank {ctx.rank} says hi", metrics={"repeats": case_settings.timing_repeats, "n": n})
 
 @case("demo/returns_dict", world_size=2, modes=("thread",))
 def test_returns_dict(ctx, impl):
@@ -198,7 +198,7 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     assert sorted(listened) == sorted(f"{case} {row['outcome']}" for case, row in rows.items())
     result.stdout.fnmatch_lines(["fsdp-conformance: impls: ('reference',) (from default); rank mode: both *"
                                  "timing repeats: 7 (from FSDP_CONFORMANCE_TIMING_REPEATS); workers: 0 (from default); "
-                                 "device: auto (from default)"])
+                                 "device: auto (from default); fuzz examples: None (from default)*"])
 
 
 def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
@@ -262,10 +262,26 @@ def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
     assert (declared["outcome"], declared["reason"]) == ("n/a", "no-no-shard does not support strategy HYBRID_SHARD")
     excluded = rows["demo/process_only"]
     assert (excluded["outcome"], excluded["rank_mode"]) == ("n/a", "thread")
-    assert excluded["reason"] == "demo/process_only runs on process ranks only, which the selected rank mode excludes"
+    assert excluded["reason"] == "demo/process_only is declared for process ranks only, which excludes thread ranks"
     lazy = rows["demo/skips_in_body"]
     assert lazy["outcome"] == "error" and "skip means missing hardware" in lazy["reason"]
     assert "feeling lazy" in lazy["reason"]
     markdown = md.read_text()
     assert "NotSetType" not in markdown
     assert re.search(r"^\| `demo/process_only` \|.*\| n/a \|$", markdown, re.M), markdown
+
+
+def test_cli_forwards_the_rank_mode_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank mode is resolved once, by the harness's plugin in the session: the CLI only forwards it."""
+    from conformance.runner import cli
+    from harness import rank_mode
+
+    def must_not_resolve(**_: object) -> None:
+        raise AssertionError("the CLI resolved the rank mode itself")
+
+    monkeypatch.setattr(rank_mode, "resolve_selection", must_not_resolve)
+    monkeypatch.setenv("FSDP_RANK_MODE", "thread")
+    args = cli._run_args(cli._parser().parse_args(["run"]))
+    assert "--rank-mode" not in args  # the environment is the session's to read
+    args = cli._run_args(cli._parser().parse_args(["run", "--rank-mode", "bogus", "--launcher", "torchrun"]))
+    assert args[args.index("--rank-mode") + 1] == "bogus" and args[args.index("--launcher") + 1] == "torchrun"

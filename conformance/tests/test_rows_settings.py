@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.contract.case import CaseSettings
 from conformance.contract.results import CaseReport
 from conformance.contract.rows import format_row_id, parse_row_id, row_matches
-from conformance.runner.settings import IMPL_ENV, TIMING_REPEATS_ENV, SettingError, resolve_settings
+from conformance.runner.settings import (
+    FUZZ_EXAMPLES_ENV,
+    FUZZ_SEED_ENV,
+    FUZZ_VERBOSE_ENV,
+    IMPL_ENV,
+    TIMING_REPEATS_ENV,
+    SettingError,
+    resolve_settings,
+)
+from harness.settings import Resolved
 
 NO_CLI: dict[str, tuple[str, object]] = {}
+#: The rank mode is the harness's to resolve; the runner takes it as given.
+BOTH = Resolved("rank mode", "both", "default")
 
 
 def test_row_ids_name_their_parameters_in_declaration_order() -> None:
@@ -38,32 +50,40 @@ def test_patterns_match_a_subset_of_parameters_in_any_order() -> None:
 
 
 def test_settings_defaults_and_sources() -> None:
-    settings = resolve_settings(NO_CLI, env={})
+    settings = resolve_settings(NO_CLI, rank_mode=BOTH, env={})
     assert settings.impls.value == ("reference",) and settings.impls.source == "default"
-    assert settings.rank_mode.value == "both" and settings.timing_repeats.value == 3
-    env = {IMPL_ENV: "torch-fsdp2, reference", "FSDP_RANK_MODE": "thread", TIMING_REPEATS_ENV: "5"}
-    from_env = resolve_settings(NO_CLI, env=env)
+    assert settings.rank_mode is BOTH and settings.timing_repeats.value == 3
+    assert (settings.fuzz_examples.value, settings.fuzz_seed.value, settings.fuzz_verbose.value) == (None, 0, False)
+    env = {IMPL_ENV: "torch-fsdp2, reference", TIMING_REPEATS_ENV: "5", FUZZ_EXAMPLES_ENV: "40",
+           FUZZ_SEED_ENV: "7", FUZZ_VERBOSE_ENV: "1"}
+    from_env = resolve_settings(NO_CLI, rank_mode=BOTH, env=env)
     assert from_env.impls.value == ("torch-fsdp2", "reference") and from_env.impls.source == IMPL_ENV
-    assert (from_env.rank_mode.value, from_env.rank_mode.source) == ("thread", "FSDP_RANK_MODE")
     assert (from_env.timing_repeats.value, from_env.timing_repeats.source) == (5, TIMING_REPEATS_ENV)
-    assert "rank mode: thread (from FSDP_RANK_MODE)" in from_env.describe()
+    assert from_env.for_cases() == CaseSettings(timing_repeats=5, fuzz_examples=40, fuzz_seed=7, fuzz_verbose=True)
+    assert "fuzz seed: 7 (from FSDP_FUZZ_SEED)" in from_env.describe()
 
 
 def test_command_line_wins_over_environment() -> None:
-    cli = {"impls": ("--impl", ["torch-fsdp1"]), "rank_mode": ("--rank-mode", "process"),
-           "timing_repeats": ("--timing-repeats", 2)}
-    settings = resolve_settings(cli, env={IMPL_ENV: "reference", "FSDP_RANK_MODE": "thread"})
+    cli = {"impls": ("--impl", ["torch-fsdp1"]), "timing_repeats": ("--timing-repeats", 2),
+           "fuzz_seed": ("--fuzz-seed", "3"), "fuzz_verbose": ("--fuzz-verbose", False)}
+    settings = resolve_settings(cli, rank_mode=BOTH, env={IMPL_ENV: "reference", FUZZ_SEED_ENV: "9",
+                                                          FUZZ_VERBOSE_ENV: "1"})
     assert settings.impls.value == ("torch-fsdp1",) and settings.impls.source == "--impl"
-    assert settings.rank_mode.value == "process" and settings.timing_repeats.value == 2
+    assert settings.timing_repeats.value == 2 and settings.fuzz_seed.describe() == "fuzz seed: 3 (from --fuzz-seed)"
+    assert settings.fuzz_verbose.value is False  # a given switch wins over the environment
 
 
 def test_bad_values_name_their_source() -> None:
     with pytest.raises(SettingError, match=r"^FSDP_CONFORMANCE_IMPL='nope': unknown implementation\(s\) \['nope'\]"):
-        resolve_settings(NO_CLI, env={IMPL_ENV: "nope"})
+        resolve_settings(NO_CLI, rank_mode=BOTH, env={IMPL_ENV: "nope"})
     with pytest.raises(SettingError, match=r"^--timing-repeats=0: expected a whole number >= 1$"):
-        resolve_settings({"timing_repeats": ("--timing-repeats", 0)}, env={})
+        resolve_settings({"timing_repeats": ("--timing-repeats", 0)}, rank_mode=BOTH, env={})
     with pytest.raises(SettingError, match=r"^FSDP_CONFORMANCE_TIMING_REPEATS='x': expected a whole number"):
-        resolve_settings(NO_CLI, env={TIMING_REPEATS_ENV: "x"})
+        resolve_settings(NO_CLI, rank_mode=BOTH, env={TIMING_REPEATS_ENV: "x"})
+    with pytest.raises(SettingError, match=r"^FSDP_FUZZ_EXAMPLES='many': expected a whole number >= 1$"):
+        resolve_settings(NO_CLI, rank_mode=BOTH, env={FUZZ_EXAMPLES_ENV: "many"})
+    with pytest.raises(SettingError, match=r"^FSDP_FUZZ_VERBOSE='yes': expected one of 0, 1$"):
+        resolve_settings(NO_CLI, rank_mode=BOTH, env={FUZZ_VERBOSE_ENV: "yes"})
 
 
 def test_case_report_refuses_what_the_matrix_cannot_show() -> None:
@@ -72,3 +92,25 @@ def test_case_report_refuses_what_the_matrix_cannot_show() -> None:
         CaseReport(metrics={"ms": "1"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"metrics\['ms'\] = nan"):
         CaseReport(metrics={"ms": float("nan")})
+
+
+def test_the_readme_lists_every_fsdp_variable_the_code_reads() -> None:
+    """Every ``"FSDP_..."`` string in the packages (but a Python constant's name in ``__all__``) names a
+    variable the README mentions, and its settings table lists nothing the code does not read."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sources = [path for package in ("fsdp_impl", "harness", "conformance", "fixtures", "bench")
+               for path in (root / package).rglob("*.py") if "tests" not in path.parts]
+    texts = [path.read_text() for path in sources]
+    constants = {name for text in texts for name in re.findall(r"^(FSDP_[A-Z_]+)\s*[:=]", text, flags=re.MULTILINE)}
+    read = {name for text in texts for name in re.findall(r"[\"'](FSDP_[A-Z_]+)[\"']", text)} - constants
+    readme = (root / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(FSDP_[A-Z_]+)` \|", readme, flags=re.MULTILINE))
+    mentioned = set(re.findall(r"`(FSDP_[A-Z_]+)`", readme))
+    assert "FSDP_RANK_MODE" in read and len(listed) >= 10
+    missing = sorted(read - mentioned)
+    assert not missing, f"FSDP_* variables read by the code but missing from README's settings: {missing}"
+    unknown = sorted(listed - read)
+    assert not unknown, f"README's settings table lists variables nothing reads: {unknown}"

@@ -15,6 +15,7 @@ import pytest
 
 from conformance.runner.settings import SettingError, resolve_settings
 from harness.scheduling import TimingLastScheduling
+from harness.settings import Resolved
 from harness.workers import auto_workers
 
 
@@ -142,10 +143,12 @@ def test_auto_workers_fit_the_cores() -> None:
 
 
 def test_worker_count_setting_names_its_source() -> None:
-    assert resolve_settings({"workers": ("-n", "auto")}, env={}).workers.describe() == "workers: auto (from -n)"
-    assert resolve_settings({}, env={}).workers.value == 0
+    mode = Resolved("rank mode", "both", "default")
+    assert resolve_settings({"workers": ("-n", "auto")}, rank_mode=mode, env={}).workers.describe() == \
+        "workers: auto (from -n)"
+    assert resolve_settings({}, rank_mode=mode, env={}).workers.value == 0
     with pytest.raises(SettingError, match=r"-n='two': expected auto or a whole number >= 0"):
-        resolve_settings({"workers": ("-n", "two")}, env={})
+        resolve_settings({"workers": ("-n", "two")}, rank_mode=mode, env={})
 
 
 def test_a_timing_case_carries_the_timing_mark() -> None:

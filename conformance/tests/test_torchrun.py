@@ -22,7 +22,7 @@ def _torchrun() -> str:
 
 def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--launcher", "torchrun",
+    cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--rank-mode", "launched",
            "--impl", "reference", "-k", "exec_order", "--json", str(report)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)

@@ -103,7 +103,7 @@ def test_worker_count_comes_from_the_environment_with_its_source_named() -> None
     assert concurrent_workers({}) == 1
     assert concurrent_workers({"PYTEST_XDIST_WORKER_COUNT": "3"}) == 3
     assert concurrent_workers({"FSDP_CONCURRENT_WORKERS": "2", "PYTEST_XDIST_WORKER_COUNT": "3"}) == 2
-    with pytest.raises(ValueError, match="FSDP_CONCURRENT_WORKERS='many': expected a positive integer"):
+    with pytest.raises(ValueError, match="FSDP_CONCURRENT_WORKERS='many': expected a whole number >= 1"):
         concurrent_workers({"FSDP_CONCURRENT_WORKERS": "many"})
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.settings import Resolved, SettingError, modes_of, resolve, resolve_rank_mode
+from harness.rank_mode import RankMode, excluded_reason, modes_of, resolve_selection
+from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
 
 pytest_plugins = ["pytester"]
 
@@ -51,9 +52,32 @@ def test_resolve_takes_the_first_given_source_and_names_it() -> None:
 
 
 def test_rank_mode_precedence_and_errors() -> None:
-    assert resolve_rank_mode(cli="process", env="thread", ini="both").source == "--rank-mode"
-    assert resolve_rank_mode(cli=None, env="thread", ini="both") == Resolved("rank mode", "thread", "FSDP_RANK_MODE")
-    assert resolve_rank_mode(cli=None, env=None, ini=None).value == "both"
-    with pytest.raises(SettingError, match=r"^FSDP_RANK_MODE='threads': expected one of process, thread, both$"):
-        resolve_rank_mode(cli=None, env="threads")
-    assert modes_of("both") == ("process", "thread") and modes_of("thread") == ("thread",)
+    assert resolve_selection(cli="process", env="thread", ini="both").source == "--rank-mode"
+    assert resolve_selection(cli=None, env="thread", ini="both") == Resolved("rank mode", "thread", "FSDP_RANK_MODE")
+    assert resolve_selection(cli=None, env=None, ini=None).value == "both"
+    with pytest.raises(SettingError,
+                       match=r"^FSDP_RANK_MODE='threads': expected one of both, process, thread, launched$"):
+        resolve_selection(cli=None, env="threads")
+    assert modes_of("both") == (RankMode.PROCESS, RankMode.THREAD) and modes_of("launched") == (RankMode.LAUNCHED,)
+    with pytest.raises(ValueError, match="rank mode selection 'all' is not one of both, process, thread, launched"):
+        modes_of("all")
+
+
+def test_a_mode_a_case_does_not_declare_is_excluded_with_the_reason() -> None:
+    assert excluded_reason(RankMode.THREAD, (RankMode.PROCESS, RankMode.THREAD)) is None
+    assert excluded_reason(RankMode.LAUNCHED, (RankMode.PROCESS,)) is None  # a launched job runs every case
+    assert excluded_reason(RankMode.THREAD, (RankMode.PROCESS,)) == \
+        "declared for process ranks only, which excludes thread ranks"
+
+
+def test_the_parsers_every_setting_uses() -> None:
+    assert choice(("a", "b"))(" b ") == "b"
+    with pytest.raises(ValueError, match="^expected one of a, b$"):
+        choice(("a", "b"))("c")
+    assert whole_number(1)("3") == 3
+    for bad in ("0", "x", "1.5"):
+        with pytest.raises(ValueError, match="^expected a whole number >= 1$"):
+            whole_number(1)(bad)
+    assert word_or_whole_number(("auto",), 0)("auto") == "auto" and word_or_whole_number(("auto",), 0)(0) == 0
+    with pytest.raises(ValueError, match="^expected auto or a whole number >= 0$"):
+        word_or_whole_number(("auto",), 0)("-1")

@@ -61,7 +61,7 @@ def test_rank_mode_option_selects_modes(suite: pytest.Pytester) -> None:
 def test_bad_rank_mode_names_its_source(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FSDP_RANK_MODE", "both-ish")
     result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider")
-    result.stderr.fnmatch_lines(["*FSDP_RANK_MODE='both-ish': expected one of process, thread, both*"])
+    result.stderr.fnmatch_lines(["*FSDP_RANK_MODE='both-ish': expected one of both, process, thread, launched*"])
     assert result.ret != 0
 
 

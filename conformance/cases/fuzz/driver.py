@@ -12,18 +12,18 @@ loop on received messages until rank 0 sends ``stop``, which it always does,
 even when hypothesis raises. One rank run per world size evaluates the whole
 budget, so the harness's per-case cost is paid once.
 
-Settings come from the environment so a nightly job can raise the budget
-without code changes: ``FSDP_FUZZ_EXAMPLES`` (examples drawn per world size;
-unset: :data:`MAIN_JOB_EXAMPLES`) and ``FSDP_FUZZ_SEED`` (default 0).
-With ``FSDP_FUZZ_VERBOSE=1`` rank 0 prints each example before running it, so
-a run that dies (a crash cannot be shrunk) names the example it died in.
+The budget comes from the run's settings (the case's ``case_settings``:
+``--fuzz-examples``/``FSDP_FUZZ_EXAMPLES``, examples drawn per world size,
+else :data:`MAIN_JOB_EXAMPLES`; ``--fuzz-seed``/``FSDP_FUZZ_SEED``), so a
+nightly job raises it without code changes. With ``--fuzz-verbose``
+(``FSDP_FUZZ_VERBOSE=1``) rank 0 prints each example before running it, so a
+run that dies (a crash cannot be shrunk) names the example it died in.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import random
 import sys
 from collections.abc import Iterator
@@ -38,6 +38,7 @@ from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Example, examples, s
 from conformance.cases.fuzz.precision import precision_features, required
 from conformance.cases.fuzz.runner import check_example
 from conformance.contract.adapter import FSDPAdapter
+from conformance.contract.case import CaseSettings
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -52,39 +53,25 @@ MAIN_JOB_EXAMPLES = {1: 12, 2: 15, 4: 3}
 
 @dataclass(frozen=True)
 class FuzzSettings:
-    """How many examples to draw per world size (``None``: the main job's) and from which seed."""
+    """How many examples to draw per world size (``None``: the main job's), from which seed, and
+    whether rank 0 prints each one as it starts."""
 
     examples: int | None = None
     seed: int = 0
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.examples is not None and self.examples < 1:
-            raise ValueError(f"FSDP_FUZZ_EXAMPLES must be >= 1, got {self.examples}")
+            raise ValueError(f"fuzz examples must be >= 1, got {self.examples}")
 
     def budget(self, world_size: int) -> int:
         """Examples to draw at ``world_size``."""
         return self.examples if self.examples is not None else MAIN_JOB_EXAMPLES.get(world_size, 3)
 
     @classmethod
-    def from_env(cls) -> FuzzSettings:
-        """``FSDP_FUZZ_EXAMPLES`` / ``FSDP_FUZZ_SEED``, else the defaults."""
-        values: dict[str, int] = {}
-        for field_name, var in (("examples", "FSDP_FUZZ_EXAMPLES"), ("seed", "FSDP_FUZZ_SEED")):
-            text = os.environ.get(var)
-            if text is None or not text.strip():
-                continue
-            try:
-                values[field_name] = int(text)
-            except ValueError:
-                raise ValueError(f"{var}={text!r} is not an integer") from None
-        return cls(**values)
-
-    def env(self) -> dict[str, str]:
-        """The same settings as environment variables (what a case passes to its ranks)."""
-        env = {"FSDP_FUZZ_SEED": str(self.seed)}
-        if self.examples is not None:
-            env["FSDP_FUZZ_EXAMPLES"] = str(self.examples)
-        return env
+    def of(cls, settings: CaseSettings) -> FuzzSettings:
+        """The fuzz budget of a run's settings."""
+        return cls(examples=settings.fuzz_examples, seed=settings.fuzz_seed, verbose=settings.fuzz_verbose)
 
 
 @dataclass(frozen=True)
@@ -119,7 +106,7 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzRes
         nonlocal runs, mixed
         runs += 1
         mixed += example.policy is not None
-        if os.environ.get("FSDP_FUZZ_VERBOSE") == "1":
+        if config.verbose:
             print(f"fuzz example {runs}: {source(example)}", file=sys.stderr, flush=True)
         _broadcast(ctx, ("run", example))
         failure = check_example(ctx, impl, example)
