@@ -8,7 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
-from conformance.contract.adapter import DEPRECATED_CAPABILITIES, Capability, UnitInfo
+from conformance.contract.adapter import Capability, UnitInfo
 
 __all__ = ["ReferenceAdapter"]
 
@@ -18,7 +18,40 @@ class ReferenceAdapter(FSDP1LikeAdapter):
     (``flat_param``, ``is_resharded``, ``process_group``, ``compute_device``)."""
 
     name = "reference"
-    capabilities = frozenset(Capability) - set(DEPRECATED_CAPABILITIES) - {Capability.POST_OPTIM_EVENT}
+    capabilities = frozenset(
+        {
+            Capability.EXEC_ORDER_VALIDATION,
+            Capability.FLAT_PARAM,
+            Capability.RESHARD_INTROSPECTION,
+            Capability.HYBRID_VIA_PG_TUPLE,
+            Capability.HYBRID_AUTO_GROUPS,
+            Capability.HYBRID_MANUAL_WRAP_CHECK,
+            Capability.HYBRID_PG_VALIDATION,
+            Capability.SYNC_MODULE_STATES,
+            Capability.CPU_OFFLOAD,
+            Capability.IGNORED_MODULES,
+            Capability.PARAM_INIT_FN,
+            Capability.COMPUTE_DEVICE,
+            Capability.PLACEMENT_MESSAGES,
+            Capability.DEVICE_MESH,
+            Capability.WORLD_SIZE_1_SWITCH,
+            Capability.CONTAINER_WARNING,
+            Capability.HOMOGENEOUS_ATTRIBUTES,
+            Capability.UNSAFE_SETATTR,
+            Capability.OPTIM_IN_BACKWARD_CHECK,
+            Capability.FORWARD_PREFETCH,
+            Capability.BACKWARD_PREFETCH,
+            Capability.NO_SYNC,
+            Capability.FULL_STATE_DICT,
+            Capability.SHARDED_STATE_DICT,
+            Capability.OPTIM_STATE_DICT,
+            Capability.MIXED_PRECISION,
+            Capability.MP_KEEP_LOW_PRECISION_GRADS,
+            Capability.MP_BUFFER_DTYPE,
+            Capability.MP_FULL_PRECISION_IN_EVAL,
+            Capability.THREAD_RANKS,
+        }
+    )
 
     def _api(self) -> ModuleType:
         import fsdp_impl

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
-from conformance.contract.adapter import DEPRECATED_CAPABILITIES, Capability, UnitInfo
+from conformance.contract.adapter import Capability, UnitInfo
 
 __all__ = ["TorchFSDP1Adapter"]
 
@@ -22,10 +22,48 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
     """
 
     name = "torch-fsdp1"
-    capabilities = frozenset(Capability) - set(DEPRECATED_CAPABILITIES) - {
-        Capability.POST_OPTIM_EVENT,
-        Capability.OPTIM_STATE_DICT_ON_THREADS,
-        Capability.FULL_STATE_DICT_LOAD_ON_THREADS,
+    capabilities = frozenset(
+        {
+            Capability.EXEC_ORDER_VALIDATION,
+            Capability.FLAT_PARAM,
+            Capability.RESHARD_INTROSPECTION,
+            Capability.HYBRID_VIA_PG_TUPLE,
+            Capability.HYBRID_AUTO_GROUPS,
+            Capability.HYBRID_MANUAL_WRAP_CHECK,
+            Capability.HYBRID_PG_VALIDATION,
+            Capability.SYNC_MODULE_STATES,
+            Capability.CPU_OFFLOAD,
+            Capability.IGNORED_MODULES,
+            Capability.PARAM_INIT_FN,
+            Capability.COMPUTE_DEVICE,
+            Capability.PLACEMENT_MESSAGES,
+            Capability.DEVICE_MESH,
+            Capability.WORLD_SIZE_1_SWITCH,
+            Capability.CONTAINER_WARNING,
+            Capability.HOMOGENEOUS_ATTRIBUTES,
+            Capability.UNSAFE_SETATTR,
+            Capability.OPTIM_IN_BACKWARD_CHECK,
+            Capability.FORWARD_PREFETCH,
+            Capability.BACKWARD_PREFETCH,
+            Capability.NO_SYNC,
+            Capability.FULL_STATE_DICT,
+            Capability.SHARDED_STATE_DICT,
+            Capability.OPTIM_STATE_DICT,
+            Capability.MIXED_PRECISION,
+            Capability.MP_KEEP_LOW_PRECISION_GRADS,
+            Capability.MP_BUFFER_DTYPE,
+            Capability.MP_FULL_PRECISION_IN_EVAL,
+            Capability.THREAD_RANKS,
+        }
+    )
+    #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,
+    #: whose set of running sections is a class attribute: on thread ranks, the second rank to enter
+    #: a section raises (reproduced in conformance/tests/test_adapter_capabilities.py).
+    thread_rank_limits = {
+        Capability.OPTIM_STATE_DICT: "its optimizer state-dict sections are timed by SimpleProfiler, "
+        "whose running sections are shared by every thread, so a second rank entering one raises",
+        Capability.FULL_STATE_DICT: "its FULL state-dict load hook is timed by SimpleProfiler, "
+        "whose running sections are shared by every thread, so a second rank entering it raises",
     }
 
     def _api(self) -> ModuleType:

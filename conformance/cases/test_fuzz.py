@@ -28,6 +28,9 @@ from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings, case
 from conformance.contract.results import CaseReport
 
+#: What the parity fuzzer draws only where the adapter declares it (precision.precision_features).
+_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
+
 if TYPE_CHECKING:
     from harness import RankContext
 
@@ -53,19 +56,19 @@ def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Case
     )
 
 
-@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s)
+@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
 def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random models, wrap plans and training loops on one rank match the local model."""
     return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s)
+@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
 def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on two ranks (uneven shards for odd widths)."""
     return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s)
+@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
 def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
     return _parity(ctx, impl, case_settings)

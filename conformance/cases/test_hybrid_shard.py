@@ -204,11 +204,6 @@ def _hybrid_three_linear(
     )
 
 
-def _roundtrip_requires(params: Mapping[str, Any]) -> list[Capability]:
-    caps = [Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT]
-    return caps + ([Capability.OPTIM_STATE_DICT_ON_THREADS] if params.get("rank_mode") == "thread" else [])
-
-
 def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tuple[Any, Any]) -> None:
     """Units shard and replicate over the very group objects passed in, not look-alikes."""
     owning = [u for u in impl.units(model) if u.local_shards]
@@ -221,8 +216,8 @@ def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tup
         )
 
 
-@case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, requires=_roundtrip_requires,
-      strategies=["HYBRID_SHARD"])
+@case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, strategies=["HYBRID_SHARD"],
+      requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT, Capability.OPTIM_STATE_DICT])
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     groups = hybrid_groups(ctx)
     model = _hybrid_three_linear(ctx, impl, 0, groups)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import re
 from collections import namedtuple
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -52,7 +53,11 @@ def _sum_loss(output: Any, _batch: tuple[Any, ...]) -> torch.Tensor:
     return output.sum()
 
 
-@case("misc/cpu_training_parity_vs_ddp", world_size=4, timeout_s=180.0)
+def _pg_tuple_for_hybrid(params: Mapping[str, Any]) -> list[Capability]:
+    return [Capability.HYBRID_VIA_PG_TUPLE] if params["strategy"] in HYBRID_STRATEGIES else []
+
+
+@case("misc/cpu_training_parity_vs_ddp", world_size=4, timeout_s=180.0, requires=_pg_tuple_for_hybrid)
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:

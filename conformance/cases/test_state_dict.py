@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from conformance.contract import registry
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.applicability import missing_reason
 from conformance.contract.case import case, not_applicable
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
@@ -49,10 +50,7 @@ IMPLS = ["reference", "torch-fsdp1", "torch-fsdp2"]
 
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
     sharded = params.get("kind") == "SHARDED"
-    caps = [Capability.SHARDED_STATE_DICT if sharded else Capability.FULL_STATE_DICT]
-    if params.get("rank_mode") == "thread":
-        caps.append(Capability.OPTIM_STATE_DICT_ON_THREADS)
-    return caps
+    return [Capability.SHARDED_STATE_DICT if sharded else Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT]
 
 
 def _wrap(ctx: RankContext, impl: FSDPAdapter, seed: int, use_orig_params: bool = True) -> nn.Module:
@@ -118,8 +116,7 @@ def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
 
 
 def _load_requires(params: Mapping[str, Any]) -> list[Capability]:
-    caps = [Capability.FULL_STATE_DICT] + ([] if params["use_orig_params"] else [Capability.FLAT_PARAM])
-    return caps + ([Capability.FULL_STATE_DICT_LOAD_ON_THREADS] if params.get("rank_mode") == "thread" else [])
+    return [Capability.FULL_STATE_DICT] + ([] if params["use_orig_params"] else [Capability.FLAT_PARAM])
 
 
 @case("state_dict/load_in_loop", world_size=2, requires=_load_requires)
@@ -181,8 +178,9 @@ def test_cross_impl(ctx: RankContext, impl: FSDPAdapter, dst: str) -> None:
     reason = loader_impl.unavailable_reason()
     if reason is not None:
         not_applicable(f"loading implementation {dst} unavailable: {reason}")
-    if ctx.mode == "thread" and Capability.OPTIM_STATE_DICT_ON_THREADS not in loader_impl.capabilities:
-        not_applicable(f"loading implementation {dst} lacks {Capability.OPTIM_STATE_DICT_ON_THREADS}")
+    lacking = missing_reason(loader_impl, _cross_requires({}), ctx.mode)
+    if lacking is not None:
+        not_applicable(f"loading implementation: {lacking}")
     saver, local = _wrap(ctx, impl, 0), ThreeLinear(seed=0).to(ctx.device)
     saver_optim = torch.optim.Adam(saver.parameters(), lr=1e-2)
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)

@@ -22,7 +22,7 @@ optional, have defaults, and are reached through the functions in
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,9 +72,13 @@ class Capability(str, enum.Enum):
     HYBRID_PG_VALIDATION = "hybrid_pg_validation"
     """A hybrid strategy given one (non-tuple) process group raises the catalogued ValueError."""
     SYNC_MODULE_STATES = "sync_module_states"
+    """``WrapSpec.sync_module_states``: rank 0's parameters and buffers are broadcast at wrap time."""
     CPU_OFFLOAD = "cpu_offload"
+    """``WrapSpec.cpu_offload``: sharded parameters and their gradients live on the CPU."""
     IGNORED_MODULES = "ignored_modules"
+    """``WrapSpec.ignored_modules``: their parameters stay unsharded and unmanaged."""
     PARAM_INIT_FN = "param_init_fn"
+    """``WrapSpec.param_init_fn``: modules on the meta device are materialized by this function."""
     DEVICE_ID = "device_id"
     """Deprecated (protocol 1): :attr:`COMPUTE_DEVICE` and :attr:`PLACEMENT_MESSAGES` together."""
     COMPUTE_DEVICE = "compute_device"
@@ -90,13 +94,23 @@ class Capability(str, enum.Enum):
     UNSAFE_SETATTR = "unsafe_setattr"
     OPTIM_IN_BACKWARD_CHECK = "optim_in_backward_check"
     FORWARD_PREFETCH = "forward_prefetch"
+    """``WrapSpec.forward_prefetch``: the next unit's all-gather is issued before this unit's forward
+    computation ends. ``forward_prefetch=True`` alone is a performance hint an adapter without this
+    capability may ignore; a case that measures what it promises requires the capability."""
     BACKWARD_PREFETCH = "backward_prefetch"
+    """``WrapSpec.backward_prefetch`` other than the default ``BACKWARD_PRE`` (``BACKWARD_POST``, or
+    ``None``: no prefetch) is honoured."""
     POST_OPTIM_EVENT = "post_optim_event"
     NO_SYNC = "no_sync"
     """Accumulates gradients without communication (FSDP1's ``no_sync()``); the adapter defines
     ``no_sync(model)`` (:func:`conformance.contract.optional.no_sync`)."""
     FULL_STATE_DICT = "full_state_dict"
+    """Saves and loads full (unflattened, unpadded) model state dicts."""
     SHARDED_STATE_DICT = "sharded_state_dict"
+    """Saves and loads each rank's shards as a model state dict."""
+    OPTIM_STATE_DICT = "optim_state_dict"
+    """Saves and loads optimizer state dicts keyed by original parameter names, in each
+    model state-dict kind the adapter declares."""
     MIXED_PRECISION = "mixed_precision"
     """Computes in ``MixedPrecisionSpec.param_dtype`` (all-gathers in it) and reduces gradients in
     ``reduce_dtype``; the sharded parameters and their gradients stay in full precision."""
@@ -115,23 +129,6 @@ class Capability(str, enum.Enum):
     an adapter without it gets ``n/a`` there instead of failures that say
     nothing about FSDP.
     """
-    OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
-    """Saves and loads optimizer state dicts while ranks are threads of one process.
-
-    torch's FSDP1 cannot: its optimizer state-dict code times its sections with
-    ``torch.distributed.fsdp._debug_utils.SimpleProfiler``, whose set of running
-    sections is a class attribute shared by every thread, so a second rank
-    entering the same section raises.
-    """
-
-    FULL_STATE_DICT_LOAD_ON_THREADS = "full_state_dict_load_on_threads"
-    """Loads FULL model state dicts while ranks are threads of one process.
-
-    torch's FSDP1 cannot, for the reason given under
-    :attr:`OPTIM_STATE_DICT_ON_THREADS`: its FULL load hook times a section with
-    the same process-global profiler.
-    """
-
     def __str__(self) -> str:
         return self.value
 
@@ -233,6 +230,24 @@ class WrapSpec:
     def is_hybrid(self) -> bool:
         return self.strategy in HYBRID_STRATEGIES
 
+    def required(self) -> list[Capability]:
+        """The capabilities an adapter needs to express this spec (beyond a plain default wrap).
+
+        A case's ``requires`` must include them: a wrap asking for more than the
+        row declared is an error in the case (see :mod:`conformance.contract.declared`).
+        """
+        caps = [] if self.mixed_precision is None else self.mixed_precision.required()
+        flags = {
+            Capability.SYNC_MODULE_STATES: self.sync_module_states,
+            Capability.PARAM_INIT_FN: self.param_init_fn is not None,
+            Capability.CPU_OFFLOAD: self.cpu_offload,
+            Capability.IGNORED_MODULES: bool(self.ignored_modules),
+            Capability.DEVICE_MESH: self.device_mesh is not None,
+            Capability.HYBRID_VIA_PG_TUPLE: isinstance(self.process_group, tuple),
+            Capability.BACKWARD_PREFETCH: self.backward_prefetch != "BACKWARD_PRE",
+        }
+        return caps + [capability for capability, used in flags.items() if used]
+
 
 @dataclass
 class UnitInfo:
@@ -312,10 +327,3 @@ class FSDPAdapter(Protocol):
         sharded: bool,
     ) -> None:
         """Load the output of :meth:`optim_state_dict` into ``optim``."""
-
-
-def iter_named_units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:
-    """``(fqn, module)`` for every unit in ``named_modules`` order (root first)."""
-    for fqn, module in model.named_modules():
-        if is_unit(module):
-            yield fqn, module

@@ -7,14 +7,15 @@ preview of the ``n/a`` rows).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from conformance.contract.adapter import Capability
 from conformance.contract.case import CaseSpec
-from conformance.contract.optional import capabilities_of
+from conformance.contract.optional import capabilities_of, thread_rank_limits
 from harness.rank_mode import RankMode, excluded_reason
 
-__all__ = ["not_applicable_reason"]
+__all__ = ["missing_reason", "not_applicable_reason"]
 
 
 def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any]) -> str | None:
@@ -22,17 +23,38 @@ def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any
 
     In order: the row's rank mode is one the case does not declare
     ([Note: rank modes] in :mod:`harness.rank_mode`); a capability the row
-    requires is not declared; a strategy the row wraps with is refused by
-    ``adapter.supports_strategy``.
+    requires is not declared, or not on this rank mode (:func:`missing_reason`);
+    a strategy the row wraps with is refused by ``adapter.supports_strategy``.
     """
-    excluded = excluded_reason(RankMode(params["rank_mode"]), spec.modes)
+    mode = RankMode(params["rank_mode"])
+    excluded = excluded_reason(mode, spec.modes)
     if excluded is not None:
         return f"{spec.id} is {excluded}"
-    capabilities = capabilities_of(adapter)
-    missing = [str(c) for c in spec.required(params) if c not in capabilities]
-    if missing:
-        return f"{adapter.name} lacks capability {', '.join(missing)}"
+    missing = missing_reason(adapter, spec.required(params), mode)
+    if missing is not None:
+        return missing
     refused = [str(s) for s in spec.strategies_for(params) if not adapter.supports_strategy(s)]
     if refused:
         return f"{adapter.name} does not support strategy {', '.join(refused)}"
+    return None
+
+
+def missing_reason(adapter: Any, required: Iterable[Capability], mode: RankMode) -> str | None:
+    """Why ``adapter`` cannot provide ``required`` on ``mode`` ranks, or ``None``.
+
+    Capabilities fail closed: only what the adapter declares counts, so a
+    capability added to the suite later is missing for every adapter until
+    it opts in. On thread ranks, a declared capability listed in the
+    adapter's ``thread_rank_limits`` is missing too, with the adapter's reason.
+    """
+    required = list(required)
+    declared = capabilities_of(adapter)
+    missing = [str(c) for c in required if c not in declared]
+    if missing:
+        return f"{adapter.name} lacks capability {', '.join(missing)}"
+    if mode is RankMode.THREAD:
+        limits = thread_rank_limits(adapter)
+        limited = [c for c in required if c in limits]
+        if limited:
+            return "; ".join(f"{adapter.name} has {c} on process ranks only: {limits[c]}" for c in limited)
     return None

@@ -97,6 +97,9 @@ class CaseSpec:
     timing: bool = False
     #: Strategies the body wraps with besides a ``strategy`` grid parameter (checked before ranks start).
     strategies: tuple[str, ...] = ()
+    #: Capabilities the body exercises only where the adapter declares them (a fuzzer drawing
+    #: configurations from what the adapter offers); never a reason for ``n/a``.
+    uses: tuple[Capability, ...] = ()
 
     def __post_init__(self) -> None:
         if not _ID.match(self.id):
@@ -124,6 +127,12 @@ class CaseSpec:
     @property
     def area(self) -> str:
         return self.id.split("/", 1)[0]
+
+    def permitted(self, params: Mapping[str, Any], declared: Iterable[Capability]) -> list[Capability]:
+        """What a wrap in this row may ask of an adapter that declares ``declared``:
+        :meth:`required` and the :attr:`uses` it declares ([Note: requirements are checked once])."""
+        declared = set(declared)
+        return self.required(params) + [c for c in self.uses if c in declared]
 
     def required(self, params: Mapping[str, Any]) -> list[Capability]:
         """The capabilities this grid point needs (``params`` includes ``rank_mode``).
@@ -165,11 +174,13 @@ def case(
     env: Mapping[str, str] | None = None,
     timing: bool = False,
     strategies: Iterable[str] = (),
+    uses: Iterable[Capability] = (),
 ) -> Callable[[_F], _F]:
     """Declare a conformance case (see the module docstring).
 
     ``strategies``: sharding strategies the body uses that are not a ``strategy``
     grid parameter; an adapter whose ``supports_strategy`` refuses one makes the row ``n/a``.
+    ``uses``: capabilities the body exercises only when the adapter declares them.
     """
     spec = CaseSpec(
         id=case_id,
@@ -182,6 +193,7 @@ def case(
         env=dict(env or {}),
         timing=timing,
         strategies=tuple(strategies),
+        uses=tuple(uses),
     )
 
     def decorate(fn: _F) -> _F:

@@ -16,6 +16,7 @@ adapter method (optional)                  default
 ``has_backward_hook(tensor)``              hooks registered with ``Tensor.register_hook``
 ``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
 ``no_sync(model)``                         unsupported: the case is ``n/a``
+``thread_rank_limits: Mapping[Capability, str]`` ``{}``: every capability holds on thread ranks too
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -26,6 +27,7 @@ adapter sees no change. A capability that promises an optional method
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -44,6 +46,7 @@ __all__ = [
     "has_backward_hook",
     "no_sync",
     "protocol_version",
+    "thread_rank_limits",
     "set_post_optim_event",
     "wrapped_module",
 ]
@@ -167,3 +170,23 @@ def no_sync(adapter: Any, model: nn.Module) -> AbstractContextManager[Any]:
     if method is None:
         raise NoSyncUnsupported(f"{adapter.name} has no no_sync (gradient accumulation without communication)")
     return method(model)  # type: ignore[no-any-return]
+
+
+def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:
+    """Capabilities the adapter has on process ranks but not on thread ranks, each with the reason.
+
+    Optional part of the contract: an adapter may define
+    ``thread_rank_limits: Mapping[Capability, str]``. A thread-rank row
+    requiring one of them is ``n/a`` with that reason; process-rank rows are
+    unaffected. It states a limit of the implementation when its ranks share
+    one process (process-global state, say), not a feature, so it is not a
+    capability of its own. Raises ``TypeError`` naming a key that is not a
+    declared :class:`Capability`.
+    """
+    limits = dict(getattr(adapter, "thread_rank_limits", {}))
+    declared = capabilities_of(adapter)
+    bad = [key for key in limits if not isinstance(key, Capability) or key not in declared]
+    if bad:
+        raise TypeError(f"adapter {adapter.name!r}: thread_rank_limits keys must be capabilities it declares, "
+                        f"got {bad!r}")
+    return limits

@@ -31,6 +31,8 @@ import pytest
 from conformance.contract import registry
 from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSettings, CaseSpec, NotApplicable
+from conformance.contract.declared import DeclaredAdapter
+from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
 from conformance.runner.findings import annotate
@@ -217,6 +219,17 @@ def _plan(config: pytest.Config, spec: CaseSpec) -> devices.Decision:
     """Where this row runs ([Note: device setting] in :mod:`harness.devices`)."""
     return devices.decide(setting=settings_of(config).device.value, gpus=config.stash[_GPUS_KEY],
                           world_size=spec.world_size, need=spec.gpus, nccl=devices.nccl_available())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """Hand the body its adapter behind the row's declaration ([Note: requirements are checked once])."""
+    spec = case_spec(item)
+    funcargs = getattr(item, "funcargs", None)
+    if spec is None or funcargs is None or "impl" not in funcargs:
+        return
+    impl = funcargs["impl"]
+    funcargs["impl"] = DeclaredAdapter(impl, spec.permitted(all_params(item), capabilities_of(impl)), spec.id)
 
 
 @pytest.hookimpl

@@ -1,8 +1,8 @@
-"""Capabilities an adapter withholds are withheld for a reason that still holds.
+"""Capabilities an adapter withholds, or limits to process ranks, are withheld for a reason that still holds.
 
-Each test here reproduces the torch behaviour behind one withheld capability.
-When torch changes and a test starts failing, grant the capability and delete
-the test: the matrix then runs the cases it gates.
+Each test here reproduces the torch behaviour behind one withheld capability or
+thread-rank limit. When torch changes and a test starts failing, lift the limit
+and delete the test: the matrix then runs the cases it gates.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _fsdp1_full_state_dict(ctx: harness.RankContext) -> list[str]:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_fsdp1_full_state_dict_collides_on_thread_ranks() -> None:
     """FSDP1's model state-dict load profiles its sections in the same class-level set."""
-    assert Capability.FULL_STATE_DICT_LOAD_ON_THREADS not in TorchFSDP1Adapter.capabilities
+    assert Capability.FULL_STATE_DICT in TorchFSDP1Adapter.thread_rank_limits
     assert harness.run(_fsdp1_full_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
     with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
         harness.run(_fsdp1_full_state_dict, world_size=2, mode="thread")
@@ -51,7 +51,7 @@ def test_fsdp1_full_state_dict_collides_on_thread_ranks() -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_fsdp1_optim_state_dict_collides_on_thread_ranks() -> None:
     """FSDP1 profiles its optimizer state-dict sections in a class-level set every thread shares."""
-    assert Capability.OPTIM_STATE_DICT_ON_THREADS not in TorchFSDP1Adapter.capabilities
+    assert Capability.OPTIM_STATE_DICT in TorchFSDP1Adapter.thread_rank_limits
     assert harness.run(_fsdp1_optim_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
     with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
         harness.run(_fsdp1_optim_state_dict, world_size=2, mode="thread")

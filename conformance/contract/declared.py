@@ -1,0 +1,69 @@
+"""The adapter a case body receives: it refuses a wrap that needs more than the row declared.
+
+[Note: requirements are checked once]
+Whether a row can run is decided once, before any rank starts, from what the
+case declares (``requires``, strategies, rank modes) and what the adapter
+declares (:func:`conformance.contract.applicability.not_applicable_reason`).
+That decision is only as good as the declaration: a case that wraps with,
+say, ``cpu_offload=True`` but forgets ``Capability.CPU_OFFLOAD`` would reach
+an adapter that cannot offload, which then either fails the row (blaming the
+implementation for the case's omission) or silently ignores the flag (a false
+pass). So the body gets the adapter behind :class:`DeclaredAdapter`, which
+compares every :meth:`WrapSpec.required` with the row's declared capabilities
+and raises :class:`UndeclaredCapability` (an error in the case, the same for
+every adapter, so the reference's own run catches it) instead of wrapping.
+Adapters therefore never re-check capabilities at wrap time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch.nn as nn
+
+from conformance.contract.adapter import Capability, WrapSpec
+
+__all__ = ["DeclaredAdapter", "UndeclaredCapability"]
+
+
+class UndeclaredCapability(RuntimeError):
+    """A case wrapped with a spec needing a capability its ``requires`` does not list."""
+
+
+class DeclaredAdapter:
+    """``adapter`` as seen by one row of ``case_id``, which declared ``declared``.
+
+    Every attribute is the adapter's own, except :meth:`wrap`, which first checks
+    the spec against the declaration. Picklable (process ranks receive it).
+    """
+
+    def __init__(self, adapter: Any, declared: Iterable[Capability], case_id: str) -> None:
+        self.__dict__.update(_adapter=adapter, _declared=frozenset(declared), _case_id=case_id)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_adapter" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._adapter, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._adapter, name, value)
+
+    def __repr__(self) -> str:
+        return f"DeclaredAdapter({self._adapter!r}, case {self._case_id!r})"
+
+    @property
+    def unwrapped(self) -> Any:
+        """The adapter itself."""
+        return self._adapter
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        undeclared = [c for c in spec.required() if c not in self._declared]
+        if undeclared:
+            names = ", ".join(f"Capability.{c.name}" for c in undeclared)
+            raise UndeclaredCapability(
+                f"case {self._case_id} wraps with a spec needing {names}, which its requires does not "
+                f"declare (declared: {', '.join(sorted(str(c) for c in self._declared)) or 'nothing'}); "
+                "add it to the case's requires so that adapters without it report n/a"
+            )
+        return self._adapter.wrap(module, spec)  # type: ignore[no-any-return]
