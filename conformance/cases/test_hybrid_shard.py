@@ -47,7 +47,7 @@ from conformance.cases._hybrid_helpers import (
     ranks,
     split_units,
 )
-from conformance.cases._misc_helpers import env_on_all_ranks
+from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
 from fixtures.models import ThreeLinear, TiedTransformer

@@ -21,6 +21,9 @@ A row that computes on a GPU declares what it needs with ``gpus=``:
 :data:`ANY_GPU` (ranks may share one GPU, so it also runs on a one-GPU
 machine) or ``distinct_gpus(N)`` (e.g. a module spread over two GPUs, or a
 device check that expects ``cuda:{rank}``). Rows without ``gpus`` are CPU rows.
+Like ``requires``, ``gpus`` may be a function of the row's parameters, so one
+body checks one behaviour on CPU and GPU rows alike (a grid parameter
+``on=["cpu", "gpu"]`` with ``gpus=gpu_rows``): no twin cases per placement.
 The plugin turns the need into a placement with :func:`harness.devices.decide`
 ([Note: placements]); the body reads its device from ``ctx.device``.
 
@@ -41,19 +44,19 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pytest
-import torch
 
 from conformance.contract.adapter import STRATEGIES, Capability
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 from harness.rank_mode import SPAWNED, RankMode
 
-__all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "accelerator_skip_reason",
+__all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "gpu_rows",
            "ANY_GPU", "GpuNeed", "distinct_gpus"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
 
 Requires = Iterable[Capability] | Callable[[Mapping[str, Any]], Iterable[Capability]]
+Gpus = GpuNeed | None | Callable[[Mapping[str, Any]], GpuNeed | None]
 
 
 class NotApplicable(pytest.skip.Exception):  # type: ignore[name-defined,misc]
@@ -88,8 +91,9 @@ class CaseSpec:
     world_size: int = 2
     modes: tuple[RankMode, ...] = SPAWNED
     requires: Requires = ()
-    #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``).
-    gpus: GpuNeed | None = None
+    #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``);
+    #: or a function of the row's parameters giving one of those (:meth:`gpus_for`).
+    gpus: Gpus = None
     #: Seconds the ranks may take, or a function of the run's :class:`CaseSettings` (e.g. a fuzz budget).
     timeout_s: float | Callable[[CaseSettings], float] = 120.0
     isolated: bool = False
@@ -110,8 +114,8 @@ class CaseSpec:
         if bad or not self.modes:
             raise ValueError(f"case {self.id}: modes must be a non-empty subset of "
                              f"{tuple(str(m) for m in SPAWNED)}, got {self.modes}")
-        if self.gpus is not None and not isinstance(self.gpus, GpuNeed):
-            raise ValueError(f"case {self.id}: gpus must be None, ANY_GPU or distinct_gpus(N), got {self.gpus!r}")
+        if not callable(self.gpus):
+            self.gpus_for({})
         self.timeout(CaseSettings())  # a bad value (or function) fails at import
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
@@ -144,10 +148,13 @@ class CaseSpec:
             caps.append(Capability.THREAD_RANKS)
         return caps
 
-    @property
-    def accelerators(self) -> int:
-        """The fewest GPUs a machine needs to run this row (0: a CPU row)."""
-        return 0 if self.gpus is None else self.gpus.distinct
+    def gpus_for(self, params: Mapping[str, Any]) -> GpuNeed | None:
+        """What this row needs of GPUs (``None``: a CPU row); ValueError naming a bad declaration."""
+        need = self.gpus(params) if callable(self.gpus) else self.gpus
+        if need is not None and not isinstance(need, GpuNeed):
+            raise ValueError(f"case {self.id}: gpus must be None, ANY_GPU or distinct_gpus(N), got {need!r}")
+        return need
+
     def strategies_for(self, params: Mapping[str, Any]) -> list[str | None]:
         """The sharding strategies this grid point wraps with: a ``strategy`` parameter and the declared ones."""
         out: list[str | None] = list(self.strategies)
@@ -155,10 +162,11 @@ class CaseSpec:
             out.append(params["strategy"])
         return out
 
-    def needs_text(self) -> str:
-        """Hardware needs as ``list`` shows them."""
-        if self.gpus is not None:
-            return f"{self.gpus.describe()}, ws {self.world_size}"
+    def needs_text(self, params: Mapping[str, Any]) -> str:
+        """The row's hardware needs as ``list`` shows them."""
+        need = self.gpus_for(params)
+        if need is not None:
+            return f"{need.describe()}, ws {self.world_size}"
         return f"cpu, ws {self.world_size}"
 
 
@@ -168,7 +176,7 @@ def case(
     world_size: int = 2,
     modes: Iterable[RankMode | str] = SPAWNED,
     requires: Requires = (),
-    gpus: GpuNeed | None = None,
+    gpus: Gpus = None,
     timeout_s: float | Callable[[CaseSettings], float] = 120.0,
     isolated: bool = False,
     env: Mapping[str, str] | None = None,
@@ -198,8 +206,8 @@ def case(
 
     def decorate(fn: _F) -> _F:
         fn = pytest.mark.conformance(spec)(fn)
-        if spec.gpus is not None:
-            fn = pytest.mark.gpu(fn)  # selected by `tox -e gpu` (-m gpu)
+        if spec.gpus is not None and not callable(spec.gpus):
+            fn = pytest.mark.gpu(fn)  # selected by `tox -e gpu` (-m gpu); per row for a function of the grid
         if spec.timing:
             fn = pytest.mark.timing(fn)
         return pytest.mark.ranks(
@@ -213,19 +221,18 @@ def case(
     return decorate
 
 
+def gpu_rows(params: Mapping[str, Any]) -> GpuNeed | None:
+    """``gpus=`` for a case with the grid parameter ``on`` (``"cpu"`` or ``"gpu"``): its ``gpu`` rows
+    need :data:`ANY_GPU`, its ``cpu`` rows are CPU rows."""
+    on = params.get("on")
+    if on not in ("cpu", "gpu"):
+        raise ValueError(f"gpus=gpu_rows needs a grid parameter on='cpu'|'gpu', got on={on!r}")
+    return ANY_GPU if on == "gpu" else None
+
+
 def _rank_mode(case_id: str, mode: RankMode | str) -> RankMode:
     try:
         return RankMode(mode)
     except ValueError:
         raise ValueError(f"case {case_id}: {mode!r} is not a rank mode; expected one of "
                          f"{tuple(str(m) for m in SPAWNED)}") from None
-
-
-def accelerator_skip_reason(needed: int) -> str | None:
-    """Why this machine cannot run something that needs ``needed`` accelerators, or ``None``."""
-    if needed:
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found < needed:
-            return f"needs {needed} accelerators, found {found}"
-    return None
-

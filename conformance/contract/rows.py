@@ -90,8 +90,8 @@ def parse_row_id(row_id: str) -> tuple[str, dict[str, str]]:
 def row_matches(row_id: str, pattern: str) -> bool:
     """Whether ``row_id`` is the case ``pattern`` names, with every parameter the pattern gives.
 
-    ``misc/unsafe_setattr`` matches every row of that case;
-    ``misc/unsafe_setattr[env_value=1]`` only the rows with ``env_value=1``,
+    ``construction/unsafe_setattr`` matches every row of that case;
+    ``construction/unsafe_setattr[env_value=1]`` only the rows with ``env_value=1``,
     whatever the other parameters; ``checkpoint/*`` every case of the area.
     """
     row_case, row_params = parse_row_id(row_id)

@@ -55,7 +55,8 @@ class _Collector:
             if spec is None:
                 continue
             params = all_params(item)
-            row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(), spec.modes))
+            row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(params),
+                                                                       spec.modes))
             row.requires.update(spec.required(params))
             impl = params.get("impl")
             mode = str(params.get("rank_mode"))

@@ -205,7 +205,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = impl.unavailable_reason()
     if reason is not None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
-    decision = _plan(item.config, spec)
+    decision = _plan(item.config, spec, all_params(item))
     item.stash[_STATE_KEY].placement = decision.placement or ""
     not_applicable = not_applicable_reason(spec, impl, all_params(item))
     if not_applicable is not None:
@@ -215,10 +215,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(decision.reason)
 
 
-def _plan(config: pytest.Config, spec: CaseSpec) -> devices.Decision:
+def _plan(config: pytest.Config, spec: CaseSpec, params: dict[str, Any]) -> devices.Decision:
     """Where this row runs ([Note: device setting] in :mod:`harness.devices`)."""
     return devices.decide(setting=settings_of(config).device.value, gpus=config.stash[_GPUS_KEY],
-                          world_size=spec.world_size, need=spec.gpus, nccl=devices.nccl_available())
+                          world_size=spec.world_size, need=spec.gpus_for(params), nccl=devices.nccl_available())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the GPU rows of cases whose ``gpus`` is a function of the grid (before ``-m gpu`` selects)."""
+    for item in items:
+        spec = case_spec(item)
+        if spec is not None and callable(spec.gpus) and spec.gpus_for(all_params(item)) is not None:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.hookimpl(tryfirst=True)

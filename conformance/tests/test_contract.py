@@ -100,12 +100,12 @@ def test_every_capability_is_required_by_some_case_and_none_by_an_alias() -> Non
 
 def test_findings_from_a_file_and_an_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     listed = tmp_path / "mine.json"
-    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "misc/no_params[use_device_id=True]",
+    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "placement/no_params[use_device_id=True]",
                                    "doc": "https://example.org/my-fsdp/issues/1"}]))
     monkeypatch.setenv(ENV_VAR, str(listed))
-    assert annotate("my-fsdp", "misc/no_params[use_device_id=True]", "boom") == (
+    assert annotate("my-fsdp", "placement/no_params[use_device_id=True]", "boom") == (
         "known finding, see https://example.org/my-fsdp/issues/1: boom")
-    assert annotate("my-fsdp", "misc/no_params[use_device_id=False]", "boom") == "boom"
+    assert annotate("my-fsdp", "placement/no_params[use_device_id=False]", "boom") == "boom"
     listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "misc/x[bad]", "doc": "d"}]))
     with pytest.raises(ValueError, match=r"is not name=value"):
         annotate("my-fsdp", "misc/x", "boom")

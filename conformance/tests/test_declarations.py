@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import re
+from pathlib import Path
+
 import pytest
 import torch.nn as nn
 
 from conformance.contract import registry
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import CaseSpec, NotApplicable, case
+from conformance.contract.case import ANY_GPU, CaseSpec, NotApplicable, case, gpu_rows
+from conformance.runner.listing import CASES_DIR
 
 
 @pytest.mark.parametrize(
@@ -111,3 +116,42 @@ def test_known_findings_annotate_but_never_change_outcomes() -> None:
     first = builtin[0]
     assert annotate(first.impl, first.rows + "[x=1]", "boom").startswith("known finding, see docs/findings/")
     assert annotate("reference", first.rows, "boom") == "boom"
+
+
+def test_gpus_may_depend_on_parameters() -> None:
+    spec = CaseSpec(id="a/b", gpus=gpu_rows)
+    assert spec.gpus_for({"on": "gpu"}) is ANY_GPU and spec.gpus_for({"on": "cpu"}) is None
+    assert spec.needs_text({"on": "gpu"}) == "any GPU, ws 2" and spec.needs_text({"on": "cpu"}) == "cpu, ws 2"
+    with pytest.raises(ValueError, match="needs a grid parameter on='cpu'|'gpu', got on=None"):
+        spec.gpus_for({})
+    with pytest.raises(ValueError, match=r"case a/c: gpus must be None, ANY_GPU or distinct_gpus\(N\), got 'x'"):
+        CaseSpec(id="a/c", gpus=lambda p: "x").gpus_for({})  # type: ignore[arg-type,return-value]
+
+
+def _declared_by_file() -> dict[str, list[CaseSpec]]:
+    """Case file stem -> the cases it declares."""
+    out: dict[str, list[CaseSpec]] = {}
+    for path in sorted(CASES_DIR.glob("test_*.py")):
+        module = importlib.import_module(f"conformance.cases.{path.stem}")
+        out[path.stem] = [m.args[0] for fn in vars(module).values() for m in getattr(fn, "pytestmark", ())
+                          if m.name == "conformance"]
+    return out
+
+
+def test_each_case_file_is_one_area_listed_in_the_guide() -> None:
+    """test_<area>.py declares only <area>/... cases; docs/ADDING_A_CASE.md's table names exactly these areas."""
+    by_file = _declared_by_file()
+    strays = [(stem, spec.id) for stem, specs in by_file.items() for spec in specs
+              if spec.area != stem.removeprefix("test_")]
+    assert not strays, f"cases outside their file's area: {strays}"
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "ADDING_A_CASE.md").read_text()
+    section = guide.split("## 1. Pick the area file", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
+    assert listed == {stem.removeprefix("test_") for stem in by_file}, listed
+
+
+def test_no_case_is_a_placement_twin() -> None:
+    """A behaviour checked on CPU and GPU is one case whose gpus depend on its grid, not two ids."""
+    ids = {spec.id for specs in _declared_by_file().values() for spec in specs}
+    twins = sorted(i for i in ids if i.endswith("_gpu") or (i.endswith("_cpu") and i.removesuffix("_cpu") in ids))
+    assert not twins, twins

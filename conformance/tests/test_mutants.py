@@ -33,11 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance.contract.case import CaseSpec, accelerator_skip_reason
+from conformance.contract.case import CaseSpec
 from conformance.contract.rows import parse_row_id, row_matches
 from conformance.runner.cli import CASES_DIR
 from conformance.selftest.declare import apply_patches, revert_patches
 from conformance.selftest.mutants import MUTANTS, Expect, Patch, check_declaration
+from harness import devices
 
 #: mutant name -> the cases that must report FAIL against it (declared on each mutant).
 EXPECTED: dict[str, Expect] = {name: cls.expect for name, cls in MUTANTS.items()}
@@ -151,9 +152,9 @@ def _uncaught(mutant: str, rows: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("batch", [pytest.param(b, id=b.name, marks=b.marks()) for b in BATCHES])
 def test_mutants_are_caught(batch: Batch, tmp_path: Path) -> None:
-    hardware = accelerator_skip_reason(batch.accelerators)
-    if hardware is not None:
-        pytest.skip(hardware)
+    found = devices.visible_gpus()
+    if found < batch.accelerators:
+        pytest.skip(f"needs {batch.accelerators} GPUs, found {found}")
     rows = _run(batch, tmp_path)
     problems = [p for name in batch.mutants for p in _uncaught(name, [r for r in rows if r["impl"] == name])]
     assert not problems, "\n".join(problems)
@@ -168,12 +169,12 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     ``no_params`` row, next in the same rank processes (or thread host), would fail.
     """
     options = ["--fsdp-impl", "reference", "--fsdp-impl", "mutant-assumes-parameters", "--rank-mode", "both",
-               "-k", "(ignored_params_not_moved and not _gpu) or (no_params and False)"]
-    report = _session([DECLARED_IN["misc/no_params"]], options, tmp_path / "r.json")
+               "-k", "(ignored_params_not_moved and not gpu) or (no_params and False)"]
+    report = _session([DECLARED_IN["placement/no_params"]], options, tmp_path / "r.json")
     rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in report]
     mutant = "mutant-assumes-parameters"
-    assert rows == [(case, impl, mode, "FAIL" if (case, impl) == ("misc/no_params", mutant) else "pass")
-                    for case in ("misc/ignored_params_not_moved", "misc/no_params")
+    assert rows == [(case, impl, mode, "FAIL" if (case, impl) == ("placement/no_params", mutant) else "pass")
+                    for case in ("placement/ignored_params_not_moved", "placement/no_params")
                     for mode in ("process", "thread") for impl in ("reference", mutant)], rows
 
 
@@ -213,7 +214,7 @@ def test_patch_targets_resolve() -> None:
 )
 def test_a_stale_target_is_named_at_declaration(target: str) -> None:
     class Stale:
-        expect = Expect("k", "thread", ("misc/no_params",))
+        expect = Expect("k", "thread", ("placement/no_params",))
         patches = (Patch.instead(target, None),)
 
     with pytest.raises(LookupError, match=f"mutant Stale: patch target '{target}'"):
@@ -273,7 +274,7 @@ def test_patches_last_until_the_case_ends(monkeypatch: pytest.MonkeyPatch) -> No
     ],
 )
 def test_a_malformed_expectation_names_the_bad_value(kwargs: dict, message: str) -> None:
-    fields = {"keyword": "k", "rank_mode": "thread", "must_fail": ("misc/no_params",), **kwargs}
+    fields = {"keyword": "k", "rank_mode": "thread", "must_fail": ("placement/no_params",), **kwargs}
     with pytest.raises(ValueError, match=re.escape(message)):
         Expect(**fields)
 
@@ -286,15 +287,15 @@ def test_a_mutant_without_expectation_is_rejected() -> None:
         check_declaration(Undeclared)
 
 
-def _declared_cases() -> dict[str, int]:
-    """Every declared case id -> the accelerators it needs."""
-    return {case: spec.accelerators for case, spec in DECLARED.items()}
+def _declared_cases() -> dict[str, bool]:
+    """Every declared case id -> whether it has CPU rows (a ``gpus`` function of the grid may give both)."""
+    return {case: spec.gpus is None or callable(spec.gpus) for case, spec in DECLARED.items()}
 
 
 def test_expectations_name_declared_cases() -> None:
     """Expectations that skip here (GPU) still have to name real cases, checked without running them."""
     ids = set(_declared_cases())
-    assert "misc/device_id_auto_wrap_gpu" in ids, sorted(ids)
+    assert "placement/device_id_auto_wrap" in ids, sorted(ids)
     stale = [(mutant, prefix) for mutant, expect in EXPECTED.items() for prefix in expect.must_fail
              if parse_row_id(prefix)[0] not in ids]
     assert not stale, f"expectations naming no declared case: {stale}"
@@ -309,5 +310,5 @@ def test_every_case_has_a_mutant() -> None:
     cases = _declared_cases()
     uncaught = sorted(case for case in cases if case not in covered)
     assert not uncaught, f"cases no mutant is expected to fail: {uncaught}"
-    cpu_only_by_gpu = sorted(case for case, gpus in cases.items() if gpus == 0 and 0 not in covered[case])
+    cpu_only_by_gpu = sorted(case for case, has_cpu_rows in cases.items() if has_cpu_rows and 0 not in covered[case])
     assert not cpu_only_by_gpu, f"CPU cases whose only mutants need a GPU: {cpu_only_by_gpu}"

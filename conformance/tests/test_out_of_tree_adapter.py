@@ -82,5 +82,5 @@ def test_out_of_tree_adapter_rows_are_na_for_what_it_lacks(site: Path, tmp_path:
         else:
             expected = ("pass", "")
         assert (row["outcome"], row["reason"]) == expected, row
-    assert {"pass", "n/a"} <= set(by_case["misc/cpu_training_parity_vs_ddp"])
-    assert {"pass", "n/a"} <= set(by_case["misc/world_size_1_no_shard_warning"])
+    assert {"pass", "n/a"} <= set(by_case["training/cpu_training_parity_vs_ddp"])
+    assert {"pass", "n/a"} <= set(by_case["construction/world_size_1_no_shard_warning"])

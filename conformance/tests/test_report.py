@@ -15,7 +15,7 @@ RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
     Result("exec_order/train_eval[FULL_SHARD]", "torch-fsdp2", "process", 2, "n/a",
            "torch-fsdp2 lacks capability exec_order_validation", 0.0, placement="cpu"),
-    Result("misc/device_id[]", "reference", "process", 1, "skip", "needs any GPU, found 0", 0.0),
+    Result("placement/device_id[]", "reference", "process", 1, "skip", "needs any GPU, found 0", 0.0),
     Result("exec_order/invalid_first_iter_order[SHARD_GRAD_OP]", "reference", "process", 2, "FAIL",
            "AssertionError: no matching UserWarning", 2.5, placement="cpu"),
 ]
@@ -30,7 +30,7 @@ case                                                placement  reference/process
 --------------------------------------------------  ---------  -----------------  -------------------
 exec_order/invalid_first_iter_order[SHARD_GRAD_OP]  cpu        FAIL
 exec_order/train_eval[FULL_SHARD]                   cpu        pass               n/a
-misc/device_id[]                                    -          skip""",
+placement/device_id[]                               -          skip""",
         )
 
     def test_summary_counts_every_outcome(self) -> None:
@@ -57,11 +57,11 @@ def test_json_round_trip(tmp_path: Path) -> None:
 
 
 def test_matrix_shows_each_rows_placement() -> None:
-    shared = [Result("misc/device_id[]", impl, mode, 2, "pass", "", 0.5, placement="cuda-shared")
+    shared = [Result("placement/device_id[]", impl, mode, 2, "pass", "", 0.5, placement="cuda-shared")
               for impl in ("reference", "torch-fsdp2") for mode in ("process", "thread")]
     lines = render_matrix([*shared, RESULTS[2]]).splitlines()
     assert lines[0].split()[:2] == ["case", "placement"]
-    assert lines[2].split()[:2] == ["misc/device_id[]", "cuda-shared"]
+    assert lines[2].split()[:2] == ["placement/device_id[]", "cuda-shared"]
 
 
 def test_unknown_outcome_is_rejected() -> None:
@@ -78,5 +78,5 @@ def test_summary_counts_outcomes_per_area_and_lists_failures() -> None:
 
     text = summarize(RESULTS)
     assert "| exec_order | 1 pass, 1 FAIL | 1 n/a |" in text
-    assert "| misc | 1 skip | - |" in text
+    assert "| placement | 1 skip | - |" in text
     assert "- `exec_order/invalid_first_iter_order` on reference: AssertionError: no matching UserWarning" in text

@@ -45,7 +45,7 @@ def test_patterns_match_a_subset_of_parameters_in_any_order() -> None:
     assert row_matches(row, "checkpoint/wrapping[offload_activations=False,nesting=under_root]")
     assert not row_matches(row, "checkpoint/wrapping[offload_activations=True]")
     assert not row_matches(row, "checkpoint/wrap")
-    assert not row_matches("misc/device_id_auto_wrap[kind=transformer]", "misc/device_id")
+    assert not row_matches("placement/device_id_auto_wrap[kind=transformer]", "placement/device_id")
     assert row_matches(row, "checkpoint/*") and not row_matches(row, "misc/*")
 
 

@@ -21,7 +21,7 @@ defaults for the dtype (through :mod:`fixtures.parity`; under a policy, losses
 and gradients in the param dtype, as that note explains). A missing gradient
 (``None``) and an all-zero one are treated alike: flat-parameter
 implementations cannot tell them apart within a unit, and
-``misc/module_no_compute_grad`` checks that contract on its own.
+``training/module_no_compute_grad`` checks that contract on its own.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class NoSyncModuleStates(_Mutant):
     breaks = "sync_module_states"
     expect = Expect(
         "same_model_across_ranks or sync_module_states", "thread",
-        ("misc/same_model_across_ranks", "misc/cpu_init_with_sync_module_states_cpu",
+        ("construction/same_model_across_ranks", "placement/cpu_init_with_sync_module_states[on=cpu]",
          "hybrid_shard/sync_module_states"),
     )
     spec_overrides = {"sync_module_states": False}
@@ -83,9 +83,10 @@ class Silent(_Mutant):
     breaks = "user-facing warnings"
     expect = Expect(
         "unsupported_container_warning or world_size_1_no_shard_warning", "thread",
-        ("misc/unsupported_container_warning", "misc/world_size_1_no_shard_warning[strategy=FULL_SHARD]",
-         "misc/world_size_1_no_shard_warning[strategy=SHARD_GRAD_OP]",
-         "misc/world_size_1_no_shard_warning[strategy=None]"),
+        ("construction/unsupported_container_warning",
+         "construction/world_size_1_no_shard_warning[strategy=FULL_SHARD]",
+         "construction/world_size_1_no_shard_warning[strategy=SHARD_GRAD_OP]",
+         "construction/world_size_1_no_shard_warning[strategy=None]"),
     )
     patches = tuple(
         Patch.instead(f"fsdp_impl.{module}:warnings", _QUIET)
@@ -123,7 +124,7 @@ class NoHomogeneityCheck(_Mutant):
 
     name = "mutant-no-homogeneity-check"
     breaks = "homogeneous-attribute validation"
-    expect = Expect("homogeneous_attributes", "thread", ("misc/homogeneous_attributes",))
+    expect = Expect("homogeneous_attributes", "thread", ("construction/homogeneous_attributes",))
     patches = (Patch.instead("fsdp_impl.unit:HOMOGENEOUS_ATTRS", ()),)
 
 
@@ -132,7 +133,7 @@ class UnsafeSetattrIgnored(_Mutant):
 
     name = "mutant-unsafe-setattr-ignored"
     breaks = "FSDP_USE_UNSAFE_SETATTR"
-    expect = Expect("unsafe_setattr", "thread", ("misc/unsafe_setattr[env_value=1]",))
+    expect = Expect("unsafe_setattr", "thread", ("construction/unsafe_setattr[env_value=1]",))
     patches = (Patch.instead("fsdp_impl.flat_param:unsafe_setattr_enabled", _never),)
 
 
@@ -164,7 +165,7 @@ class NoOptimInBackwardCheck(_Mutant):
     name = "mutant-no-optim-in-backward-check"
     breaks = "rejecting optimizer-in-backward with use_orig_params=False"
     expect = Expect(
-        "optim_in_backward_requires_orig_params", "thread", ("misc/optim_in_backward_requires_orig_params",),
+        "optim_in_backward_requires_orig_params", "thread", ("construction/optim_in_backward_requires_orig_params",),
     )
     patches = (Patch("fsdp_impl.unit:_check_ready_for_training", _check_without_optim_in_backward),)
 
@@ -180,7 +181,7 @@ class IgnoredModulesManaged(_Mutant):
     breaks = "ignored_modules"
     expect = Expect(
         "ignored_module_meta or ignored_params_not_moved", "thread",
-        ("misc/ignored_module_meta", "misc/ignored_params_not_moved"),
+        ("placement/ignored_module_meta", "placement/ignored_params_not_moved[on=cpu]"),
     )
     patches = (Patch.instead("fsdp_impl.init:collect_ignored", _no_ignored),)
 
@@ -198,7 +199,7 @@ class AssumesParameters(_Mutant):
 
     name = "mutant-assumes-parameters"
     breaks = "wrapping modules without parameters"
-    expect = Expect("no_params", "thread", ("misc/no_params",))
+    expect = Expect("no_params", "thread", ("placement/no_params",))
     patches = (Patch("fsdp_impl.init:place_module", _place_first_param),)
 
 
@@ -221,5 +222,5 @@ class AutoWrapChildrenOnly(_Mutant):
     breaks = "auto-wrapping nested submodules"
     # device_id_auto_wrap's CPU rows cannot see placement, but they do check that every
     # nested layer became a unit (the GPU rows check that device_id reached each one).
-    expect = Expect("device_id_auto_wrap", "thread", ("misc/device_id_auto_wrap",))
+    expect = Expect("device_id_auto_wrap and not gpu", "thread", ("placement/device_id_auto_wrap[on=cpu]",))
     patches = (Patch.instead("fsdp_impl.wrap:_wrap_children", _wrap_children_only),)

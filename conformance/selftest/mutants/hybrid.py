@@ -51,7 +51,7 @@ class HybridDividesByShardOnly(_Mutant):
     # Adam barely notices a uniform gradient scale; SGD with momentum does.
     expect = Expect(
         "(parity_with_fsdp or cpu_training_parity_vs_ddp) and HYBRID_SHARD and SGD", "thread",
-        ("hybrid_shard/parity_with_fsdp[optim=SGD]", "misc/cpu_training_parity_vs_ddp[optim=SGD]"),
+        ("hybrid_shard/parity_with_fsdp[optim=SGD]", "training/cpu_training_parity_vs_ddp[optim=SGD]"),
     )
 
     def _mutate_unit(self, unit: Any) -> None:

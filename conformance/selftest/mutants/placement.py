@@ -39,9 +39,9 @@ class DeviceIdIgnored(_Mutant):
     breaks = "device_id"
     expect = Expect(
         "device_id or cpu_gpu_module or cpu_init_with_sync_module_states", "process",
-        ("misc/device_id", "misc/device_id_auto_wrap_gpu", "misc/cpu_gpu_module",
-         "misc/cpu_init_with_sync_module_states", "misc/module_device_mismatches_device_id[has_params=True]",
-         "misc/module_device_mismatches_device_id[has_params=False]"),
+        ("placement/device_id", "placement/device_id_auto_wrap[on=gpu]", "placement/cpu_gpu_module",
+         "placement/cpu_init_with_sync_module_states", "placement/module_device_mismatches_device_id[has_params=True]",
+         "placement/module_device_mismatches_device_id[has_params=False]"),
         accelerators=2,
     )
     spec_overrides = {"device_id": None}
@@ -76,7 +76,8 @@ class DeviceIdNotPropagated(_Mutant):
 
     name = "mutant-device-id-not-propagated"
     breaks = "device_id reaching auto-wrapped units"
-    expect = Expect("device_id_auto_wrap_gpu", "process", ("misc/device_id_auto_wrap_gpu",), accelerators=2)
+    expect = Expect("device_id_auto_wrap and gpu", "process", ("placement/device_id_auto_wrap[on=gpu]",),
+                    accelerators=2)
     patches = (
         Patch("fsdp_impl.wrap:auto_wrap", _auto_wrap_flagging_children),
         Patch("fsdp_impl.init:resolve_device_id", _resolve_outside_auto_wrap),
@@ -88,7 +89,8 @@ class OffloadDroppedWithDeviceId(_Mutant):
 
     name = "mutant-offload-dropped-with-device-id"
     breaks = "CPU offload together with device_id"
-    expect = Expect("device_id_cpu_offload_gpu", "process", ("misc/device_id_cpu_offload_gpu",), accelerators=2)
+    expect = Expect("device_id_cpu_offload and gpu", "process", ("placement/device_id_cpu_offload[on=gpu]",),
+                    accelerators=2)
 
     def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
         return replace(spec, cpu_offload=False) if spec.device_id is not None else spec
@@ -105,7 +107,7 @@ class MovesCpuModuleSilently(_Mutant):
     breaks = "leaving a CPU module (no device_id) on the CPU until the user moves it"
     expect = Expect(
         "cpu_init_stays_on_cpu or training_device_mismatch", "process",
-        ("misc/cpu_init_stays_on_cpu", "misc/training_device_mismatch"), accelerators=2,
+        ("placement/cpu_init_stays_on_cpu", "placement/training_device_mismatch"), accelerators=2,
     )
     patches = (Patch.instead("fsdp_impl.flat_param:FlatParamHandle._storage_device", _compute_or_cpu),)
 
@@ -116,7 +118,7 @@ class ConsolidatesDevices(_Mutant):
     name = "mutant-consolidates-devices"
     breaks = "rejecting modules spread over several devices"
     expect = Expect(
-        "multigpu_module or cpu_gpu_module", "process", ("misc/multigpu_module", "misc/cpu_gpu_module"),
+        "multigpu_module or cpu_gpu_module", "process", ("placement/multigpu_module", "placement/cpu_gpu_module"),
         accelerators=2,
     )
 
@@ -133,7 +135,7 @@ class IgnoredModulesMoved(_Mutant):
     name = "mutant-ignored-modules-moved"
     breaks = "leaving ignored modules where they are"
     expect = Expect(
-        "ignored_params_not_moved_gpu", "process", ("misc/ignored_params_not_moved_gpu",), accelerators=2,
+        "ignored_params_not_moved and gpu", "process", ("placement/ignored_params_not_moved[on=gpu]",), accelerators=2,
     )
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:

@@ -29,7 +29,7 @@ __all__ = [
 Fn = Callable[..., Any]
 
 #: Caught by the unused-outputs case (SGD).
-_UNUSED_OUTPUTS = Expect("not_all_outputs_used_in_loss", "thread", ("misc/not_all_outputs_used_in_loss",))
+_UNUSED_OUTPUTS = Expect("not_all_outputs_used_in_loss", "thread", ("unit_outputs/not_all_outputs_used_in_loss",))
 #: A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
 _REENTRANT_CHECKPOINT = Expect(
     "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
@@ -44,7 +44,8 @@ class NoGradDivide(_Mutant):
     # Adam is invariant to a uniform gradient scale: only the SGD rows of DDP parity see this.
     expect = Expect(
         "not_all_outputs_used_in_loss or (cpu_training_parity_vs_ddp and SGD) or repro_d61e5cb1", "thread",
-        ("misc/not_all_outputs_used_in_loss", "misc/cpu_training_parity_vs_ddp[optim=SGD]", "fuzz/repro_d61e5cb1"),
+        ("unit_outputs/not_all_outputs_used_in_loss", "training/cpu_training_parity_vs_ddp[optim=SGD]",
+         "fuzz/repro_d61e5cb1"),
     )
 
     def _mutate_unit(self, unit: Any) -> None:
@@ -58,8 +59,8 @@ class WrongReplicateGroup(_Mutant):
     breaks = "hybrid replicate all-reduce group"
     expect = Expect(
         "HYBRID and (cpu_training_parity_vs_ddp or basic_setup or parity_with_fsdp)", "thread",
-        ("misc/cpu_training_parity_vs_ddp[strategy=HYBRID_SHARD]",
-         "misc/cpu_training_parity_vs_ddp[strategy=_HYBRID_SHARD_ZERO2]",
+        ("training/cpu_training_parity_vs_ddp[strategy=HYBRID_SHARD]",
+         "training/cpu_training_parity_vs_ddp[strategy=_HYBRID_SHARD_ZERO2]",
          "hybrid_shard/basic_setup", "hybrid_shard/parity_with_fsdp"),
     )
 
@@ -100,7 +101,7 @@ class NoReshardAfterBackward(_Mutant):
     #: The fuzzer's reproducer: an unused unit's original parameters must be registered again.
     expect = Expect(
         "not_all_outputs_used_in_loss or repro_8fc450e8", "thread",
-        ("misc/not_all_outputs_used_in_loss", "fuzz/repro_8fc450e8"),
+        ("unit_outputs/not_all_outputs_used_in_loss", "fuzz/repro_8fc450e8"),
     )
     patches = (
         Patch("fsdp_impl.flat_param:FlatParamHandle.reshard", _reshard_outside_final_callback),
@@ -177,7 +178,7 @@ class HooksOnPlainTensorOutputsOnly(_Mutant):
     breaks = "pre-backward hooks on every tensor of structured outputs"
     expect = Expect(
         "namedtuple_outputs or (caller_use and (container or namedtuple))", "thread",
-        ("misc/namedtuple_outputs", "unit_outputs/caller_use[use=container]",
+        ("unit_outputs/namedtuple_outputs", "unit_outputs/caller_use[use=container]",
          "unit_outputs/caller_use[use=namedtuple]"),
     )
     patches = (Patch.instead("fsdp_impl.unit:tree_flatten", _plain_tensors_only),)
@@ -199,7 +200,7 @@ class ZeroGradForUnused(_Mutant):
 
     name = "mutant-zero-grad-for-unused"
     breaks = "grad None for parameters unused in forward"
-    expect = Expect("module_no_compute_grad", "thread", ("misc/module_no_compute_grad",))
+    expect = Expect("module_no_compute_grad", "thread", ("training/module_no_compute_grad",))
     patches = (Patch("fsdp_impl.unit:_final_callback", _final_with_zero_grads),)
 
 
@@ -266,7 +267,7 @@ class OffloadedGradsDropped(_Mutant):
 
     name = "mutant-offloaded-grads-dropped"
     breaks = "gradients of CPU-offloaded parameters"
-    expect = Expect("device_id_cpu_offload", "thread", ("misc/device_id_cpu_offload",))
+    expect = Expect("device_id_cpu_offload and not gpu", "thread", ("placement/device_id_cpu_offload[on=cpu]",))
     patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _accumulate_unless_offloaded),)
 
 

@@ -1,13 +1,14 @@
-"""misc: device placement — where parameters live before, during and after wrapping.
+"""placement: device placement — where parameters live before, during and after wrapping.
 
-CPU rows pin the compute device to the CPU; rows the catalogue marks GPU (or
-"GPU variant") declare ``gpus=ANY_GPU`` (they also run with ranks sharing one
-GPU) or ``gpus=distinct_gpus(2)`` (they need ``cuda:{rank}`` per rank) and
-compute on ``ctx.device``.
+CPU rows pin the compute device to the CPU; rows the catalogue marks GPU
+declare ``gpus=ANY_GPU`` (they also run with ranks sharing one GPU) or
+``gpus=distinct_gpus(2)`` (they need ``cuda:{rank}`` per rank) and compute on
+``ctx.device``. A behaviour the catalogue checks on both (its "GPU variant")
+is one case with the grid parameter ``on`` (``gpus=gpu_rows``).
 Every case here requires :attr:`Capability.COMPUTE_DEVICE` (``device_id`` is
 honoured) and/or :attr:`Capability.PLACEMENT_MESSAGES` (FSDP1's exact
 placement warnings and errors); see
-[Note: misc device placement] in ``_misc_helpers.py`` for why, and for the
+[Note: CPU groups] in ``_rank_helpers.py`` for why, and for the
 gloo groups the CPU-pinned cases use.
 """
 
@@ -23,9 +24,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._misc_helpers import cpu_world_group, cuda_device
+from conformance.cases._rank_helpers import cpu_world_group, cuda_device
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import ANY_GPU, case, distinct_gpus
+from conformance.contract.case import ANY_GPU, case, distinct_gpus, gpu_rows
 from fixtures.misc_models import NoParamsModel, SeqAndLinear
 from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
 from fixtures.parity import assert_close_named, assert_runs_match, assert_same_across_ranks, run_steps
@@ -77,31 +78,21 @@ def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.de
         )
 
 
-@case("misc/cpu_init_with_sync_module_states", world_size=2, gpus=ANY_GPU,
+@case("placement/cpu_init_with_sync_module_states", world_size=2, gpus=gpu_rows,
       requires=[Capability.SYNC_MODULE_STATES, Capability.COMPUTE_DEVICE])
-def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """A CPU module + sync_module_states needs device_id when computing on an accelerator."""
-    device = cuda_device(ctx)
-    with pytest.raises(ValueError, match=SYNC_CPU_ERROR):
-        impl.wrap(NestedModel(seed=ctx.rank), WrapSpec(sync_module_states=True))
+@pytest.mark.parametrize("on", ["cpu", "gpu"])
+def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter, on: str) -> None:
+    """A CPU module + sync_module_states syncs rank 0's params and buffers onto ``device_id``; computing
+    on an accelerator, it needs ``device_id``."""
+    device, group = (cuda_device(ctx), None) if on == "gpu" else (CPU, cpu_world_group(ctx))
+    if on == "gpu":
+        with pytest.raises(ValueError, match=SYNC_CPU_ERROR):
+            impl.wrap(NestedModel(seed=ctx.rank), WrapSpec(sync_module_states=True))
     inner = NestedModel(seed=ctx.rank)
     _rank_buffers(inner, ctx.rank)
-    spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=device, sync_module_states=True)
+    spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=device, sync_module_states=True, process_group=group)
     fsdp = impl.wrap(inner, spec)
     _check_synced_buffers(ctx, inner, device)
-    assert_same_across_ranks(impl.full_params(fsdp), what="params after sync_module_states")
-
-
-@case("misc/cpu_init_with_sync_module_states_cpu", world_size=2,
-      requires=[Capability.SYNC_MODULE_STATES, Capability.COMPUTE_DEVICE])
-def test_cpu_init_with_sync_module_states_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """CPU variant: with device_id=cpu, sync_module_states succeeds and syncs params and buffers."""
-    inner = NestedModel(seed=ctx.rank)
-    _rank_buffers(inner, ctx.rank)
-    spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=CPU, sync_module_states=True,
-                    process_group=cpu_world_group(ctx))
-    fsdp = impl.wrap(inner, spec)
-    _check_synced_buffers(ctx, inner, CPU)
     assert_same_across_ranks(impl.full_params(fsdp), what="params after sync_module_states")
 
 
@@ -147,21 +138,19 @@ def _assert_shards_on(units: list, device: torch.device, what: str) -> None:
     assert not wrong, f"{what}: shards not on {device}: {wrong}"
 
 
-@case("misc/device_id_cpu_offload", world_size=2, requires=[Capability.CPU_OFFLOAD, Capability.COMPUTE_DEVICE])
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
-    _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
-
-
-@case("misc/device_id_cpu_offload_gpu", world_size=2, gpus=ANY_GPU,
+@case("placement/device_id_cpu_offload", world_size=2, gpus=gpu_rows,
       requires=[Capability.CPU_OFFLOAD, Capability.COMPUTE_DEVICE])
+@pytest.mark.parametrize("on", ["cpu", "gpu"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
-def test_device_id_cpu_offload_gpu(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> None:
-    """device_id names the GPU, yet offloaded flat parameters stay on the CPU."""
-    _device_id_cpu_offload(ctx, impl, cuda_device(ctx), None, use_orig_params)
+def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, on: str) -> None:
+    """device_id names the compute device (the CPU, or the rank's GPU), yet offloaded parameters stay on the CPU."""
+    if on == "gpu":
+        _device_id_cpu_offload(ctx, impl, cuda_device(ctx), None, use_orig_params)
+    else:
+        _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
 
 
-@case("misc/ignored_module_meta", world_size=2,
+@case("placement/ignored_module_meta", world_size=2,
       requires=lambda p: [Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE]
       + ([Capability.PARAM_INIT_FN] if p["use_param_init_fn"] else []))
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
@@ -187,21 +176,19 @@ def _ignored_params_not_moved(impl: FSDPAdapter, device: torch.device, group: ob
     assert all(dev == CPU for dev, _ in after.values()), f"ignored tensors moved: {after}"
 
 
-@case("misc/ignored_params_not_moved", world_size=2,
+@case("placement/ignored_params_not_moved", world_size=2, gpus=gpu_rows,
       requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE])
-def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """The ignored module keeps its very tensors (same objects, same storage, still CPU)."""
-    _ignored_params_not_moved(impl, CPU, cpu_world_group(ctx))
+@pytest.mark.parametrize("on", ["cpu", "gpu"])
+def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter, on: str) -> None:
+    """The ignored module keeps its very tensors (same objects, same storage, still CPU), even when
+    device_id names the rank's GPU."""
+    if on == "gpu":
+        _ignored_params_not_moved(impl, cuda_device(ctx), None)
+    else:
+        _ignored_params_not_moved(impl, CPU, cpu_world_group(ctx))
 
 
-@case("misc/ignored_params_not_moved_gpu", world_size=2, gpus=ANY_GPU,
-      requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE])
-def test_ignored_params_not_moved_gpu(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """device_id names the GPU: the ignored module's params and buffers still stay on the CPU."""
-    _ignored_params_not_moved(impl, cuda_device(ctx), None)
-
-
-@case("misc/no_params", world_size=2, requires=lambda p: COMPUTE if p["use_device_id"] else [])
+@case("placement/no_params", world_size=2, requires=lambda p: COMPUTE if p["use_device_id"] else [])
 @pytest.mark.parametrize("use_device_id", [False, True])
 def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> None:
     """A module with no parameters wraps and runs forward (nothing to shard is not an error)."""
@@ -213,7 +200,7 @@ def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> 
 # -- GPU-only placement rows ------------------------------------------------------------
 
 
-@case("misc/device_id", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
+@case("placement/device_id", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
 @pytest.mark.parametrize("use_index", [True, False])
 def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
     device = cuda_device(ctx)
@@ -228,7 +215,7 @@ def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None
     _assert_units_on(impl, fsdp, device, "device_id=cuda without index")
 
 
-@case("misc/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
+@case("placement/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
     with ctx.catch_warnings() as caught:
@@ -243,7 +230,7 @@ def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     out.sum().backward()
 
 
-@case("misc/module_device_mismatches_device_id", world_size=2, gpus=distinct_gpus(2), requires=COMPUTE + MESSAGES)
+@case("placement/module_device_mismatches_device_id", world_size=2, gpus=distinct_gpus(2), requires=COMPUTE + MESSAGES)
 @pytest.mark.parametrize("has_params", [True, False])
 def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter, has_params: bool) -> None:
     """A module on cuda:{rank} with device_id=0 is rejected on every rank but 0."""
@@ -257,7 +244,7 @@ def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter,
             impl.wrap(module, WrapSpec(device_id=0))
 
 
-@case("misc/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
+@case("placement/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
 
@@ -273,7 +260,7 @@ def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
         impl.wrap(mixed(), WrapSpec())
 
 
-@case("misc/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=MESSAGES)
+@case("placement/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=MESSAGES)
 def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     cuda_device(ctx)
     model = PairOfLinears()
@@ -283,7 +270,7 @@ def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
         impl.wrap(model, WrapSpec())
 
 
-@case("misc/training_device_mismatch", world_size=1, gpus=ANY_GPU,
+@case("placement/training_device_mismatch", world_size=1, gpus=ANY_GPU,
       requires=[Capability.PLACEMENT_MESSAGES, Capability.CPU_OFFLOAD])
 def test_training_device_mismatch(ctx: RankContext, impl: FSDPAdapter) -> None:
     device = cuda_device(ctx)
@@ -317,14 +304,12 @@ def _device_id_auto_wrap(impl: FSDPAdapter, device: torch.device, group: object,
     _assert_units_on(impl, fsdp, device, f"auto wrap ({kind})")
 
 
-@case("misc/device_id_auto_wrap", world_size=2, requires=COMPUTE)
+@case("placement/device_id_auto_wrap", world_size=2, gpus=gpu_rows, requires=COMPUTE)
+@pytest.mark.parametrize("on", ["cpu", "gpu"])
 @pytest.mark.parametrize("kind", ["module_classes", "transformer"])
-def test_device_id_auto_wrap(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
-    """device_id=cpu reaches every nested unit, for a policy object and a policy callable."""
-    _device_id_auto_wrap(impl, CPU, cpu_world_group(ctx), kind)
-
-
-@case("misc/device_id_auto_wrap_gpu", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
-@pytest.mark.parametrize("kind", ["module_classes", "transformer"])
-def test_device_id_auto_wrap_gpu(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
-    _device_id_auto_wrap(impl, cuda_device(ctx), None, kind)
+def test_device_id_auto_wrap(ctx: RankContext, impl: FSDPAdapter, kind: str, on: str) -> None:
+    """device_id (the CPU, or the rank's GPU) reaches every nested unit, for a policy object and a policy callable."""
+    if on == "gpu":
+        _device_id_auto_wrap(impl, cuda_device(ctx), None, kind)
+    else:
+        _device_id_auto_wrap(impl, CPU, cpu_world_group(ctx), kind)

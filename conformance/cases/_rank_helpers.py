@@ -1,6 +1,6 @@
-"""Helpers shared by the ``misc`` case files (not a case module: no ``test_`` prefix).
+"""Helpers shared by the placement, training and construction case files (not a case module).
 
-[Note: misc device placement]
+[Note: CPU groups]
 Cases that the catalogue pins to the CPU (``device_id=cpu`` on gloo) must stay
 on the CPU even in the nightly GPU job, where the default process group may be
 NCCL-only; they therefore take their groups from :func:`cpu_groups`, which
