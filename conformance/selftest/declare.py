@@ -31,8 +31,8 @@ from conformance.contract.adapter import WrapSpec
 from harness.rank_mode import SPAWNED
 from harness.reset import on_case_end
 
-__all__ = ["Expect", "Patch", "check_declaration", "apply_patches", "revert_patches", "_Mutant", "_state_of",
-           "drop_grads"]
+__all__ = ["Expect", "Patch", "PatchedAdapter", "check_declaration", "apply_patches", "revert_patches", "_Mutant",
+           "_state_of", "drop_grads"]
 
 
 @dataclass(frozen=True)
@@ -150,26 +150,40 @@ def revert_patches() -> None:
 on_case_end(revert_patches)  # in every process that imports the mutants: its rank processes and thread hosts
 
 
-class _Mutant(ReferenceAdapter):
-    """The reference adapter with the declared breakage applied on every wrap."""
+class PatchedAdapter:
+    """Mix in before any adapter class: that adapter with one behaviour broken, declared as data.
 
-    breaks = ""
-    #: The cases that must report FAIL against this mutant.
+    ``class NeverReshards(PatchedAdapter, MyAdapter)``: every :meth:`wrap` first
+    applies :attr:`patches` (until the case ends) and replaces the spec fields in
+    :attr:`spec_overrides`, then wraps as the adapter does. :attr:`expect` names
+    the rows that must FAIL against it (:func:`conformance.selftest.uncaught` runs them).
+    """
+
+    #: What is broken, in words (shown when a row fails to catch it).
+    breaks: ClassVar[str] = ""
+    #: The cases that must report FAIL against this adapter.
     expect: ClassVar[Expect]
-    #: Attributes of ``fsdp_impl`` replaced on the first wrap of a case, put back when it ends.
+    #: Attributes replaced on the first wrap of a case, put back when it ends.
     patches: ClassVar[tuple[Patch, ...]] = ()
     #: ``WrapSpec`` fields replaced on every wrap, whatever the case asked for.
     spec_overrides: ClassVar[Mapping[str, Any]] = {}
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         apply_patches(self.patches)
-        model = super().wrap(module, self._mutate_spec(spec))
-        for unit in self._api().FullyShardedDataParallel.fsdp_modules(model):
-            self._mutate_unit(unit)
-        return model
+        return super().wrap(module, self._mutate_spec(spec))  # type: ignore[misc,no-any-return]
 
     def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
         return replace(spec, **self.spec_overrides) if self.spec_overrides else spec
+
+
+class _Mutant(PatchedAdapter, ReferenceAdapter):
+    """The reference adapter with the declared breakage applied on every wrap."""
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        model = super().wrap(module, spec)
+        for unit in self._api().FullyShardedDataParallel.fsdp_modules(model):
+            self._mutate_unit(unit)
+        return model
 
     def _mutate_unit(self, unit: Any) -> None:
         """Per-unit breakage that is not a patch of a module attribute."""

@@ -21,7 +21,8 @@ from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import check_example
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings
-from conformance.selftest.mutants import NoGradDivide, ParamDtypeIgnored
+from conformance.selftest.mutants.precision import ParamDtypeIgnored
+from conformance.selftest.mutants.runtime import NoGradDivide
 from harness import RankContext, run
 
 

@@ -22,10 +22,7 @@ the nightly GPU job runs them.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
 import types
 from dataclasses import dataclass
@@ -34,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from conformance.contract.case import CaseSpec
-from conformance.contract.rows import parse_row_id, row_matches
+from conformance.contract.rows import parse_row_id
 from conformance.runner.cli import CASES_DIR
-from conformance.selftest.declare import apply_patches, revert_patches
+from conformance.selftest import apply_patches, problems_of, revert_patches, run_session
 from conformance.selftest.mutants import MUTANTS, Expect, Patch, check_declaration
 from harness import devices
 
@@ -116,38 +113,15 @@ def _batches() -> list[Batch]:
 BATCHES = _batches()
 
 
-#: Every mutant, registered as an adapter for a session's ``--fsdp-impl``.
-_ADAPTERS_ENV = {"FSDP_CONFORMANCE_ADAPTERS": ",".join(
-    f"{name}=conformance.selftest.mutants:{cls.__name__}" for name, cls in MUTANTS.items())}
-
-
-def _session(files: list[str], options: list[str], report: Path) -> list[dict]:
-    """The conformance rows of one pytest session over ``files`` with ``options``."""
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", *options,
-           "--conformance-json", str(report)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ADAPTERS_ENV},
-                          timeout=900, check=False)
-    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(report.read_text())
+def _spec(name: str) -> str:
+    """What ``FSDP_CONFORMANCE_ADAPTERS`` registers mutant ``name`` as."""
+    return f"conformance.selftest.mutants:{MUTANTS[name].__name__}"
 
 
 def _run(batch: Batch, tmp_path: Path) -> list[dict]:
-    options = [arg for name in batch.mutants for arg in ("--fsdp-impl", name)]
-    if batch.timing_repeats is not None:
-        options += ["--timing-repeats", str(batch.timing_repeats)]
-    options += ["--rank-mode", batch.rank_mode, "-k", batch.keyword()]
-    return _session(batch.case_files(), options, tmp_path / f"{batch.name}.json")
-
-
-def _uncaught(mutant: str, rows: list[dict]) -> list[str]:
-    """What is wrong with ``mutant``'s rows: a pattern matching none, or a selected row not FAILing."""
-    expect = EXPECTED[mutant]
-    unmatched = [p for p in expect.must_fail if not any(row_matches(r["case"], p) for r in rows)]
-    if unmatched:
-        return [f"{mutant}: no case matched {unmatched}; the expectation table is stale"]
-    selected = [r for r in rows if any(row_matches(r["case"], p) for p in expect.must_fail)]
-    missed = [f"{r['case']} ({r['outcome']})" for r in selected if r["outcome"] != "FAIL"]
-    return [f"{mutant} ({MUTANTS[mutant].breaks}) was not caught by: {missed}"] if missed else []
+    options = [] if batch.timing_repeats is None else ["--timing-repeats", str(batch.timing_repeats)]
+    return run_session({name: _spec(name) for name in batch.mutants}, {name: EXPECTED[name] for name in batch.mutants},
+                       report=tmp_path / f"{batch.name}.json", files=batch.case_files(), options=options)
 
 
 @pytest.mark.parametrize("batch", [pytest.param(b, id=b.name, marks=b.marks()) for b in BATCHES])
@@ -156,7 +130,8 @@ def test_mutants_are_caught(batch: Batch, tmp_path: Path) -> None:
     if found < batch.accelerators:
         pytest.skip(f"needs {batch.accelerators} GPUs, found {found}")
     rows = _run(batch, tmp_path)
-    problems = [p for name in batch.mutants for p in _uncaught(name, [r for r in rows if r["impl"] == name])]
+    problems = [f"{problem} [breaks {MUTANTS[name].breaks}]"
+                for name in batch.mutants for problem in problems_of(name, EXPECTED[name], rows)]
     assert not problems, "\n".join(problems)
 
 
@@ -168,11 +143,12 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     first. Had the patch outlived the mutant's passing row, the reference's
     ``no_params`` row, next in the same rank processes (or thread host), would fail.
     """
-    options = ["--fsdp-impl", "reference", "--fsdp-impl", "mutant-assumes-parameters", "--rank-mode", "both",
-               "-k", "(ignored_params_not_moved and not gpu) or (no_params and False)"]
-    report = _session([DECLARED_IN["placement/no_params"]], options, tmp_path / "r.json")
-    rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in report]
     mutant = "mutant-assumes-parameters"
+    options = ["--fsdp-impl", "reference", "--rank-mode", "both",
+               "-k", "(ignored_params_not_moved and not gpu) or (no_params and False)"]
+    report = run_session({mutant: _spec(mutant)}, {mutant: EXPECTED[mutant]}, report=tmp_path / "r.json",
+                         files=[DECLARED_IN["placement/no_params"]], options=options)
+    rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in report]
     assert rows == [(case, impl, mode, "FAIL" if (case, impl) == ("placement/no_params", mutant) else "pass")
                     for case in ("placement/ignored_params_not_moved", "placement/no_params")
                     for mode in ("process", "thread") for impl in ("reference", mutant)], rows

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import harness
-from harness import compat
 from harness.comm_worker import comm_worker
+from harness.tests import compat
 
 
 def _async_overlaps_sync_does_not(ctx: harness.RankContext) -> dict[str, float]:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from harness import compat
+from harness.tests import compat
 
 
 @pytest.mark.parametrize(("name", "older"), [("all_gather_single", "all_gather_into_tensor"),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import harness
-from harness import compat
+from harness.tests import compat
 
 
 def _collectives(ctx: harness.RankContext) -> dict[str, list[float]]:

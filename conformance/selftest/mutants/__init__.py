@@ -18,42 +18,32 @@ sessions of their own, never next to the real reference. Register them with
 
 from __future__ import annotations
 
-from conformance.selftest.declare import Expect, Patch, check_declaration
-from conformance.selftest.mutants.accumulation import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.accumulation import __all__ as _accumulation
-from conformance.selftest.mutants.construction import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.construction import __all__ as _construction
-from conformance.selftest.mutants.fuzz import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.fuzz import __all__ as _fuzz
-from conformance.selftest.mutants.hybrid import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.hybrid import __all__ as _hybrid
-from conformance.selftest.mutants.longer_runs import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.longer_runs import __all__ as _longer_runs
-from conformance.selftest.mutants.meshes import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.meshes import __all__ as _meshes
-from conformance.selftest.mutants.outputs import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.outputs import __all__ as _outputs
-from conformance.selftest.mutants.placement import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.placement import __all__ as _placement
-from conformance.selftest.mutants.precision import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.precision import __all__ as _precision
-from conformance.selftest.mutants.runtime import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.runtime import __all__ as _runtime
-from conformance.selftest.mutants.sharing import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.sharing import __all__ as _sharing
-from conformance.selftest.mutants.state_dicts import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
-from conformance.selftest.mutants.state_dicts import __all__ as _state_dicts
+import importlib
+import pkgutil
 
-_ALL = (
-    *_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision,
-    *_sharing, *_outputs, *_meshes, *_fuzz,
-)
-__all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
+from conformance.selftest.declare import Expect, Patch, check_declaration
+
+
+def _discover() -> dict[str, type]:
+    """Every mutant class its module exports (``__all__``) in this package's modules, by mutant name.
+
+    Each class also becomes an attribute of this package, the name
+    ``FSDP_CONFORMANCE_ADAPTERS`` registers it under; a new module needs no edit here.
+    """
+    found: dict[str, type] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for attr in module.__all__:
+            cls = getattr(module, attr)
+            if cls.name in found:
+                raise ValueError(f"mutant name {cls.name!r} declared twice: {found[cls.name].__name__} and {attr}")
+            check_declaration(cls)  # a stale patch target fails here, at import
+            globals()[attr] = cls
+            found[cls.name] = cls
+    return found
+
 
 #: mutant name -> adapter class (what ``FSDP_CONFORMANCE_ADAPTERS`` registers).
-MUTANTS: dict[str, type] = {
-    cls.name: cls for cls in (globals()[name] for name in _ALL)
-}
+MUTANTS: dict[str, type] = _discover()
 
-for _mutant in MUTANTS.values():
-    check_declaration(_mutant)  # a stale patch target fails here, at import
+__all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *(cls.__name__ for cls in MUTANTS.values())]

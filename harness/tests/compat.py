@@ -1,4 +1,4 @@
-"""Collective names that differ across the torch releases the project supports, probed at call time.
+"""Collective names that differ across the torch releases the project supports, for the harness tests.
 
 Newer torch names the tensor-in/tensor-out collectives ``all_gather_single``
 and ``reduce_scatter_single``; older releases have only
