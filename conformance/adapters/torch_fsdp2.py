@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract.adapter import HYBRID_STRATEGIES, Capability, UnitInfo, WrapSpec
+from fixtures.meshes import hybrid_grid_of
 
 __all__ = ["TorchFSDP2Adapter"]
 
@@ -128,9 +129,9 @@ class TorchFSDP2Adapter:
         pg = spec.process_group
         if isinstance(pg, tuple):
             shard, replicate = pg
-            ranks = torch.tensor(_mesh_ranks(shard, replicate))
             return DeviceMesh.from_group(
-                [replicate, shard], device.type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+                [replicate, shard], device.type, mesh=hybrid_grid_of(shard, replicate),
+                mesh_dim_names=("replicate", "shard"),
             )
         if pg is not None:
             if spec.strategy == "NO_SHARD":
@@ -262,17 +263,3 @@ class TorchFSDP2Adapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
-
-
-def _mesh_ranks(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> list[list[int]]:
-    """The (replicate, shard) rank grid this rank's two groups span.
-
-    Row ``i`` holds the shard group of the ``i``-th replica; this rank's shard
-    group is the row at its replicate-group index, other rows follow by the
-    contiguous-block layout hybrid groups use.
-    """
-    shard_ranks = dist.get_process_group_ranks(shard)
-    replicate_ranks = dist.get_process_group_ranks(replicate)
-    block = len(shard_ranks)
-    offset = shard_ranks[0] % block
-    return [[r - (r % block) + offset + i for i in range(block)] for r in replicate_ranks]

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, UnitInfo, WrapSpec
+from fixtures.meshes import hybrid_groups as mesh_groups
+from fixtures.meshes import hybrid_ranks
 from fixtures.models import TiedTransformer
 from fixtures.seeding import generator, rank_seed
 
@@ -28,24 +30,13 @@ LAYERS = AutoWrap((nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
 
 
 def expected_groups(rank: int, node: int = NODE) -> tuple[list[int], list[int]]:
-    """``(shard ranks, replicate ranks)`` of ``rank`` with ``node`` ranks per node
-    (contiguous intra-node blocks, strided inter-node groups)."""
-    start = rank - rank % node
-    return list(range(start, start + node)), list(range(rank % node, WORLD, node))
+    """``(shard ranks, replicate ranks)`` of ``rank`` with ``node`` ranks per node ([Note: hybrid layout])."""
+    return hybrid_ranks(rank, WORLD, node)
 
 
 def hybrid_groups(ctx: RankContext) -> tuple[Any, Any]:
-    """This rank's ``(shard, replicate)`` groups; every rank creates every group, in one order."""
-    shard = replicate = None
-    for start in range(0, WORLD, NODE):
-        group = ctx.new_group(range(start, start + NODE))
-        if start <= ctx.rank < start + NODE:
-            shard = group
-    for offset in range(NODE):
-        group = ctx.new_group(range(offset, WORLD, NODE))
-        if ctx.rank % NODE == offset:
-            replicate = group
-    return shard, replicate
+    """This rank's ``(shard, replicate)`` groups, ``NODE`` ranks per node ([Note: hybrid layout])."""
+    return mesh_groups(ctx, NODE)
 
 
 def ranks(group: Any) -> list[int]:

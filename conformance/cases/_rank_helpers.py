@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fixtures.meshes import hybrid_grid, hybrid_groups
+
 if TYPE_CHECKING:
     from harness import RankContext
 
@@ -52,19 +54,16 @@ def cpu_world_group(ctx: RankContext) -> dist.ProcessGroup | None:
 
 
 def hybrid_cpu_groups(ctx: RankContext, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's ``(shard, replicate)`` pair for contiguous shard blocks of ``shard_size``.
+    """This rank's ``(shard, replicate)`` pair that moves CPU tensors ([Note: hybrid layout]).
 
     With world 4 and shard 2: shard groups {0,1},{2,3}; replicate groups {0,2},{1,3}.
     """
-    world = ctx.world_size
-    if world % shard_size:
-        raise ValueError(f"world_size({world}) is not a multiple of shard_size({shard_size})")
-    shard_layout = [list(range(start, start + shard_size)) for start in range(0, world, shard_size)]
-    replicate_layout = [list(range(offset, world, shard_size)) for offset in range(shard_size)]
-    groups = cpu_groups(ctx, shard_layout + replicate_layout)
-    shard = groups[ctx.rank // shard_size]
-    replicate = groups[len(shard_layout) + ctx.rank % shard_size]
-    return shard, replicate
+    if _default_backend_moves_cpu():
+        return hybrid_groups(ctx, shard_size)
+    grid = hybrid_grid(ctx.world_size, shard_size)
+    groups = cpu_groups(ctx, [*grid.tolist(), *grid.t().tolist()])
+    row, column = divmod(ctx.rank, shard_size)
+    return groups[row], groups[len(grid) + column]
 
 
 def cuda_device(ctx: RankContext) -> torch.device:

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
 from conformance.contract.case import case
+from fixtures.meshes import hybrid_groups, hybrid_ranks
 from fixtures.optimizers import make_optim
 from fixtures.parity import assert_close_named, assert_close_seq, assert_differs_across_ranks, assert_same_across_ranks
 from fixtures.seeding import generator, rank_seed, seeded_init_
@@ -68,27 +69,14 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 
 
 def shape_groups(ctx: RankContext, shard: int, replicate: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's ``(shard, replicate)`` groups: contiguous shard blocks, strided replicas.
-
-    Every rank creates every group, in one order, as ``new_group`` requires.
-    """
-    mine: dict[str, dist.ProcessGroup] = {}
-    for start in range(0, WORLD, shard):
-        group = ctx.new_group(range(start, start + shard))
-        if start <= ctx.rank < start + shard:
-            mine["shard"] = group
-    for offset in range(shard):
-        group = ctx.new_group(range(offset, WORLD, shard))
-        if ctx.rank % shard == offset:
-            mine["replicate"] = group
+    """This rank's ``(shard, replicate)`` groups for a ``replicate x shard`` world ([Note: hybrid layout])."""
     assert replicate == WORLD // shard
-    return mine["shard"], mine["replicate"]
+    return hybrid_groups(ctx, shard)
 
 
 def expected_ranks(rank: int, shard: int) -> tuple[list[int], list[int]]:
     """``(shard ranks, replicate ranks)`` of ``rank`` when shard groups have ``shard`` ranks."""
-    start = rank - rank % shard
-    return list(range(start, start + shard)), list(range(rank % shard, WORLD, shard))
+    return hybrid_ranks(rank, WORLD, shard)
 
 
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
