@@ -25,7 +25,7 @@ import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -161,6 +161,36 @@ def _check_offload(ctx: RankContext, step: int, name: str, packed: int, expect: 
         )
 
 
+def _plain_forward(_name: str, model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    return model(inp)
+
+
+def _train_side_by_side(
+    ctx: RankContext,
+    models: dict[str, nn.Module],
+    steps: int,
+    offloads: Callable[[str], bool],
+    forward: Callable[[str, nn.Module, torch.Tensor], torch.Tensor] = _plain_forward,
+) -> None:
+    """Each step, every model runs forward and backward on the same input and must match the first
+    model (:func:`_assert_same_step`); in the first step, exactly the models ``offloads`` names pack
+    activations through ``save_on_cpu``."""
+    names, modules = list(models), list(models.values())
+    inp = _input(ctx)
+    with spy_save_on_cpu() as packed:
+        for step in range(steps):
+            results = []
+            for name, model in models.items():
+                before = packed()
+                out = forward(name, model, inp)
+                if step == 0:
+                    _check_offload(ctx, step, name, packed() - before, expect=offloads(name))
+                loss = out.sum()
+                loss.backward()
+                results.append((loss.detach(), out.detach()))
+            _assert_same_step(ctx, step, names, results, modules)
+
+
 # -- cases -------------------------------------------------------------------------------------
 @case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires)
 @_grid
@@ -195,26 +225,7 @@ def test_checkpoint_fsdp_wrapping(
         "wrapper inside each unit": top(FFN(_layers(ctx.device), lambda layer: unit(wrapper(layer)))),
         "units only": top(FFN(_layers(ctx.device), unit)),
     }
-    names, modules = list(models), list(models.values())
-    inp = _input(ctx)
-    with spy_save_on_cpu() as packed:
-        for step in range(2):
-            results = []
-            for name, model in models.items():
-                before = packed()
-                out = model(inp)
-                if step == 0:
-                    _check_offload(
-                        ctx,
-                        step,
-                        name,
-                        packed() - before,
-                        expect=offload_activations and name != "units only",
-                    )
-                loss = out.sum()
-                loss.backward()
-                results.append((loss.detach(), out.detach()))
-            _assert_same_step(ctx, step, names, results, modules)
+    _train_side_by_side(ctx, models, 2, lambda name: offload_activations and name != "units only")
 
 
 @case("checkpoint/basic_checkpoint_end_to_end", world_size=2, requires=_requires)
@@ -235,37 +246,17 @@ def test_basic_checkpoint_end_to_end(
         "unit(wrapper)": impl.wrap(wrapper(copy.deepcopy(seq)), spec),
         "checkpoint(unit), reentrant": impl.wrap(copy.deepcopy(seq), spec),
     }
-    names, modules = list(models), list(models.values())
-    inp = _input(ctx)
-    with spy_save_on_cpu() as packed:
-        for step in range(6):
-            results = []
-            for name, model in models.items():
-                before = packed()
-                if name.startswith("checkpoint("):
-                    # Offload here is the caller's own save_on_cpu (as in the seed), built
-                    # through the spy so that its packed activations are counted too.
-                    offload = (
-                        _counting_save_on_cpu(pin_memory=True)
-                        if offload_activations
-                        else contextlib.nullcontext()
-                    )
-                    with offload:
-                        out = checkpoint(model, inp, use_reentrant=True)
-                else:
-                    out = model(inp)
-                if step == 0:
-                    _check_offload(
-                        ctx,
-                        step,
-                        name,
-                        packed() - before,
-                        expect=offload_activations and name != "unit only",
-                    )
-                loss = out.sum()
-                loss.backward()
-                results.append((loss.detach(), out.detach()))
-            _assert_same_step(ctx, step, names, results, modules)
+
+    def forward(name: str, model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+        if not name.startswith("checkpoint("):
+            return model(inp)
+        # Offload here is the caller's own save_on_cpu (as in the seed), built through the spy so
+        # that its packed activations are counted too.
+        offload = _counting_save_on_cpu(pin_memory=True) if offload_activations else contextlib.nullcontext()
+        with offload:
+            return cast(torch.Tensor, checkpoint(model, inp, use_reentrant=True))
+
+    _train_side_by_side(ctx, models, 6, lambda name: offload_activations and name != "unit only", forward)
 
 
 @case("checkpoint/checkpoint_submodule", world_size=2, strategies=["NO_SHARD"])
