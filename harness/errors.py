@@ -8,6 +8,8 @@ failed"), never blamed. A death outranks an exception: when a rank process
 dies, its peers' collectives fail with connection errors, which may reach
 the parent before the death does. The first line of the message names the primary
 rank and kind, so a one-line CI summary is enough to know where to look.
+The order, in :data:`BLAME_ORDER` (ties keep the caller's arrival or rank order):
+died, raised, timed_out, skipped, aborted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BLAME_ORDER",
     "KINDS",
     "RankError",
     "RankFailure",
@@ -29,6 +32,8 @@ __all__ = [
 
 #: ``aborted`` is only ever secondary.
 KINDS = ("raised", "timed_out", "died", "aborted", "skipped")
+#: Which failure kind is blamed first ([Note: failure attribution]).
+BLAME_ORDER = {"died": 0, "raised": 1, "timed_out": 2, "skipped": 3, "aborted": 4}
 
 
 @dataclass
@@ -134,9 +139,9 @@ _BY_KIND: dict[str, type[RankFailure]] = {
 def make_failure(failures: Sequence[RankError], *, world_size: int, mode: str) -> RankFailure:
     """The :class:`RankFailure` subclass matching the primary failure.
 
-    ``failures`` come in the caller's order (arrival order); only aborted ranks
-    are moved last, since they are never the cause.
+    ``failures`` come in the caller's order (arrival or rank order) and are
+    ordered by :data:`BLAME_ORDER`, stably ([Note: failure attribution]).
     """
-    ordered = sorted(failures, key=lambda f: f.kind == "aborted")
+    ordered = sorted(failures, key=lambda f: BLAME_ORDER[f.kind])
     cls = _BY_KIND.get(ordered[0].kind, RankFailure)
     return cls(ordered, world_size=world_size, mode=mode)

@@ -22,7 +22,7 @@ import pytest
 
 from harness.errors import RankError, make_failure
 
-__all__ = ["Outcome", "ABORT_MESSAGE", "capture", "resolve", "skip_exception"]
+__all__ = ["Outcome", "ABORT_MESSAGE", "as_error", "capture", "resolve", "skip_exception"]
 
 #: Text of the exception a rank gets when a collective is aborted because another rank failed.
 ABORT_MESSAGE = "aborted: another rank failed while this rank waited in a collective"
@@ -73,7 +73,9 @@ def _short_type(qualname: str) -> str:
     return qualname.rsplit(".", 1)[-1]
 
 
-def _error(o: Outcome, first_failed: int | None) -> RankError:
+def as_error(o: Outcome, first_failed: int | None = None) -> RankError:
+    """The :class:`RankError` a failed or skipped outcome stands for (``first_failed``: the rank an aborted
+    one was waiting for, when known)."""
     if o.aborted:
         after = f" after rank {first_failed} failed" if first_failed is not None else ""
         return RankError(o.rank, "aborted", f"waiting in a collective{after}", traceback=o.traceback)
@@ -93,7 +95,7 @@ def resolve(outcomes: Sequence[Outcome], *, world_size: int, mode: str) -> list[
         if len(kinds) == 1:
             raise skip_exception(skipped[0])
     first = failed[0].rank if failed else None
-    errors = [_error(o, first) for o in outcomes if not o.ok]
+    errors = [as_error(o, first) for o in outcomes if not o.ok]
     if not failed and skipped:
         passed = [o.rank for o in outcomes if o.ok]
         errors[0].summary += f" (ranks {passed} did not skip)" if passed else " (ranks disagree on the skip)"

@@ -31,7 +31,7 @@ from harness import settings
 from harness._rank_main import RankSetup, Task, rank_main
 from harness.cpu_budget import intra_op_threads
 from harness.errors import RankError, make_failure
-from harness.outcome import Outcome, resolve
+from harness.outcome import Outcome, as_error, resolve
 from harness.rank_mode import RankMode
 
 __all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text",
@@ -117,7 +117,7 @@ class ProcessPool:
                 errors.append(RankError(rank, "aborted", summary, stack=stacks[rank]))
             else:
                 errors.append(RankError(rank, "timed_out", f"no result after {timeout_s:g} s", stack=stacks[rank]))
-        raise make_failure(_primary_first(errors), world_size=self.world_size, mode=RankMode.PROCESS)
+        raise make_failure(errors, world_size=self.world_size, mode=RankMode.PROCESS)
 
     def _collect(self, timeout_s: float) -> tuple[list[Outcome | RankError], set[int]]:
         """Results in arrival order (deaths before results seen in the same wakeup)."""
@@ -210,17 +210,7 @@ def _is_failure(arrival: Outcome | RankError) -> bool:
 
 
 def _as_error(arrival: Outcome | RankError) -> RankError:
-    if isinstance(arrival, RankError):
-        return arrival
-    kind = "skipped" if arrival.is_skip else "raised"
-    summary = f"{arrival.exc_type.rsplit('.', 1)[-1]}: {arrival.message}"
-    return RankError(arrival.rank, kind, summary, traceback=arrival.traceback)
-
-
-def _primary_first(errors: list[RankError]) -> list[RankError]:
-    """Deaths, then exceptions (each in arrival order), timeouts, skips, aborted ([Note: failure attribution])."""
-    order = {"died": 0, "raised": 1, "timed_out": 2, "skipped": 3, "aborted": 4}
-    return sorted(errors, key=lambda e: order[e.kind])
+    return arrival if isinstance(arrival, RankError) else as_error(arrival)
 
 
 def read_text(path: str) -> str:

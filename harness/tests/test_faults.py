@@ -143,13 +143,12 @@ def test_thread_rank_outside_a_collective_is_stopped_at_the_timeout() -> None:
 
 def test_a_death_outranks_the_connection_errors_it_causes() -> None:
     from harness.errors import RankError, make_failure
-    from harness.process import _primary_first
 
     arrivals = [
         RankError(1, "raised", "RuntimeError: Connection reset by peer"),
         RankError(0, "died", "process exited without reporting a result", signal_name="SIGKILL"),
         RankError(2, "aborted", "did not finish after rank 0 failed"),
     ]
-    failure = make_failure(_primary_first(arrivals), world_size=3, mode="process")
+    failure = make_failure(arrivals, world_size=3, mode="process")
     assert isinstance(failure, harness.RankDied) and failure.rank == 0
     assert [f.rank for f in failure.failures] == [0, 1, 2]
