@@ -165,8 +165,9 @@ def reduce_op_name(reduce_op: Any) -> str:
 
 
 def _dispatches_inner_ops(types: Sequence[type]) -> bool:
-    """Whether an argument is a tensor subclass that desugars into plain ops (not a fake tensor)."""
-    return any(t is not torch.Tensor and not issubclass(t, FakeTensor) for t in types)
+    """Whether an argument is a tensor subclass with its own ``__torch_dispatch__`` (not a fake tensor)."""
+    plain = torch.Tensor.__torch_dispatch__
+    return any(getattr(t, "__torch_dispatch__", plain) is not plain and not issubclass(t, FakeTensor) for t in types)
 
 
 @dataclass
