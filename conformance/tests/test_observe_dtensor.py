@@ -96,3 +96,29 @@ def test_overlap_case_fails_for_the_toy(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert [(r["case"], r["outcome"]) for r in rows] == [("overlap/training_overlap", "FAIL")], run.stdout[-3000:]
     assert "forward does not overlap" in rows[0]["reason"], rows[0]["reason"]
+
+
+def _grads_vs_mean(ctx: harness.RankContext, reduce: str) -> str:
+    """One step of the toy against the contract (the local model's mean gradient); the failure text, if any."""
+    from fixtures.parity import assert_close_named
+
+    adapter = ToyDTensorAdapter() if reduce == "avg" else ToySummingAdapter()
+    model, local = adapter.wrap(_model(), WrapSpec()), _model()
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(ctx.world_size)]
+    model(batches[ctx.rank]).sum().backward()
+    for batch in batches:
+        (local(batch).sum() / ctx.world_size).backward()
+    want = {n: p.grad for n, p in local.named_parameters()}
+    try:
+        assert_close_named(adapter.full_grads(model), want, what=f"rank {ctx.rank} grads")
+    except AssertionError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_summing_toy_is_diagnosed_averaging_toy_passes(mode: str) -> None:
+    assert harness.run(_grads_vs_mean, world_size=2, mode=mode, args=("avg",)) == ["", ""]
+    for rank, message in enumerate(harness.run(_grads_vs_mean, world_size=2, mode=mode, args=("sum",))):
+        assert message.startswith(f"rank {rank} grads[0.weight]: gradients are 2 x expected: "
+                                  "the implementation sums where the contract averages"), message
