@@ -39,7 +39,7 @@ import inspect
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -109,6 +109,19 @@ class Trace:
     def count(self, op: str, group_ranks: tuple[int, ...] | list[int] | None = None) -> int:
         ranks = None if group_ranks is None else tuple(group_ranks)
         return sum(1 for c in self.calls if c.op == op and (ranks is None or c.group_ranks == ranks))
+
+    def require(self, ops: Collection[str], what: str) -> list[Call]:
+        """The calls of kinds ``ops``; none at all fails with ``what`` and why nothing can be checked then.
+
+        For a check that asserts the *absence* of collectives somewhere: it
+        proves something only if the same implementation's collectives are
+        seen where they must happen.
+        """
+        calls = [c for c in self.calls if c.op in ops]
+        assert calls, (f"{what}: no {'/'.join(sorted(ops))} was observed, so no collective of this implementation "
+                       f"can be checked (seen: torch.distributed calls, torch.ops.c10d ops and functional "
+                       f"collectives; {len(self.calls)} other call(s) recorded)")
+        return calls
 
     def bytes(self, op: str | None = None) -> int:
         return sum(c.bytes for c in self.calls if op is None or c.op == op)
