@@ -56,6 +56,8 @@ def toy_fully_shard(module: nn.Module, mesh: DeviceMesh, *, reduce: str = "avg",
         raise ValueError(f"reduce={reduce!r}: expected 'avg' (the contract) or 'sum'")
     for owner in list(module.modules()):
         for name, param in list(owner.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):  # sharded by an earlier (inner) call
+                continue
             shard = nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]))
             delattr(owner, name)
             owner.register_parameter(name, shard)
