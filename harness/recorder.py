@@ -10,8 +10,10 @@ Two layers deliver them, and each call reaches exactly one
 - the dispatcher, through :class:`harness.observe.CollectiveMode`, pushed on
   the calling thread: ``torch.ops.c10d.*`` (which every ``torch.distributed``
   function reaches on a C++ group) and the functional collectives DTensor uses;
-- the ``torch.distributed`` functions, swapped (with the same names in
-  ``distributed_c10d``) for wrappers that intercept a call only when its group
+- the ``torch.distributed`` functions, swapped (wherever a loaded module holds
+  one under its own name: ``distributed_c10d``, DTensor's collective utilities,
+  an implementation's ``from torch.distributed import all_reduce``) for
+  wrappers that intercept a call only when its group
   is a Python ``ProcessGroup`` subclass (thread ranks' threaded group), whose
   collectives never reach the dispatcher; any other call passes through to
   the dispatcher, where the mode sees it.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import time
 import types
@@ -139,7 +142,7 @@ class Trace:
 # -- the process-wide patch of the torch.distributed functions ----------------------------
 _lock = threading.Lock()
 _by_thread: dict[int, Interceptor] = {}
-_originals: dict[str, Any] = {}
+_swapped: list[tuple[types.ModuleType, str, Any]] = []
 _depth = 0
 _nesting = threading.local()
 
@@ -177,13 +180,19 @@ def _install() -> None:
     global _depth
     with _lock:
         if _depth == 0:
-            for name in CANONICAL:
-                if hasattr(dist, name):
-                    _originals[name] = getattr(dist, name)
-                    wrapped = _wrapper(name, _originals[name])
-                    setattr(dist, name, wrapped)
-                    if hasattr(c10d, name):
-                        setattr(c10d, name, wrapped)
+            originals = {name: getattr(dist, name) for name in CANONICAL if hasattr(dist, name)}
+            wrapped = {id(fn): _wrapper(name, fn) for name, fn in originals.items()}
+            # Every module that holds a collective under its own name (``distributed_c10d``,
+            # DTensor's ``from torch.distributed.distributed_c10d import scatter``, an
+            # implementation's ``from torch.distributed import all_reduce``) gets the wrapper.
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                if not isinstance(namespace, dict):
+                    continue
+                for name, fn in originals.items():
+                    if namespace.get(name) is fn:
+                        _swapped.append((module, name, fn))
+                        setattr(module, name, wrapped[id(fn)])
         _depth += 1
 
 
@@ -192,11 +201,9 @@ def _uninstall() -> None:
     with _lock:
         _depth -= 1
         if _depth == 0:
-            for name, original in _originals.items():
-                setattr(dist, name, original)
-                if hasattr(c10d, name):
-                    setattr(c10d, name, original)
-            _originals.clear()
+            for module, name, original in _swapped:
+                setattr(module, name, original)
+            _swapped.clear()
 
 
 @contextmanager
