@@ -220,6 +220,7 @@ def patch_collectives(interceptor: Interceptor, *, barrier: bool = True,
     if barrier:
         dist.barrier()
     _install()
+    outer = _by_thread.get(ident)  # a block inside another one's: restored when it ends
     _by_thread[ident] = interceptor
     mode = CollectiveMode(interceptor, on_wait)
     mode.__enter__()
@@ -235,7 +236,10 @@ def patch_collectives(interceptor: Interceptor, *, barrier: bool = True,
         # Always unpatch this rank, even if the block failed; only a clean exit
         # synchronises with the other ranks (after a failure they may never arrive).
         mode.__exit__(None, None, None)
-        _by_thread.pop(ident, None)
+        if outer is None:
+            _by_thread.pop(ident, None)
+        else:
+            _by_thread[ident] = outer
         _uninstall()
     if clean_exit and barrier:
         dist.barrier()

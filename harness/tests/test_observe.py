@@ -113,3 +113,18 @@ def test_worker_defers_functional_collectives_until_wait_tensor() -> None:
         assert 0.1 <= result["overlapped_s"] < 0.19, "100 ms comm behind 100 ms compute should take ~100 ms"
         assert result["gathered"] == [0.0, 0.0, 1.0, 1.0]
         assert result["ops"] == ["all_gather_into_tensor"]
+
+
+def _nested(ctx: harness.RankContext) -> tuple[int, int]:
+    with ctx.record_collectives() as outer:
+        with ctx.record_collectives() as inner:
+            dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1))  # after the inner block: still the outer block's
+    return len(inner.calls), outer.count("all_reduce")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_inner_block_hands_collectives_back_to_the_outer_one(mode: str) -> None:
+    inner, outer = harness.run(_nested, world_size=2, mode=mode)[0]
+    assert inner == 1
+    assert outer >= 1, "the outer block lost its collectives when the inner one ended"
