@@ -123,7 +123,7 @@ def op_info(func: Any) -> OpInfo | None:
 
 
 def bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in (``async_op`` is left out when True)."""
+    """The op's arguments by schema name, defaults filled in (callers leave ``async_op=True`` out)."""
     bound: dict[str, Any] = {}
     for index, argument in enumerate(func._schema.arguments):
         if index < len(args):
