@@ -33,7 +33,11 @@ Python subclass of ``ProcessGroup`` whose collectives are Python methods, so a
 collectives still do: their C++ calls the group). For such a group, and only
 for it, :mod:`harness.recorder` intercepts the ``torch.distributed`` function
 itself ([Note: collective patching]); a group whose collectives are C++
-reaches the mode, so no call is seen by both layers.
+reaches the mode, so no call is seen by both layers. What differs between
+the rank modes, then, is only what the threaded group does differently: the
+calls inside a ``_coalescing_manager`` are recorded one by one on thread
+ranks, where there is no coalesced op to flush them to, and as the one
+coalesced collective on process ranks (harness/tests/test_observe.py).
 
 Recorded, for every layer alike, as :class:`harness.recorder.Call`: the
 canonical kind (a coalesced call is one collective of its kind, its bytes the
