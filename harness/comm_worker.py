@@ -4,27 +4,33 @@
 On a GPU, FSDP overlaps communication with compute because collectives run on
 a separate stream. On CPU there is no such stream: gloo runs a collective on
 the calling thread. :func:`comm_worker` intercepts the collectives of one rank
-(through :func:`harness.recorder.patch_collectives`) and runs them, in issue
-order, on one worker thread per rank, each first sleeping ``comm_ms`` (the
-stand-in for transfer time; ``time.sleep`` releases the GIL). The caller gets
-a handle at once when it asked for ``async_op=True`` and waits only when it
-calls ``wait()``; with ``async_op=False`` the caller blocks until the worker
-finished, exactly as the real call would. Arguments are bound to the
-collective's real signature (``inspect.signature(fn).bind``), so ``async_op``
-is found whether it was passed by keyword or by position (torch's deprecated
-``_all_gather_base`` forwards it positionally). So an implementation that issues
-collectives asynchronously and waits late overlaps them with compute, and one
-that blocks does not. Every collective's issue, start and end times are kept
-for evidence (:attr:`CommWorker.timeline`).
+(through :func:`harness.recorder.patch_collectives`, which sees them as
+dispatcher ops: [Note: observing collectives]) and runs them, in issue order,
+on one worker thread per rank, each first sleeping ``comm_ms`` (the stand-in
+for transfer time; ``time.sleep`` releases the GIL). The caller gets control
+back at once and waits only where the collective's own API waits:
+
+- a ``c10d::`` op (what every ``torch.distributed`` function reaches) returns a
+  ``Work`` made from a future the worker completes
+  (``_create_work_from_future``, boxed for the dispatcher); the
+  ``torch.distributed`` function returns it for ``async_op=True`` and waits on
+  it otherwise, exactly as the real call would;
+- a functional collective (DTensor's) returns at once an output the worker
+  fills in (an empty tensor shaped by the op's meta kernel, or the tensor an
+  in-place / ``out=`` variant writes); its ``wait_tensor`` blocks until the
+  worker finished it.
+
+So an implementation that issues collectives early and waits late overlaps
+them with compute, and one that waits at once does not. Every collective's
+issue, start and end times are kept for evidence (:attr:`CommWorker.timeline`).
 
 Process ranks only: under thread ranks the threaded group resolves the
-calling thread's world, which a worker thread does not have.
+calling thread's world, which a worker thread does not have, and its
+``torch.distributed`` calls never become dispatcher ops.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import queue
 import threading
 import time
@@ -33,6 +39,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from harness.observe import C10D, bind, op_info, tensors_in
 from harness.recorder import patch_collectives
 
 __all__ = ["CommWorker", "Event", "comm_worker"]
@@ -48,32 +58,30 @@ class Event:
     ended_ms: float = -1.0
 
 
-class _Handle:
-    """What an intercepted ``async_op=True`` collective returns: a Work-like handle."""
+class _Done:
+    """Set when the worker finished one collective; ``wait`` re-raises the worker's error.
 
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._result: Any = None
+    ``future`` (a ``c10d::`` op's): completed alongside, with ``outputs`` or the error.
+    """
 
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self._done.set()
+    def __init__(self, future: torch.futures.Future[Any] | None = None, outputs: Any = None) -> None:
+        self._event = threading.Event()
+        self.error: BaseException | None = None
+        self.future, self.outputs = future, outputs
 
-    def wait(self, timeout: Any = None) -> bool:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        if hasattr(self._result, "wait"):
-            self._result.wait()
-        return True
+    def finish(self, error: BaseException | None) -> None:
+        self.error = error
+        self._event.set()
+        if self.future is not None:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(self.outputs)
 
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result.result() if hasattr(self._result, "result") else self._result
+    def wait(self) -> None:
+        self._event.wait()
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass
@@ -86,6 +94,8 @@ class CommWorker:
     _queue: queue.Queue[Any] = field(default_factory=queue.Queue)
     _origin: float = field(default_factory=time.perf_counter)
     _thread: threading.Thread | None = None
+    #: Storage address of a functional collective's output -> its collective, until waited for.
+    _pending: dict[int, _Done] = field(default_factory=dict)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="comm-worker", daemon=True)
@@ -115,33 +125,72 @@ class CommWorker:
             if isinstance(item, threading.Event):  # drain marker: everything before it is done
                 item.set()
                 continue
-            event, fn, bound, handle = item
+            event, run, done = item
             event.started_ms = self._now()
             try:
                 time.sleep(self.comm_ms / 1e3)
-                result = fn(*bound.args, **bound.kwargs)
-                handle._finish(result, None)
+                with torch.no_grad():  # the caller's autograd already wrapped the output
+                    run()
+                done.finish(None)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                handle._finish(None, exc)
+                done.finish(exc)
             event.ended_ms = self._now()
+
+    def _submit(self, op: str, run: Callable[[], None], done: _Done | None = None) -> _Done:
+        event = Event(op, issued_ms=self._now())
+        self.timeline.append(event)
+        done = done or _Done()
+        self._queue.put((event, run, done))
+        return done
 
     def __call__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if op not in self.ops:
             return fn(*args, **kwargs)
-        bound = _bind(fn, args, kwargs)
-        if "async_op" not in bound.signature.parameters:
-            raise TypeError(f"{op}: {fn.__name__}{bound.signature} has no async_op parameter; "
-                            "the communication worker cannot run it asynchronously")
-        asynchronous = bool(bound.arguments["async_op"])
-        bound.arguments["async_op"] = False  # the worker thread runs it to completion
-        event = Event(op, issued_ms=self._now())
-        self.timeline.append(event)
-        handle = _Handle()
-        self._queue.put((event, fn, bound, handle))
-        if asynchronous:
-            return handle
-        handle.wait()
-        return None
+        info = op_info(fn)
+        if info is None:
+            raise TypeError(f"{op}: {getattr(fn, '__name__', fn)} on a Python process group never reaches the "
+                            "dispatcher; the communication worker runs dispatcher collectives only (process ranks)")
+        if info.layer == C10D:
+            return self._c10d(op, fn, args, kwargs)
+        return self._functional(op, fn, args, kwargs)
+
+    def _c10d(self, op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Issue a ``c10d::`` op on the worker; the caller gets a Work it may wait on when it likes."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        outputs = bind(fn, args, kwargs)[fn._schema.arguments[0].name]
+
+        def run() -> None:
+            result = fn(*args, **kwargs)
+            work = result[-1] if isinstance(result, tuple) else result
+            dist.distributed_c10d.Work.unbox(work).wait()
+
+        self._submit(op, run, _Done(future, tensors_in(outputs)))
+        work = torch._C._distributed_c10d._create_work_from_future(future).boxed()  # type: ignore[attr-defined]
+        return (outputs, work) if len(fn._schema.returns) == 2 else work
+
+    def _functional(self, op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Issue a functional collective on the worker; its output is returned now and filled in later."""
+        bound = bind(fn, args, kwargs)
+        written = [bound[a.name] for a in fn._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        outputs = written[0] if written else _empty_outputs(fn, args, kwargs)
+
+        def run() -> None:
+            result = fn(*args, **kwargs)
+            for out, got in zip(tensors_in(outputs), tensors_in(result), strict=True):
+                got = torch.ops._c10d_functional.wait_tensor(got)
+                if out.data_ptr() != got.data_ptr():
+                    out.copy_(got)
+
+        done = self._submit(op, run)
+        for tensor in tensors_in(outputs):
+            self._pending[tensor.untyped_storage().data_ptr()] = done
+        return outputs
+
+    def wait_for(self, tensor: torch.Tensor) -> None:
+        """Before ``wait_tensor(tensor)``: block until the worker wrote ``tensor`` (if it is one of its outputs)."""
+        done = self._pending.pop(tensor.untyped_storage().data_ptr(), None)
+        if done is not None:
+            done.wait()
 
     def render(self) -> str:
         """The timeline as text: op, issued, started, ended (ms)."""
@@ -149,16 +198,21 @@ class CommWorker:
                          for e in self.timeline)
 
 
-@functools.cache
-def _signature(fn: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(fn)
+def _empty_outputs(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Uninitialised tensors shaped as ``fn``'s outputs, from its meta kernel, on the input's device."""
+    device = tensors_in(list(args))[0].device
 
+    def meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty_like(value, device="meta")
+        if isinstance(value, (list, tuple)):
+            return type(value)(meta(item) for item in value)
+        return value
 
-def _bind(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
-    """``args``/``kwargs`` bound to ``fn``'s signature, defaults filled in (a bad call raises here, in the caller)."""
-    bound = _signature(fn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound
+    shaped = fn(*meta(list(args)), **{k: meta(v) for k, v in kwargs.items()})
+    if isinstance(shaped, torch.Tensor):
+        return torch.empty_like(shaped, device=device)
+    return [torch.empty_like(t, device=device) for t in shaped]
 
 
 DEFAULT_OPS = frozenset({"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather",
@@ -176,7 +230,7 @@ def comm_worker(comm_ms: float, ops: frozenset[str] = DEFAULT_OPS) -> Iterator[C
     worker = CommWorker(comm_ms=comm_ms, ops=ops)
     worker.start()
     try:
-        with patch_collectives(worker):
+        with patch_collectives(worker, on_wait=worker.wait_for):
             try:
                 yield worker
             finally:

@@ -1,32 +1,48 @@
-"""Intercepting ``torch.distributed`` collectives: record, delay, or fail them.
+"""Intercepting collectives: record, delay, or fail them.
 
 [Note: collective patching]
-FSDP implementations call collectives through the ``torch.distributed``
-module attribute at call time, so swapping those attributes (and the same
-names in ``distributed_c10d``) intercepts them. :func:`patch_collectives`
-installs a wrapper that hands ``(op, fn, args, kwargs)`` to an interceptor
-which decides how to call the real function; :func:`record` builds on it.
+Every collective an implementation issues is handed to an interceptor as
+``(kind, fn, args, kwargs)``: ``kind`` is the canonical name below, ``fn`` the
+real function or op, and the interceptor decides how (and when) to call it.
+Two layers deliver them, and each call reaches exactly one
+([Note: observing collectives] in :mod:`harness.observe` says why):
+
+- the dispatcher, through :class:`harness.observe.CollectiveMode`, pushed on
+  the calling thread: ``torch.ops.c10d.*`` (which every ``torch.distributed``
+  function reaches on a C++ group) and the functional collectives DTensor uses;
+- the ``torch.distributed`` functions, swapped (wherever a loaded module holds
+  one under its own name: ``distributed_c10d``, DTensor's collective utilities,
+  an implementation's ``from torch.distributed import all_reduce``) for
+  wrappers that intercept a call only when its group
+  is a Python ``ProcessGroup`` subclass (thread ranks' threaded group), whose
+  collectives never reach the dispatcher; any other call passes through to
+  the dispatcher, where the mode sees it.
 
 Under thread ranks the attributes are process-global while ranks are
 threads: the swap happens once, between two barriers (so no rank is inside a
 collective while another swaps), reference-counted, and the wrapper routes
 each call to the interceptor registered by the *calling thread's* rank.
 
-Canonical op names, stable across torch versions: ``all_gather_into_tensor``
-(for ``all_gather_single`` too), ``reduce_scatter_tensor`` (for
-``reduce_scatter_single``), ``all_reduce``, ``broadcast``, ``all_gather``
-(list form), ``reduce_scatter`` (list form). ``bytes`` is the input's size:
-the local shard for all-gathers, the full unsharded tensor for
-reduce-scatters, the tensor for all-reduce/broadcast.
+Canonical kinds, stable across torch versions and layers: ``all_gather_into_tensor``
+(``all_gather_single``, ``_all_gather_base``, ``c10d::_allgather_base_``, the
+functional ``all_gather_into_tensor`` and their coalesced forms),
+``reduce_scatter_tensor`` (likewise), ``all_reduce``, ``broadcast``,
+``all_gather`` and ``reduce_scatter`` (list forms), ``all_to_all_single``,
+``all_to_all``, ``scatter``, ``gather``, ``reduce``. ``bytes`` is the input's
+size: the local shard for all-gathers, the full unsharded tensor for
+reduce-scatters, the tensor for all-reduce/broadcast; a coalesced call's is the
+sum over its tensors.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,24 +51,36 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "patch_collectives", "record"]
+from harness.observe import CollectiveMode, bind, group_ranks, op_info, reduce_op_name, tensors_in
 
-#: torch name -> canonical op name; only names present in the installed torch are patched.
+__all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "patch_collectives", "record", "describe"]
+
+#: torch.distributed name -> canonical kind; only names present in the installed torch are patched.
 CANONICAL = {
     "all_gather_single": "all_gather_into_tensor",
     "all_gather_into_tensor": "all_gather_into_tensor",
     "reduce_scatter_single": "reduce_scatter_tensor",
     "reduce_scatter_tensor": "reduce_scatter_tensor",
     "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
     "broadcast": "broadcast",
     "all_gather": "all_gather",
+    "all_gather_coalesced": "all_gather",
     "reduce_scatter": "reduce_scatter",
+    "all_to_all_single": "all_to_all_single",
+    "all_to_all": "all_to_all",
+    "scatter": "scatter",
+    "gather": "gather",
+    "reduce": "reduce",
 }
-# Name of the input parameter in each collective's signature.
-_INPUT_PARAM = {"all_gather_single": "input", "all_gather_into_tensor": "input_tensor",
+# Name of the input parameter in each torch.distributed collective's signature.
+_INPUT_PARAM = {"all_gather_single": "input_tensor", "all_gather_into_tensor": "input_tensor",
                 "reduce_scatter_single": "input", "reduce_scatter_tensor": "input",
-                "all_reduce": "tensor", "broadcast": "tensor", "all_gather": "tensor",
-                "reduce_scatter": "input_list"}
+                "all_reduce": "tensor", "all_reduce_coalesced": "tensors", "broadcast": "tensor",
+                "all_gather": "tensor", "all_gather_coalesced": "input_tensor_list", "reduce_scatter": "input_list",
+                "all_to_all_single": "input", "all_to_all": "input_tensor_list", "scatter": "scatter_list",
+                "gather": "tensor", "reduce": "tensor"}
+_REDUCING = frozenset({"all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce"})
 
 
 class Interceptor(Protocol):
@@ -61,12 +89,18 @@ class Interceptor(Protocol):
 
 @dataclass(frozen=True)
 class Call:
+    """One collective as the issuing rank saw it (``layer`` and ``rank`` are not rendered)."""
+
     op: str
     group_ranks: tuple[int, ...]
     bytes: int
     dtype: str
     reduce_op: str | None
     async_op: bool
+    #: Where it was seen: ``torch.distributed`` (a Python group), ``c10d`` or ``functional`` (dispatcher ops).
+    layer: str = "torch.distributed"
+    #: The issuing rank (global).
+    rank: int = -1
 
 
 @dataclass
@@ -78,6 +112,19 @@ class Trace:
     def count(self, op: str, group_ranks: tuple[int, ...] | list[int] | None = None) -> int:
         ranks = None if group_ranks is None else tuple(group_ranks)
         return sum(1 for c in self.calls if c.op == op and (ranks is None or c.group_ranks == ranks))
+
+    def require(self, ops: Collection[str], what: str) -> list[Call]:
+        """The calls of kinds ``ops``; none at all fails with ``what`` and why nothing can be checked then.
+
+        For a check that asserts the *absence* of collectives somewhere: it
+        proves something only if the same implementation's collectives are
+        seen where they must happen.
+        """
+        calls = [c for c in self.calls if c.op in ops]
+        assert calls, (f"{what}: no {'/'.join(sorted(ops))} was observed, so no collective of this implementation "
+                       f"can be checked (seen: torch.distributed calls, torch.ops.c10d ops and functional "
+                       f"collectives; {len(self.calls)} other call(s) recorded)")
+        return calls
 
     def bytes(self, op: str | None = None) -> int:
         return sum(c.bytes for c in self.calls if op is None or c.op == op)
@@ -92,12 +139,19 @@ class Trace:
         return "\n".join(lines)
 
 
-# -- the process-wide patch ----------------------------------------------------------
+# -- the process-wide patch of the torch.distributed functions ----------------------------
 _lock = threading.Lock()
 _by_thread: dict[int, Interceptor] = {}
-_originals: dict[str, Any] = {}
+_swapped: list[tuple[types.ModuleType, str, Any]] = []
 _depth = 0
 _nesting = threading.local()
+
+
+def _python_group(group: Any) -> bool:
+    """Whether ``group``'s collectives are Python methods, which never reach the dispatcher."""
+    if group is None:
+        group = c10d._get_default_group()
+    return isinstance(inspect.getattr_static(type(group), "allreduce", None), types.FunctionType)
 
 
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,6 +163,8 @@ def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             # Deprecated names forward to the new ones (all_gather_into_tensor ->
             # all_gather_single): only the outermost call is one collective.
             return original(*args, **kwargs)
+        if not _python_group(_signature(original).bind_partial(*args, **kwargs).arguments.get("group")):
+            return original(*args, **kwargs)  # reaches the dispatcher: CollectiveMode sees it
         _nesting.inside = True
         try:
             return interceptor(op, original, args, kwargs)
@@ -124,13 +180,19 @@ def _install() -> None:
     global _depth
     with _lock:
         if _depth == 0:
-            for name in CANONICAL:
-                if hasattr(dist, name):
-                    _originals[name] = getattr(dist, name)
-                    wrapped = _wrapper(name, _originals[name])
-                    setattr(dist, name, wrapped)
-                    if hasattr(c10d, name):
-                        setattr(c10d, name, wrapped)
+            originals = {name: getattr(dist, name) for name in CANONICAL if hasattr(dist, name)}
+            wrapped = {id(fn): _wrapper(name, fn) for name, fn in originals.items()}
+            # Every module that holds a collective under its own name (``distributed_c10d``,
+            # DTensor's ``from torch.distributed.distributed_c10d import scatter``, an
+            # implementation's ``from torch.distributed import all_reduce``) gets the wrapper.
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                if not isinstance(namespace, dict):
+                    continue
+                for name, fn in originals.items():
+                    if namespace.get(name) is fn:
+                        _swapped.append((module, name, fn))
+                        setattr(module, name, wrapped[id(fn)])
         _depth += 1
 
 
@@ -139,25 +201,29 @@ def _uninstall() -> None:
     with _lock:
         _depth -= 1
         if _depth == 0:
-            for name, original in _originals.items():
-                setattr(dist, name, original)
-                if hasattr(c10d, name):
-                    setattr(c10d, name, original)
-            _originals.clear()
+            for module, name, original in _swapped:
+                setattr(module, name, original)
+            _swapped.clear()
 
 
 @contextmanager
-def patch_collectives(interceptor: Interceptor, *, barrier: bool = True) -> Iterator[None]:
-    """Route this thread's collectives through ``interceptor`` inside the block.
+def patch_collectives(interceptor: Interceptor, *, barrier: bool = True,
+                      on_wait: Callable[[torch.Tensor], None] | None = None) -> Iterator[None]:
+    """Route this thread's collectives, from every layer, through ``interceptor`` inside the block.
 
-    With ``barrier`` (the default) every rank must enter and leave together:
-    the swap sits between barriers ([Note: collective patching]).
+    ``on_wait(tensor)`` is called before each functional collective's
+    ``wait_tensor`` (for an interceptor that defers collectives). With
+    ``barrier`` (the default) every rank must enter and leave together: the
+    swap sits between barriers ([Note: collective patching]).
     """
     ident = threading.get_ident()
     if barrier:
         dist.barrier()
     _install()
+    outer = _by_thread.get(ident)  # a block inside another one's: restored when it ends
     _by_thread[ident] = interceptor
+    mode = CollectiveMode(interceptor, on_wait)
+    mode.__enter__()
     clean_exit = False
     try:
         if barrier:
@@ -169,7 +235,11 @@ def patch_collectives(interceptor: Interceptor, *, barrier: bool = True) -> Iter
     finally:
         # Always unpatch this rank, even if the block failed; only a clean exit
         # synchronises with the other ranks (after a failure they may never arrive).
-        _by_thread.pop(ident, None)
+        mode.__exit__(None, None, None)
+        if outer is None:
+            _by_thread.pop(ident, None)
+        else:
+            _by_thread[ident] = outer
         _uninstall()
     if clean_exit and barrier:
         dist.barrier()
@@ -180,39 +250,40 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fn)
 
 
-def _describe(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-    bound = _signature(fn).bind_partial(*args, **kwargs).arguments
-    name = fn.__name__
-    inp = bound.get(_INPUT_PARAM.get(name, ""))
-    if inp is None:  # a renamed parameter in some torch version: take the second tensor-ish argument
-        inp = next((v for v in list(bound.values())[1:2]), None)
-    tensors = inp if isinstance(inp, (list, tuple)) else [inp]
-    size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    dtype = next((str(t.dtype).removeprefix("torch.") for t in tensors if isinstance(t, torch.Tensor)), "?")
-    group = bound.get("group")
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-    reduce_op = bound.get("op")
-    if reduce_op is None and op in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter"):
-        reduce_op = dist.ReduceOp.SUM
-    red = None if reduce_op is None else _op_name(reduce_op)
-    return Call(op, ranks, size, dtype, red, bool(bound.get("async_op", False)))
+def _dtype(tensors: list[torch.Tensor]) -> str:
+    names = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+    return ",".join(names) if names else "?"
 
 
-def _op_name(reduce_op: Any) -> str:
-    text = str(reduce_op)
-    return text.rsplit(".", 1)[-1].removeprefix("RedOpType.")
+def describe(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """The :class:`Call` an interceptor was handed, from a dispatcher op or a ``torch.distributed`` function."""
+    info = op_info(fn)
+    if info is not None:
+        bound = bind(fn, args, kwargs)
+        group = bound.get("process_group", bound.get("group_name"))
+        asynchronous = bool(bound.get("async_op", True))  # functional collectives are waited for later
+        reduce_op, layer = bound.get("reduce_op"), info.layer
+        tensors = tensors_in(bound.get(info.input))
+    else:
+        bound = _signature(fn).bind_partial(*args, **kwargs).arguments
+        group, asynchronous, layer = bound.get("group"), bool(bound.get("async_op", False)), "torch.distributed"
+        reduce_op = bound.get("op", dist.ReduceOp.SUM if op in _REDUCING else None)
+        tensors = tensors_in(bound.get(_INPUT_PARAM.get(fn.__name__, "")))
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    red = None if reduce_op is None else reduce_op_name(reduce_op)
+    return Call(op, group_ranks(group), size, _dtype(tensors), red, asynchronous, layer, dist.get_rank())
 
 
 @contextmanager
 def record(ctx: Any = None, *, delay_s: float = 0.0, fail: str | None = None) -> Iterator[Trace]:
-    """Record this rank's collectives; optionally sleep ``delay_s`` before each, or raise on op ``fail``.
+    """Record this rank's collectives; optionally sleep ``delay_s`` before each, or raise on kind ``fail``.
 
     Collective: every rank must enter and leave the block together.
     """
     trace = Trace()
 
     def interceptor(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        trace.calls.append(_describe(op, fn, args, kwargs))
+        trace.calls.append(describe(op, fn, args, kwargs))
         if fail == op:
             raise RuntimeError(f"injected failure in {op} (record_collectives(fail={fail!r}))")
         if delay_s:

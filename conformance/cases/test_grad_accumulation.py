@@ -17,7 +17,9 @@ FSDP1's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``). Those
 backwards must issue no gradient collective (reduce-scatter or all-reduce; the
 all-gathers are the parameters'), and the last backward must reduce what they
 kept with its own: the gradients and parameters are compared with the same
-local model as without it. A kept gradient that outlives its step would show
+local model as without it. That last backward is recorded too and must show a
+gradient collective: an absence inside ``no_sync`` proves nothing if the
+implementation's reductions cannot be seen at all (``Trace.require``). A kept gradient that outlives its step would show
 in the second step's gradients.
 """
 
@@ -85,6 +87,14 @@ def _backward_without_sync(ctx: RankContext, impl: FSDPAdapter, model: nn.Module
     )
 
 
+def _backward_with_sync(ctx: RankContext, model: nn.Module, batch: torch.Tensor, where: str) -> None:
+    """The backward after ``no_sync`` must reduce: seeing it is what makes the absence inside meaningful."""
+    loss = model(batch).sum()
+    with ctx.record_collectives() as trace:
+        loss.backward()
+    trace.require(GRAD_COLLECTIVES, f"rank {ctx.rank} {where}: the backward after no_sync")
+
+
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
     wanted = {"cpu_offload": Capability.CPU_OFFLOAD, "no_sync": Capability.NO_SYNC}
     return [capability for param, capability in wanted.items() if params[param]]
@@ -110,6 +120,8 @@ def test_accumulate(
             batch = _batch(ctx, step, micro, ctx.rank)
             if no_sync and micro < BACKWARDS - 1:
                 _backward_without_sync(ctx, impl, model, batch, f"step {step} micro-batch {micro}")
+            elif no_sync:
+                _backward_with_sync(ctx, model, batch, f"step {step} micro-batch {micro}")
             else:
                 model(batch).sum().backward()
             for rank in range(ctx.world_size):

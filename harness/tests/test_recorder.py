@@ -81,3 +81,11 @@ def test_patch_is_removed_after_the_block() -> None:
     for mode in MODES:
         harness.run(_traffic, world_size=2, mode=mode)
         assert harness.run(_still_patched, world_size=2, mode=mode) == [False, False]
+
+
+def test_require_names_what_was_not_seen() -> None:
+    trace = harness.Trace([harness.Call("all_gather_into_tensor", (0, 1), 8, "float32", None, False)])
+    assert trace.require({"all_gather_into_tensor"}, "forward") == trace.calls
+    with pytest.raises(AssertionError, match=r"^backward: no all_reduce/reduce_scatter_tensor was observed, so no "
+                                             r"collective of this implementation can be checked .*1 other call"):
+        trace.require({"all_reduce", "reduce_scatter_tensor"}, "backward")
