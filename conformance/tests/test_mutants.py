@@ -139,9 +139,10 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     """In one session, a patching mutant's row is followed by the reference's, which must pass.
 
     ``mutant-assumes-parameters`` passes ``ignored_params_not_moved`` (its patch
-    is harmless there) and fails ``no_params``; the reference runs each case's rows
-    first. Had the patch outlived the mutant's passing row, the reference's
-    ``no_params`` row, next in the same rank processes (or thread host), would fail.
+    is harmless there) and fails ``no_params``; it runs each case's rows before the
+    reference (its ``--fsdp-impl`` comes first). Had the patch outlived the mutant's
+    ``no_params`` row, the reference's ``no_params`` row, next in the same rank
+    processes (or thread host), would fail.
     """
     mutant = "mutant-assumes-parameters"
     options = ["--fsdp-impl", "reference", "--rank-mode", "both",
@@ -151,7 +152,7 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     rows = [(r["case"].split("[")[0], r["impl"], r["rank_mode"], r["outcome"]) for r in report]
     assert rows == [(case, impl, mode, "FAIL" if (case, impl) == ("placement/no_params", mutant) else "pass")
                     for case in ("placement/ignored_params_not_moved", "placement/no_params")
-                    for mode in ("process", "thread") for impl in ("reference", mutant)], rows
+                    for mode in ("process", "thread") for impl in (mutant, "reference")], rows
 
 
 def test_batches_hold_every_mutant_once() -> None:
