@@ -127,7 +127,7 @@ def _session(files: list[str], options: list[str], report: Path) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ADAPTERS_ENV},
                           timeout=900, check=False)
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(report.read_text())
+    return json.loads(report.read_text())["rows"]
 
 
 def _run(batch: Batch, tmp_path: Path) -> list[dict]:
