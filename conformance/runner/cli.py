@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="PATH", help="write the JSON report (schema: docs/REPORTS.md)")
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML, one testcase per row")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
+    run.add_argument("--html", metavar="PATH", help="write the matrix as one self-contained HTML page, with filters")
     run.add_argument("--timing-repeats", default=None, metavar="N",
                      help="times a timing case repeats each timed region, the median counting "
                      "(default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
@@ -73,7 +74,8 @@ def _quiet_rank() -> bool:
 #: CLI option -> the pytest option it is forwarded as, value untouched.
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
               "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
-              "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--conformance-junit",
+              "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
+              "junitxml": "--conformance-junit",
               "launcher": "--launcher", "workers": "-n"}
 
 

@@ -20,14 +20,17 @@ from conformance.contract.results import Result
 from conformance.runner import signals
 from conformance.runner.atomic import ReportLock, check_path, write_atomic
 from conformance.runner.document import RunFacts, machine_facts, now, render_json
+from conformance.runner.html_report import render_html
 from conformance.runner.junit import render_junit
 from conformance.runner.report import render_markdown
 from conformance.runner.settings import Settings
 
 __all__ = ["OPTIONS", "prepare", "release", "requested", "write"]
 
-#: Report kind -> the pytest option that asks for it (``fsdp-conformance run``: --json, --markdown, --junitxml).
-OPTIONS = {"JSON": "--conformance-json", "markdown": "--conformance-markdown", "JUnit": "--conformance-junit"}
+#: Report kind -> the pytest option that asks for it (``fsdp-conformance run``: --json, --markdown, --junitxml,
+#: --html).
+OPTIONS = {"JSON": "--conformance-json", "markdown": "--conformance-markdown", "JUnit": "--conformance-junit",
+           "HTML": "--conformance-html"}
 
 
 @dataclass
@@ -89,7 +92,7 @@ def _markdown(results: Sequence[Result], facts: RunFacts) -> str:
             + text)
 
 
-_RENDERERS = {"JSON": render_json, "markdown": _markdown, "JUnit": render_junit}
+_RENDERERS = {"JSON": render_json, "markdown": _markdown, "JUnit": render_junit, "HTML": render_html}
 
 
 def write(config: pytest.Config, results: Sequence[Result], *, settings: Settings, gpus: int,

@@ -82,6 +82,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-json", metavar="PATH", help="write the run's JSON report (docs/REPORTS.md)")
     group.addoption("--conformance-markdown", metavar="PATH", help="write the matrix as markdown")
     group.addoption("--conformance-junit", metavar="PATH", help="write JUnit XML, one testcase per row")
+    group.addoption("--conformance-html", metavar="PATH", help="write the matrix as one self-contained HTML page")
     group.addoption(
         "--conformance-progress",
         action="store_true",
