@@ -48,7 +48,7 @@ def page_state(browser: str, report: Path, fragment: str = "") -> dict[str, int]
     return {name: int(value) for name, value in attrs.items()}
 
 
-def screenshot(browser: str, report: Path, png: Path, size: tuple[int, int] = (1400, 1000)) -> None:
+def screenshot(browser: str, report: Path, png: Path, size: tuple[int, int] = (1400, 1200)) -> None:
     """Render ``report`` and save what the window shows as ``png``."""
     png.parent.mkdir(parents=True, exist_ok=True)
     _run(browser, [f"--screenshot={png.resolve()}", f"--window-size={size[0]},{size[1]}", report.resolve().as_uri()])

@@ -42,7 +42,8 @@ _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.2em;color:#212121}
 h1{font-size:1.4em;margin:0 0 .4em} h2{font-size:1.1em;margin:1.2em 0 .4em}
 table{border-collapse:collapse} th,td{border:1px solid #bdbdbd;padding:3px 6px;vertical-align:top}
-th{background:#f5f5f5;text-align:left} .facts th{width:11em}
+th{background:#f5f5f5;text-align:left} .facts th{width:9em} .side{display:flex;gap:1.5em;flex-wrap:wrap}
+.facts td{font-size:.9em}
 .banner{padding:.6em;margin:.6em 0;font-weight:bold;border-radius:4px}
 .interrupted{background:#ffecb3;border:2px solid #ff6f00} .complete{background:#e8f5e9;border:1px solid #66bb6a}
 .cell{min-width:5em;font-weight:bold} .reason{font-weight:normal;font-size:.8em;max-width:28em;
@@ -93,14 +94,20 @@ def _facts_section(facts: RunFacts, rows: int) -> str:
     else:
         banner = f'<div class="banner complete" id="status">Complete: every selected row ran ({rows} rows).</div>'
     machine = facts.machine
-    items = [("torch", facts.torch), ("Python", facts.python),
-             ("machine", f"{machine.get('hostname', '?')}: {machine.get('platform', '?')}"),
-             ("CPUs", f"{machine.get('usable_cpus', '?')} usable of {machine.get('cpus', '?')}"),
-             ("GPUs visible", machine.get("gpus_visible", "?")), ("started", facts.started_at),
-             ("ended", facts.ended_at), ("report schema", SCHEMA_VERSION)]
-    items += [(f"setting: {name}", f"{s['value']} (from {s['source']})") for name, s in facts.settings.items()]
-    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in items)
-    return f'{banner}<table class="facts" id="facts">{body}</table>'
+    run = [("torch", facts.torch), ("Python", facts.python),
+           ("machine", f"{machine.get('hostname', '?')}: {machine.get('platform', '?')}"),
+           ("CPUs", f"{machine.get('usable_cpus', '?')} usable of {machine.get('cpus', '?')}"),
+           ("GPUs visible", machine.get("gpus_visible", "?")), ("started", facts.started_at),
+           ("ended", facts.ended_at), ("report schema", SCHEMA_VERSION)]
+    settings = [(name, f"{_value(s['value'])} (from {s['source']})") for name, s in facts.settings.items()]
+    tables = "".join(f'<table class="facts"><thead><tr><th colspan="2">{title}</th></tr></thead><tbody>'
+                     + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in items) + "</tbody></table>"
+                     for title, items in (("run", run), ("settings", settings)))
+    return f'{banner}<div id="facts" class="side">{tables}</div>'
+
+
+def _value(value: object) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _summary_section(results: Sequence[Result], impls: list[str]) -> str:

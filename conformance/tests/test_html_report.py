@@ -79,7 +79,7 @@ def test_run_facts_come_first() -> None:
     page = _parse(text)
     facts = page.text["facts"]
     for expected in ("2.13.0", "3.11.7", "box: Linux", "2 usable of 2", "2026-01-01T00:00:00+00:00",
-                     "setting: impls", "['reference', 'torch-fsdp2'] (from --impl)", "auto (from default)"):
+                     "settings", "impls", "reference, torch-fsdp2 (from --impl)", "auto (from default)"):
         assert expected in facts
     assert "Complete" in page.text["status"]
     assert text.index('id="facts"') < text.index('id="summary"') < text.index('id="matrix"')
