@@ -18,6 +18,8 @@ import pytest
 from conformance.runner import exitcodes, signals
 from conformance.runner.atomic import ReportLock
 
+pytest_plugins = ["pytester"]
+
 #: Cases that start ranks in both modes, quick enough that several rows are reported before the signal.
 SELECTION = "misc and not gpu and not device"
 
@@ -144,3 +146,47 @@ def test_stop_signals_raise_keyboard_interrupt_once() -> None:
     finally:
         restore()
     assert [signal.getsignal(s) for s in signals.STOP_SIGNALS] == previous
+
+FULL_DISK = '''
+import os
+
+import conformance.runner.atomic as atomic
+
+
+class _FullDisk:
+    """``os`` for the report writer, whose rename fails as on a full disk."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+
+atomic.os = _FullDisk()
+'''
+
+ONE_CASE = '''
+from conformance.contract.case import case
+
+
+@case("demo/passes", world_size=1)
+def test_passes(ctx, impl):
+    pass
+'''
+
+
+def test_a_failed_report_write_keeps_the_old_report(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(FULL_DISK)
+    pytester.makepyfile(test_demo=ONE_CASE)
+    old = pytester.path / "r.json"
+    old.write_text('{"schema_version": 2, "rows": []}')
+    result = pytester.runpytest_subprocess("--rank-mode", "thread", "--conformance-json", str(old),
+                                           "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.INTERNAL_ERROR, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines([f"*could not write the JSON report to {old} (*No space left on device*); "
+                                 "the file that was there, if any, is unchanged*"])
+    assert old.read_text() == '{"schema_version": 2, "rows": []}'
+    assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(("r.json", ".r.json"))) == ["r.json"]
+    assert exitcodes.from_pytest(int(result.ret), None) == exitcodes.INTERNAL_ERROR
