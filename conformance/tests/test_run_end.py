@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -32,6 +33,7 @@ def _cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:
 #: A pytest plugin the stopped runs load: it appends a line to $ROWS_SEEN per decided row.
 ROW_PROBE = """
 import os
+import re
 
 def pytest_conformance_result(config, result):
     with open(os.environ["ROWS_SEEN"], "a") as f:
@@ -149,6 +151,7 @@ def test_stop_signals_raise_keyboard_interrupt_once() -> None:
 
 FULL_DISK = '''
 import os
+import re
 
 import conformance.runner.atomic as atomic
 
@@ -190,3 +193,16 @@ def test_a_failed_report_write_keeps_the_old_report(pytester: pytest.Pytester) -
     assert old.read_text() == '{"schema_version": 2, "rows": []}'
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(("r.json", ".r.json"))) == ["r.json"]
     assert exitcodes.from_pytest(int(result.ret), None) == exitcodes.INTERNAL_ERROR
+
+
+def test_exit_codes_are_documented_in_help_and_readme() -> None:
+    proc = subprocess.run([sys.executable, "-m", "conformance", "run", "--help"], capture_output=True, text=True,
+                          check=False, timeout=300)
+    assert " ".join(exitcodes.HELP.split()) in " ".join(proc.stdout.split())
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    documented = dict(re.findall(r"^\| (\d) \| (\w[^|]*)\|", readme, flags=re.M))
+    words = {exitcodes.PASS: "every selected row ran", exitcodes.FAIL: "FAIL", exitcodes.USAGE_ERROR: "usage error",
+             exitcodes.INTERNAL_ERROR: "internal error", exitcodes.INTERRUPTED: "interrupted",
+             exitcodes.NO_ROWS: "no case matched"}
+    assert {int(code) for code in documented} == set(words)
+    assert all(words[int(code)] in text for code, text in documented.items()), documented
