@@ -163,6 +163,14 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"fsdp-conformance: {settings_of(config).describe()}"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With progress lines, the settings and their sources first (pytest's header is hidden by -q)."""
+    session.config.stash[_SESSION_KEY] = session
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if session.config.getoption("--conformance-progress") and reports_here(session.config) and reporter is not None:
+        reporter.write_line(f"fsdp-conformance: {settings_of(session.config).describe()}")
+
+
 @pytest.fixture
 def case_settings(request: pytest.FixtureRequest) -> CaseSettings:
     """The run's settings a case body may read (timing repeats, the fuzz budget)."""
@@ -328,14 +336,6 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     else:
         return None
     return category, "", category.upper()
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """With progress lines, the settings and their sources first (pytest's header is hidden by -q)."""
-    session.config.stash[_SESSION_KEY] = session
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if session.config.getoption("--conformance-progress") and reports_here(session.config) and reporter is not None:
-        reporter.write_line(f"fsdp-conformance: {settings_of(session.config).describe()}")
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
