@@ -16,13 +16,18 @@ check it (:mod:`conformance.runner.html_check`). Format: ``docs/REPORTS.md``.
 from __future__ import annotations
 
 import html
+import os
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 from conformance.contract.results import OUTCOMES, Result
 from conformance.runner.document import SCHEMA_VERSION, RunFacts, summary
 
-__all__ = ["COLOURS", "outcome_class", "render_html"]
+__all__ = ["COLOURS", "finding_href", "outcome_class", "render_html"]
+
+#: The checkout this package runs from (its ``docs/findings`` hold the built-in findings' write-ups).
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 #: Cell colour per outcome (background, text).
 COLOURS = {"pass": ("#c8e6c9", "#1b5e20"), "FAIL": ("#ef9a9a", "#7f0000"), "error": ("#ffcc80", "#6d3300"),
@@ -134,15 +139,29 @@ def _filters(impls: list[str]) -> str:
     return f'<div id="filters"><p><b>outcome:</b> {outs}</p><p><b>implementation:</b> {imps}</p></div>'
 
 
-def _cell(r: Result) -> str:
+def finding_href(doc: str, page_dir: Path | None) -> str:
+    """Where a finding's link points from a page in ``page_dir``: a URL as it is; a write-up path relative to
+    the working directory or to this project's checkout (``docs/findings/...``), relative to the page when that
+    file exists; else the path as registered."""
+    if "://" in doc or page_dir is None:
+        return doc
+    for root in (Path.cwd(), _CHECKOUT):
+        candidate = root / doc
+        if candidate.is_file():
+            return Path(os.path.relpath(candidate.resolve(), page_dir.resolve())).as_posix()
+    return doc
+
+
+def _cell(r: Result, page_dir: Path | None) -> str:
     reason = f'<div class="reason">{_e(r.reason)}</div>' if r.reason else ""
-    link = f'<div><a href="{_e(r.finding)}">known finding: {_e(r.finding)}</a></div>' if r.finding else ""
+    href = finding_href(r.finding, page_dir)
+    link = f'<div><a href="{_e(href)}">known finding: {_e(r.finding)}</a></div>' if r.finding else ""
     return (f'<td class="cell {outcome_class(r.outcome)}" data-outcome="{_e(r.outcome)}" data-impl="{_e(r.impl)}" '
             f'data-col-impl="{_e(r.impl)}" data-mode="{_e(r.rank_mode)}" title="{_e(r.reason)}">'
             f"{_e(r.outcome)}{reason}{link}</td>")
 
 
-def _matrix(results: Sequence[Result]) -> str:
+def _matrix(results: Sequence[Result], page_dir: Path | None) -> str:
     cols: list[tuple[str, str]] = list(dict.fromkeys((r.impl, r.rank_mode) for r in results))
     cells = {(r.case, r.impl, r.rank_mode): r for r in results}
     places: dict[str, list[str]] = {}
@@ -153,7 +172,7 @@ def _matrix(results: Sequence[Result]) -> str:
     head = "".join(f'<th data-col-impl="{_e(i)}">{_e(i)}<br>{_e(m)}</th>' for i, m in cols)
     body = []
     for case in sorted(places):
-        tds = [_cell(cells[(case, i, m)]) if (case, i, m) in cells else f'<td data-col-impl="{_e(i)}"></td>'
+        tds = [_cell(cells[(case, i, m)], page_dir) if (case, i, m) in cells else f'<td data-col-impl="{_e(i)}"></td>'
                for i, m in cols]
         body.append(f"<tr><th><code>{_e(case)}</code></th><td>{_e(','.join(places[case]) or '-')}</td>"
                     f"{''.join(tds)}</tr>")
@@ -161,11 +180,12 @@ def _matrix(results: Sequence[Result]) -> str:
             f'<tbody>{"".join(body)}</tbody></table>')
 
 
-def render_html(results: Sequence[Result], facts: RunFacts) -> str:
-    """The report page for ``results`` (module docstring)."""
+def render_html(results: Sequence[Result], facts: RunFacts, page_dir: Path | None = None) -> str:
+    """The report page for ``results`` (module docstring); ``page_dir``, the directory the page is written to,
+    makes the finding links relative to it (:func:`finding_href`)."""
     impls = list(dict.fromkeys(r.impl for r in results))
     parts = [f"<h1>fsdp-conformance report</h1>{_facts_section(facts, len(results))}",
-             _summary_section(results, impls), "<h2>Filters</h2>", _filters(impls), _matrix(results)]
+             _summary_section(results, impls), "<h2>Filters</h2>", _filters(impls), _matrix(results, page_dir)]
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>fsdp-conformance report ({_e(facts.started_at)})</title><style>{_CSS}</style></head>"
             f"<body>{''.join(parts)}<script>{_JS}</script></body></html>\n")

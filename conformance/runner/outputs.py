@@ -105,7 +105,8 @@ def write(config: pytest.Config, results: Sequence[Result], *, settings: Setting
     failures = []
     for kind, path in claim.paths.items():
         try:
-            write_atomic(path, _RENDERERS[kind](results, facts))
+            text = render_html(results, facts, path.parent) if kind == "HTML" else _RENDERERS[kind](results, facts)
+            write_atomic(path, text)
         except OSError as exc:
             failures.append(f"fsdp-conformance: could not write the {kind} report to {path} ({exc}); "
                             "the file that was there, if any, is unchanged")

@@ -11,7 +11,7 @@ import pytest
 from conformance.contract.results import OUTCOMES, Result
 from conformance.runner import html_check
 from conformance.runner.document import RunFacts
-from conformance.runner.html_report import outcome_class, render_html
+from conformance.runner.html_report import finding_href, outcome_class, render_html
 
 RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
@@ -147,3 +147,14 @@ def test_browser_check_catches_a_broken_page(tmp_path: Path, broken: str) -> Non
     found = html_check.problems(BROWSER, report, cells=len(RESULTS), fail_cells=1)
     expected = "script did not run" if broken == "no_script" else "6 matrix cells are coloured"
     assert any(expected in problem for problem in found), found
+
+
+def test_finding_links_are_relative_to_the_page(tmp_path: Path) -> None:
+    doc = "docs/findings/fsdp1-cpu-offload-pinning.md"  # a built-in finding's write-up, in this checkout
+    page_dir = tmp_path / "reports"
+    page_dir.mkdir()
+    href = finding_href(doc, page_dir)
+    assert (page_dir / href).resolve() == (Path(__file__).resolve().parents[2] / doc)
+    assert finding_href("https://example.org/x", page_dir) == "https://example.org/x"
+    assert finding_href("docs/findings/not-there.md", page_dir) == "docs/findings/not-there.md"
+    assert finding_href(doc, None) == doc
