@@ -151,9 +151,9 @@ def test_stop_signals_raise_keyboard_interrupt_once() -> None:
         restore()
     assert [signal.getsignal(s) for s in signals.STOP_SIGNALS] == previous
 
+
 FULL_DISK = '''
 import os
-import re
 
 import conformance.runner.atomic as atomic
 
