@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench._common import base_parser, median, print_table, write_json
+from conformance.runner.document import load_report
 
 __all__ = ["time_run", "timing_rows"]
 
@@ -44,7 +45,7 @@ def time_run(job_args: list[str], workers: str, extra: list[str]) -> dict[str, A
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - start
-        results = json.loads(out.read_text()) if out.exists() else []
+        results = [asdict(r) for r in load_report(out).rows] if out.exists() else []
     counts: dict[str, int] = {}
     for row in results:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1

@@ -72,7 +72,11 @@ def _watch_parent(parent_pid: int) -> None:
 
 def prepare_child(sys_path: list[str], parent_pid: int, crash_path: str, stack_path: str) -> None:
     """What every harness child does first: parent's import path, crash/stack dumps, a parent watchdog."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns teardown
+    # The parent owns teardown: a stop signal sent to the whole process group (Ctrl-C, a CI's SIGTERM, a
+    # closed terminal's SIGHUP) must not kill a rank mid-case, which would read as that rank's death; the
+    # parent stops its ranks as it winds down, and the watchdog below ends them if the parent is gone.
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
     for path in reversed(sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -70,16 +70,23 @@ class ProcessPool:
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.closed = False
+        try:
+            self._start(gpus)
+        except BaseException:  # e.g. a stop signal while starting: leave no process or directory behind
+            self.close(graceful=False)
+            raise
+
+    def _start(self, gpus: int) -> None:
         ctx = mp_context()
         store_path = os.path.join(self.tmpdir, "store")
-        for rank in range(world_size):
+        for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
             setup = RankSetup(
                 rank=rank,
-                world_size=world_size,
-                placement=placement,
+                world_size=self.world_size,
+                placement=self.placement,
                 gpus=gpus,
-                intra_op_threads=intra_op_threads(world_size),
+                intra_op_threads=intra_op_threads(self.world_size),
                 store_path=store_path,
                 sys_path=list(sys.path),
                 parent_pid=os.getpid(),

@@ -60,9 +60,16 @@ class ThreadHost:
                           ranks_path=self._path("ranks"))
         self.proc = ctx.Process(target=host_main, args=(setup, child_end), name=f"thread-host-{placement}",
                                 daemon=True)
-        self.proc.start()
-        child_end.close()
         self.closed = False
+        try:
+            self.proc.start()
+        except BaseException:  # e.g. a stop signal while starting: leave no directory behind
+            self.conn.close()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.closed = True
+            raise
+        finally:
+            child_end.close()
 
     def _path(self, what: str) -> str:
         return os.path.join(self.tmpdir, what)

@@ -53,6 +53,8 @@ class Result:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Where the ranks computed: ``cpu``, ``cuda`` or ``cuda-shared``; ``""`` when the row could not be placed.
     placement: str = ""
+    #: The write-up of the known finding that explains this FAIL (``docs/findings/...`` or a URL); ``""`` if none.
+    finding: str = ""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

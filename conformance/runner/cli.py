@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from conformance.contract import registry
+from conformance.runner import exitcodes, signals
 from conformance.runner.listing import CASES_DIR, collect_rows
 from harness.rank_mode import SELECTIONS
 
@@ -28,9 +29,11 @@ __all__ = ["main", "CASES_DIR"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__.splitlines()[0],
+                                     epilog=f"run's {exitcodes.HELP}")
     sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)")
+    run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)",
+                         epilog=exitcodes.HELP)
     run.add_argument("--impl", action="append", metavar="NAME",
                      help="adapter name, repeatable; 'all' for every one (default: $FSDP_CONFORMANCE_IMPL "
                      "or reference)")
@@ -38,9 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="process or thread ranks, both, or launched (inside a torchrun job); "
                      "default: $FSDP_RANK_MODE or both")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
-    run.add_argument("--json", metavar="PATH", help="write results as JSON")
-    run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
+    run.add_argument("--json", metavar="PATH", help="write the JSON report (schema: docs/REPORTS.md)")
+    run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML, one testcase per row")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
+    run.add_argument("--html", metavar="PATH", help="write the matrix as one self-contained HTML page, with filters")
     run.add_argument("--timing-repeats", default=None, metavar="N",
                      help="times a timing case repeats each timed region, the median counting "
                      "(default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
@@ -70,7 +74,8 @@ def _quiet_rank() -> bool:
 #: CLI option -> the pytest option it is forwarded as, value untouched.
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
               "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
-              "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--junitxml",
+              "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
+              "junitxml": "--conformance-junit",
               "launcher": "--launcher", "workers": "-n"}
 
 
@@ -88,6 +93,7 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    """Run the session; the exit code is :mod:`conformance.runner.exitcodes`'s."""
     if not _quiet_rank():
         code = int(pytest.main(_run_args(ns)))
     else:
@@ -98,7 +104,7 @@ def _run(ns: argparse.Namespace) -> int:
             print(captured.getvalue()[-4000:], file=sys.stderr)
     if code == int(pytest.ExitCode.NO_TESTS_COLLECTED):
         print("fsdp-conformance: no case matched the selection", file=sys.stderr)
-    return 2 if code == int(pytest.ExitCode.USAGE_ERROR) else code  # 2, as argparse's own usage errors
+    return exitcodes.from_pytest(code, signals.received())
 
 
 def _list(ns: argparse.Namespace) -> int:

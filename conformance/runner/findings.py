@@ -31,7 +31,7 @@ from typing import Any
 
 from conformance.contract.rows import parse_row_id, row_matches
 
-__all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "Finding", "annotate", "known", "load_file"]
+__all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "Finding", "annotate", "explaining", "known", "load_file"]
 
 BUILTIN_FILE = Path(__file__).with_name("known_findings.json")
 ENTRY_POINT_GROUP = "fsdp_conformance.findings"
@@ -103,9 +103,13 @@ def known() -> list[Finding]:
     return found
 
 
-def annotate(impl: str, case: str, reason: str) -> str:
-    """``reason``, prefixed with the finding's write-up when this failure is a known one."""
-    for finding in known():
-        if finding.explains(impl, case, reason):
-            return f"known finding, see {finding.doc}: {reason}"
-    return reason
+def explaining(impl: str, case: str, reason: str) -> Finding | None:
+    """The first registered finding that explains ``impl`` failing ``case`` with ``reason``, if any."""
+    return next((f for f in known() if f.explains(impl, case, reason)), None)
+
+
+def annotate(impl: str, case: str, reason: str, finding: Finding | None = None) -> str:
+    """``reason``, prefixed with the finding's write-up when this failure is a known one
+    (``finding`` when the caller already looked it up with :func:`explaining`)."""
+    finding = finding or explaining(impl, case, reason)
+    return reason if finding is None else f"known finding, see {finding.doc}: {reason}"

@@ -23,7 +23,6 @@ import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,8 +34,9 @@ from conformance.contract.declared import DeclaredAdapter
 from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner.findings import annotate
-from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
+from conformance.runner import outputs, signals
+from conformance.runner.findings import annotate, explaining
+from conformance.runner.report import render_matrix, summary_line
 from conformance.runner.settings import Settings, resolve_settings
 from harness import devices
 from harness.pytest_plugin import rank_mode_setting, selected_modes
@@ -49,6 +49,8 @@ RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
 _GPUS_KEY = pytest.StashKey[int]()
 _STATE_KEY = pytest.StashKey["_ItemState"]()
+_RESTORE_SIGNALS_KEY = pytest.StashKey[Any]()
+_SESSION_KEY = pytest.StashKey[pytest.Session]()
 
 
 @dataclass
@@ -79,8 +81,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="implementation adapter to run cases against (repeatable; 'all' = every registered "
         "adapter). Default: $FSDP_CONFORMANCE_IMPL or 'reference'.",
     )
-    group.addoption("--conformance-json", metavar="PATH", help="write the results as JSON")
+    group.addoption("--conformance-json", metavar="PATH", help="write the run's JSON report (docs/REPORTS.md)")
     group.addoption("--conformance-markdown", metavar="PATH", help="write the matrix as markdown")
+    group.addoption("--conformance-junit", metavar="PATH", help="write JUnit XML, one testcase per row")
+    group.addoption("--conformance-html", metavar="PATH", help="write the matrix as one self-contained HTML page")
     group.addoption(
         "--conformance-progress",
         action="store_true",
@@ -127,8 +131,18 @@ def pytest_configure(config: pytest.Config) -> None:
         device = config.stash[SETTINGS_KEY].device
         config.stash[_GPUS_KEY] = devices.visible_gpus() if device.value != "cpu" else 0
         devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
+        if reports_here(config):  # report paths checked and claimed before any case runs
+            outputs.prepare(config)
     except ValueError as exc:  # SettingError included
         raise pytest.UsageError(str(exc)) from exc
+    config.stash[_RESTORE_SIGNALS_KEY] = signals.install()  # [Note: stop signals]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    outputs.release(config)
+    restore = config.stash.get(_RESTORE_SIGNALS_KEY, None)
+    if restore is not None:
+        restore()
 
 
 def settings_of(config: pytest.Config) -> Settings:
@@ -153,6 +167,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """With progress lines, the settings and their sources first (pytest's header is hidden by -q)."""
+    session.config.stash[_SESSION_KEY] = session
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if session.config.getoption("--conformance-progress") and reports_here(session.config) and reporter is not None:
         reporter.write_line(f"fsdp-conformance: {settings_of(session.config).describe()}")
@@ -298,16 +313,18 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     reason = state.reason
     if state.outcome == "pass" and state.report is not None and state.report.reason:
         reason = state.report.reason
+    finding = explaining(impl_name, case_id, reason) if state.outcome == "FAIL" else None
     result = Result(
         case=case_id,
         impl=impl_name,
         rank_mode=str(params["rank_mode"]),
         world_size=spec.world_size,
         outcome=state.outcome,
-        reason=annotate(impl_name, case_id, reason) if state.outcome == "FAIL" else reason,
+        reason=annotate(impl_name, case_id, reason, finding) if finding is not None else reason,
         duration_s=round(time.perf_counter() - state.started, 3),
         metrics=dict(state.report.metrics) if state.report is not None else {},
         placement=state.placement,
+        finding=finding.doc if finding is not None else "",
     )
     item.config.hook.pytest_conformance_result(config=item.config, result=result)
 
@@ -343,22 +360,22 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     return category, "", category.upper()
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    """The matrix and the report files; under ``-n`` only the controller, which has every result."""
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The matrix and the report files; under ``-n`` only the controller, which has every result. An
+    interrupted run gets here too ([Note: stop signals]); its reports say so."""
     results = config.stash.get(RESULTS_KEY, [])
-    if not results or not reports_here(config):
+    if not reports_here(config):
         return
-    if config.getoption("--conformance-progress"):
+    if results and config.getoption("--conformance-progress"):
         terminalreporter.write_sep("=", "conformance matrix")
         terminalreporter.write_line(render_matrix(results))
         terminalreporter.write_line(summary_line(results))
-    json_path = config.getoption("--conformance-json")
-    if json_path:
-        write_json(results, Path(json_path))
-    md_path = config.getoption("--conformance-markdown")
-    if md_path:
-        Path(md_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(md_path).write_text(render_markdown(results))
+    failures = outputs.write(config, results, settings=settings_of(config), gpus=config.stash[_GPUS_KEY],
+                             exitstatus=exitstatus)
+    for message in failures:
+        terminalreporter.write_line(message, red=True)
+    if failures:  # exit code: internal error (a report that was asked for is missing)
+        config.stash[_SESSION_KEY].exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
 
 def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:

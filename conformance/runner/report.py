@@ -1,15 +1,12 @@
-"""The matrix, JSON and markdown renderings of a run's results (:mod:`conformance.contract.results`)."""
+"""The matrix and markdown renderings of a run's results (:mod:`conformance.contract.results`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
-from pathlib import Path
 
 from conformance.contract.results import OUTCOMES, Result
 
-__all__ = ["render_matrix", "render_markdown", "summary_line", "write_json"]
+__all__ = ["render_matrix", "render_markdown", "summary_line"]
 
 
 def _columns(results: Sequence[Result]) -> list[tuple[str, str]]:
@@ -85,7 +82,3 @@ def render_markdown(results: Sequence[Result], *, title: str = "Conformance matr
             out.append(f"- `{r.case}` on {r.impl} ({r.rank_mode}): **{r.outcome}** — {reason}")
     return "\n".join(out) + "\n"
 
-
-def write_json(results: Sequence[Result], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")

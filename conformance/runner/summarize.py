@@ -1,18 +1,20 @@
 """Summarise a ``--json`` report as markdown: outcome counts per area and implementation.
 
+Any schema version (docs/REPORTS.md) is read, through :func:`conformance.runner.document.load_report`.
+
 ``python -m conformance.runner.summarize reports/all.json`` prints the table used at
 the top of ``docs/CONFORMANCE.md``, then every FAIL with its reason.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 from conformance.contract.results import OUTCOMES, Result
+from conformance.runner.document import load_report
 
 __all__ = ["summarize"]
 
@@ -39,8 +41,10 @@ def summarize(results: list[Result]) -> str:
 
 
 def main() -> None:
-    rows = json.loads(Path(sys.argv[1]).read_text())
-    print(summarize([Result(**row) for row in rows]))
+    report = load_report(Path(sys.argv[1]))
+    if not report.complete:
+        print(f"(incomplete run: interrupted by {report.header.get('interrupted_by')})\n")
+    print(summarize(report.rows))
 
 
 if __name__ == "__main__":

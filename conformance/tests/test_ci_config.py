@@ -88,3 +88,11 @@ def test_gpu_rows_carry_the_gpu_mark() -> None:
 
     assert "gpu" in {m.name for m in test_gpu_row.pytestmark}  # type: ignore[attr-defined]
     assert "gpu" not in {m.name for m in test_cpu_row.pytestmark}  # type: ignore[attr-defined]
+
+
+def test_ci_installs_chromium_and_checks_the_main_jobs_html_report() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "apt-get install -y -qq chromium" in script
+    main_job = script.index("fsdp-conformance\" run -n auto")
+    assert "--html reports/conformance.html" in script[main_job:]
+    assert script.index("-m conformance.runner.html_check reports/conformance.html") > main_job

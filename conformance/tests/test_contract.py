@@ -75,7 +75,7 @@ def test_a_protocol_one_adapter_runs_cases(pytester: pytest.Pytester, monkeypatc
     pytester.runpytest_subprocess(str(cases), "--fsdp-impl", "protocol-one", "--rank-mode", "thread",
                                   "-k", "invalid_later_iter_order and FULL_SHARD-1", "-p", "no:cacheprovider",
                                   "--conformance-json", str(out), "-W", "error::DeprecationWarning:conformance.*")
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["outcome"]) for r in rows] == [
         ("exec_order/invalid_later_iter_order[strategy=FULL_SHARD,iters_before_path_change=1]", "pass")]
 

@@ -68,7 +68,7 @@ def test_out_of_tree_adapter_rows_are_na_for_what_it_lacks(site: Path, tmp_path:
     out = tmp_path / "r.json"
     run = _cli(site, "run", "--impl", "no-replication", "--rank-mode", "thread", "-k", selection, "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert {r["rank_mode"] for r in rows} == {"thread"}
     by_case: dict[str, list[str]] = {}
     for row in rows:

@@ -83,7 +83,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _reports(directory: Path) -> dict[str, Any]:
-    rows = json.loads((directory / "r.json").read_text())
+    rows = json.loads((directory / "r.json").read_text())["rows"]
     for row in rows:
         row.pop("duration_s")
     testcases = [(c.get("classname"), c.get("name"), [child.tag for child in c])
@@ -123,7 +123,7 @@ def test_pytest_parallel_transports_every_outcome(pytester: pytest.Pytester,
                                                "--conformance-json", str(out))
         assert result.ret == 1
         result.stdout.fnmatch_lines(["*conformance matrix*", "conformance: *2 FAIL*"])
-        rows[workers] = [{k: v for k, v in r.items() if k != "duration_s"} for r in json.loads(out.read_text())]
+        rows[workers] = [{k: v for k, v in r.items() if k != "duration_s"} for r in json.loads(out.read_text())["rows"]]
     assert {r["outcome"] for r in rows["0"]} == {"pass", "FAIL", "n/a", "skip"}
     assert rows["2"] == rows["0"]
 

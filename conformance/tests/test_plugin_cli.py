@@ -122,7 +122,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
         "--device", "cpu",  # the same rows on every machine
     )
     assert result.ret == 1
-    rows = {(r["case"], r["impl"], r["rank_mode"]): r for r in json.loads(out.read_text())}
+    rows = {(r["case"], r["impl"], r["rank_mode"]): r for r in json.loads(out.read_text())["rows"]}
     assert rows[("demo/passes", "reference", "process")]["outcome"] == "pass"
     failed = rows[("demo/fails", "bare", "thread")]
     assert failed["outcome"] == "FAIL"
@@ -137,7 +137,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     assert gpu["outcome"] == "skip" and gpu["reason"] == "needs 2 distinct GPUs; the device setting is cpu"
     assert gpu["placement"] == "" and rows[("demo/passes", "reference", "process")]["placement"] == "cpu"
     assert all(set(r) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics",
-                          "placement"} for r in rows.values())
+                          "placement", "finding"} for r in rows.values())
     result.stdout.fnmatch_lines(["*conformance matrix*", "case * reference/process*", "conformance: *FAIL*"])
     assert "| `demo/needs_capability` |" in md.read_text()
 
@@ -145,7 +145,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
 def test_unloadable_adapter_is_an_error_row_not_a_crash(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
     result = suite.runpytest_subprocess("--fsdp-impl", "broken", "-k", "passes", "--conformance-json", str(out))
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert {r["outcome"] for r in rows} == {"error"}
     assert "adapter 'broken' failed to load: ModuleNotFoundError" in rows[0]["reason"]
     assert result.ret == 1
@@ -183,7 +183,7 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     out = suite.path / "r.json"
     result = suite.runpytest_subprocess("test_reporting.py", "--conformance-json", str(out), "-p", "no:cacheprovider")
     assert result.ret == 1
-    rows = {r["case"]: r for r in json.loads(out.read_text())}
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == ["demo/reports[variant=A,n=1]", "demo/reports[variant=A,n=2]",
                             "demo/reports[variant=None,n=1]", "demo/reports[variant=None,n=2]",
                             "demo/returns_dict"]
@@ -208,7 +208,7 @@ def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
     out = suite.path / "r.json"
     suite.runpytest_subprocess("test_reporting.py", "-k", "reports and A-1", "--timing-repeats", "2",
                                "--conformance-json", str(out))
-    (row,) = json.loads(out.read_text())
+    (row,) = json.loads(out.read_text())["rows"]
     assert row["metrics"]["repeats"] == 2
 
 
@@ -218,7 +218,7 @@ def test_cli_run_honours_the_environment(tmp_path: Path, monkeypatch: pytest.Mon
     run = _cli("run", "-k", "exec_order and train_eval", "--json", str(out))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "rank mode: thread (from FSDP_RANK_MODE)" in run.stdout
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert rows and {r["rank_mode"] for r in rows} == {"thread"}
     monkeypatch.setenv("FSDP_CONFORMANCE_IMPL", "nope")
     bad = _cli("run", "-k", "train_eval")
@@ -227,7 +227,7 @@ def test_cli_run_honours_the_environment(tmp_path: Path, monkeypatch: pytest.Mon
 
 def _rows_without_times(path: Path) -> list[tuple]:
     return sorted((r["case"], r["impl"], r["rank_mode"], r["outcome"], r["reason"], r["placement"])
-                  for r in json.loads(path.read_text()))
+                  for r in json.loads(path.read_text())["rows"])
 
 
 def test_device_env_and_option_give_the_same_rows(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,7 +254,7 @@ def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess("test_decisions.py", "--fsdp-impl", "no-no-shard", "--rank-mode", "thread",
                                         "--conformance-json", str(out), "--conformance-markdown", str(md))
     assert result.ret == 1
-    rows = {r["case"]: r for r in json.loads(out.read_text())}
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["demo/strategies[strategy=FULL_SHARD]"]["outcome"] == "pass"
     refused = rows["demo/strategies[strategy=NO_SHARD]"]
     assert (refused["outcome"], refused["reason"]) == ("n/a", "no-no-shard does not support strategy NO_SHARD")

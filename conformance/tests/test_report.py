@@ -1,15 +1,12 @@
-"""Matrix, markdown and JSON renderings of conformance results."""
+"""Matrix and markdown renderings of conformance results (the JSON document: test_report_files.py)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 from expecttest import TestCase
 
 from conformance.contract.results import Result
-from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
+from conformance.runner.report import render_markdown, render_matrix, summary_line
 
 RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
@@ -44,16 +41,6 @@ placement/device_id[]                               -          skip""",
         assert "| `exec_order/train_eval[FULL_SHARD]` | cpu | pass | n/a |" in text
         assert "**n/a** — torch-fsdp2 lacks capability exec_order_validation" in text
         assert "**FAIL** — AssertionError: no matching UserWarning" in text
-
-
-def test_json_round_trip(tmp_path: Path) -> None:
-    path = tmp_path / "out" / "results.json"
-    write_json(RESULTS, path)
-    rows = json.loads(path.read_text())
-    assert [r["outcome"] for r in rows] == ["pass", "n/a", "skip", "FAIL"]
-    assert set(rows[0]) == {"case", "impl", "rank_mode", "world_size", "outcome", "reason", "duration_s", "metrics",
-                            "placement"}
-    assert [r["placement"] for r in rows] == ["cpu", "cpu", "", "cpu"]
 
 
 def test_matrix_shows_each_rows_placement() -> None:

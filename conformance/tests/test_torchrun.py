@@ -27,7 +27,7 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(report.read_text())
+    rows = json.loads(report.read_text())["rows"]
     assert len(rows) == 8 and {r["outcome"] for r in rows} == {"pass"}
     assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {2}
     assert proc.stdout.count("conformance matrix") == 1, "only rank 0 prints the matrix"

@@ -1,0 +1,33 @@
+"""The exit codes of ``fsdp-conformance run`` (README: Exit codes; ``--help`` prints :data:`HELP`)."""
+
+from __future__ import annotations
+
+import pytest
+
+__all__ = ["FAIL", "HELP", "INTERNAL_ERROR", "INTERRUPTED", "NO_ROWS", "PASS", "USAGE_ERROR", "from_pytest"]
+
+#: Every selected row ran and none is FAIL or error (n/a and skip are allowed).
+PASS = 0
+#: At least one row is FAIL or error.
+FAIL = 1
+#: A bad option, setting or report path; nothing ran.
+USAGE_ERROR = 2
+#: The runner itself failed (pytest's internal error, a case module that does not import, a report not written).
+INTERNAL_ERROR = 3
+#: SIGTERM, SIGINT or SIGHUP stopped the run; the reports were written, marked interrupted.
+INTERRUPTED = 4
+#: No case matched the selection.
+NO_ROWS = 5
+
+HELP = (f"exit codes: {PASS} every row ran, none FAIL or error; {FAIL} a row is FAIL or error; {USAGE_ERROR} usage "
+        f"error (bad option, setting or report path; nothing ran); {INTERNAL_ERROR} internal error; {INTERRUPTED} "
+        f"interrupted by SIGTERM, SIGINT or SIGHUP (reports written, marked interrupted); {NO_ROWS} no case matched")
+
+
+def from_pytest(code: int, stopped_by: str | None) -> int:
+    """This command's exit code for pytest's ``code``, given the stop signal the run received (if any)."""
+    if stopped_by is not None:
+        return INTERRUPTED
+    return {int(pytest.ExitCode.OK): PASS, int(pytest.ExitCode.TESTS_FAILED): FAIL,
+            int(pytest.ExitCode.USAGE_ERROR): USAGE_ERROR,
+            int(pytest.ExitCode.NO_TESTS_COLLECTED): NO_ROWS}.get(code, INTERNAL_ERROR)

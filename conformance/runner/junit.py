@@ -1,0 +1,80 @@
+"""The JUnit XML report of a run, written from its rows (``docs/REPORTS.md``: JUnit).
+
+One ``<testcase>`` per row: ``name`` is the row id (what ``list``, the matrix
+and the JSON show), ``classname`` is ``<implementation>.<rank mode>``. A FAIL
+is a ``<failure>``, an ``error`` an ``<error>``; ``n/a`` and ``skip`` are both
+``<skipped>`` (JUnit has no other word) told apart by ``type``:
+``not-applicable`` (the implementation lacks what the case needs) and
+``hardware`` (the machine lacks it). A FAIL a known finding explains has
+``type="known-finding"`` and a ``finding`` property naming the write-up. An
+interrupted run says so twice: suite properties ``interrupted``/``complete``
+and one extra ``<testcase name="(run interrupted)">`` with an ``<error>``, so a
+CI that only counts failures does not read a partial run as green.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+
+from conformance.contract.results import Result
+from conformance.runner.document import SCHEMA_VERSION, RunFacts, summary
+
+__all__ = ["SKIP_TYPES", "render_junit"]
+
+#: ``<skipped type=...>`` per outcome.
+SKIP_TYPES = {"n/a": "not-applicable", "skip": "hardware"}
+
+
+def _testcase(result: Result) -> ET.Element:
+    case = ET.Element("testcase", classname=f"{result.impl}.{result.rank_mode}", name=result.case,
+                      time=f"{result.duration_s:.3f}")
+    props = ET.SubElement(case, "properties")
+    for name, value in (("outcome", result.outcome), ("placement", result.placement or "-"),
+                        ("world_size", str(result.world_size)), ("finding", result.finding)):
+        if value:
+            ET.SubElement(props, "property", name=name, value=value)
+    message = result.reason.strip().splitlines()[0] if result.reason.strip() else result.outcome
+    if result.outcome == "FAIL":
+        kind = "known-finding" if result.finding else "nonconforming"
+        ET.SubElement(case, "failure", type=kind, message=message).text = result.reason
+    elif result.outcome == "error":
+        ET.SubElement(case, "error", type="error", message=message).text = result.reason
+    elif result.outcome in SKIP_TYPES:
+        ET.SubElement(case, "skipped", type=SKIP_TYPES[result.outcome], message=f"{result.outcome}: {message}")
+    return case
+
+
+def _interruption(facts: RunFacts, reported: int) -> ET.Element:
+    case = ET.Element("testcase", classname="fsdp-conformance", name="(run interrupted)", time="0.000")
+    text = (f"the run was stopped by {facts.interrupted_by} after {reported} rows; rows not listed did not run, "
+            "so this report is incomplete")
+    ET.SubElement(case, "error", type="interrupted", message=text).text = text
+    return case
+
+
+def render_junit(results: Sequence[Result], facts: RunFacts) -> str:
+    """The JUnit XML document for ``results``."""
+    counts = summary(results)
+    interrupted = facts.interrupted_by is not None
+    suite = ET.Element("testsuite", name="fsdp-conformance", tests=str(len(results) + interrupted),
+                       failures=str(counts["FAIL"]), errors=str(counts["error"] + interrupted),
+                       skipped=str(counts["n/a"] + counts["skip"]), time=f"{counts['case_time_s']:.3f}",
+                       timestamp=facts.started_at, hostname=str(facts.machine.get("hostname", "")))
+    props = ET.SubElement(suite, "properties")
+    run_props = [("schema_version", SCHEMA_VERSION), ("complete", not interrupted), ("interrupted", interrupted),
+                 ("interrupted_by", facts.interrupted_by or ""), ("torch", facts.torch), ("python", facts.python),
+                 ("started_at", facts.started_at), ("ended_at", facts.ended_at)]
+    run_props += [(f"setting.{name}", f"{s['value']} (from {s['source']})") for name, s in facts.settings.items()]
+    for name, value in run_props:
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        ET.SubElement(props, "property", name=name, value=text)
+    suite.extend(_testcase(r) for r in results)
+    if interrupted:
+        suite.append(_interruption(facts, len(results)))
+    root = ET.Element("testsuites", name="fsdp-conformance", tests=suite.get("tests", "0"),
+                      failures=suite.get("failures", "0"), errors=suite.get("errors", "0"),
+                      skipped=suite.get("skipped", "0"))
+    root.append(suite)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
