@@ -29,6 +29,8 @@ from conformance.selftest.mutants.hybrid import *  # noqa: F403 - adapters are r
 from conformance.selftest.mutants.hybrid import __all__ as _hybrid
 from conformance.selftest.mutants.longer_runs import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
 from conformance.selftest.mutants.longer_runs import __all__ as _longer_runs
+from conformance.selftest.mutants.memory import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
+from conformance.selftest.mutants.memory import __all__ as _memory
 from conformance.selftest.mutants.meshes import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
 from conformance.selftest.mutants.meshes import __all__ as _meshes
 from conformance.selftest.mutants.outputs import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
@@ -46,7 +48,7 @@ from conformance.selftest.mutants.state_dicts import __all__ as _state_dicts
 
 _ALL = (
     *_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision,
-    *_sharing, *_outputs, *_meshes, *_fuzz,
+    *_sharing, *_outputs, *_meshes, *_fuzz, *_memory,
 )
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
