@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch.nn as nn
 
+from conformance.adapters._composable import FullyShardMethods
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
 from conformance.contract.adapter import DEPRECATED_CAPABILITIES, Capability, UnitInfo
 
 __all__ = ["ReferenceAdapter"]
 
 
-class ReferenceAdapter(FSDP1LikeAdapter):
+class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
     """``fsdp_impl.FullyShardedDataParallel``; introspected through its public surface
     (``flat_param``, ``is_resharded``, ``process_group``, ``compute_device``)."""
 
@@ -24,6 +26,11 @@ class ReferenceAdapter(FSDP1LikeAdapter):
         import fsdp_impl
 
         return fsdp_impl
+
+    def _fully_shard_fn(self) -> Callable[..., nn.Module]:
+        import fsdp_impl
+
+        return fsdp_impl.fully_shard
 
     def _wrap_api(self) -> ModuleType:
         import fsdp_impl.wrap

@@ -26,6 +26,12 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         Capability.POST_OPTIM_EVENT,
         Capability.OPTIM_STATE_DICT_ON_THREADS,
         Capability.FULL_STATE_DICT_LOAD_ON_THREADS,
+        # FSDP2's per-module API, which FSDP1 does not have:
+        Capability.FULLY_SHARD,
+        Capability.RESHARD_AFTER_FORWARD_INT,
+        Capability.EXPLICIT_PREFETCH,
+        Capability.META_INIT,
+        Capability.DCP_RESHARD,
     }
 
     def _api(self) -> ModuleType:

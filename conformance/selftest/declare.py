@@ -168,6 +168,10 @@ class _Mutant(ReferenceAdapter):
             self._mutate_unit(unit)
         return model
 
+    def fully_shard(self, module: nn.Module, **kwargs: Any) -> nn.Module:
+        apply_patches(self.patches)
+        return super().fully_shard(module, **kwargs)
+
     def _mutate_spec(self, spec: WrapSpec) -> WrapSpec:
         return replace(spec, **self.spec_overrides) if self.spec_overrides else spec
 
