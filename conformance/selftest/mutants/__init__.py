@@ -21,6 +21,8 @@ from __future__ import annotations
 from conformance.selftest.declare import Expect, Patch, check_declaration
 from conformance.selftest.mutants.accumulation import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
 from conformance.selftest.mutants.accumulation import __all__ as _accumulation
+from conformance.selftest.mutants.composable import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
+from conformance.selftest.mutants.composable import __all__ as _composable
 from conformance.selftest.mutants.construction import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
 from conformance.selftest.mutants.construction import __all__ as _construction
 from conformance.selftest.mutants.fuzz import *  # noqa: F403 - adapters are registered as conformance.selftest.mutants:Class
@@ -48,7 +50,7 @@ from conformance.selftest.mutants.state_dicts import __all__ as _state_dicts
 
 _ALL = (
     *_runtime, *_construction, *_placement, *_hybrid, *_longer_runs, *_state_dicts, *_accumulation, *_precision,
-    *_sharing, *_outputs, *_meshes, *_fuzz, *_memory,
+    *_sharing, *_outputs, *_meshes, *_fuzz, *_memory, *_composable,
 )
 __all__ = ["MUTANTS", "Expect", "Patch", "check_declaration", *_ALL]
 
