@@ -120,9 +120,11 @@ def _replicated(as_dtensor: Fn) -> Fn:
 
 class ShardsClaimReplicated(_Mutant):
     """Each ``fully_shard``-ed parameter's DTensor claims to be replicated while it holds one rank's
-    piece: a checkpoint records every piece as the whole parameter."""
+    piece: a checkpoint records every piece as the whole parameter, a gradient norm covers one rank's."""
 
     name = "mutant-shards-claim-replicated"
     breaks = "the placements a sharded parameter reports (what DCP saves and reshards by)"
-    expect = Expect("reshard and (4to2 or 2to4)", "thread", ("dcp/reshard",))
+    expect = Expect(
+        "(reshard and (4to2 or 2to4)) or clip_grad_norm", "thread", ("dcp/reshard", "grad_clip/clip_grad_norm"),
+    )
     patches = (Patch("fsdp_impl.layout:ShardLayout.as_dtensor", _replicated),)
