@@ -16,6 +16,7 @@ __all__ = [
     "SharedAcrossUnitsUnchecked",
     "MetaInitNotFollowed",
     "ShardsClaimReplicated",
+    "MisuseUnchecked",
 ]
 
 Fn = Callable[..., Any]
@@ -70,7 +71,7 @@ class FrozenParamsTrained(_Mutant):
 
     name = "mutant-frozen-params-trained"
     breaks = "frozen parameters (requires_grad=False)"
-    expect = Expect("frozen", "thread", ("param_kinds/frozen",))
+    expect = Expect("test_frozen", "thread", ("param_kinds/frozen",))
     patches = (Patch("fsdp_impl.composable:_build_handle", _all_trainable),)
 
 
@@ -86,7 +87,7 @@ class IgnoredParamsSharded(_Mutant):
 
     name = "mutant-ignored-params-sharded"
     breaks = "ignored parameters"
-    expect = Expect("ignored", "thread", ("param_kinds/ignored",))
+    expect = Expect("test_ignored", "thread", ("param_kinds/ignored",))
     patches = (Patch("fsdp_impl.composable:_managed", _nothing_ignored),)
 
 
@@ -95,7 +96,7 @@ class SharedAcrossUnitsUnchecked(_Mutant):
 
     name = "mutant-shared-across-units-unchecked"
     breaks = "refusing (or handling) a parameter shared across units"
-    expect = Expect("shared", "thread", ("param_kinds/shared[position=across_units]",))
+    expect = Expect("test_shared and across_units", "thread", ("param_kinds/shared[position=across_units]",))
     patches = (Patch.instead("fsdp_impl.composable:_check_not_shared", lambda module, handle: None),)
 
 
@@ -128,3 +129,13 @@ class ShardsClaimReplicated(_Mutant):
         "(reshard and (4to2 or 2to4)) or clip_grad_norm", "thread", ("dcp/reshard", "grad_clip/clip_grad_norm"),
     )
     patches = (Patch("fsdp_impl.layout:ShardLayout.as_dtensor", _replicated),)
+
+
+class MisuseUnchecked(_Mutant):
+    """``fully_shard`` skips its argument checks: a module sharded twice, or a container without a
+    forward, is accepted without a word."""
+
+    name = "mutant-shard-args-unchecked"
+    breaks = "refusing fully_shard misuse (a container without forward, a second application)"
+    expect = Expect("fully_shard_api and container", "thread", ("fully_shard_api/misuse[kind=container]",))
+    patches = (Patch.instead("fsdp_impl.composable:_check_module", lambda module: None),)
