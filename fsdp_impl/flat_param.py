@@ -136,6 +136,9 @@ class FlatParamHandle:
         if self.use_orig_params:
             self.install_sharded_params()
         else:
+            # The originals keep no storage of their own: each views its piece of the shard.
+            for slot in self.slots:
+                slot.param.data = self.sharded_view(slot, self.flat_param.data)
             # Stale views (storage freed) keep attribute access and repr working between uses.
             self._alloc_storage()
             with torch.no_grad():
@@ -365,6 +368,12 @@ class FlatParamHandle:
         for slot in self.slots:
             if slot.param.requires_grad:  # empty pieces too, so every rank has optimizer state
                 set_grad(slot.param, self._exposed(slot, self.sharded_view(slot, total)))
+
+    def drop_unviewed_grad(self) -> None:
+        """Forget the flat gradient once no original parameter has a gradient (``zero_grad`` set them
+        to None), so it is not held through the next backward (``use_orig_params`` only)."""
+        if self.use_orig_params and all(slot.param.grad is None for slot in self.slots):
+            self.flat_param.grad = None
 
     def sharded_grad(self) -> torch.Tensor | None:
         """The local gradient as one shard-sized tensor (``None`` if no parameter has one)."""

@@ -19,10 +19,12 @@ unit's pre-backward hook all-gathers again if the parameter was freed, then
 prefetches (the listed modules, else the previous recorded unit for
 BACKWARD_PRE); the post-accumulate-grad hook on the unsharded leaf issues the
 gradient reduction asynchronously, frees the unsharded parameter (unless
-``reshard_after_backward`` is off) and prefetches for BACKWARD_POST. Reductions
-are awaited at the latest in the final callback, which also reshards units
-whose outputs were unused and ends the iteration (exec order, per-iteration
-flags).
+``reshard_after_backward`` is off) and prefetches for BACKWARD_POST. One reduction
+is in flight at a time: a unit's hook first finishes the previous unit's (its
+input, a whole unsharded gradient, is held until then), so unsharded gradients
+do not pile up over a backward. The final callback finishes the last one,
+reshards units whose outputs were unused and ends the iteration (exec order,
+per-iteration flags).
 
 [Note: no_sync]
 With ``UnitControls.requires_gradient_sync`` off (every unit inside the root's
@@ -260,6 +262,7 @@ def _pre_backward_hook(unit: UnitState, grad: torch.Tensor) -> None:
     handle = unit.handle
     if handle is None:
         return
+    handle.drop_unviewed_grad()
     was_sharded = handle.state is not ShardedState.UNSHARDED
     _unshard_now(unit, state)
     if was_sharded or handle.use_orig_params:
@@ -283,7 +286,7 @@ def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
     unit.training_state = TrainingState.BACKWARD_POST
     grad = _with_unsynced_grad(unit, grad)
     if unit.controls.requires_gradient_sync:
-        _advance_reductions(state)
+        _finish_reductions(state)  # [Note: unit lifecycle]: one reduction in flight
         state.reductions.append(_issue_reduction(unit, grad))
     else:  # [Note: no_sync]
         policy = unit.config.low_precision(unit.training)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch.nn as nn
 
+from conformance.adapters._composable import FullyShardMethods
 from conformance.adapters._fsdp1_like import FSDP1LikeAdapter
 from conformance.contract.adapter import Capability, UnitInfo
 
 __all__ = ["ReferenceAdapter"]
 
 
-class ReferenceAdapter(FSDP1LikeAdapter):
+class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
     """``fsdp_impl.FullyShardedDataParallel``; introspected through its public surface
     (``flat_param``, ``is_resharded``, ``process_group``, ``compute_device``)."""
 
@@ -50,6 +52,11 @@ class ReferenceAdapter(FSDP1LikeAdapter):
             Capability.MP_BUFFER_DTYPE,
             Capability.MP_FULL_PRECISION_IN_EVAL,
             Capability.THREAD_RANKS,
+            Capability.FULLY_SHARD,
+            Capability.RESHARD_AFTER_FORWARD_INT,
+            Capability.EXPLICIT_PREFETCH,
+            Capability.META_INIT,
+            Capability.DCP_RESHARD,
         }
     )
 
@@ -57,6 +64,11 @@ class ReferenceAdapter(FSDP1LikeAdapter):
         import fsdp_impl
 
         return fsdp_impl
+
+    def _fully_shard_fn(self) -> Callable[..., nn.Module]:
+        import fsdp_impl
+
+        return fsdp_impl.fully_shard
 
     def _wrap_api(self) -> ModuleType:
         import fsdp_impl.wrap

@@ -23,20 +23,21 @@ auto-wrap spec selects, then to the root.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.adapters._composable import FullyShardMethods
 from conformance.contract.adapter import HYBRID_STRATEGIES, Capability, UnitInfo, WrapSpec
 from fixtures.meshes import hybrid_grid_of
 
 __all__ = ["TorchFSDP2Adapter"]
 
 
-class TorchFSDP2Adapter:
+class TorchFSDP2Adapter(FullyShardMethods):
     """``torch.distributed.fsdp.fully_shard`` over a DeviceMesh."""
 
     name = "torch-fsdp2"
@@ -54,6 +55,11 @@ class TorchFSDP2Adapter:
             Capability.THREAD_RANKS,
             Capability.OPTIM_STATE_DICT,
             Capability.MIXED_PRECISION,
+            Capability.FULLY_SHARD,
+            Capability.RESHARD_AFTER_FORWARD_INT,
+            Capability.EXPLICIT_PREFETCH,
+            Capability.META_INIT,
+            Capability.DCP_RESHARD,
         }
     )
 
@@ -148,6 +154,11 @@ class TorchFSDP2Adapter:
                 f"for {spec.strategy}; it does not build node-local groups itself"
             )
         return init_device_mesh(device.type, (world,))
+
+    def _fully_shard_fn(self) -> Callable[..., nn.Module]:
+        from torch.distributed.fsdp import fully_shard
+
+        return cast(Callable[..., nn.Module], fully_shard)
 
     def wrapped_module(self, model: nn.Module) -> nn.Module:
         """``fully_shard`` shards in place: the model is the user's module."""

@@ -122,6 +122,25 @@ class Capability(str, enum.Enum):
     MP_FULL_PRECISION_IN_EVAL = "mp_full_precision_in_eval"
     """With ``FSDP_USE_FULL_PREC_IN_EVAL=1`` at wrap time, a unit in eval mode gathers and computes in
     full precision despite its mixed-precision policy (an FSDP1 setting)."""
+    FULLY_SHARD = "fully_shard"
+    """Shards per module in FSDP2's shape: the adapter defines ``fully_shard(module, *, mesh,
+    reshard_after_forward, ignored_params)`` (:func:`conformance.contract.optional.fully_shard`), which
+    cases call bottom-up, the root last. Afterwards the module's parameters (and ``state_dict()``
+    values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool."""
+    RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
+    """``fully_shard(..., reshard_after_forward=k)`` with ``k`` a factor of the mesh size: after forward
+    each rank keeps its share for an all-gather over ``k`` ranks in backward."""
+    EXPLICIT_PREFETCH = "explicit_prefetch"
+    """All-gathers the modules a case lists for a ``fully_shard``-ed module, in that order, right after
+    its own in forward or backward: the adapter defines ``set_modules_to_prefetch(module, *, forward,
+    backward)`` (:func:`conformance.contract.optional.set_modules_to_prefetch`)."""
+    META_INIT = "meta_init"
+    """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
+    every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""
+    DCP_RESHARD = "dcp_reshard"
+    """A ``fully_shard``-ed model and its optimizer, through ``torch.distributed.checkpoint.state_dict``'s
+    ``get_state_dict``/``set_state_dict``, save with ``torch.distributed.checkpoint`` on a mesh of one
+    size and load on a mesh of another."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads).
 

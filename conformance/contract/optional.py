@@ -17,6 +17,8 @@ adapter method (optional)                  default
 ``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
 ``no_sync(model)``                         unsupported: the case is ``n/a``
 ``thread_rank_limits: Mapping[Capability, str]`` ``{}``: every capability holds on thread ranks too
+``fully_shard(module, mesh=..., ...)``     unsupported: the case is ``n/a``
+``set_modules_to_prefetch(m, forward, backward)`` unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -27,7 +29,7 @@ adapter sees no change. A capability that promises an optional method
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -38,14 +40,17 @@ from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSI
 
 __all__ = [
     "CAPABILITY_METHODS",
+    "FullyShardUnsupported",
     "NoSyncUnsupported",
     "PostOptimEventUnsupported",
     "activation_checkpoint_wrapper",
     "capabilities_of",
     "full_grads",
+    "fully_shard",
     "has_backward_hook",
     "no_sync",
     "protocol_version",
+    "set_modules_to_prefetch",
     "thread_rank_limits",
     "set_post_optim_event",
     "wrapped_module",
@@ -56,6 +61,8 @@ __all__ = [
 CAPABILITY_METHODS: dict[Capability, str] = {
     Capability.POST_OPTIM_EVENT: "set_post_optim_event",
     Capability.NO_SYNC: "no_sync",
+    Capability.FULLY_SHARD: "fully_shard",
+    Capability.EXPLICIT_PREFETCH: "set_modules_to_prefetch",
 }
 
 
@@ -65,6 +72,10 @@ class PostOptimEventUnsupported(NotImplementedError):
 
 class NoSyncUnsupported(NotImplementedError):
     """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
+
+
+class FullyShardUnsupported(NotImplementedError):
+    """The adapter has no per-module sharding in FSDP2's shape, or no explicit prefetch (cases report ``n/a``)."""
 
 
 def protocol_version(adapter: Any) -> int:
@@ -190,3 +201,47 @@ def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:
         raise TypeError(f"adapter {adapter.name!r}: thread_rank_limits keys must be capabilities it declares, "
                         f"got {bad!r}")
     return limits
+
+
+def fully_shard(
+    adapter: Any,
+    module: nn.Module,
+    *,
+    mesh: Any,
+    reshard_after_forward: bool | int = True,
+    ignored_params: Iterable[nn.Parameter] = (),
+) -> nn.Module:
+    """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
+    ``fully_shard``; call it bottom-up, the root last) and return the module.
+
+    Optional part of the contract (:attr:`Capability.FULLY_SHARD`): the adapter defines
+    ``fully_shard(module, *, mesh, reshard_after_forward, ignored_params)``. ``ignored_params`` stay
+    unsharded and unreduced. Raises :class:`FullyShardUnsupported` when the adapter has no such method.
+    """
+    method = getattr(adapter, "fully_shard", None)
+    if method is None:
+        raise FullyShardUnsupported(f"{adapter.name} has no fully_shard (per-module sharding)")
+    return method(  # type: ignore[no-any-return]
+        module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozenset(ignored_params)
+    )
+
+
+def set_modules_to_prefetch(
+    adapter: Any,
+    module: nn.Module,
+    *,
+    forward: Sequence[nn.Module] | None = None,
+    backward: Sequence[nn.Module] | None = None,
+) -> None:
+    """After ``module``'s own all-gather in forward (backward), all-gather those of ``forward``
+    (``backward``), ``fully_shard``-ed modules, in that order (``None``: leave as is).
+
+    Optional part of the contract (:attr:`Capability.EXPLICIT_PREFETCH`): the adapter defines
+    ``set_modules_to_prefetch(module, *, forward, backward)`` (FSDP2's
+    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``). Raises
+    :class:`FullyShardUnsupported` when it does not.
+    """
+    method = getattr(adapter, "set_modules_to_prefetch", None)
+    if method is None:
+        raise FullyShardUnsupported(f"{adapter.name} has no explicit prefetch lists")
+    method(module, forward=forward, backward=backward)

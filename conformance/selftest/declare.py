@@ -185,6 +185,10 @@ class _Mutant(PatchedAdapter, ReferenceAdapter):
             self._mutate_unit(unit)
         return model
 
+    def fully_shard(self, module: nn.Module, **kwargs: Any) -> nn.Module:
+        apply_patches(self.patches)
+        return super().fully_shard(module, **kwargs)
+
     def _mutate_unit(self, unit: Any) -> None:
         """Per-unit breakage that is not a patch of a module attribute."""
 

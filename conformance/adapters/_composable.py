@@ -1,0 +1,41 @@
+"""The optional FSDP2-shaped methods (``fully_shard``, ``set_modules_to_prefetch``) for adapters whose
+implementation has torch's ``fully_shard`` API: only where that function lives differs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["FullyShardMethods"]
+
+
+class FullyShardMethods:
+    """Mixed into an adapter: :meth:`_fully_shard_fn` names the implementation's ``fully_shard``."""
+
+    def _fully_shard_fn(self) -> Callable[..., nn.Module]:
+        raise NotImplementedError
+
+    def fully_shard(
+        self,
+        module: nn.Module,
+        *,
+        mesh: Any,
+        reshard_after_forward: bool | int,
+        ignored_params: frozenset[nn.Parameter],
+    ) -> nn.Module:
+        """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``."""
+        return self._fully_shard_fn()(
+            module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(ignored_params) or None
+        )
+
+    def set_modules_to_prefetch(
+        self, module: nn.Module, *, forward: Sequence[nn.Module] | None, backward: Sequence[nn.Module] | None
+    ) -> None:
+        """FSDP2's ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``."""
+        owner: Any = module
+        if forward is not None:
+            owner.set_modules_to_forward_prefetch(list(forward))
+        if backward is not None:
+            owner.set_modules_to_backward_prefetch(list(backward))

@@ -1,0 +1,54 @@
+"""grad_clip: ``torch.nn.utils.clip_grad_norm_`` over a sharded model's gradients.
+
+- ``clip_grad_norm[norm_type=1|2]``: :class:`fixtures.blocks.Blocks`, every block and the root
+  ``fully_shard``-ed, and a local copy given the mean of every rank's loss; each of three steps
+  clips to a norm small enough that every step is clipped. The total norm ``clip_grad_norm_``
+  returns (a DTensor's ``full_tensor()``, or a plain tensor) equals the local model's on every
+  rank, and after the SGD steps the parameters equal the local model's: the norm spans every
+  rank's shards, and the clipping scaled the gradients the optimizer reads. (The infinity norm is
+  left out: torch's ``_foreach_norm`` refuses it on an empty tensor, and a rank whose piece of a
+  parameter with fewer rows than ranks is empty gets one, whatever the implementation.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from conformance.cases._fsdp2_helpers import LR, full_of, mesh_over, shard_blocks
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import case
+from fixtures.blocks import Blocks, block_batch
+from fixtures.parity import assert_close_named
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+MAX_NORM = 0.05
+
+
+@case("grad_clip/clip_grad_norm", world_size=2, requires=[Capability.FULLY_SHARD])
+@pytest.mark.parametrize("norm_type", ["1", "2"])
+def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> None:
+    model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
+    local = Blocks(seed=0).to(ctx.device)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    kind = float(norm_type)
+    for step in range(3):
+        optim.zero_grad(set_to_none=True)
+        local_optim.zero_grad(set_to_none=True)
+        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
+        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
+        (torch.stack(losses).sum() / ctx.world_size).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=kind)
+        local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), MAX_NORM, norm_type=kind)
+        total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        assert local_norm > MAX_NORM, f"step {step}: the local norm {local_norm} is not clipped; lower MAX_NORM"
+        label = f"rank {ctx.rank} step {step}: total norm"
+        torch.testing.assert_close(total, local_norm, msg=lambda m, label=label: f"{label}: {m}")
+        optim.step()
+        local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

@@ -1,0 +1,57 @@
+"""meta_init: a model built on the meta device, sharded, then materialized, equals one built normally.
+
+- ``reset_parameters``: :class:`fixtures.blocks.Blocks` built under ``torch.device("meta")``
+  (no storage), every block and the root ``fully_shard``-ed, then ``to_empty(device=...)`` and a
+  reset that fills each parameter from the full tensor a private generator draws (for a DTensor,
+  this rank's ``Shard(0)`` piece of it, the layout the capability promises). Its parameters equal,
+  bit for bit, those of the same model built on the device and reset the same way; two training
+  steps later they still equal a local model's (the reset reached the shards the all-gathers read).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import case
+from fixtures.blocks import Blocks
+from fixtures.parity import COPIED, assert_close_named
+from fixtures.seeding import generator
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+
+@torch.no_grad()
+def _reset(model: nn.Module) -> None:
+    """Every parameter from a generator seeded by its position: the same values for any layout."""
+    for index, (_, param) in enumerate(model.named_parameters()):
+        full = torch.randn(param.shape, generator=generator(1000 + index)).to(param.device)
+        if hasattr(param, "device_mesh"):  # a DTensor: this rank's piece of the full tensor
+            from torch.distributed.tensor import distribute_tensor
+
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(full)
+
+
+@case("meta_init/reset_parameters", world_size=2, requires=[Capability.FULLY_SHARD, Capability.META_INIT])
+def test_reset_parameters(ctx: RankContext, impl: FSDPAdapter) -> None:
+    local = Blocks(seed=0).to(ctx.device)
+    _reset(local)
+    with torch.device("meta"):
+        meta = Blocks(seed=0)
+    model = shard_blocks(impl, meta, mesh_over(ctx))
+    model.to_empty(device=ctx.device)
+    _reset(model)
+    assert_close_named(full_of(model), dict(local.named_parameters()),
+                       what=f"rank {ctx.rank}: parameters after to_empty and reset", exact=COPIED)
+    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
+    for step in range(2):
+        sharded_step(ctx, model, optim, step)
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: trained")

@@ -1,0 +1,126 @@
+"""reshard: ``reshard_after_forward`` and explicit prefetch lists, seen in the all-gathers a rank issues.
+
+Every block of :class:`fixtures.blocks.Blocks` is a unit and the root keeps ``head``; the units'
+sizes differ by 1.4x or more, so an all-gather names its unit by its bytes (the closest of
+:func:`unit_bytes`: each parameter's ``Shard(0)`` piece).
+
+- ``after_forward[setting=True|False|2]`` (4 ranks): forward all-gathers every unit once over the
+  mesh. Backward all-gathers, per setting: ``True``, every unit again over 4 ranks (the root too:
+  it was resharded); ``False``, nothing (every unit kept what forward gathered); ``2``, every unit
+  again over 2 ranks (each rank kept its pair's share). Two steps alike, then the parameters equal
+  a local model's trained on the same batches.
+- ``explicit_prefetch`` (2 ranks): every unit is all-gathered once in forward and once in
+  backward; with ``b1`` prefetching ``[b3, b2]`` in forward and the root ``[b2, b3]`` in backward,
+  the all-gathers right after b1's in forward are b3's then b2's, and right after the root's in
+  backward b2's then b3's (the declared order; without lists the order is the implementation's
+  own). Training with the lists equals the local model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, unit_bytes
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import case
+from conformance.contract.optional import set_modules_to_prefetch
+from fixtures.blocks import Blocks, block_batch
+from fixtures.parity import assert_close_named
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+AG = "all_gather_into_tensor"
+UNITS = ["root", "b1", "b2", "b3"]
+
+
+def _gathers(trace: Any, sizes: Mapping[str, int], mesh_size: int) -> list[tuple[str, int]]:
+    """(unit, group size) of every all-gather in ``trace``; the unit is the one closest in bytes
+    (over a smaller group a rank sends the share of ``mesh_size / group size`` ranks)."""
+    out = []
+    for call in trace.calls:
+        if call.op == AG:
+            ranks = len(call.group_ranks)
+            sent = max(call.bytes, 1) * ranks / mesh_size
+            unit = min(sizes, key=lambda name: abs(math.log(sent / sizes[name])))
+            out.append((unit, ranks))
+    return out
+
+
+def _following(order: list[str], unit: str, count: int) -> list[str]:
+    """The ``count`` all-gathers issued right after ``unit``'s."""
+    start = order.index(unit) + 1 if unit in order else len(order)
+    return order[start : start + count]
+
+
+def _after_forward_requires(params: Mapping[str, Any]) -> list[Capability]:
+    caps = [Capability.FULLY_SHARD]
+    if not isinstance(params.get("setting"), bool):
+        caps.append(Capability.RESHARD_AFTER_FORWARD_INT)
+    return caps
+
+
+@case("reshard/after_forward", world_size=4, requires=_after_forward_requires)
+@pytest.mark.parametrize("setting", [True, False, 2])
+def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int) -> None:
+    ws = ctx.world_size
+    model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx), reshard_after_forward=setting)
+    local = Blocks(seed=0).to(ctx.device)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    sizes = unit_bytes(local, ws)
+    regather = {True: ws, False: 0, 2: 2}[setting]
+    want_backward = [(unit, regather) for unit in ["root", "b3", "b2", "b1"]] if regather else []
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        with ctx.record_collectives() as forward:
+            loss = model(block_batch(step, ctx.rank, ctx.device)).sum()
+        with ctx.record_collectives() as backward:
+            loss.backward()
+        optim.step()
+        local_step(ctx, local, local_optim, step, range(ws))
+        got = (sorted(_gathers(forward, sizes, ws)), sorted(_gathers(backward, sizes, ws)))
+        want = (sorted((unit, ws) for unit in UNITS), sorted(want_backward))
+        assert got == want, (
+            f"rank {ctx.rank} step {step} reshard_after_forward={setting}: all-gathers (unit, group size) "
+            f"in forward, backward {got}, expected {want}\nforward:\n{forward.render()}\nbackward:\n{backward.render()}"
+        )
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+@case("reshard/explicit_prefetch", world_size=2, requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH])
+def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
+    model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
+    local = Blocks(seed=0).to(ctx.device)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    ws = ctx.world_size
+    sizes = unit_bytes(local, ws)
+    for step, explicit in enumerate((False, True, True)):
+        if explicit:
+            set_modules_to_prefetch(impl, model.b1, forward=[model.b3, model.b2])
+            set_modules_to_prefetch(impl, model, backward=[model.b2, model.b3])
+        optim.zero_grad(set_to_none=True)
+        with ctx.record_collectives() as forward:
+            loss = model(block_batch(step, ctx.rank, ctx.device)).sum()
+        with ctx.record_collectives() as backward:
+            loss.backward()
+        optim.step()
+        local_step(ctx, local, local_optim, step, range(ws))
+        order = ([u for u, _ in _gathers(forward, sizes, ws)], [u for u, _ in _gathers(backward, sizes, ws)])
+        label = f"rank {ctx.rank} step {step} ({'with' if explicit else 'without'} prefetch lists)"
+        assert sorted(order[0]) == sorted(order[1]) == sorted(UNITS), (
+            f"{label}: every unit all-gathered once in forward and once in backward, got {order}"
+        )
+        if explicit:
+            got = (_following(order[0], "b1", 2), _following(order[1], "root", 2))
+            assert got == (["b3", "b2"], ["b2", "b3"]), (
+                f"{label}: all-gathers right after b1's in forward, after the root's in backward: {got}, "
+                f"expected the declared ['b3', 'b2'], ['b2', 'b3'] (orders {order})"
+            )
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
