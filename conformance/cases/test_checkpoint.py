@@ -203,7 +203,8 @@ def test_checkpoint_fsdp_wrapping(
     use_orig_params: bool,
     nesting: str,
 ) -> None:
-    """Three placements of the activation wrapper around per-layer units train identically.
+    """The activation wrapper outside per-layer units and inside each unit give the loss, output and
+    grads of the units alone over two steps; with offload on, both pack activations through ``save_on_cpu``.
 
     ``roots``: each layer's unit is its own root, as in the seed; roots keep their
     parameters between forward and backward. ``under_root``: the same units nested
@@ -237,6 +238,10 @@ def test_basic_checkpoint_end_to_end(
     offload_activations: bool,
     use_orig_params: bool,
 ) -> None:
+    """A unit alone, the activation wrapper around a unit, a unit around the wrapper, and reentrant
+    ``checkpoint()`` of a unit give the same loss, output and grads over six steps (default tolerances);
+    with offload on, every model but the plain unit packs activations through ``save_on_cpu`` in step one.
+    """
     spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(impl, offload_activations)
     seq = FFN(_layers(ctx.device))

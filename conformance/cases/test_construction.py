@@ -43,6 +43,9 @@ ALWAYS = AutoWrap(kind="always")
     requires=[Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM],
 )
 def test_optim_in_backward_requires_orig_params(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """With ``use_orig_params=False``, parameters given an optimizer-in-backward
+    (``_apply_optimizer_in_backward``) make the first forward raise a RuntimeError saying it is
+    "only supported with use_orig_params=True"."""
     from torch.distributed.optim import _apply_optimizer_in_backward
 
     model = impl.wrap(SumOfInputsModel(seed=0).to(ctx.device), WrapSpec(auto_wrap=ALWAYS, use_orig_params=False))
@@ -65,7 +68,8 @@ HOMOGENEOUS_ATTRS = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in
 @case("construction/homogeneous_attributes", world_size=2, requires=[Capability.HOMOGENEOUS_ATTRIBUTES])
 @pytest.mark.parametrize("attr", HOMOGENEOUS_ATTRS)
 def test_homogeneous_attributes(ctx: RankContext, impl: FSDPAdapter, attr: str) -> None:
-    """Inner unit False, outer unit True for an attribute that must agree: the first forward raises."""
+    """Inner unit False, outer unit True for an attribute that must agree: the first forward raises a
+    ValueError "Expects one homogeneous value for <attr>"."""
     model = NestedModel(seed=0).to(ctx.device)
     if attr == "_use_full_prec_in_eval":
         model.module[1] = impl.wrap(model.module[1], WrapSpec())
@@ -86,6 +90,8 @@ CONTAINER_WARNING = "FSDP will not all-gather parameters for containers that do 
 @case("construction/unsupported_container_warning", world_size=2, requires=[Capability.CONTAINER_WARNING])
 @pytest.mark.parametrize("container", ["ModuleList", "ModuleDict"])
 def test_unsupported_container_warning(ctx: RankContext, impl: FSDPAdapter, container: str) -> None:
+    """Wrapping a ModuleList or ModuleDict (a container with no forward) warns with a UserWarning that
+    FSDP will not all-gather parameters for containers that do not implement forward."""
     mlps = [MLP(8, seed=i) for i in range(3)]
     module: nn.Module = (
         nn.ModuleList(mlps) if container == "ModuleList" else nn.ModuleDict({str(i): m for i, m in enumerate(mlps)})
@@ -103,7 +109,8 @@ NO_SHARD_SWITCH = "FSDP is switching to use `NO_SHARD` instead of"
 @case("construction/world_size_1_no_shard_warning", world_size=1, requires=[Capability.WORLD_SIZE_1_SWITCH])
 @pytest.mark.parametrize("strategy", ["NO_SHARD", "FULL_SHARD", None, "SHARD_GRAD_OP"])
 def test_world_size_1_no_shard_warning(ctx: RankContext, impl: FSDPAdapter, strategy: str | None) -> None:
-    """At world size 1 a sharded strategy (explicit or default) warns that it falls back to NO_SHARD."""
+    """At world size 1 a sharded strategy (explicit or default) warns with a UserWarning that it switches
+    to NO_SHARD, naming the strategy; NO_SHARD itself does not warn."""
     with ctx.catch_warnings() as caught:
         impl.wrap(nn.Linear(3, 3), WrapSpec(strategy=strategy))
     switches = [

@@ -58,6 +58,8 @@ def _step(ctx: RankContext, model: nn.Module, gen: torch.Generator, *, backward:
 @case("exec_order/invalid_first_iter_order", world_size=2, requires=REQUIRES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_invalid_first_iter_order(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    """When rank 1 runs its units in another order than rank 0 in the first forward (debug level
+    DETAIL), that forward raises a RuntimeError starting "Forward order differs across ranks"."""
     model = _wrap(ctx, impl, strategy)
     if ctx.rank != 0:
         _inner(impl, model).flip_path()
@@ -73,6 +75,9 @@ def test_invalid_first_iter_order(ctx: RankContext, impl: FSDPAdapter, strategy:
 def test_invalid_later_iter_order(
     ctx: RankContext, impl: FSDPAdapter, strategy: str, iters_before_path_change: int
 ) -> None:
+    """After 1 or 3 good steps, rank 1 changing its forward order gets one UserWarning "Forward order differs
+    from that of the first iteration on rank 1..." and rank 0 none; the next step trains on every rank with
+    no further order warning."""
     model = _wrap(ctx, impl, strategy)
     gen = generator(rank_seed(0, ctx.rank))
     for _ in range(iters_before_path_change):
@@ -105,6 +110,8 @@ def test_invalid_later_iter_order(
 @case("exec_order/train_eval", world_size=2, requires=REQUIRES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_train_eval(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    """Switching between train (forward and backward) and eval (forward only) steps over two epochs, with
+    the same order on every rank, issues no "Forward order differs" warning."""
     model = _wrap(ctx, impl, strategy)
     gen = generator(rank_seed(0, ctx.rank))
     with ctx.catch_warnings() as caught:

@@ -58,19 +58,22 @@ def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Case
 
 @case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
 def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
-    """Random models, wrap plans and training loops on one rank match the local model."""
+    """Random models, wrap plans and training loops on one rank give the local model's losses, grads and params;
+    a mismatch fails with a shrunk reproducer."""
     return _parity(ctx, impl, case_settings)
 
 
 @case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
 def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
-    """... on two ranks (uneven shards for odd widths)."""
+    """As ``fuzz/parity_ws1`` on two ranks: losses, grads and params match the local model (uneven shards for
+    odd widths)."""
     return _parity(ctx, impl, case_settings)
 
 
 @case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
 def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
-    """... on four ranks (small units leave some ranks with empty shards)."""
+    """As ``fuzz/parity_ws1`` on four ranks: losses, grads and params match the local model (small units leave
+    some ranks with empty shards)."""
     return _parity(ctx, impl, case_settings)
 
 
@@ -80,6 +83,8 @@ def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
 # missing from the module (docs/findings/fsdp1-no-shard-unused-unit-params.md).
 @case("fuzz/repro_8fc450e8", world_size=1)
 def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """One rank, use_orig_params: a unit the forward never uses keeps its parameters registered on the
+    module after backward, and losses, grads and params after each step match the local model."""
     run_example(ctx, impl, Example(world_size=1, model=ModelSpec(blocks=(Block(inner=("linear",)),), unused=True),
                                    wrap=("unused",), use_orig_params=True))
 
@@ -91,6 +96,8 @@ def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
 # pool of four ranks warming up on a loaded 2-core machine (about 30 s), not for the default 120 s.
 @case("fuzz/repro_d61e5cb1", world_size=4, timeout_s=90.0)
 def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Four ranks, a float64 unit whose last rank's shard is padding only: reading its full gradients
+    works on every rank (no rank dies or hangs), and losses, grads and params match the local model."""
     run_example(ctx, impl, Example(world_size=4, wrap=("blocks.0",), use_orig_params=True, dtype="float64"))
 
 
@@ -99,4 +106,7 @@ def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
 # strategies add in float32 (docs/findings/fsdp1-no-shard-low-precision-accumulation.md).
 @case("fuzz/repro_57555c45", world_size=1, requires=[Capability.MIXED_PRECISION])
 def test_repro_57555c45(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """One rank, bfloat16 params and reduction, two backwards per step: outputs come out in bfloat16, and
+    losses, grads (each backward's reduced gradient added to the float32 one, not summed in bfloat16) and
+    params match the local mixed-precision baseline."""
     run_example(ctx, impl, Example(world_size=1, policy=Policy(), micro_batches=2))

@@ -107,8 +107,9 @@ def _requires(params: Mapping[str, Any]) -> list[Capability]:
 def test_accumulate(
     ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, set_to_none: bool, no_sync: bool
 ) -> None:
-    """``BACKWARDS`` backwards per step (all but the last without sync with ``no_sync``),
-    ``STEPS`` SGD-with-momentum steps, against a local model."""
+    """After ``BACKWARDS`` backwards per step the full grads equal the local model's accumulated over every
+    rank's micro-batches (with ``no_sync``, all backwards but the last issue no gradient collective); after
+    ``zero_grad`` grads are None or zero as asked, and params after each of ``STEPS`` SGD steps match."""
     model = impl.wrap(
         ThreeLinear(seed=0).to(ctx.device),
         WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), use_orig_params=True, cpu_offload=cpu_offload),

@@ -133,7 +133,9 @@ def _check_unit_groups(ctx: RankContext, units: list[UnitInfo], shape: tuple[int
 def test_replicas_match_baseline(
     ctx: RankContext, impl: FSDPAdapter, shape: str, given: str, strategy: str
 ) -> None:
-    """Replicas stay identical and equal a local model trained on every rank's data."""
+    """For every (shard, replicate) shape, given as groups or a mesh: shards differ within a shard group,
+    each step's loss and full params equal a local model trained on every rank's data, local shards stay
+    identical across the replicate group, and units report the shape's groups."""
     size = SHAPES[shape]
     model, replicate_group = _wrap(ctx, impl, strategy, size, given)
     if size[0] > 1:

@@ -83,6 +83,8 @@ def _flat_param_needed(params: Mapping[str, Any]) -> list[Capability]:
 )
 @pytest.mark.parametrize("strategy", HYBRID)
 def test_manual_wrap_requires_pg(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    """Wrapping with a hybrid strategy and neither a process group nor a device mesh raises a ValueError
+    saying it "requires explicit specification of process group or device_mesh."."""
     with pytest.raises(ValueError, match=re.escape(MANUAL_WRAP_ERROR)):
         impl.wrap(ThreeLinear(seed=0), WrapSpec(strategy=strategy))
 
@@ -94,6 +96,8 @@ def test_manual_wrap_requires_pg(ctx: RankContext, impl: FSDPAdapter, strategy: 
     strategies=["HYBRID_SHARD"],
 )
 def test_invalid_pg_specification(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """HYBRID_SHARD given one process group (the world's) instead of a (shard, replicate) pair or a mesh,
+    with auto-wrapping, raises a ValueError "Expected process_group to be passed in..."."""
     spec = WrapSpec(
         strategy="HYBRID_SHARD", auto_wrap=AutoWrap((nn.Linear,)), process_group=ctx.group
     )
@@ -121,7 +125,9 @@ def test_basic_setup(
     use_orig_params: bool,
     use_device_mesh: bool,
 ) -> None:
-    """Unit strategies, groups, reshard-after-forward and collective counts of one fwd/bwd."""
+    """Each unit reports its strategy (hybrid or FULL_SHARD by ``mode``), hybrid units shard within a node
+    and replicate across nodes, non-root hybrid units are resharded after forward iff HYBRID_SHARD, and one
+    forward/backward issues the expected collectives per group (the root may all-gather once more)."""
     node = NODE if use_device_mesh else node_size(ctx)
     with env_on_all_ranks(ctx, "LOCAL_WORLD_SIZE", str(node)):
         model = build_hybrid_transformer(
@@ -153,7 +159,8 @@ def test_parity_with_fsdp(
     ctx: RankContext, impl: FSDPAdapter, strategy: str, use_orig_params: bool, optim: str
 ) -> None:
     """The seed's transformer (tied embedding/output weights, encoder and decoder layers
-    as units): 5 steps of HSDP give FULL_SHARD's losses. Adam as in the seed, and SGD
+    as units): hybrid units replicate over more than one rank, and 5 steps of HSDP give FULL_SHARD's
+    losses. Adam as in the seed, and SGD
     with momentum, which a wrong gradient scale on the replicate reduction changes."""
     full_model = impl.wrap(
         TiedTransformer(seed=0).to(ctx.device),
@@ -219,6 +226,9 @@ def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tup
 @case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, strategies=["HYBRID_SHARD"],
       requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT, Capability.OPTIM_STATE_DICT])
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Units shard and replicate over the very (shard, replicate) group objects passed in; after one AdamW
+    step, the sharded model and optimizer state dicts loaded into a differently seeded hybrid model give
+    it the trained full params and local optimizer state, exactly."""
     groups = hybrid_groups(ctx)
     model = _hybrid_three_linear(ctx, impl, 0, groups)
     _check_groups_used_as_given(impl, model, groups)
@@ -258,6 +268,8 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> No
     strategies=["HYBRID_SHARD"],
 )
 def test_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """HYBRID_SHARD with ``sync_module_states=True`` over (shard, replicate) groups makes every rank's full
+    params rank 0's: weights rank 0 filled with zeros, biases equal to rank 0's before wrapping."""
     module = ThreeLinear(seed=rank_seed(3, ctx.rank)).to(ctx.device)
     with torch.no_grad():
         for linear in (module.lin1, module.lin2, module.lin3):

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 @case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300, timing=True)
 def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
+    """With prefetching, three sleeping units whose collectives are each delayed by ``comm_ms`` finish the
+    median forward within comm + 3 * compute + buffer and forward+backward within that plus 2 * comm
+    + 6 * compute + 2 * buffer, on every rank: communication hides behind compute ([Note: overlap timing])."""
     # Process ranks only: thread ranks share one GIL-bound process and the worker
     # thread cannot resolve a thread rank's process group ([Note: communication worker]).
     fwd_ms, fwd_bwd_ms, trace = measure_overlap(ctx, impl, prefetch=True, repeats=case_settings.timing_repeats)

@@ -82,8 +82,8 @@ def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.de
       requires=[Capability.SYNC_MODULE_STATES, Capability.COMPUTE_DEVICE])
 @pytest.mark.parametrize("on", ["cpu", "gpu"])
 def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter, on: str) -> None:
-    """A CPU module + sync_module_states syncs rank 0's params and buffers onto ``device_id``; computing
-    on an accelerator, it needs ``device_id``."""
+    """A CPU module + sync_module_states gives every rank the same params and rank 0's buffers, on
+    ``device_id``; computing on a GPU without ``device_id`` it raises a ValueError about CPU parameters."""
     device, group = (cuda_device(ctx), None) if on == "gpu" else (CPU, cpu_world_group(ctx))
     if on == "gpu":
         with pytest.raises(ValueError, match=SYNC_CPU_ERROR):
@@ -155,7 +155,8 @@ def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_par
       + ([Capability.PARAM_INIT_FN] if p["use_param_init_fn"] else []))
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
 def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
-    """Materialising a meta-device module leaves its ignored submodule on meta."""
+    """Materialising a meta-device module onto ``device_id`` leaves its ignored submodule's params on meta
+    and puts every unit's local shards on the rank's device."""
     with torch.device("meta"):
         model = PairOfLinears()
     init_fn = (lambda m: m.to_empty(device=ctx.device, recurse=False)) if use_param_init_fn else None
@@ -191,7 +192,8 @@ def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter, on: str) 
 @case("placement/no_params", world_size=2, requires=lambda p: COMPUTE if p["use_device_id"] else [])
 @pytest.mark.parametrize("use_device_id", [False, True])
 def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> None:
-    """A module with no parameters wraps and runs forward (nothing to shard is not an error)."""
+    """A module with no parameters wraps without error and its forward gives exactly ``relu(input)``
+    (nothing to shard is not an error)."""
     fsdp = impl.wrap(NoParamsModel(), WrapSpec(device_id=ctx.device if use_device_id else None))
     inp = torch.randn((3, 4), generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
     torch.testing.assert_close(fsdp(inp), torch.relu(inp), rtol=0, atol=0)
@@ -203,6 +205,9 @@ def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> 
 @case("placement/device_id", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
 @pytest.mark.parametrize("use_index", [True, False])
 def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
+    """``device_id`` given as the rank's GPU index or device puts every unit's compute device and local
+    shards on that GPU, for a CPU module and a GPU one; ``device_id=cuda`` without an index does the same
+    and warns that it "does not have an explicit index"."""
     device = cuda_device(ctx)
     device_id: int | torch.device = device.index if use_index else device
     spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=device_id)
@@ -217,6 +222,9 @@ def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None
 
 @case("placement/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A CPU module wrapped without ``device_id`` on a GPU host warns that the passed-in module is on CPU
+    and keeps its params on the CPU; moved to the GPU afterwards, it takes a CPU input, gives its output
+    on the GPU and runs backward."""
     device = cuda_device(ctx)
     with ctx.catch_warnings() as caught:
         fsdp = impl.wrap(NestedModel(seed=0), WrapSpec(auto_wrap=AutoWrap((nn.Linear,))))
@@ -246,6 +254,8 @@ def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter,
 
 @case("placement/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A module with one submodule on the GPU and one on the CPU is moved wholly to ``device_id`` when given
+    one; wrapped without ``device_id`` it raises a RuntimeError asking to "please pass in device_id"."""
     device = cuda_device(ctx)
 
     def mixed() -> PairOfLinears:
@@ -262,6 +272,8 @@ def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
 
 @case("placement/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=MESSAGES)
 def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Wrapping a module whose two submodules sit on two different GPUs raises a RuntimeError "FSDP only
+    supports single device modules"."""
     cuda_device(ctx)
     model = PairOfLinears()
     model.a.to(torch.device("cuda", ctx.local_rank))
@@ -273,6 +285,9 @@ def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
 @case("placement/training_device_mismatch", world_size=1, gpus=ANY_GPU,
       requires=[Capability.PLACEMENT_MESSAGES, Capability.CPU_OFFLOAD])
 def test_training_device_mismatch(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Forward raises a RuntimeError naming the mismatch for a module wrapped on the CPU on a GPU host
+    ("...unexpectedly has parameters on cpu. Make sure to move the module to cuda:N...") and for a
+    CPU-offloaded module moved to the GPU ("...has parameters on cuda:N. Make sure to not move...")."""
     device = cuda_device(ctx)
     inp = torch.randn((2, 10), generator=generator(0))
     fsdp = impl.wrap(nn.Linear(10, 10), WrapSpec())

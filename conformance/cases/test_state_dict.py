@@ -93,6 +93,9 @@ def _differs(impl: FSDPAdapter, model: nn.Module, local: nn.Module) -> bool:
 @case("state_dict/roundtrip", world_size=2, requires=_requires)
 @pytest.mark.parametrize("kind", ["FULL", "SHARDED"])
 def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+    """FULL or SHARDED model and optimizer state dicts saved after two Adam steps and loaded into a
+    differently seeded model and optimizer give the local baseline's params, and the next two steps' losses
+    and params match the baseline's (float32 tolerances)."""
     sharded = kind == "SHARDED"
     model, local = _wrap(ctx, impl, 0), ThreeLinear(seed=0).to(ctx.device)
     optim, local_optim = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(local.parameters(), lr=1e-2)
@@ -123,8 +126,10 @@ def _load_requires(params: Mapping[str, Any]) -> list[Capability]:
 @pytest.mark.parametrize("use_orig_params", [True, False])
 @pytest.mark.parametrize("point", ["between_steps", "after_backward", "after_forward"])
 def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, use_orig_params: bool) -> None:
-    """``lin2`` is its own unit, the root owns ``lin1`` and ``lin3``: after a forward the
-    root may still hold its unsharded parameters, which the load must not leave stale."""
+    """A FULL model state dict loaded between steps, after backward, or after an abandoned forward gives
+    the loaded params, and the next forward's output and two steps' losses match the loaded model trained
+    locally. ``lin2`` is its own unit, the root owns ``lin1`` and ``lin3``: after a forward the root may
+    still hold its unsharded parameters, which the load must not leave stale."""
     spec = WrapSpec(use_orig_params=use_orig_params)
     inner = ThreeLinear(seed=0).to(ctx.device)
     inner.lin2 = impl.wrap(inner.lin2, spec)  # type: ignore[assignment]

@@ -51,7 +51,8 @@ def _pg_tuple_for_hybrid(params: Mapping[str, Any]) -> list[Capability]:
 def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
     """10 steps with ``device_id=cpu``: every step's loss equals DDP's on the same data.
 
-    Hybrid strategies run 2 (shard) x 2 (replicate) through an explicit group pair.
+    Hybrid strategies run 2 (shard) x 2 (replicate) through an explicit group pair, and every unit
+    owning parameters must then report a replicate group of 2 ranks.
     Adam as in the seed, and SGD with momentum, which a wrong gradient scale changes.
     """
     world = cpu_world_group(ctx)
@@ -83,7 +84,8 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
 def test_module_no_compute_grad(
     ctx: RankContext, impl: FSDPAdapter, strategy: str | None, use_second_layer: bool
 ) -> None:
-    """A unit outside the loss (unused, or used only for an ignored output) keeps grad None."""
+    """Over four steps, unit ``b`` outside the loss (unused, or used only for an ignored output) keeps every
+    local grad None while unit ``a``, in the loss, has them all."""
     spec = WrapSpec(strategy=strategy, auto_wrap=ALWAYS)
     model = impl.wrap(OptionalSecondOutputModel(use_second_layer, seed=0).to(ctx.device), spec)
     gen = generator(rank_seed(0, ctx.rank))

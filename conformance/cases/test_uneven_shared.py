@@ -59,6 +59,9 @@ def _requires(params: Mapping[str, Any]) -> list[Capability]:
 @pytest.mark.parametrize("tie", ["within_unit", "across_units"])
 @pytest.mark.parametrize("use_orig_params", [True, False])
 def test_train(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, tie: str) -> CaseReport | None:
+    """Uneven shards, a one-element unit and a tied embedding/projection: params after wrap, each rank's
+    loss and params after each of three SGD steps match the local baseline, and the tie holds. A tie across
+    units may instead be rejected at wrap with a ValueError saying "shared" and naming a tied weight."""
     try:
         model = _wrap(ctx, impl, tie, WrapSpec(use_orig_params=use_orig_params))
     except ValueError as exc:

@@ -47,6 +47,9 @@ STEPS = 2
 @case("unit_outputs/caller_use", world_size=2)
 @pytest.mark.parametrize("use", list(OUTPUT_USES))
 def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
+    """With the resharded ``head`` unit's output used through a view, in place, partly detached, or from a
+    container or namedtuple, backward issues an all-gather, and full grads and params after each of two SGD
+    steps match the local baseline (n/a where the adapter exposes no full grads)."""
     spec = WrapSpec(use_orig_params=True)
     inner = OutputUseModel(use, seed=0).to(ctx.device)
     inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
@@ -129,7 +132,8 @@ _Quad = namedtuple("_Quad", ["a", "b", "c", "d"])
 
 @case("unit_outputs/namedtuple_outputs", world_size=2)
 def test_namedtuple_outputs(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """Every tensor field of a namedtuple returned by a unit carries a backward hook."""
+    """A namedtuple passed through a unit comes back as the same namedtuple type, and every tensor field
+    of it carries the implementation's backward hook."""
     model = impl.wrap(PassThroughModel(seed=0).to(ctx.device), WrapSpec())
     t = torch.ones(1, device=ctx.device, requires_grad=True)
     out = model(_Quad(t, t, t, t))

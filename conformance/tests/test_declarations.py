@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.nn as nn
@@ -128,14 +130,27 @@ def test_gpus_may_depend_on_parameters() -> None:
         CaseSpec(id="a/c", gpus=lambda p: "x").gpus_for({})  # type: ignore[arg-type,return-value]
 
 
-def _declared_by_file() -> dict[str, list[CaseSpec]]:
-    """Case file stem -> the cases it declares."""
-    out: dict[str, list[CaseSpec]] = {}
+def _case_functions() -> dict[str, list[tuple[Callable[..., Any], CaseSpec]]]:
+    """Case file stem -> its case functions, each with the CaseSpec its ``conformance`` mark carries."""
+    out: dict[str, list[tuple[Callable[..., Any], CaseSpec]]] = {}
     for path in sorted(CASES_DIR.glob("test_*.py")):
         module = importlib.import_module(f"conformance.cases.{path.stem}")
-        out[path.stem] = [m.args[0] for fn in vars(module).values() for m in getattr(fn, "pytestmark", ())
+        out[path.stem] = [(fn, m.args[0]) for fn in vars(module).values() for m in getattr(fn, "pytestmark", ())
                           if m.name == "conformance"]
     return out
+
+
+def _declared_by_file() -> dict[str, list[CaseSpec]]:
+    """Case file stem -> the cases it declares."""
+    return {stem: [spec for _, spec in cases] for stem, cases in _case_functions().items()}
+
+
+def test_every_case_explains_what_it_asserts() -> None:
+    """Each case's docstring says what its rows assert (40 characters at least), so a FAIL can be classified
+    without reading the body."""
+    unexplained = [spec.id for cases in _case_functions().values() for fn, spec in cases
+                   if len((fn.__doc__ or "").strip()) < 40]
+    assert not unexplained, f"cases without a docstring saying what they assert: {sorted(unexplained)}"
 
 
 def test_each_case_file_is_one_area_listed_in_the_guide() -> None:
