@@ -38,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="process or thread ranks, both, or launched (inside a torchrun job); "
                      "default: $FSDP_RANK_MODE or both")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
+    run.add_argument("--row", action="append", metavar="ID",
+                     help="only this row, an id as 'list', the matrix and the JSON show it; repeatable")
+    run.add_argument("--rows-from", metavar="REPORT.json",
+                     help="re-run exactly the cells (row, implementation, rank mode) of a previous JSON report "
+                     "whose outcome --outcome names")
+    run.add_argument("--outcome", metavar="OUTCOMES",
+                     help="with --rows-from: the outcomes to re-run, comma-separated (default: FAIL,error)")
     run.add_argument("--json", metavar="PATH", help="write results as JSON")
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
@@ -71,7 +78,7 @@ def _quiet_rank() -> bool:
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
               "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--junitxml",
-              "launcher": "--launcher", "workers": "-n"}
+              "launcher": "--launcher", "workers": "-n", "rows_from": "--rows-from", "outcome": "--rows-outcome"}
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:
@@ -80,6 +87,8 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
             "--conformance-progress"]
     for name in ns.impl or ():
         args += ["--impl", name]
+    for row in ns.row or ():
+        args += ["--row", row]
     for dest, flag in _FORWARDED.items():
         value = getattr(ns, dest)
         if value is not None:

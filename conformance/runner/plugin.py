@@ -43,6 +43,9 @@ from harness.workers import is_worker
 
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
 
+#: Plugins of the runner that live in modules of their own, registered with this one.
+pytest_plugins = ["conformance.runner.selection"]
+
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
 _GPUS_KEY = pytest.StashKey[int]()
