@@ -24,11 +24,12 @@ __all__ = [
     "RankTimedOut",
     "RankDied",
     "InconsistentSkip",
+    "CollectiveMismatch",
     "make_failure",
 ]
 
-#: ``aborted`` is only ever secondary.
-KINDS = ("raised", "timed_out", "died", "aborted", "skipped")
+#: ``aborted`` is only ever secondary; ``collective``: the rank left the collective sequence the others follow.
+KINDS = ("raised", "timed_out", "died", "aborted", "skipped", "collective")
 
 
 @dataclass
@@ -59,6 +60,8 @@ class RankError:
             return f"rank {self.rank} timed out: {self.summary}"
         if self.kind == "skipped":
             return f"rank {self.rank} skipped: {self.summary}"
+        if self.kind == "collective":
+            return f"rank {self.rank} {self.summary}"
         return f"rank {self.rank} aborted: {self.summary}"
 
     def details(self) -> str:
@@ -119,6 +122,10 @@ class InconsistentSkip(RankFailure):
     """Some ranks skipped and others did not: a case bug, reported as an error."""
 
 
+class CollectiveMismatch(RankFailure):
+    """The primary rank did not reach the collective the others wait in, or called another one."""
+
+
 def _rebuild(cls: type[RankFailure], failures: list[RankError], world_size: int, mode: str) -> RankFailure:
     return cls(failures, world_size=world_size, mode=mode)
 
@@ -128,6 +135,7 @@ _BY_KIND: dict[str, type[RankFailure]] = {
     "timed_out": RankTimedOut,
     "died": RankDied,
     "skipped": InconsistentSkip,
+    "collective": CollectiveMismatch,
 }
 
 

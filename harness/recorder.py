@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "patch_collectives", "record"]
+__all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "Observer", "intercepting", "observe_thread", "observing",
+           "patch_collectives", "record"]
 
 #: torch name -> canonical op name; only names present in the installed torch are patched.
 CANONICAL = {
@@ -100,20 +101,39 @@ _depth = 0
 _nesting = threading.local()
 
 
+class Observer(Protocol):
+    """Told of each collective this thread enters and how it left (:mod:`harness.sequence`)."""
+
+    def entered(self, op: str) -> None: ...
+
+    def left(self, *, raised: bool) -> None: ...
+
+
+_observers: dict[int, Observer] = {}
+
+
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     op = CANONICAL[name]
 
     def intercepted(*args: Any, **kwargs: Any) -> Any:
-        interceptor = _by_thread.get(threading.get_ident())
-        if interceptor is None or getattr(_nesting, "inside", False):
+        ident = threading.get_ident()
+        interceptor, observer = _by_thread.get(ident), _observers.get(ident)
+        if (interceptor is None and observer is None) or getattr(_nesting, "inside", False):
             # Deprecated names forward to the new ones (all_gather_into_tensor ->
             # all_gather_single): only the outermost call is one collective.
             return original(*args, **kwargs)
         _nesting.inside = True
+        if observer is not None:
+            observer.entered(op)
+        raised = True
         try:
-            return interceptor(op, original, args, kwargs)
+            value = original(*args, **kwargs) if interceptor is None else interceptor(op, original, args, kwargs)
+            raised = False
+            return value
         finally:
             _nesting.inside = False
+            if observer is not None:
+                observer.left(raised=raised)
 
     intercepted.__wrapped__ = original  # type: ignore[attr-defined]
     intercepted.__name__ = name
@@ -144,6 +164,34 @@ def _uninstall() -> None:
                 if hasattr(c10d, name):
                     setattr(c10d, name, original)
             _originals.clear()
+
+
+@contextmanager
+def observing() -> Iterator[None]:
+    """Keep the collectives patched inside the block, so :func:`observe_thread` observers are told.
+
+    Not collective: the caller makes sure no rank is inside a collective while the
+    attributes are swapped (a rank process before its first task; a thread host
+    before its rank threads start).
+    """
+    _install()
+    try:
+        yield
+    finally:
+        _uninstall()
+
+
+def intercepting() -> bool:
+    """Whether an interceptor sees the calling thread's collectives (an observer only counts them)."""
+    return threading.get_ident() in _by_thread
+
+
+def observe_thread(observer: Observer | None) -> None:
+    """Tell ``observer`` of the calling thread's collectives from now on (``None``: stop) inside :func:`observing`."""
+    if observer is None:
+        _observers.pop(threading.get_ident(), None)
+    else:
+        _observers[threading.get_ident()] = observer
 
 
 @contextmanager
