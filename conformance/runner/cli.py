@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fuzz-examples", default=None, metavar="N",
                      help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
     run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
+    run.add_argument("--case-timeout", default=None, metavar="S",
+                     help="seconds each row's ranks may take before the row fails as hung, instead of the case's "
+                     "own timeout that 'list' shows (default: $FSDP_CONFORMANCE_CASE_TIMEOUT)")
+    run.add_argument("--max-time", default=None, metavar="S",
+                     help="budget for the whole run: rows not started after S seconds are reported 'not run' "
+                     "and the run fails (default: $FSDP_CONFORMANCE_MAX_TIME, else none)")
     run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
@@ -78,7 +84,8 @@ def _quiet_rank() -> bool:
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
               "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--junitxml",
-              "launcher": "--launcher", "workers": "-n", "rows_from": "--rows-from", "outcome": "--rows-outcome"}
+              "launcher": "--launcher", "workers": "-n", "rows_from": "--rows-from", "outcome": "--rows-outcome",
+              "case_timeout": "--case-timeout", "max_time": "--max-time"}
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:

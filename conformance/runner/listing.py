@@ -15,6 +15,7 @@ import pytest
 
 from conformance.contract.adapter import Capability
 from conformance.contract.applicability import not_applicable_reason
+from conformance.contract.case import CaseSettings
 from conformance.contract.rows import all_params, case_row_id, case_spec
 
 __all__ = ["CASES_DIR", "ListedRow", "collect_rows"]
@@ -29,12 +30,14 @@ class ListedRow:
     row_id: str
     needs: str
     modes: tuple[str, ...]
+    #: Seconds its ranks may take by default (``--case-timeout`` replaces it).
+    timeout_s: float
     requires: set[Capability] = field(default_factory=set)
     #: rank mode -> why the row is n/a there for the adapter given to :func:`collect_rows`.
     not_applicable: dict[str, str] = field(default_factory=dict)
 
     def text(self) -> str:
-        line = f"{self.needs}; modes {'/'.join(self.modes)}"
+        line = f"{self.needs}; modes {'/'.join(self.modes)}; timeout {self.timeout_s:g} s"
         if self.requires:
             line += f"; requires {', '.join(sorted(str(c) for c in self.requires))}"
         for reason in dict.fromkeys(self.not_applicable.values()):
@@ -55,7 +58,8 @@ class _Collector:
             if spec is None:
                 continue
             params = all_params(item)
-            row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(), spec.modes))
+            row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(), spec.modes,
+                                                                    spec.timeout(CaseSettings())))
             row.requires.update(spec.required(params))
             impl = params.get("impl")
             mode = str(params.get("rank_mode"))

@@ -33,6 +33,7 @@ from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSettings, CaseSpec, NotApplicable
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
+from conformance.runner import budget
 from conformance.runner.findings import annotate
 from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
 from conformance.runner.settings import Settings, resolve_settings
@@ -44,7 +45,7 @@ from harness.workers import is_worker
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
 
 #: Plugins of the runner that live in modules of their own, registered with this one.
-pytest_plugins = ["conformance.runner.selection"]
+pytest_plugins = ["conformance.runner.selection", "conformance.runner.budget"]
 
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -106,6 +107,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
     group.addoption("--fuzz-verbose", action="store_true", default=None,
                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
+    group.addoption("--case-timeout", default=None, metavar="S",
+                    help="seconds every row's ranks may take before the row fails as hung, instead of each "
+                    "case's own ('fsdp-conformance list' shows it). Default: $FSDP_CONFORMANCE_CASE_TIMEOUT")
+    group.addoption("--max-time", default=None, metavar="S",
+                    help="seconds the run may take: rows not started by then are reported 'not run' and the "
+                    "run fails. Default: $FSDP_CONFORMANCE_MAX_TIME, else no limit")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -115,7 +122,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RESULTS_KEY] = []
     try:  # a bad value is a usage error before collection, naming its source
         flags = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "device": "--device",
-                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose"}
+                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose",
+                 "case_timeout": "--case-timeout", "max_time": "--max-time"}
         if "--impl" in config.invocation_params.args:  # forwarded by ``fsdp-conformance run --impl``
             flags["impls"] = "--impl"
         cli = {name: (flag, config.getoption("--fsdp-impl" if name == "impls" else flag))
@@ -128,6 +136,7 @@ def pytest_configure(config: pytest.Config) -> None:
         device = config.stash[SETTINGS_KEY].device
         config.stash[_GPUS_KEY] = devices.visible_gpus() if device.value != "cpu" else 0
         devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
+        budget.start(config, config.stash[SETTINGS_KEY].max_time.value)
     except ValueError as exc:  # SettingError included
         raise pytest.UsageError(str(exc)) from exc
 
@@ -168,8 +177,10 @@ def case_settings(request: pytest.FixtureRequest) -> CaseSettings:
 @pytest.hookimpl
 def pytest_ranks_timeout(item: pytest.Item) -> float | None:
     """A conformance row's timeout: its case's, under this run's settings."""
-    spec = case_spec(item)
-    return None if spec is None else spec.timeout(settings_of(item.config).for_cases())
+    spec, settings = case_spec(item), settings_of(item.config)
+    if spec is None:
+        return None
+    return settings.case_timeout.value or spec.timeout(settings.for_cases())
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -198,6 +209,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if spec is None:
         return
     item.stash[_STATE_KEY] = _ItemState()
+    spent = budget.not_run_reason(item.config)
+    if spent is not None:
+        raise budget.NotRun(spent)
     impl = all_params(item).get("impl")
     if impl is None:
         raise pytest.UsageError(f"{item.nodeid}: a conformance case must take the impl parameter")
@@ -244,6 +258,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = str(message) if message else _skip_reason(report)
         if excinfo is not None and isinstance(excinfo.value, NotApplicable):
             state.outcome, state.reason = "n/a", reason
+        elif excinfo is not None and isinstance(excinfo.value, budget.NotRun):
+            state.outcome, state.reason = "not run", reason
         elif state.hardware_skip or launched(item.config):
             state.outcome, state.reason = "skip", reason  # missing hardware (or, launched, the job's size)
         else:
