@@ -33,10 +33,11 @@ from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSettings, CaseSpec, NotApplicable
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner import budget
+from conformance.runner import budget, progress
 from conformance.runner.findings import annotate
-from conformance.runner.report import render_markdown, render_matrix, summary_line, write_json
+from conformance.runner.report import render_markdown, summary_line, write_json
 from conformance.runner.settings import Settings, resolve_settings
+from conformance.runner.terminal import render_terminal, terminal_width
 from harness import devices
 from harness.pytest_plugin import rank_mode_setting, selected_modes
 from harness.rank_mode import RankMode
@@ -45,7 +46,7 @@ from harness.workers import is_worker
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
 
 #: Plugins of the runner that live in modules of their own, registered with this one.
-pytest_plugins = ["conformance.runner.selection", "conformance.runner.budget"]
+pytest_plugins = ["conformance.runner.selection", "conformance.runner.budget", "conformance.runner.progress"]
 
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -313,15 +314,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 def pytest_conformance_result(config: pytest.Config, result: Result) -> None:
     """Add the cell to the matrix; with ``--conformance-progress`` print its line."""
     config.stash[RESULTS_KEY].append(result)
-    if not config.getoption("--conformance-progress") or not reports_here(config):
-        return
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(
-            f"[{len(config.stash[RESULTS_KEY]):4d}] {result.outcome:5s} {result.case}  "
-            f"{result.impl}/{result.rank_mode}  {result.duration_s:.2f}s"
-            + (f"  ({result.reason})" if result.reason else "")
-        )
+    if config.getoption("--conformance-progress") and reports_here(config):
+        progress.write_line(config, progress.line(config, len(config.stash[RESULTS_KEY]), result))
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
@@ -347,7 +341,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     if config.getoption("--conformance-progress"):
         terminalreporter.write_sep("=", "conformance matrix")
-        terminalreporter.write_line(render_matrix(results))
+        terminalreporter.write_line(render_terminal(results, terminal_width()))
         terminalreporter.write_line(summary_line(results))
     json_path = config.getoption("--conformance-json")
     if json_path:
