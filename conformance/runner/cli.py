@@ -18,11 +18,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
-
-from conformance.contract import registry
-from conformance.runner.listing import CASES_DIR, collect_rows
+from conformance.runner import CASES_DIR
 from harness.rank_mode import SELECTIONS
+
+# pytest, torch and the adapters are imported by the command that needs them, so --help answers at once.
 
 __all__ = ["main", "CASES_DIR"]
 
@@ -49,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
     run.add_argument("--timing-repeats", default=None, metavar="N",
-                     help="times a timing case repeats each timed region, the median counting "
-                     "(default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
+                     help="timing cases (those that measure wall time, e.g. overlap/*; they run alone, after the "
+                     "rest) time each region N times and compare the median with their bound: more repeats are "
+                     "steadier on a loaded machine and slower (default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
     run.add_argument("--fuzz-examples", default=None, metavar="N",
                      help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
     run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
@@ -68,8 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--launcher", choices=("spawn", "torchrun"), default=None,
                      help="deprecated: --launcher torchrun is --rank-mode launched")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
+    run.add_argument("--fuzz-verbose", action="store_true", default=None,
+                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
     lst = sub.add_parser("list", help="list case rows with their hardware needs and required capabilities")
-    lst.add_argument("-k", dest="keyword", metavar="EXPR")
+    lst.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     lst.add_argument("--impl", metavar="NAME", help="also show which rows are n/a for this adapter, and why")
     sub.add_parser("impls", help="list registered implementations and whether they load here")
     return parser
@@ -96,6 +98,8 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
         args += ["--impl", name]
     for row in ns.row or ():
         args += ["--row", row]
+    if ns.fuzz_verbose:
+        args.append("--fuzz-verbose")
     for dest, flag in _FORWARDED.items():
         value = getattr(ns, dest)
         if value is not None:
@@ -104,6 +108,8 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    import pytest
+
     if not _quiet_rank():
         code = int(pytest.main(_run_args(ns)))
     else:
@@ -118,6 +124,8 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 def _list(ns: argparse.Namespace) -> int:
+    from conformance.runner.listing import collect_rows
+
     try:
         rows = collect_rows(ns.keyword, ns.impl)
     except RuntimeError as exc:
@@ -134,6 +142,8 @@ def _list(ns: argparse.Namespace) -> int:
 
 
 def _impls(_: argparse.Namespace) -> int:
+    from conformance.contract import registry
+
     for name, entry in registry.registered().items():
         status: Any
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -17,10 +16,10 @@ from conformance.contract.adapter import Capability
 from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSettings
 from conformance.contract.rows import all_params, case_row_id, case_spec
+from conformance.runner import CASES_DIR
 
 __all__ = ["CASES_DIR", "ListedRow", "collect_rows"]
 
-CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
 
 
 @dataclass
