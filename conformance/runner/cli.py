@@ -137,6 +137,9 @@ def _list(ns: argparse.Namespace) -> int:
     summary = f"{len(rows)} cases"
     if ns.impl:
         summary += f"; {sum(1 for row in rows if row.not_applicable)} with n/a rank modes for {ns.impl}"
+        failing = sum(1 for row in rows if row.errors)
+        if failing:
+            summary += f"; {failing} that would be errors (the adapter fails to load)"
     print(summary)
     return 0
 

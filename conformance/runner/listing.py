@@ -34,14 +34,17 @@ class ListedRow:
     requires: set[Capability] = field(default_factory=set)
     #: rank mode -> why the row is n/a there for the adapter given to :func:`collect_rows`.
     not_applicable: dict[str, str] = field(default_factory=dict)
+    #: rank mode -> why the row would be an ``error`` there (as ``run`` reports it: the adapter fails to load).
+    errors: dict[str, str] = field(default_factory=dict)
 
     def text(self) -> str:
         line = f"{self.needs}; modes {'/'.join(self.modes)}; timeout {self.timeout_s:g} s"
         if self.requires:
             line += f"; requires {', '.join(sorted(str(c) for c in self.requires))}"
-        for reason in dict.fromkeys(self.not_applicable.values()):
-            modes = [m for m, r in self.not_applicable.items() if r == reason]
-            line += f"; n/a ({'/'.join(modes)}): {reason}"
+        for outcome, reasons in (("error", self.errors), ("n/a", self.not_applicable)):
+            for reason in dict.fromkeys(reasons.values()):
+                modes = [m for m, r in reasons.items() if r == reason]
+                line += f"; {outcome} ({'/'.join(modes)}): {reason}"
         return line
 
 
@@ -64,8 +67,8 @@ class _Collector:
             mode = str(params.get("rank_mode"))
             if impl is None:
                 continue
-            if not hasattr(impl, "capabilities"):  # an adapter that failed to load
-                row.not_applicable[mode] = f"adapter failed to load: {getattr(impl, 'error', impl)}"
+            if not hasattr(impl, "capabilities"):  # an adapter that failed to load: run says error, so does list
+                row.errors[mode] = f"adapter {impl.name!r} failed to load: {getattr(impl, 'error', impl)}"
                 continue
             reason = not_applicable_reason(spec, impl, params)
             if reason is not None:
