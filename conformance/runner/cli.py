@@ -86,7 +86,7 @@ def _quiet_rank() -> bool:
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
               "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--junitxml",
-              "launcher": "--launcher", "workers": "-n", "rows_from": "--rows-from", "outcome": "--rows-outcome",
+              "launcher": "--launcher", "workers": "-n", "rows_from": "--rows-from", "outcome": "--outcome",
               "case_timeout": "--case-timeout", "max_time": "--max-time"}
 
 

@@ -69,18 +69,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--rows-from", default=None, metavar="REPORT.json",
                     help="re-run exactly the cells (row, implementation, rank mode) of this JSON report whose "
                     "outcome --rows-outcome names")
-    group.addoption("--rows-outcome", default=None, metavar="OUTCOMES",
+    group.addoption("--rows-outcome", "--outcome", dest="rows_outcome", default=None, metavar="OUTCOMES",
                     help=f"with --rows-from: comma-separated outcomes to re-run, of {', '.join(OUTCOMES)} "
                     f"(default: {','.join(DEFAULT_OUTCOMES)})")
 
 
-def _outcomes(raw: str | None) -> tuple[str, ...]:
+def _outcomes(raw: str | None, flag: str) -> tuple[str, ...]:
     if raw is None:
         return DEFAULT_OUTCOMES
     names = tuple(name.strip() for name in raw.split(",") if name.strip())
     unknown = [name for name in names if name not in OUTCOMES]
     if unknown or not names:
-        raise pytest.UsageError(f"--rows-outcome={raw!r}: expected outcomes of {', '.join(OUTCOMES)}, "
+        raise pytest.UsageError(f"{flag}={raw!r}: expected outcomes of {', '.join(OUTCOMES)}, "
                                 f"comma-separated; {unknown or 'none given'} is not")
     return names
 
@@ -130,9 +130,10 @@ def pytest_configure(config: pytest.Config) -> None:
     check_expressions(config)
     rows = frozenset(config.getoption("--row") or ())
     report = config.getoption("--rows-from")
-    outcomes = _outcomes(config.getoption("--rows-outcome"))
-    if report is None and config.getoption("--rows-outcome") is not None:
-        raise pytest.UsageError("--rows-outcome selects cells of --rows-from REPORT.json; give the report")
+    flag = "--outcome" if "--outcome" in config.invocation_params.args else "--rows-outcome"
+    outcomes = _outcomes(config.getoption("rows_outcome"), flag)
+    if report is None and config.getoption("rows_outcome") is not None:
+        raise pytest.UsageError(f"{flag} selects cells of --rows-from REPORT.json; give the report")
     cells: frozenset[Cell] = frozenset()
     if report is not None:
         try:
