@@ -10,9 +10,10 @@ again while bootstrapping; the children exit, and all the parent can tell is
 that its ranks (or its thread host) died. So the parent checks first: if the
 call comes from the main module's top-level code (directly, or through the
 functions it calls) and that line is not inside an ``if __name__ ==
-"__main__":`` block, the call is refused with the standard advice. A main
-module without a source file (``python -c``, a REPL, a notebook) is not
-re-imported by the children, and is not checked.
+"__main__":`` block, the call is refused with the standard advice. What the
+children do not re-import is not checked, as multiprocessing decides it: a
+main module without a source file (``python -c``, a REPL, a notebook) and a
+package's ``__main__`` (``python -m conformance``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def check_main_guard(start_method: str) -> None:
     path = frame.f_globals.get("__file__") if frame is not None else None
     if frame is None or not isinstance(path, str) or path.startswith("<"):
         return
+    spec_name = getattr(frame.f_globals.get("__spec__"), "name", None) or ""
+    if spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return  # multiprocessing's children skip a package's __main__
     line = frame.f_lineno
     if any(first <= line <= last for first, last in _guarded_lines(path)):
         return

@@ -44,3 +44,17 @@ def test_a_guarded_call_runs(tmp_path: Path) -> None:
     done = _script(tmp_path, "thread", 'if __name__ == "__main__":\n    main()')
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[0, 1]"
+
+
+def test_a_package_main_is_not_refused(tmp_path: Path) -> None:
+    """``python -m pkg`` runs ``pkg/__main__.py``, which multiprocessing's children never re-import."""
+    package = tmp_path / "runs_ranks"
+    package.mkdir()
+    (package / "__init__.py").write_text("def body(ctx):\n    return ctx.rank\n")
+    (package / "__main__.py").write_text("import harness\nfrom runs_ranks import body\n"
+                                         "print(harness.run(body, world_size=2, mode='thread', timeout_s=60))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    done = subprocess.run([sys.executable, "-m", "runs_ranks"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[0, 1]"
