@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from harness import thread_host
 from harness.errors import CollectiveMismatch, RankError, RankTimedOut
 from harness.sequence import Position, attributed, blame
 
@@ -48,12 +49,17 @@ def _timed_failure(body: Callable[[harness.RankContext], None], mode: str) -> tu
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rank_that_returns_before_a_collective_is_blamed(mode: str) -> None:
+    harness.run(_noop, world_size=2, mode=mode, timeout_s=60)
+    warm_host = thread_host._hosts.get("cpu")
     exc, elapsed = _timed_failure(_rank_1_skips_the_second, mode)
     assert str(exc).splitlines()[0] == (f"rank 1 did not reach all_reduce #2, which rank 0 waits in (it returned "
                                         f"after 1 collective) (world_size=2, mode={mode})")
     assert [(f.rank, f.kind) for f in exc.failures] == [(1, "collective"), (0, "aborted")]
     assert "waiting in all_reduce #2 for rank 1" in exc.failures[1].summary
     assert elapsed < TIMEOUT_S + HANG_SLACK_S
+    if mode == "thread":  # rank 0's thread may still wait in the collective: its host is not reused
+        assert thread_host._hosts.get("cpu") is not warm_host
+    assert harness.run(_noop, world_size=2, mode=mode, timeout_s=60) == [None, None]
 
 
 @pytest.mark.parametrize("mode", MODES)
