@@ -12,18 +12,36 @@ Imports point one way: ``runner`` (top) > ``launched``, ``process``,
 (bottom). The package re-exports the public names.
 """
 
-from harness.context import RankContext
-from harness.errors import (
-    InconsistentSkip,
-    RankDied,
-    RankError,
-    RankFailure,
-    RankRaised,
-    RankTimedOut,
-)
-from harness.rank_mode import RankMode
-from harness.recorder import Call, Trace, patch_collectives
-from harness.runner import run, shutdown_pools
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.context import RankContext
+    from harness.errors import InconsistentSkip, RankDied, RankError, RankFailure, RankRaised, RankTimedOut
+    from harness.rank_mode import RankMode
+    from harness.recorder import Call, Trace, patch_collectives
+    from harness.runner import run, shutdown_pools
+
+#: Public name -> the module that owns it. Imported on first use, so that importing a light module of
+#: the package (``harness.rank_mode``, ``harness.settings``) does not import torch.
+_EXPORTS = {
+    "run": "harness.runner", "shutdown_pools": "harness.runner", "RankMode": "harness.rank_mode",
+    "RankContext": "harness.context", "patch_collectives": "harness.recorder", "Call": "harness.recorder",
+    "Trace": "harness.recorder", **{name: "harness.errors" for name in (
+        "RankFailure", "RankRaised", "RankTimedOut", "RankDied", "RankError", "InconsistentSkip")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "run",

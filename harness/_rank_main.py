@@ -50,6 +50,8 @@ class RankSetup:
     parent_pid: int
     stack_path: str
     crash_path: str
+    #: This rank's collective position, read by the parent ([Note: collective mismatch] in harness.sequence).
+    slot_path: str = ""
 
 
 def resolve_fn(fn_ref: tuple[str, str]) -> Any:
@@ -116,7 +118,7 @@ def _setup(setup: RankSetup) -> Any:
     return device
 
 
-def _run(setup: RankSetup, device: Any, task: Task) -> Any:
+def _run(setup: RankSetup, device: Any, task: Task, slot: Any) -> Any:
     from harness.context import RankContext
     from harness.outcome import Outcome, capture
     from harness.reset import case_scope
@@ -131,6 +133,8 @@ def _run(setup: RankSetup, device: Any, task: Task) -> Any:
         mode=RankMode.PROCESS,
         seed=task.seed,
     )
+    if slot is not None:
+        slot.reset()
     try:
         with case_scope(task.seed, task.env):
             value = resolve_fn(task.fn_ref)(ctx, *task.args, **task.kwargs)
@@ -143,19 +147,24 @@ def rank_main(setup: RankSetup, conn: Connection) -> None:
     """Entry point of a spawned rank process."""
     device = _setup(setup)
     from harness.outcome import capture
+    from harness.recorder import observe_thread, observing
+    from harness.sequence import map_slot_file
 
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            break
-        if task is None:
-            break
-        outcome = _run(setup, device, task)
-        try:
-            conn.send(outcome)
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send(capture(setup.rank, TypeError(f"rank {setup.rank} returned an unpicklable value: {exc}")))
+    slot = map_slot_file(setup.slot_path) if setup.slot_path else None
+    with observing():  # before the first task: no rank is in a collective yet
+        observe_thread(slot)
+        while True:
+            try:
+                task = conn.recv()
+            except (EOFError, OSError):
+                break
+            if task is None:
+                break
+            outcome = _run(setup, device, task, slot)
+            try:
+                conn.send(outcome)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+                conn.send(capture(setup.rank, TypeError(f"rank {setup.rank} returned an unpicklable value: {exc}")))
     import torch.distributed as dist
 
     dist.destroy_process_group()

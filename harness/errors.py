@@ -9,7 +9,9 @@ dies, its peers' collectives fail with connection errors, which may reach
 the parent before the death does. The first line of the message names the primary
 rank and kind, so a one-line CI summary is enough to know where to look.
 The order, in :data:`BLAME_ORDER` (ties keep the caller's arrival or rank order):
-died, raised, timed_out, skipped, aborted.
+died, collective (the rank that left the collective sequence the others wait in,
+[Note: collective mismatch] in :mod:`harness.sequence`), raised, timed_out,
+skipped, aborted.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ __all__ = [
     "RankTimedOut",
     "RankDied",
     "InconsistentSkip",
+    "CollectiveMismatch",
     "make_failure",
 ]
 
-#: ``aborted`` is only ever secondary.
-KINDS = ("raised", "timed_out", "died", "aborted", "skipped")
+#: ``aborted`` is only ever secondary; ``collective``: the rank left the collective sequence the others follow.
+KINDS = ("raised", "timed_out", "died", "aborted", "skipped", "collective")
 #: Which failure kind is blamed first ([Note: failure attribution]).
-BLAME_ORDER = {"died": 0, "raised": 1, "timed_out": 2, "skipped": 3, "aborted": 4}
+BLAME_ORDER = {"died": 0, "collective": 1, "raised": 2, "timed_out": 3, "skipped": 4, "aborted": 5}
 
 
 @dataclass
@@ -64,6 +67,8 @@ class RankError:
             return f"rank {self.rank} timed out: {self.summary}"
         if self.kind == "skipped":
             return f"rank {self.rank} skipped: {self.summary}"
+        if self.kind == "collective":
+            return f"rank {self.rank} {self.summary}"
         return f"rank {self.rank} aborted: {self.summary}"
 
     def details(self) -> str:
@@ -124,6 +129,10 @@ class InconsistentSkip(RankFailure):
     """Some ranks skipped and others did not: a case bug, reported as an error."""
 
 
+class CollectiveMismatch(RankFailure):
+    """The primary rank did not reach the collective the others wait in, or called another one."""
+
+
 def _rebuild(cls: type[RankFailure], failures: list[RankError], world_size: int, mode: str) -> RankFailure:
     return cls(failures, world_size=world_size, mode=mode)
 
@@ -133,6 +142,7 @@ _BY_KIND: dict[str, type[RankFailure]] = {
     "timed_out": RankTimedOut,
     "died": RankDied,
     "skipped": InconsistentSkip,
+    "collective": CollectiveMismatch,
 }
 
 

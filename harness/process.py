@@ -30,9 +30,10 @@ from typing import Any
 from harness import settings
 from harness._rank_main import RankSetup, Task, rank_main
 from harness.cpu_budget import intra_op_threads
-from harness.errors import RankError, make_failure
+from harness.errors import RankError, RankFailure, make_failure
 from harness.outcome import Outcome, as_error, resolve
 from harness.rank_mode import RankMode
+from harness.sequence import attributed, create_slot_file, read_slot_file
 
 __all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text",
            "FAILURE_GRACE_S"]
@@ -80,6 +81,7 @@ class ProcessPool:
         ctx = mp_context()
         store_path = os.path.join(self.tmpdir, "store")
         for rank in range(self.world_size):
+            create_slot_file(self._path("slot", rank))
             parent_end, child_end = ctx.Pipe()
             setup = RankSetup(
                 rank=rank,
@@ -92,6 +94,7 @@ class ProcessPool:
                 parent_pid=os.getpid(),
                 stack_path=self._path("stack", rank),
                 crash_path=self._path("crash", rank),
+                slot_path=self._path("slot", rank),
             )
             proc = ctx.Process(target=rank_main, args=(setup, child_end), name=f"rank{rank}", daemon=True)
             proc.start()
@@ -111,6 +114,13 @@ class ProcessPool:
         """Run ``task`` on every rank; per-rank values or a :class:`RankFailure`."""
         for conn in self.conns:
             conn.send(task)
+        try:
+            return self._results(timeout_s)
+        except RankFailure as failure:
+            positions = {r: read_slot_file(r, self._path("slot", r)) for r in range(self.world_size)}
+            raise attributed(failure, positions) from None
+
+    def _results(self, timeout_s: float) -> list[Any]:
         arrivals, pending = self._collect(timeout_s)
         outcomes = [a for a in arrivals if isinstance(a, Outcome)]
         if not pending and len(outcomes) == self.world_size:

@@ -53,7 +53,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from harness.observe import CollectiveMode, bind, group_ranks, op_info, reduce_op_name, tensors_in
 
-__all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "patch_collectives", "record", "describe"]
+__all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "Observer", "describe", "intercepting", "observe_thread",
+           "observing", "patch_collectives", "record"]
 
 #: torch.distributed name -> canonical kind; only names present in the installed torch are patched.
 CANONICAL = {
@@ -154,45 +155,74 @@ def _python_group(group: Any) -> bool:
     return isinstance(inspect.getattr_static(type(group), "allreduce", None), types.FunctionType)
 
 
+class Observer(Protocol):
+    """Told of each collective this thread enters and how it left (:mod:`harness.sequence`)."""
+
+    def entered(self, op: str) -> None: ...
+
+    def left(self, *, raised: bool) -> None: ...
+
+
+_observers: dict[int, Observer] = {}
+
+
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     op = CANONICAL[name]
 
     def intercepted(*args: Any, **kwargs: Any) -> Any:
-        interceptor = _by_thread.get(threading.get_ident())
-        if interceptor is None or getattr(_nesting, "inside", False):
+        ident = threading.get_ident()
+        interceptor, observer = _by_thread.get(ident), _observers.get(ident)
+        if (interceptor is None and observer is None) or getattr(_nesting, "inside", False):
             # Deprecated names forward to the new ones (all_gather_into_tensor ->
             # all_gather_single): only the outermost call is one collective.
             return original(*args, **kwargs)
-        if not _python_group(_signature(original).bind_partial(*args, **kwargs).arguments.get("group")):
-            return original(*args, **kwargs)  # reaches the dispatcher: CollectiveMode sees it
+        if interceptor is not None and not _python_group(
+                _signature(original).bind_partial(*args, **kwargs).arguments.get("group")):
+            interceptor = None  # reaches the dispatcher: CollectiveMode sees it
         _nesting.inside = True
+        if observer is not None:
+            observer.entered(op)
+        raised = True
         try:
-            return interceptor(op, original, args, kwargs)
+            value = original(*args, **kwargs) if interceptor is None else interceptor(op, original, args, kwargs)
+            raised = False
+            return value
         finally:
             _nesting.inside = False
+            if observer is not None:
+                observer.left(raised=raised)
 
     intercepted.__wrapped__ = original  # type: ignore[attr-defined]
     intercepted.__name__ = name
     return intercepted
 
 
+_originals: dict[str, Any] = {}
+_wrapped: dict[int, Callable[..., Any]] = {}
+
+
 def _install() -> None:
+    """Swap in the wrappers (first call) and reach modules loaded since (every call).
+
+    Every module that holds a collective under its own name (``distributed_c10d``,
+    DTensor's ``from torch.distributed.distributed_c10d import scatter``, an
+    implementation's ``from torch.distributed import all_reduce``) gets the wrapper;
+    rank processes keep the wrappers installed for their whole life (:func:`observing`),
+    so a module imported by a case is reached when the case's first block starts.
+    """
     global _depth
     with _lock:
         if _depth == 0:
-            originals = {name: getattr(dist, name) for name in CANONICAL if hasattr(dist, name)}
-            wrapped = {id(fn): _wrapper(name, fn) for name, fn in originals.items()}
-            # Every module that holds a collective under its own name (``distributed_c10d``,
-            # DTensor's ``from torch.distributed.distributed_c10d import scatter``, an
-            # implementation's ``from torch.distributed import all_reduce``) gets the wrapper.
-            for module in list(sys.modules.values()):
-                namespace = getattr(module, "__dict__", None)
-                if not isinstance(namespace, dict):
-                    continue
-                for name, fn in originals.items():
-                    if namespace.get(name) is fn:
-                        _swapped.append((module, name, fn))
-                        setattr(module, name, wrapped[id(fn)])
+            _originals.update({name: getattr(dist, name) for name in CANONICAL if hasattr(dist, name)})
+            _wrapped.update({id(fn): _wrapper(name, fn) for name, fn in _originals.items()})
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, fn in _originals.items():
+                if namespace.get(name) is fn:
+                    _swapped.append((module, name, fn))
+                    setattr(module, name, _wrapped[id(fn)])
         _depth += 1
 
 
@@ -204,6 +234,36 @@ def _uninstall() -> None:
             for module, name, original in _swapped:
                 setattr(module, name, original)
             _swapped.clear()
+            _originals.clear()
+            _wrapped.clear()
+
+
+@contextmanager
+def observing() -> Iterator[None]:
+    """Keep the collectives patched inside the block, so :func:`observe_thread` observers are told.
+
+    Not collective: the caller makes sure no rank is inside a collective while the
+    attributes are swapped (a rank process before its first task; a thread host
+    before its rank threads start).
+    """
+    _install()
+    try:
+        yield
+    finally:
+        _uninstall()
+
+
+def intercepting() -> bool:
+    """Whether an interceptor sees the calling thread's collectives (an observer only counts them)."""
+    return threading.get_ident() in _by_thread
+
+
+def observe_thread(observer: Observer | None) -> None:
+    """Tell ``observer`` of the calling thread's collectives from now on (``None``: stop) inside :func:`observing`."""
+    if observer is None:
+        _observers.pop(threading.get_ident(), None)
+    else:
+        _observers[threading.get_ident()] = observer
 
 
 @contextmanager

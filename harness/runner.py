@@ -14,6 +14,7 @@ from harness._rank_main import Task
 from harness._rank_state import is_rank_process
 from harness.cpu_budget import intra_op_threads
 from harness.devices import PLACEMENTS, check_placement, nccl_available, visible_gpus
+from harness.main_guard import check_main_guard
 from harness.rank_mode import RankMode
 
 __all__ = ["run", "shutdown_pools"]
@@ -69,6 +70,8 @@ def run(
     """
     kwargs = dict(kwargs or {})
     mode = _check_arguments(world_size, mode, placement, timeout_s)
+    if mode is not RankMode.LAUNCHED:
+        check_main_guard(process.START_METHOD)  # [Note: main-module guard]
     if mode is RankMode.LAUNCHED:
         return launched.run_launched(fn, world_size=world_size, timeout_s=timeout_s, args=args,
                                      kwargs=kwargs, seed=seed, env=env, placement=placement)

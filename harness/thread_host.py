@@ -166,7 +166,9 @@ def run_in_host(job: ThreadTask, placement: str, gpus: int) -> list[Any]:
         try:
             return host.run(job)
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt) or getattr(exc, "kind", None) in ("died", "timed_out"):
+            # A collective mismatch is a timeout or a failure in a collective seen from the other side: the
+            # waiting rank threads may not have stopped, so the host goes too.
+            if isinstance(exc, KeyboardInterrupt) or getattr(exc, "kind", None) in ("died", "timed_out", "collective"):
                 _discard(host)
             raise
     finally:

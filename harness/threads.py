@@ -32,10 +32,12 @@ import torch.distributed as dist
 import harness._torch_threadlocal as tl
 from harness.context import RankContext
 from harness.devices import rank_device
-from harness.errors import RankError, make_failure
+from harness.errors import RankError, RankFailure, make_failure
 from harness.outcome import Outcome, capture, resolve
 from harness.rank_mode import RankMode
+from harness.recorder import observe_thread, observing
 from harness.reset import process_global_scope, seed_everything
+from harness.sequence import SLOT_SIZE, Slot, attributed
 
 __all__ = ["ThreadRun", "run_threads", "STOP_GRACE_S"]
 
@@ -69,8 +71,9 @@ class ThreadRun:
         return rank_device(self.placement, rank, self.gpus)
 
 
-def _rank_body(run: ThreadRun, rank: int, store: Any, out: dict[int, Outcome]) -> None:
+def _rank_body(run: ThreadRun, rank: int, store: Any, out: dict[int, Outcome], slot: Slot) -> None:
     world_size, seed = run.world_size, run.seed
+    observe_thread(slot)
     try:
         if run.started is not None:
             run.started(rank)
@@ -87,6 +90,7 @@ def _rank_body(run: ThreadRun, rank: int, store: Any, out: dict[int, Outcome]) -
         if not aborted and not out[rank].is_skip:
             tl.abort()
     finally:
+        observe_thread(None)
         with contextlib.suppress(Exception):  # the group may never have been created
             dist.destroy_process_group()
 
@@ -109,20 +113,26 @@ def _run_locked(run: ThreadRun) -> list[Any]:
     seed_everything(run.seed)
     out: dict[int, Outcome] = {}
     store = dist.HashStore()
+    slots = [Slot(bytearray(SLOT_SIZE)) for _ in range(world_size)]
     threads = [
-        threading.Thread(target=_rank_body, name=f"rank{r}", daemon=True, args=(run, r, store, out))
+        threading.Thread(target=_rank_body, name=f"rank{r}", daemon=True, args=(run, r, store, out, slots[r]))
         for r in range(world_size)
     ]
     try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout_s
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        late = [r for r, t in enumerate(threads) if t.is_alive()]
-        if late:
-            raise make_failure(_stop(threads, late, timeout_s, out), world_size=world_size, mode=RankMode.THREAD)
-        return resolve(list(out.values()), world_size=world_size, mode=RankMode.THREAD)
+        with observing():  # before the rank threads start: none is in a collective
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + timeout_s
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            late = [r for r, t in enumerate(threads) if t.is_alive()]
+            try:
+                if late:
+                    raise make_failure(_stop(threads, late, timeout_s, out), world_size=world_size,
+                                       mode=RankMode.THREAD)
+                return resolve(list(out.values()), world_size=world_size, mode=RankMode.THREAD)
+            except RankFailure as failure:
+                raise attributed(failure, {r: slot.position(r) for r, slot in enumerate(slots)}) from None
     finally:
         tl.uninstall()
         tl.reset()

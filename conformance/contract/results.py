@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 __all__ = ["OUTCOMES", "CaseReport", "Result"]
 
-#: Cell texts. Only "pass" counts as conforming; "n/a" and "skip" never do.
-OUTCOMES = ("pass", "FAIL", "error", "n/a", "skip")
+#: Cell texts. Only "pass" counts as conforming; "n/a", "skip" and "not run" (the run's time budget
+#: was spent before the row started) never do.
+OUTCOMES = ("pass", "FAIL", "error", "n/a", "skip", "not run")
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
-
-from conformance.contract import registry
-from conformance.runner import exitcodes, signals
-from conformance.runner.listing import CASES_DIR, collect_rows
+from conformance.runner import CASES_DIR, exitcodes, signals
 from harness.rank_mode import SELECTIONS
+
+# pytest, torch and the adapters are imported by the command that needs them, so --help answers at once.
 
 __all__ = ["main", "CASES_DIR"]
 
@@ -41,16 +39,30 @@ def _parser() -> argparse.ArgumentParser:
                      help="process or thread ranks, both, or launched (inside a torchrun job); "
                      "default: $FSDP_RANK_MODE or both")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
+    run.add_argument("--row", action="append", metavar="ID",
+                     help="only this row, an id as 'list', the matrix and the JSON show it; repeatable")
+    run.add_argument("--rows-from", metavar="REPORT.json",
+                     help="re-run exactly the cells (row, implementation, rank mode) of a previous JSON report "
+                     "whose outcome --outcome names")
+    run.add_argument("--outcome", metavar="OUTCOMES",
+                     help="with --rows-from: the outcomes to re-run, comma-separated (default: FAIL,error)")
     run.add_argument("--json", metavar="PATH", help="write the JSON report (schema: docs/REPORTS.md)")
     run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML, one testcase per row")
     run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
     run.add_argument("--html", metavar="PATH", help="write the matrix as one self-contained HTML page, with filters")
     run.add_argument("--timing-repeats", default=None, metavar="N",
-                     help="times a timing case repeats each timed region, the median counting "
-                     "(default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
+                     help="timing cases (those that measure wall time, e.g. overlap/*; they run alone, after the "
+                     "rest) time each region N times and compare the median with their bound: more repeats are "
+                     "steadier on a loaded machine and slower (default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
     run.add_argument("--fuzz-examples", default=None, metavar="N",
                      help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
     run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
+    run.add_argument("--case-timeout", default=None, metavar="S",
+                     help="seconds each row's ranks may take before the row fails as hung, instead of the case's "
+                     "own timeout that 'list' shows (default: $FSDP_CONFORMANCE_CASE_TIMEOUT)")
+    run.add_argument("--max-time", default=None, metavar="S",
+                     help="budget for the whole run: rows not started after S seconds are reported 'not run' "
+                     "and the run fails (default: $FSDP_CONFORMANCE_MAX_TIME, else none)")
     run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
@@ -59,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--launcher", choices=("spawn", "torchrun"), default=None,
                      help="deprecated: --launcher torchrun is --rank-mode launched")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
+    run.add_argument("--fuzz-verbose", action="store_true", default=None,
+                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
     lst = sub.add_parser("list", help="list case rows with their hardware needs and required capabilities")
-    lst.add_argument("-k", dest="keyword", metavar="EXPR")
+    lst.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     lst.add_argument("--impl", metavar="NAME", help="also show which rows are n/a for this adapter, and why")
     sub.add_parser("impls", help="list registered implementations and whether they load here")
     return parser
@@ -75,8 +89,9 @@ def _quiet_rank() -> bool:
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
               "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
-              "junitxml": "--conformance-junit",
-              "launcher": "--launcher", "workers": "-n"}
+              "junitxml": "--conformance-junit", "launcher": "--launcher", "workers": "-n",
+              "rows_from": "--rows-from", "outcome": "--outcome", "case_timeout": "--case-timeout",
+              "max_time": "--max-time"}
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:
@@ -85,6 +100,10 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
             "--conformance-progress"]
     for name in ns.impl or ():
         args += ["--impl", name]
+    for row in ns.row or ():
+        args += ["--row", row]
+    if ns.fuzz_verbose:
+        args.append("--fuzz-verbose")
     for dest, flag in _FORWARDED.items():
         value = getattr(ns, dest)
         if value is not None:
@@ -94,6 +113,8 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
 
 def _run(ns: argparse.Namespace) -> int:
     """Run the session; the exit code is :mod:`conformance.runner.exitcodes`'s."""
+    import pytest
+
     if not _quiet_rank():
         code = int(pytest.main(_run_args(ns)))
     else:
@@ -108,6 +129,8 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 def _list(ns: argparse.Namespace) -> int:
+    from conformance.runner.listing import collect_rows
+
     try:
         rows = collect_rows(ns.keyword, ns.impl)
     except RuntimeError as exc:
@@ -119,11 +142,16 @@ def _list(ns: argparse.Namespace) -> int:
     summary = f"{len(rows)} cases"
     if ns.impl:
         summary += f"; {sum(1 for row in rows if row.not_applicable)} with n/a rank modes for {ns.impl}"
+        failing = sum(1 for row in rows if row.errors)
+        if failing:
+            summary += f"; {failing} that would be errors (the adapter fails to load)"
     print(summary)
     return 0
 
 
 def _impls(_: argparse.Namespace) -> int:
+    from conformance.contract import registry
+
     for name, entry in registry.registered().items():
         status: Any
         try:

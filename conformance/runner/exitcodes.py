@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 __all__ = ["FAIL", "HELP", "INTERNAL_ERROR", "INTERRUPTED", "NO_ROWS", "PASS", "USAGE_ERROR", "from_pytest"]
 
 #: Every selected row ran and none is FAIL or error (n/a and skip are allowed).
@@ -26,6 +24,8 @@ HELP = (f"exit codes: {PASS} every row ran, none FAIL or error; {FAIL} a row is 
 
 def from_pytest(code: int, stopped_by: str | None) -> int:
     """This command's exit code for pytest's ``code``, given the stop signal the run received (if any)."""
+    import pytest  # not at import: ``--help`` prints HELP without loading pytest
+
     if stopped_by is not None:
         return INTERRUPTED
     return {int(pytest.ExitCode.OK): PASS, int(pytest.ExitCode.TESTS_FAILED): FAIL,

@@ -9,17 +9,17 @@ from __future__ import annotations
 import contextlib
 import io
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
 from conformance.contract.adapter import Capability
 from conformance.contract.applicability import not_applicable_reason
+from conformance.contract.case import CaseSettings
 from conformance.contract.rows import all_params, case_row_id, case_spec
+from conformance.runner import CASES_DIR
 
 __all__ = ["CASES_DIR", "ListedRow", "collect_rows"]
 
-CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
 
 
 @dataclass
@@ -29,17 +29,22 @@ class ListedRow:
     row_id: str
     needs: str
     modes: tuple[str, ...]
+    #: Seconds its ranks may take by default (``--case-timeout`` replaces it).
+    timeout_s: float
     requires: set[Capability] = field(default_factory=set)
     #: rank mode -> why the row is n/a there for the adapter given to :func:`collect_rows`.
     not_applicable: dict[str, str] = field(default_factory=dict)
+    #: rank mode -> why the row would be an ``error`` there (as ``run`` reports it: the adapter fails to load).
+    errors: dict[str, str] = field(default_factory=dict)
 
     def text(self) -> str:
-        line = f"{self.needs}; modes {'/'.join(self.modes)}"
+        line = f"{self.needs}; modes {'/'.join(self.modes)}; timeout {self.timeout_s:g} s"
         if self.requires:
             line += f"; requires {', '.join(sorted(str(c) for c in self.requires))}"
-        for reason in dict.fromkeys(self.not_applicable.values()):
-            modes = [m for m, r in self.not_applicable.items() if r == reason]
-            line += f"; n/a ({'/'.join(modes)}): {reason}"
+        for outcome, reasons in (("error", self.errors), ("n/a", self.not_applicable)):
+            for reason in dict.fromkeys(reasons.values()):
+                modes = [m for m, r in reasons.items() if r == reason]
+                line += f"; {outcome} ({'/'.join(modes)}): {reason}"
         return line
 
 
@@ -56,14 +61,14 @@ class _Collector:
                 continue
             params = all_params(item)
             row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(params),
-                                                                       spec.modes))
+                                                                    spec.modes, spec.timeout(CaseSettings())))
             row.requires.update(spec.required(params))
             impl = params.get("impl")
             mode = str(params.get("rank_mode"))
             if impl is None:
                 continue
-            if not hasattr(impl, "capabilities"):  # an adapter that failed to load
-                row.not_applicable[mode] = f"adapter failed to load: {getattr(impl, 'error', impl)}"
+            if not hasattr(impl, "capabilities"):  # an adapter that failed to load: run says error, so does list
+                row.errors[mode] = f"adapter {impl.name!r} failed to load: {getattr(impl, 'error', impl)}"
                 continue
             reason = not_applicable_reason(spec, impl, params)
             if reason is not None:

@@ -34,16 +34,21 @@ from conformance.contract.declared import DeclaredAdapter
 from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner import outputs, signals
+from conformance.runner import budget, outputs, progress, signals
 from conformance.runner.findings import annotate, explaining
-from conformance.runner.report import render_matrix, summary_line
+from conformance.runner.reasons import failure_reason, skip_reason
+from conformance.runner.report import summary_line
 from conformance.runner.settings import Settings, resolve_settings
+from conformance.runner.terminal import render_terminal, terminal_width
 from harness import devices
 from harness.pytest_plugin import rank_mode_setting, selected_modes
 from harness.rank_mode import RankMode
 from harness.workers import is_worker
 
 __all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
+
+#: Plugins of the runner that live in modules of their own, registered with this one.
+pytest_plugins = ["conformance.runner.selection", "conformance.runner.budget", "conformance.runner.progress"]
 
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -109,6 +114,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
     group.addoption("--fuzz-verbose", action="store_true", default=None,
                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
+    group.addoption("--case-timeout", default=None, metavar="S",
+                    help="seconds every row's ranks may take before the row fails as hung, instead of each "
+                    "case's own ('fsdp-conformance list' shows it). Default: $FSDP_CONFORMANCE_CASE_TIMEOUT")
+    group.addoption("--max-time", default=None, metavar="S",
+                    help="seconds the run may take: rows not started by then are reported 'not run' and the "
+                    "run fails. Default: $FSDP_CONFORMANCE_MAX_TIME, else no limit")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -118,7 +129,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RESULTS_KEY] = []
     try:  # a bad value is a usage error before collection, naming its source
         flags = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "device": "--device",
-                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose"}
+                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose",
+                 "case_timeout": "--case-timeout", "max_time": "--max-time"}
         if "--impl" in config.invocation_params.args:  # forwarded by ``fsdp-conformance run --impl``
             flags["impls"] = "--impl"
         cli = {name: (flag, config.getoption("--fsdp-impl" if name == "impls" else flag))
@@ -133,6 +145,7 @@ def pytest_configure(config: pytest.Config) -> None:
         devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
         if reports_here(config):  # report paths checked and claimed before any case runs
             outputs.prepare(config)
+        budget.start(config, config.stash[SETTINGS_KEY].max_time.value)
     except ValueError as exc:  # SettingError included
         raise pytest.UsageError(str(exc)) from exc
     config.stash[_RESTORE_SIGNALS_KEY] = signals.install()  # [Note: stop signals]
@@ -182,8 +195,10 @@ def case_settings(request: pytest.FixtureRequest) -> CaseSettings:
 @pytest.hookimpl
 def pytest_ranks_timeout(item: pytest.Item) -> float | None:
     """A conformance row's timeout: its case's, under this run's settings."""
-    spec = case_spec(item)
-    return None if spec is None else spec.timeout(settings_of(item.config).for_cases())
+    spec, settings = case_spec(item), settings_of(item.config)
+    if spec is None:
+        return None
+    return settings.case_timeout.value or spec.timeout(settings.for_cases())
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -212,6 +227,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if spec is None:
         return
     item.stash[_STATE_KEY] = _ItemState()
+    spent = budget.not_run_reason(item.config)
+    if spent is not None:
+        raise budget.NotRun(spent)
     impl = all_params(item).get("impl")
     if impl is None:
         raise pytest.UsageError(f"{item.nodeid}: a conformance case must take the impl parameter")
@@ -271,13 +289,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return report
     if report.failed:
         state.outcome = "FAIL" if report.when == "call" else "error"
-        state.reason = _failure_reason(call, report)
+        state.reason = failure_reason(call, report)
     elif report.skipped:
         excinfo = call.excinfo
         message = getattr(excinfo.value, "msg", None) if excinfo is not None else None
-        reason = str(message) if message else _skip_reason(report)
+        reason = str(message) if message else skip_reason(report)
         if excinfo is not None and isinstance(excinfo.value, NotApplicable):
             state.outcome, state.reason = "n/a", reason
+        elif excinfo is not None and isinstance(excinfo.value, budget.NotRun):
+            state.outcome, state.reason = "not run", reason
         elif state.hardware_skip or launched(item.config):
             state.outcome, state.reason = "skip", reason  # missing hardware (or, launched, the job's size)
         else:
@@ -333,15 +353,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 def pytest_conformance_result(config: pytest.Config, result: Result) -> None:
     """Add the cell to the matrix; with ``--conformance-progress`` print its line."""
     config.stash[RESULTS_KEY].append(result)
-    if not config.getoption("--conformance-progress") or not reports_here(config):
-        return
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(
-            f"[{len(config.stash[RESULTS_KEY]):4d}] {result.outcome:5s} {result.case}  "
-            f"{result.impl}/{result.rank_mode}  {result.duration_s:.2f}s"
-            + (f"  ({result.reason})" if result.reason else "")
-        )
+    if config.getoption("--conformance-progress") and reports_here(config):
+        progress.write_line(config, progress.line(config, len(config.stash[RESULTS_KEY]), result))
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
@@ -368,7 +381,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     if results and config.getoption("--conformance-progress"):
         terminalreporter.write_sep("=", "conformance matrix")
-        terminalreporter.write_line(render_matrix(results))
+        terminalreporter.write_line(render_terminal(results, terminal_width()))
         terminalreporter.write_line(summary_line(results))
     failures = outputs.write(config, results, settings=settings_of(config), gpus=config.stash[_GPUS_KEY],
                              exitstatus=exitstatus)
@@ -376,26 +389,3 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(message, red=True)
     if failures:  # exit code: internal error (a report that was asked for is missing)
         config.stash[_SESSION_KEY].exitstatus = pytest.ExitCode.INTERNAL_ERROR
-
-
-def _failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:
-    """First line of the failure; a rank failure's own summary already names the rank."""
-    from harness.errors import RankFailure
-
-    if call.excinfo is None:
-        return _first_line(report.longreprtext)
-    if isinstance(call.excinfo.value, RankFailure):
-        return _first_line(str(call.excinfo.value))
-    return _first_line(call.excinfo.exconly())
-
-
-def _first_line(text: str) -> str:
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    return line[:400]
-
-
-def _skip_reason(report: pytest.TestReport) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    return _first_line(str(longrepr))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, distribution
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,19 @@ def test_wrap_spec_validates_strategy_and_prefetch() -> None:
     assert AutoWrap((nn.Linear,)).kind == "module_classes"
 
 
+def _own_entry_points(group: str) -> list[EntryPoint]:
+    """This project's entry points only: other installed adapters (a third party's) are not the subject here."""
+    return [ep for ep in distribution("fsdp-conformance").entry_points if ep.group == group]
+
+
+@pytest.fixture
+def builtins_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry sees the built-in adapters alone, whatever else the environment installs or names."""
+    monkeypatch.setattr(registry, "entry_points", lambda group: _own_entry_points(group))
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+
+
+@pytest.mark.usefixtures("builtins_only")
 def test_registry_lists_builtins_and_rejects_unknown_names() -> None:
     names = registry.registered()
     assert {"reference", "torch-fsdp1", "torch-fsdp2"} <= set(names)
@@ -88,9 +102,7 @@ def test_registry_lists_builtins_and_rejects_unknown_names() -> None:
 
 
 def test_builtin_entry_points_are_registered_in_metadata() -> None:
-    from importlib.metadata import entry_points
-
-    eps = {ep.name: ep.value for ep in entry_points(group=registry.ENTRY_POINT_GROUP)}
+    eps = {ep.name: ep.value for ep in _own_entry_points(registry.ENTRY_POINT_GROUP)}
     assert eps == registry.BUILTIN
 
 

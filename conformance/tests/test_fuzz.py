@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 import conformance.cases.fuzz.example as example_mod
 import conformance.cases.test_fuzz as fuzz_cases
 from conformance.adapters.reference import ReferenceAdapter
-from conformance.cases.fuzz.driver import FuzzResult, FuzzSettings, fuzz, render_case
+from conformance.cases.fuzz.driver import FuzzResult, FuzzSettings, fuzz, keep_hypothesis_out_of_cwd, render_case
 from conformance.cases.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
 from conformance.cases.fuzz.model import build_model, loss_of, make_batch
 from conformance.cases.fuzz.precision import precision_note
@@ -24,6 +24,8 @@ from conformance.contract.case import CaseSettings
 from conformance.selftest.mutants.precision import ParamDtypeIgnored
 from conformance.selftest.mutants.runtime import NoGradDivide
 from harness import RankContext, run
+
+keep_hypothesis_out_of_cwd()  # this module's @given tests too
 
 
 @settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck))

@@ -18,20 +18,29 @@ else :data:`MAIN_JOB_EXAMPLES`; ``--fuzz-seed``/``FSDP_FUZZ_SEED``), so a
 nightly job raises it without code changes. With ``--fuzz-verbose``
 (``FSDP_FUZZ_VERBOSE=1``) rank 0 prints each example before running it, so a
 run that dies (a crash cannot be shrunk) names the example it died in.
+
+Hypothesis keeps caches (e.g. the constants it collects from local source) in
+``.hypothesis/`` under the working directory, which is the user's; it has no
+example database to keep here, so :func:`keep_hypothesis_out_of_cwd` points its
+storage at the user's cache directory instead (``HYPOTHESIS_STORAGE_DIRECTORY``,
+when set, still wins).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import random
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from hypothesis import Phase, find, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.errors import NoSuchExample
 
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
@@ -43,12 +52,25 @@ from conformance.contract.case import CaseSettings
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "fuzz", "render_case"]
+__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "fuzz", "hypothesis_home", "keep_hypothesis_out_of_cwd",
+           "render_case"]
 
 #: Examples per world size in the main job, 30 in all; few at world size 4, where four
 #: rank processes share the two cores of a small CI runner (about 1 s per example there,
 #: against 0.1-0.3 s at world sizes 1 and 2).
 MAIN_JOB_EXAMPLES = {1: 12, 2: 15, 4: 3}
+
+
+def hypothesis_home() -> Path:
+    """Where hypothesis keeps its caches for this suite: ``$XDG_CACHE_HOME`` (else ``~/.cache``), never the cwd."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "fsdp-conformance" / "hypothesis"
+
+
+def keep_hypothesis_out_of_cwd() -> None:
+    """Point hypothesis's storage at :func:`hypothesis_home` unless ``HYPOTHESIS_STORAGE_DIRECTORY`` says where."""
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        set_hypothesis_home_dir(hypothesis_home())
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,7 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzRes
         max_examples=config.budget(ctx.world_size), database=None, deadline=None, phases=(Phase.generate, Phase.shrink)
     )
     result: FuzzResult | None = None
+    keep_hypothesis_out_of_cwd()
     try:
         found = find(drawn, fails, settings=options, random=random.Random(config.seed))
         result = FuzzResult(runs=runs, failing=found, message=failures[found], mixed_precision=mixed)

@@ -1,0 +1,22 @@
+"""``fsdp-conformance list --impl NAME`` previews what ``run`` reports for each row, including an adapter that fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_an_adapter_that_fails_to_import_is_previewed_as_error_like_run_reports_it() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")}
+    env["FSDP_CONFORMANCE_ADAPTERS"] = "broken=no_such_module:Nope"
+    listed = subprocess.run([sys.executable, "-m", "conformance", "list", "--impl", "broken", "-k",
+                             "exec_order and train_eval"], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert listed.returncode == 0, listed.stderr
+    rows = listed.stdout.splitlines()[:-1]
+    assert len(rows) == 2
+    expected = "; error (process/thread): adapter 'broken' failed to load: ModuleNotFoundError: No module named"
+    assert all(expected in row and "n/a" not in row for row in rows), listed.stdout
+    assert listed.stdout.splitlines()[-1] == ("2 cases; 0 with n/a rank modes for broken; 2 that would be errors "
+                                              "(the adapter fails to load)")
