@@ -110,6 +110,8 @@ def _save(ctx: RankContext, impl: FSDPAdapter, size: int, pairs: list[dist.Proce
 @pytest.mark.parametrize("loader", ["self", "other"])
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_reshard(ctx: RankContext, impl: FSDPAdapter, sizes: str, loader: str) -> None:
+    """Saved with DCP on a mesh of one size and loaded on the other (by this or the other implementation):
+    parameters equal the saver's bit for bit, and two Adam steps later equal a local model's."""
     loading = _loader(impl, loader, str(ctx.mode))
     save_size, load_size = SIZES[sizes]
     pairs = [ctx.new_group([0, 1]), ctx.new_group([2, 3])]

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 @case("fully_shard_api/misuse", world_size=2, requires=[Capability.FULLY_SHARD])
 @pytest.mark.parametrize("kind", ["reapply", "container"])
 def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+    """``fully_shard`` on an already sharded module, or on a container without ``forward``, raises on every
+    rank; the model built before still trains like the local model."""
     mesh = mesh_over(ctx)
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh)
     if kind == "reapply":

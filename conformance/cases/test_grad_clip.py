@@ -32,6 +32,8 @@ MAX_NORM = 0.05
 @case("grad_clip/clip_grad_norm", world_size=2, requires=[Capability.FULLY_SHARD])
 @pytest.mark.parametrize("norm_type", ["1", "2"])
 def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> None:
+    """``clip_grad_norm_`` over the sharded gradients returns the local model's total norm on every rank,
+    and after three clipped SGD steps the parameters equal the local model's."""
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
     local = Blocks(seed=0).to(ctx.device)
     optim = torch.optim.SGD(model.parameters(), lr=LR)

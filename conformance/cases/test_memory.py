@@ -65,6 +65,8 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> No
 @case("memory/peak_per_rank", world_size=2, strategies=["FULL_SHARD"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_peak_per_rank(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> CaseReport:
+    """During a training step a rank's tensor storages never exceed the bound ``B`` of the module
+    docstring (sharded state over the world size plus five units unsharded plus activations)."""
     terms = _bound(LinearStack(WIDTH, DEPTH), ctx.world_size)
     gen = generator(rank_seed(3, ctx.rank))
     batches = [torch.randn(BATCH, WIDTH, generator=gen).to(ctx.device) for _ in range(2)]

@@ -68,6 +68,8 @@ def _train_alike(ctx: RankContext, model: nn.Module, local: nn.Module, first: in
 @case("param_kinds/frozen", world_size=2, requires=REQUIRES)
 @pytest.mark.parametrize("position", ["whole_unit", "mixed_in_unit", "root"])
 def test_frozen(ctx: RankContext, impl: FSDPAdapter, position: str) -> None:
+    """Frozen parameters (a whole unit, part of a unit, or the root's) get no gradient and keep their
+    values; every parameter ends equal to the local model's."""
     local = Blocks(seed=0).to(ctx.device)
     _frozen(local, position)
     plain = Blocks(seed=0).to(ctx.device)
@@ -94,6 +96,8 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 @case("param_kinds/ignored", world_size=2, requires=REQUIRES + [Capability.IGNORED_MODULES])
 def test_ignored(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Ignored parameters stay whole plain tensors whose gradient is this rank's own, while every other
+    gradient is the mean over ranks."""
     plain = Blocks(seed=0).to(ctx.device)
     ignored = list(plain.b2.parameters())
     ignored_names = {name for name, p in plain.named_parameters() if any(p is i for i in ignored)}
@@ -121,6 +125,8 @@ def _share(model: Blocks, position: str) -> None:
 @case("param_kinds/shared", world_size=2, requires=REQUIRES)
 @pytest.mark.parametrize("position", ["within_unit", "across_units"])
 def test_shared(ctx: RankContext, impl: FSDPAdapter, position: str) -> CaseReport:
+    """A parameter used twice within a unit trains like the local model; across units the implementation
+    trains like the local model or refuses before the first step ends, never trains on other values."""
     local, plain = Blocks(seed=0).to(ctx.device), Blocks(seed=0).to(ctx.device)
     _share(local, position)
     _share(plain, position)

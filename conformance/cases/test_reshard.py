@@ -68,6 +68,8 @@ def _after_forward_requires(params: Mapping[str, Any]) -> list[Capability]:
 @case("reshard/after_forward", world_size=4, requires=_after_forward_requires)
 @pytest.mark.parametrize("setting", [True, False, 2])
 def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int) -> None:
+    """Backward all-gathers every unit again over the mesh (``True``), nothing (``False``) or over 2 ranks
+    (``2``); after two steps the parameters equal a local model's."""
     ws = ctx.world_size
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx), reshard_after_forward=setting)
     local = Blocks(seed=0).to(ctx.device)
@@ -95,6 +97,8 @@ def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int)
 
 @case("reshard/explicit_prefetch", world_size=2, requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH])
 def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """The all-gathers right after the declaring unit's are the declared prefetch list's, in its order, in
+    forward and backward; training with the lists equals the local model."""
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
     local = Blocks(seed=0).to(ctx.device)
     optim = torch.optim.SGD(model.parameters(), lr=LR)

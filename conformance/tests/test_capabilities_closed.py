@@ -144,7 +144,7 @@ def test_a_case_that_forgets_requires_fails_for_every_adapter(pytester: pytest.P
     result = pytester.runpytest_subprocess("--fsdp-impl", "reference", "--fsdp-impl", "torch-fsdp2",
                                            "--conformance-json", str(out), "-p", "no:cacheprovider")
     assert result.ret == 1
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert {r["impl"] for r in rows} == {"reference", "torch-fsdp2"}
     for row in rows:
         assert row["outcome"] == "FAIL", row
