@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fuzz-examples", default=None, metavar="N",
                      help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
     run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
+    run.add_argument("--fuzz-stateful-examples", default=None, metavar="N",
+                     help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
+                     "main job's)")
     run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
@@ -69,7 +72,8 @@ def _quiet_rank() -> bool:
 
 #: CLI option -> the pytest option it is forwarded as, value untouched.
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
-              "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
+              "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
+              "fuzz_stateful_examples": "--fuzz-stateful-examples", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "junitxml": "--junitxml",
               "launcher": "--launcher", "workers": "-n"}
 

@@ -103,6 +103,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
     group.addoption("--fuzz-verbose", action="store_true", default=None,
                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
+    group.addoption("--fuzz-stateful-examples", default=None, metavar="N",
+                    help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
+                    "main job's budget)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -112,7 +115,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RESULTS_KEY] = []
     try:  # a bad value is a usage error before collection, naming its source
         flags = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "device": "--device",
-                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose"}
+                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose",
+                 "fuzz_stateful_examples": "--fuzz-stateful-examples"}
         if "--impl" in config.invocation_params.args:  # forwarded by ``fsdp-conformance run --impl``
             flags["impls"] = "--impl"
         cli = {name: (flag, config.getoption("--fsdp-impl" if name == "impls" else flag))

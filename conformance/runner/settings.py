@@ -17,6 +17,7 @@ device                     ``--device``                  ``FSDP_DEVICE``        
 fuzz examples              ``--fuzz-examples``           ``FSDP_FUZZ_EXAMPLES``                per world size
 fuzz seed                  ``--fuzz-seed``               ``FSDP_FUZZ_SEED``                    0
 fuzz verbose               ``--fuzz-verbose``            ``FSDP_FUZZ_VERBOSE`` (0|1)           0
+stateful fuzz examples     ``--fuzz-stateful-examples``  ``FSDP_FUZZ_STATEFUL_EXAMPLES``       per world size
 ========================== ============================= ===================================== =========
 
 The rank mode is the harness's ([Note: rank modes] in :mod:`harness.rank_mode`):
@@ -42,7 +43,7 @@ from harness.devices import SETTINGS as DEVICE_SETTINGS
 from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
 
 __all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_VERBOSE_ENV",
-           "Settings", "SettingError", "resolve_settings"]
+           "FUZZ_STATEFUL_EXAMPLES_ENV", "Settings", "SettingError", "resolve_settings"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
@@ -50,6 +51,7 @@ DEVICE_ENV = "FSDP_DEVICE"
 FUZZ_EXAMPLES_ENV = "FSDP_FUZZ_EXAMPLES"
 FUZZ_SEED_ENV = "FSDP_FUZZ_SEED"
 FUZZ_VERBOSE_ENV = "FSDP_FUZZ_VERBOSE"
+FUZZ_STATEFUL_EXAMPLES_ENV = "FSDP_FUZZ_STATEFUL_EXAMPLES"
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,12 @@ class Settings:
     fuzz_examples: Resolved[int | None]
     fuzz_seed: Resolved[int]
     fuzz_verbose: Resolved[bool]
+    fuzz_stateful_examples: Resolved[int | None]
 
     def all(self) -> tuple[Resolved[Any], ...]:
         """Every setting, in the order :meth:`describe` shows them."""
         return (self.impls, self.rank_mode, self.timing_repeats, self.workers, self.device, self.fuzz_examples,
-                self.fuzz_seed, self.fuzz_verbose)
+                self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples)
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
@@ -77,7 +80,8 @@ class Settings:
     def for_cases(self) -> CaseSettings:
         """What a case body may read of them (the ``case_settings`` fixture)."""
         return CaseSettings(timing_repeats=self.timing_repeats.value, fuzz_examples=self.fuzz_examples.value,
-                            fuzz_seed=self.fuzz_seed.value, fuzz_verbose=self.fuzz_verbose.value)
+                            fuzz_seed=self.fuzz_seed.value, fuzz_verbose=self.fuzz_verbose.value,
+                            fuzz_stateful_examples=self.fuzz_stateful_examples.value)
 
 
 def _parse_impls(raw: Any) -> tuple[str, ...]:
@@ -94,7 +98,7 @@ def _parse_impls(raw: Any) -> tuple[str, ...]:
 
 _DEFAULT_FLAGS = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "workers": "-n",
                   "device": "--device", "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
-                  "fuzz_verbose": "--fuzz-verbose"}
+                  "fuzz_verbose": "--fuzz-verbose", "fuzz_stateful_examples": "--fuzz-stateful-examples"}
 
 
 def resolve_settings(
@@ -106,8 +110,8 @@ def resolve_settings(
     """Resolve every setting but the rank mode, which the harness resolved (``rank_mode``).
 
     ``cli`` maps a setting (``impls``, ``timing_repeats``, ``workers``, ``device``, ``fuzz_examples``,
-    ``fuzz_seed``, ``fuzz_verbose``) to ``(option as spelled, value or None)``, so errors name the
-    option the user typed; ``env`` defaults to ``os.environ``. Raises :class:`SettingError` naming
+    ``fuzz_seed``, ``fuzz_verbose``, ``fuzz_stateful_examples``) to ``(option as spelled, value or None)``,
+    so errors name the option the user typed; ``env`` defaults to ``os.environ``. Raises :class:`SettingError` naming
     the source of a bad value.
     """
     env = os.environ if env is None else env
@@ -125,6 +129,9 @@ def resolve_settings(
         fuzz_examples=resolve("fuzz examples", given("fuzz_examples", FUZZ_EXAMPLES_ENV), whole_number(1), None),
         fuzz_seed=resolve("fuzz seed", given("fuzz_seed", FUZZ_SEED_ENV), whole_number(0), 0),
         fuzz_verbose=resolve("fuzz verbose", given("fuzz_verbose", FUZZ_VERBOSE_ENV), _parse_flag, False),
+        fuzz_stateful_examples=resolve("stateful fuzz examples",
+                                       given("fuzz_stateful_examples", FUZZ_STATEFUL_EXAMPLES_ENV), whole_number(1),
+                                       None),
     )
 
 

@@ -1,0 +1,76 @@
+"""fuzz: the stateful fuzzer as matrix rows, one per world size (see :mod:`conformance.cases.fuzz.stateful`).
+
+Each row draws ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``)
+programs (default: 3, 3 and 1 at world sizes 1, 2 and 4; a nightly run raises
+it) from ``--fuzz-seed``: a configuration (strategy, ``use_orig_params``,
+mixed precision, CPU offload, activation checkpointing, frozen and tied
+parameters) and a random sequence of a user's operations on the wrapped model
+([Note: stateful programs] in :mod:`conformance.cases.fuzz.ops`). Every
+operation runs on the implementation and on a local shadow model, and the
+user-visible state must agree after each one ([Note: stateful invariant]). A
+mismatch fails with the shrunk program printed as a ready-to-paste case; paste
+reproducers below the rows.
+
+What the adapter cannot express is left out and said in the row's reason:
+configuration features are dropped after drawing (as the parity fuzzer drops a
+policy), and operations it lacks (``no_sync``, state dicts a rank mode cannot
+take) are skipped on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conformance.cases.fuzz.ops import FEATURES
+from conformance.cases.fuzz.stateful import budget, features_of, missing_operations, render_program, stateful_fuzz
+from conformance.contract.adapter import FSDPAdapter
+from conformance.contract.case import CaseSettings, case
+from conformance.contract.results import CaseReport
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+
+def _timeout_s(settings: CaseSettings) -> float:
+    """Pool start and the budget's programs, each a second or two at world size 4 on two loaded cores;
+    shrinking a failure runs a few hundred more."""
+    return 120.0 + 5.0 * budget(settings, 4)
+
+
+def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
+    result = stateful_fuzz(ctx, impl, settings)
+    if result.failing is not None:
+        raise AssertionError(
+            f"stateful fuzzer (seed {settings.fuzz_seed}): {result.message}\n"
+            f"minimal reproducer after {result.runs} runs:\n{render_program(result.failing, result.message or '')}"
+        )
+    missing = missing_operations(impl, ctx.mode)
+    dropped = sorted(FEATURES - features_of(impl))
+    notes = [f"skipped {op} ({impl.name} lacks {cap})" for op, cap in missing.items()]
+    notes += [f"not drawn: {', '.join(dropped)}"] * bool(dropped)
+    return CaseReport(
+        reason=f"{budget(settings, ctx.world_size)} programs ({result.counted} operations) from seed "
+               f"{settings.fuzz_seed}, no mismatch" + "".join(f"; {note}" for note in notes),
+        metrics={"programs": result.runs, "operations": result.counted},
+    )
+
+
+@case("fuzz/stateful_ws1", world_size=1, timeout_s=_timeout_s)
+def test_stateful_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
+    """Random sequences of a user's operations on one rank keep the wrapped model equal to the shadow."""
+    return _stateful(ctx, impl, case_settings)
+
+
+@case("fuzz/stateful_ws2", world_size=2, timeout_s=_timeout_s)
+def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
+    """... on two ranks (gradients averaged over them)."""
+    return _stateful(ctx, impl, case_settings)
+
+
+@case("fuzz/stateful_ws4", world_size=4, timeout_s=_timeout_s)
+def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
+    """... on four ranks (small units leave some ranks with empty shards)."""
+    return _stateful(ctx, impl, case_settings)
+
+
+# -- reproducers the stateful fuzzer found ----------------------------------------------------------------
