@@ -1,7 +1,7 @@
 """fuzz: the stateful fuzzer as matrix rows, one per world size (see :mod:`conformance.cases.fuzz.stateful`).
 
 Each row draws ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``)
-programs (default: 3, 3 and 1 at world sizes 1, 2 and 4; a nightly run raises
+programs (default: 5, 5 and 2 at world sizes 1, 2 and 4; a nightly run raises
 it) from ``--fuzz-seed``: a configuration (strategy, ``use_orig_params``,
 mixed precision, CPU offload, activation checkpointing, frozen and tied
 parameters) and a random sequence of a user's operations on the wrapped model
@@ -21,9 +21,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conformance.cases.fuzz.ops import FEATURES
-from conformance.cases.fuzz.stateful import budget, features_of, missing_operations, render_program, stateful_fuzz
-from conformance.contract.adapter import FSDPAdapter
+from conformance.cases.fuzz.example import Block, ModelSpec, Policy
+from conformance.cases.fuzz.ops import FEATURES, Backward, Config, Forward, Program, Save, Step
+from conformance.cases.fuzz.stateful import (
+    budget,
+    features_of,
+    missing_operations,
+    render_program,
+    run_program,
+    stateful_fuzz,
+)
+from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings, case
 from conformance.contract.results import CaseReport
 
@@ -74,3 +82,20 @@ def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
 
 
 # -- reproducers the stateful fuzzer found ----------------------------------------------------------------
+
+# Found by the stateful fuzzer (seed 0, 40 programs, world sizes 2 and 4; simplified by hand to one rank and one
+# scale layer) in torch-fsdp1: with buffer_dtype=bfloat16 a full state dict taken before any forward holds the
+# buffers rounded to bfloat16 (docs/findings/fsdp1-buffer-dtype-rounds-saved-buffers.md).
+@case("fuzz/repro_5d1b4bee", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
+def test_repro_5d1b4bee(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
+                                                 policy=Policy(buffer_dtype="bfloat16")), ops=(Save(),)))
+
+
+# Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp1: a no_grad forward between
+# backward and the optimizer step leaves the root's pre-step parameters unsharded, and the next forward and
+# summon_full_params use them (docs/findings/fsdp1-no-grad-forward-before-step-stale-params.md).
+@case("fuzz/repro_438854a6", world_size=2)
+def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_program(ctx, impl, Program(config=Config(world_size=2), ops=(Forward(), Backward(), Forward(grad=False),
+                                                                    Step())))

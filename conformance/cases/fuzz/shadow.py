@@ -12,7 +12,14 @@ ranks must look to a user:
   gradient of each rank's pending loss (what DDP's averaging gives), added to
   what the gradient held (accumulation);
 * step, ``zero_grad``, ``train``/``eval``, saving and loading are the plain
-  module's and optimizer's own.
+  module's and optimizer's own;
+* under a policy with a ``buffer_dtype``, floating buffers take that dtype's
+  values at the first forward and keep them: torch documents that FSDP "casts
+  them to ``buffer_dtype`` in the first forward pass and keeps them in that
+  dtype thereafter" and that "for model checkpointing, the buffers are saved in
+  full precision" (``torch.distributed.fsdp.MixedPrecision``). So the shadow
+  rounds its float32 buffers to the buffer dtype at its first forward and after
+  every later load, and saves them in float32.
 
 The shadow keeps no autograd graph: a forward with gradients records which
 batch and loss it used, and the backward recomputes them on the same parameters
@@ -81,6 +88,7 @@ class Shadow:
     low: nn.Module | None = None
     pending: list[tuple[int, str]] = field(default_factory=list)
     saved: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+    buffers_cast: bool = False  # the first forward happened (see the note on buffers)
 
     @classmethod
     def of(cls, config: Config, device: torch.device) -> Shadow:
@@ -90,12 +98,27 @@ class Shadow:
 
     def _compute_model(self) -> nn.Module:
         """The module that computes: the model itself, or its low-precision copy refreshed from it."""
+        if not self.buffers_cast:
+            self.buffers_cast = True
+            self._round_buffers()
         if self.low is None:
             return self.local
         with torch.no_grad():
             for low_param, param in zip(self.low.parameters(), self.local.parameters(), strict=True):
                 low_param.copy_(param)
+            for low_buf, buf in zip(self.low.buffers(), self.local.buffers(), strict=True):
+                low_buf.copy_(buf)
         return self.low
+
+    def _round_buffers(self) -> None:
+        """Floating buffers to the policy's buffer dtype's values, kept in their own dtype (see the note)."""
+        spec = mixed_precision_spec(self.config.policy)
+        if spec is None or spec.buffer_dtype is None:
+            return
+        with torch.no_grad():
+            for buf in self.local.buffers():
+                if buf.is_floating_point():
+                    buf.copy_(buf.to(spec.buffer_dtype))
 
     def _input(self, batch: int, rank: int) -> torch.Tensor:
         x = batch_of(self.config, batch, rank, self.device)
@@ -159,6 +182,8 @@ class Shadow:
         self.pending.clear()
         model_state, optim_state = self.saved
         self.local.load_state_dict(copy.deepcopy(model_state))
+        if self.buffers_cast:
+            self._round_buffers()
         if optim_state is not None:
             self.optim.load_state_dict(copy.deepcopy(optim_state))
         return True

@@ -290,7 +290,7 @@ def run_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> None:
 
 
 #: Programs per world size in the main job (see docs/PERFORMANCE.md for what they cost).
-MAIN_JOB_PROGRAMS = {1: 3, 2: 3, 4: 1}
+MAIN_JOB_PROGRAMS = {1: 5, 2: 5, 4: 2}
 
 
 def budget(settings: CaseSettings, world_size: int) -> int:
@@ -324,7 +324,7 @@ def render_program(program: Program, message: str) -> str:
     requires = f", requires=[{', '.join(needs)}]" if needs else ""
     return (
         f"# Found by the stateful fuzzer: {found}\n"
-        f'@case("fuzz/repro_{digest}", world_size={program.config.world_size}, modes=("process",){requires})\n'
+        f'@case("fuzz/repro_{digest}", world_size={program.config.world_size}{requires})\n'
         f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
         f"    run_program(ctx, impl, {source(program)})\n"
     )
