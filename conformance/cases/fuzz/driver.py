@@ -3,11 +3,14 @@
 [Note: hypothesis inside rank processes]
 Hypothesis must see one deterministic property. Only rank 0 runs it
 (``hypothesis.find`` with a seeded ``Random``, no example database, no
-deadline): for each example it draws or tries while shrinking, rank 0 sends the
-plain-data :class:`~conformance.cases.fuzz.example.Example` to every rank (an
+deadline): for each value it draws or tries while shrinking, rank 0 sends the
+plain-data value (a parity :class:`~conformance.cases.fuzz.example.Example`, or a
+stateful :class:`~conformance.cases.fuzz.ops.Program`) to every rank (an
 all-gather of objects in which only rank 0's entry counts), all ranks run it
-(:func:`~conformance.cases.fuzz.runner.check_example`, whose verdict is the same on
-every rank), and rank 0 returns that verdict to hypothesis. The other ranks
+(:func:`~conformance.cases.fuzz.runner.check_example` or
+:func:`~conformance.cases.fuzz.stateful.check_program`, whose verdict is the same on
+every rank), and rank 0 returns that verdict to hypothesis. :func:`search` is
+that loop for any strategy and check; both fuzzers use it. The other ranks
 loop on received messages until rank 0 sends ``stop``, which it always does,
 even when hypothesis raises. One rank run per world size evaluates the whole
 budget, so the harness's per-case cost is paid once.
