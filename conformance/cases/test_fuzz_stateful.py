@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conformance.cases.fuzz.example import Block, ModelSpec, Policy
-from conformance.cases.fuzz.ops import FEATURES, Backward, Config, Forward, Program, Save, Step
+from conformance.cases.fuzz.ops import FEATURES, Backward, Config, Forward, Load, Program, Save, Step
 from conformance.cases.fuzz.stateful import (
     budget,
     features_of,
@@ -86,10 +86,10 @@ def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
 # Found by the stateful fuzzer (seed 0, 40 programs, world sizes 2 and 4; simplified by hand to one rank and one
 # scale layer) in torch-fsdp1: with buffer_dtype=bfloat16 a full state dict taken before any forward holds the
 # buffers rounded to bfloat16 (docs/findings/fsdp1-buffer-dtype-rounds-saved-buffers.md).
-@case("fuzz/repro_5d1b4bee", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
-def test_repro_5d1b4bee(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_6ec378a7", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
+def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
     run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
-                                                 policy=Policy(buffer_dtype="bfloat16")), ops=(Save(),)))
+                                                 policy=Policy(buffer_dtype="bfloat16")), ops=(Save(optim=False),)))
 
 
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp1: a no_grad forward between
@@ -99,3 +99,20 @@ def test_repro_5d1b4bee(ctx: RankContext, impl: FSDPAdapter) -> None:
 def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
     run_program(ctx, impl, Program(config=Config(world_size=2), ops=(Forward(), Backward(), Forward(grad=False),
                                                                     Step())))
+
+
+# Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp2: with reshard_after_forward=False
+# a no_grad forward after backward leaves the unsharded parameters registered, without gradients, and the next
+# forward after a step uses the pre-step values (docs/findings/fsdp2-no-grad-forward-unsharded-params.md).
+@case("fuzz/repro_3ff502a0", world_size=2, strategies=("SHARD_GRAD_OP",))
+def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_program(ctx, impl, Program(config=Config(world_size=2, strategy="SHARD_GRAD_OP"),
+                                   ops=(Forward(), Backward(), Forward(grad=False))))
+
+
+# Found by the stateful fuzzer (seed 0, 40 programs, world size 4; the same program on two ranks) in torch-fsdp2:
+# a full optimizer state dict saved before the first step cannot be loaded (set_optimizer_state_dict raises
+# "Expected device to be set") (docs/findings/fsdp2-full-optim-load-before-first-step.md).
+@case("fuzz/repro_49d9e993", world_size=2, requires=[Capability.FULL_STATE_DICT])
+def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
+    run_program(ctx, impl, Program(config=Config(world_size=2), ops=(Forward(), Backward(), Save(), Load())))

@@ -67,11 +67,11 @@ class AccumulatesInReduceDtype(_Mutant):
 
 class BuffersRoundedAtWrap(_Mutant):
     """With a ``buffer_dtype``, buffers take that dtype's values when the module is wrapped, before any
-    forward (torch's FSDP1 does so at its first state dict, see fuzz/repro_5d1b4bee)."""
+    forward (torch's FSDP1 does so at its first state dict, see fuzz/repro_6ec378a7)."""
 
     name = "mutant-buffers-rounded-at-wrap"
     breaks = "keeping buffers as built until the first forward"
-    expect = Expect("repro_5d1b4bee", "thread", ("fuzz/repro_5d1b4bee",))
+    expect = Expect("repro_6ec378a7", "thread", ("fuzz/repro_6ec378a7",))
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         low = None if spec.mixed_precision is None else spec.mixed_precision.buffer_dtype
