@@ -196,11 +196,16 @@ def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
     """``root``'s state dict in the layout its units were told to use (see [Note: state dict formats])."""
     units = _managing_units(root)
 
+    built = _buffer_dtypes(root)
+
     def snapshot() -> dict[str, Any]:
-        # Cloned inside the context: full views die with the unsharded storage.
+        # Cloned inside the context: full views die with the unsharded storage. Buffers go out in
+        # the dtype they were built in: a buffer_dtype casts them for compute, and FSDP1 documents
+        # that checkpoints hold them "in full precision".
         raw = nn.Module.state_dict(root, **kwargs)
         return {
-            clean_fqn(k): (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+            clean_fqn(k): (v.detach().to(built.get(clean_fqn(k), v.dtype), copy=True)
+                           if isinstance(v, torch.Tensor) else v)
             for k, v in raw.items()
         }
 
@@ -215,6 +220,14 @@ def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
     finally:
         for unit in units:
             _unregister_orig(unit)
+
+
+def _buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+    """Each of the root's buffers -> the dtype it was built in (empty before the first forward, when
+    no buffer has been cast yet)."""
+    unit = unit_state(root)
+    shared = None if unit is None else unit.root
+    return {} if shared is None else {clean_fqn(name): dtype for name, dtype in shared.buffer_dtypes.items()}
 
 
 def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:

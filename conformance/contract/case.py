@@ -75,12 +75,14 @@ class CaseSettings:
     ``timing_repeats``: how many times a timing case repeats each timed region (the median is used).
     ``fuzz_examples``: examples a fuzzer draws per world size (``None``: the main job's budget);
     ``fuzz_seed``: where it draws them from; ``fuzz_verbose``: print each example as it starts.
+    ``fuzz_stateful_examples``: programs the stateful fuzzer draws per world size (``None``: the main job's).
     """
 
     timing_repeats: int = 3
     fuzz_examples: int | None = None
     fuzz_seed: int = 0
     fuzz_verbose: bool = False
+    fuzz_stateful_examples: int | None = None
 
 
 @dataclass(frozen=True)

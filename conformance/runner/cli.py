@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-time", default=None, metavar="S",
                      help="budget for the whole run: rows not started after S seconds are reported 'not run' "
                      "and the run fails (default: $FSDP_CONFORMANCE_MAX_TIME, else none)")
+    run.add_argument("--fuzz-stateful-examples", default=None, metavar="N",
+                     help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
+                     "main job's)")
     run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
@@ -87,7 +90,8 @@ def _quiet_rank() -> bool:
 
 #: CLI option -> the pytest option it is forwarded as, value untouched.
 _FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
-              "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "keyword": "-k",
+              "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
+              "fuzz_stateful_examples": "--fuzz-stateful-examples", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
               "junitxml": "--conformance-junit", "launcher": "--launcher", "workers": "-n",
               "rows_from": "--rows-from", "outcome": "--outcome", "case_timeout": "--case-timeout",

@@ -120,6 +120,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--max-time", default=None, metavar="S",
                     help="seconds the run may take: rows not started by then are reported 'not run' and the "
                     "run fails. Default: $FSDP_CONFORMANCE_MAX_TIME, else no limit")
+    group.addoption("--fuzz-stateful-examples", default=None, metavar="N",
+                    help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
+                    "main job's budget)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -130,7 +133,8 @@ def pytest_configure(config: pytest.Config) -> None:
     try:  # a bad value is a usage error before collection, naming its source
         flags = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "device": "--device",
                  "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose",
-                 "case_timeout": "--case-timeout", "max_time": "--max-time"}
+                 "case_timeout": "--case-timeout", "max_time": "--max-time",
+                 "fuzz_stateful_examples": "--fuzz-stateful-examples"}
         if "--impl" in config.invocation_params.args:  # forwarded by ``fsdp-conformance run --impl``
             flags["impls"] = "--impl"
         cli = {name: (flag, config.getoption("--fsdp-impl" if name == "impls" else flag))

@@ -19,6 +19,7 @@ fuzz seed                  ``--fuzz-seed``               ``FSDP_FUZZ_SEED``     
 fuzz verbose               ``--fuzz-verbose``            ``FSDP_FUZZ_VERBOSE`` (0|1)           0
 case timeout (s)           ``--case-timeout``            ``FSDP_CONFORMANCE_CASE_TIMEOUT``     the case's
 max time (s)               ``--max-time``                ``FSDP_CONFORMANCE_MAX_TIME``         none
+stateful fuzz examples     ``--fuzz-stateful-examples``  ``FSDP_FUZZ_STATEFUL_EXAMPLES``       per world size
 ========================== ============================= ===================================== =========
 
 The rank mode is the harness's ([Note: rank modes] in :mod:`harness.rank_mode`):
@@ -44,7 +45,8 @@ from harness.devices import SETTINGS as DEVICE_SETTINGS
 from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
 
 __all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_VERBOSE_ENV",
-           "CASE_TIMEOUT_ENV", "MAX_TIME_ENV", "Settings", "SettingError", "resolve_settings"]
+           "CASE_TIMEOUT_ENV", "MAX_TIME_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV", "Settings", "SettingError",
+           "resolve_settings"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
@@ -54,6 +56,7 @@ FUZZ_SEED_ENV = "FSDP_FUZZ_SEED"
 FUZZ_VERBOSE_ENV = "FSDP_FUZZ_VERBOSE"
 CASE_TIMEOUT_ENV = "FSDP_CONFORMANCE_CASE_TIMEOUT"
 MAX_TIME_ENV = "FSDP_CONFORMANCE_MAX_TIME"
+FUZZ_STATEFUL_EXAMPLES_ENV = "FSDP_FUZZ_STATEFUL_EXAMPLES"
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,13 @@ class Settings:
     case_timeout: Resolved[int | None]
     #: Seconds the run may take; rows not started by then are ``not run`` (``None``: no budget).
     max_time: Resolved[int | None]
+    fuzz_stateful_examples: Resolved[int | None]
 
     def all(self) -> tuple[Resolved[Any], ...]:
         """Every setting, in the order :meth:`describe` shows them."""
         return (self.impls, self.rank_mode, self.timing_repeats, self.workers, self.device, self.fuzz_examples,
-                self.fuzz_seed, self.fuzz_verbose, self.case_timeout, self.max_time)
+                self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples, self.case_timeout,
+                self.max_time)
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
@@ -85,7 +90,8 @@ class Settings:
     def for_cases(self) -> CaseSettings:
         """What a case body may read of them (the ``case_settings`` fixture)."""
         return CaseSettings(timing_repeats=self.timing_repeats.value, fuzz_examples=self.fuzz_examples.value,
-                            fuzz_seed=self.fuzz_seed.value, fuzz_verbose=self.fuzz_verbose.value)
+                            fuzz_seed=self.fuzz_seed.value, fuzz_verbose=self.fuzz_verbose.value,
+                            fuzz_stateful_examples=self.fuzz_stateful_examples.value)
 
 
 def _parse_impls(raw: Any) -> tuple[str, ...]:
@@ -102,7 +108,8 @@ def _parse_impls(raw: Any) -> tuple[str, ...]:
 
 _DEFAULT_FLAGS = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "workers": "-n",
                   "device": "--device", "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
-                  "fuzz_verbose": "--fuzz-verbose", "case_timeout": "--case-timeout", "max_time": "--max-time"}
+                  "fuzz_verbose": "--fuzz-verbose", "case_timeout": "--case-timeout", "max_time": "--max-time",
+                  "fuzz_stateful_examples": "--fuzz-stateful-examples"}
 
 
 def resolve_settings(
@@ -114,8 +121,8 @@ def resolve_settings(
     """Resolve every setting but the rank mode, which the harness resolved (``rank_mode``).
 
     ``cli`` maps a setting (``impls``, ``timing_repeats``, ``workers``, ``device``, ``fuzz_examples``,
-    ``fuzz_seed``, ``fuzz_verbose``, ``case_timeout``, ``max_time``) to ``(option as spelled, value or
-    None)``, so errors name the
+    ``fuzz_seed``, ``fuzz_verbose``, ``fuzz_stateful_examples``, ``case_timeout``, ``max_time``) to
+    ``(option as spelled, value or None)``, so errors name the
     option the user typed; ``env`` defaults to ``os.environ``. Raises :class:`SettingError` naming
     the source of a bad value.
     """
@@ -136,6 +143,9 @@ def resolve_settings(
         fuzz_verbose=resolve("fuzz verbose", given("fuzz_verbose", FUZZ_VERBOSE_ENV), _parse_flag, False),
         case_timeout=resolve("case timeout", given("case_timeout", CASE_TIMEOUT_ENV), whole_number(1), None),
         max_time=resolve("max time", given("max_time", MAX_TIME_ENV), whole_number(1), None),
+        fuzz_stateful_examples=resolve("stateful fuzz examples",
+                                       given("fuzz_stateful_examples", FUZZ_STATEFUL_EXAMPLES_ENV), whole_number(1),
+                                       None),
     )
 
 

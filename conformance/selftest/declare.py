@@ -46,7 +46,10 @@ class Expect:
     bound by far more than the machine's jitter, is how many times the case repeats
     each timed region (``--timing-repeats``; ``None``: the default). One run then
     proves the bound can fail; a mutant that must bring a measurement *under* a
-    bound keeps the default's median.
+    bound keeps the default's median. ``stateful_examples``, for a mutant the stateful fuzzer
+    must catch, is the programs each of its rows draws (``--fuzz-stateful-examples``; ``None``:
+    the main job's budget): a breakage that needs a particular sequence of operations is found
+    by the nightly budget, not always by the main job's few programs.
     """
 
     keyword: str
@@ -54,6 +57,7 @@ class Expect:
     must_fail: tuple[str, ...]
     accelerators: int = 0
     timing_repeats: int | None = None
+    stateful_examples: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank_mode not in SPAWNED:
@@ -64,6 +68,8 @@ class Expect:
             raise ValueError(f"{self.keyword!r}: accelerators must be >= 0, got {self.accelerators}")
         if self.timing_repeats is not None and self.timing_repeats < 1:
             raise ValueError(f"{self.keyword!r}: timing_repeats must be >= 1, got {self.timing_repeats}")
+        if self.stateful_examples is not None and self.stateful_examples < 1:
+            raise ValueError(f"{self.keyword!r}: stateful_examples must be >= 1, got {self.stateful_examples}")
 
 
 @dataclass(frozen=True)

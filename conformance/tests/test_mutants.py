@@ -75,6 +75,7 @@ class Batch:
     accelerators: int
     timing: bool
     timing_repeats: int | None = None
+    stateful_examples: int | None = None
 
     def marks(self) -> list[pytest.MarkDecorator]:
         """gpu where the mutants need accelerators; timing where they run a timing case (alone under -n)."""
@@ -91,22 +92,24 @@ class Batch:
         return sorted({DECLARED_IN[c] for c in cases}) if cases <= DECLARED_IN.keys() else [str(CASES_DIR)]
 
 
-def _session_key(name: str) -> tuple[str, str, int, bool, int]:
-    """What a batch's session shares: declaring module, rank mode, GPUs, timing phase, timing repeats."""
+def _session_key(name: str) -> tuple[str, str, int, bool, int, int]:
+    """What a batch's session shares: declaring module, rank mode, GPUs, timing phase, timing repeats,
+    stateful fuzz budget."""
     expect = EXPECTED[name]
     module = MUTANTS[name].__module__.rsplit(".", 1)[-1]
-    return module, expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats or 0
+    return (module, expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats or 0,
+            expect.stateful_examples or 0)
 
 
 def _batches() -> list[Batch]:
-    groups: dict[tuple[str, str, int, bool, int], list[str]] = {}
+    groups: dict[tuple[str, str, int, bool, int, int], list[str]] = {}
     for name in sorted(EXPECTED):
         groups.setdefault(_session_key(name), []).append(name)
     return [
         Batch("-".join([module, mode, *([f"gpu{gpus}"] if gpus else []), *(["timing"] if timing else []),
-                        *([f"repeats{repeats}"] if repeats else [])]),
-              tuple(names), mode, gpus, timing, repeats or None)
-        for (module, mode, gpus, timing, repeats), names in sorted(groups.items())
+                        *([f"repeats{repeats}"] if repeats else []), *([f"programs{programs}"] if programs else [])]),
+              tuple(names), mode, gpus, timing, repeats or None, programs or None)
+        for (module, mode, gpus, timing, repeats, programs), names in sorted(groups.items())
     ]
 
 
@@ -120,6 +123,8 @@ def _spec(name: str) -> str:
 
 def _run(batch: Batch, tmp_path: Path) -> list[dict]:
     options = [] if batch.timing_repeats is None else ["--timing-repeats", str(batch.timing_repeats)]
+    if batch.stateful_examples is not None:
+        options += ["--fuzz-stateful-examples", str(batch.stateful_examples)]
     return run_session({name: _spec(name) for name in batch.mutants}, {name: EXPECTED[name] for name in batch.mutants},
                        report=tmp_path / f"{batch.name}.json", files=batch.case_files(), options=options)
 
@@ -162,8 +167,9 @@ def test_batches_hold_every_mutant_once() -> None:
     for batch in BATCHES:
         for name in batch.mutants:
             expect = EXPECTED[name]
-            assert (expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats) == (
-                batch.rank_mode, batch.accelerators, batch.timing, batch.timing_repeats), (batch.name, name)
+            assert (expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats,
+                    expect.stateful_examples) == (batch.rank_mode, batch.accelerators, batch.timing,
+                                                  batch.timing_repeats, batch.stateful_examples), (batch.name, name)
 
 
 def test_every_mutant_declares_an_expectation() -> None:
@@ -248,6 +254,7 @@ def test_patches_last_until_the_case_ends(monkeypatch: pytest.MonkeyPatch) -> No
         ({"must_fail": ()}, "'k': must_fail names no case"),
         ({"accelerators": -1}, "'k': accelerators must be >= 0, got -1"),
         ({"timing_repeats": 0}, "'k': timing_repeats must be >= 1, got 0"),
+        ({"stateful_examples": 0}, "'k': stateful_examples must be >= 1, got 0"),
     ],
 )
 def test_a_malformed_expectation_names_the_bad_value(kwargs: dict, message: str) -> None:

@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint
 
 from fixtures.checkpointing import FFN, CheckpointTower, ffn_layers
-from fsdp_impl import FSDP, CPUOffload, ShardingStrategy, StateDictType
+from fsdp_impl import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
 from harness.context import RankContext
@@ -183,3 +183,27 @@ def test_state_dict_roundtrip_ws2(ctx: RankContext) -> None:
 @pytest.mark.ranks(world_size=4, modes=("thread",), env={"LOCAL_WORLD_SIZE": "2"})
 def test_state_dict_roundtrip_hybrid_ws4(ctx: RankContext) -> None:
     _roundtrip_body(ctx, [S.HYBRID_SHARD])
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("scale", torch.tensor([0.1234567, 1.0009765]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.ranks(world_size=2, modes=("thread",))
+@pytest.mark.parametrize("kind", [StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT])
+def test_state_dict_holds_buffers_in_their_own_dtype(ctx: RankContext, kind: StateDictType) -> None:
+    """With a buffer_dtype, buffers compute in it (their values rounded from the first forward on,
+    as FSDP1 documents) but a state dict holds them in the dtype they were built in."""
+    model = FSDP(_Scaled(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    model(torch.ones(1, 2))
+    with FSDP.state_dict_type(model, kind):
+        saved = model.state_dict()["scale"]
+    rounded = torch.tensor([0.1234567, 1.0009765]).to(torch.bfloat16).float()
+    assert saved.dtype == torch.float32, saved.dtype
+    torch.testing.assert_close(saved, rounded, rtol=0, atol=0)

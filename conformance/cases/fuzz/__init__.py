@@ -6,5 +6,12 @@
 - :mod:`conformance.cases.fuzz.runner`: one example on the ranks, compared step by step with the baseline;
 - :mod:`conformance.cases.fuzz.driver`: the hypothesis loop across ranks, budgets, reproducers.
 
-The matrix rows are ``fuzz/parity_ws{1,2,4}`` in ``conformance/cases/test_fuzz.py``.
+The stateful fuzzer: random sequences of a user's operations, checked after each against a shadow model.
+
+- :mod:`conformance.cases.fuzz.ops`: a program (configuration and operations) as plain data, and its strategy;
+- :mod:`conformance.cases.fuzz.shadow`: the local shadow model, the oracle;
+- :mod:`conformance.cases.fuzz.stateful`: one program on the ranks, the invariant, budgets, reproducers.
+
+The matrix rows are ``fuzz/parity_ws{1,2,4}`` in ``conformance/cases/test_fuzz.py`` and
+``fuzz/stateful_ws{1,2,4}`` in ``conformance/cases/test_fuzz_stateful.py``.
 """

@@ -3,11 +3,14 @@
 [Note: hypothesis inside rank processes]
 Hypothesis must see one deterministic property. Only rank 0 runs it
 (``hypothesis.find`` with a seeded ``Random``, no example database, no
-deadline): for each example it draws or tries while shrinking, rank 0 sends the
-plain-data :class:`~conformance.cases.fuzz.example.Example` to every rank (an
+deadline): for each value it draws or tries while shrinking, rank 0 sends the
+plain-data value (a parity :class:`~conformance.cases.fuzz.example.Example`, or a
+stateful :class:`~conformance.cases.fuzz.ops.Program`) to every rank (an
 all-gather of objects in which only rank 0's entry counts), all ranks run it
-(:func:`~conformance.cases.fuzz.runner.check_example`, whose verdict is the same on
-every rank), and rank 0 returns that verdict to hypothesis. The other ranks
+(:func:`~conformance.cases.fuzz.runner.check_example` or
+:func:`~conformance.cases.fuzz.stateful.check_program`, whose verdict is the same on
+every rank), and rank 0 returns that verdict to hypothesis. :func:`search` is
+that loop for any strategy and check; both fuzzers use it. The other ranks
 loop on received messages until rank 0 sends ``stop``, which it always does,
 even when hypothesis raises. One rank run per world size evaluates the whole
 budget, so the harness's per-case cost is paid once.
@@ -33,7 +36,7 @@ import hashlib
 import os
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +45,7 @@ import torch
 from hypothesis import Phase, find, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.errors import NoSuchExample
+from hypothesis.strategies import SearchStrategy
 
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
 from conformance.cases.fuzz.precision import precision_features, required
@@ -52,8 +56,8 @@ from conformance.contract.case import CaseSettings
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "fuzz", "hypothesis_home", "keep_hypothesis_out_of_cwd",
-           "render_case"]
+__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "Search", "search", "fuzz", "hypothesis_home",
+           "keep_hypothesis_out_of_cwd", "render_case"]
 
 #: Examples per world size in the main job, 30 in all; few at world size 4, where four
 #: rank processes share the two cores of a small CI runner (about 1 s per example there,
@@ -112,45 +116,69 @@ def _broadcast(ctx: RankContext, message: Any) -> Any:
     return ctx.all_gather_object(message if ctx.rank == 0 else None)[0]
 
 
-def _follow(ctx: RankContext, impl: FSDPAdapter) -> FuzzResult:
+#: What runs one drawn value on every rank: ``check(ctx, impl, value)``, the failure text (the same
+#: on every rank) or ``None``.
+Check = Callable[["RankContext", FSDPAdapter, Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class Search:
+    """What one hypothesis search did: values run (drawn and shrinking tries), how many of them
+    ``counted`` held for, and the minimal failing value with its failure text, if any."""
+
+    runs: int
+    counted: int = 0
+    failing: Any = None
+    message: str | None = None
+
+
+def _follow(ctx: RankContext, impl: FSDPAdapter, check: Check) -> Search:
     while True:
         kind, payload = _broadcast(ctx, None)
         if kind == "stop":
             return payload
-        check_example(ctx, impl, payload)
+        check(ctx, impl, payload)
 
 
-def _drive(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:
-    runs = mixed = 0
-    failures: dict[Example, str] = {}
+def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, budget: int,
+           config: FuzzSettings, counted: Callable[[Any], int]) -> Search:
+    runs = tally = 0
+    failures: dict[Any, str] = {}
 
-    def fails(example: Example) -> bool:
-        nonlocal runs, mixed
+    def fails(value: Any) -> bool:
+        nonlocal runs, tally
         runs += 1
-        mixed += example.policy is not None
+        tally += counted(value)
         if config.verbose:
-            print(f"fuzz example {runs}: {source(example)}", file=sys.stderr, flush=True)
-        _broadcast(ctx, ("run", example))
-        failure = check_example(ctx, impl, example)
+            print(f"fuzz example {runs}: {source(value)}", file=sys.stderr, flush=True)
+        _broadcast(ctx, ("run", value))
+        failure = check(ctx, impl, value)
         if failure is not None:
-            failures[example] = failure
+            failures[value] = failure
         return failure is not None
 
-    strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
-    drawn = examples(ctx.world_size, strategies, precision_features(impl))
-    options = settings(
-        max_examples=config.budget(ctx.world_size), database=None, deadline=None, phases=(Phase.generate, Phase.shrink)
-    )
-    result: FuzzResult | None = None
+    options = settings(max_examples=budget, database=None, deadline=None, phases=(Phase.generate, Phase.shrink))
+    result: Search | None = None
     keep_hypothesis_out_of_cwd()
     try:
         found = find(drawn, fails, settings=options, random=random.Random(config.seed))
-        result = FuzzResult(runs=runs, failing=found, message=failures[found], mixed_precision=mixed)
+        result = Search(runs=runs, counted=tally, failing=found, message=failures[found])
     except NoSuchExample:
-        result = FuzzResult(runs=runs, mixed_precision=mixed)
+        result = Search(runs=runs, counted=tally)
     finally:
         _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
     return result
+
+
+def search(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, *, budget: int,
+           config: FuzzSettings, counted: Callable[[Any], int] = lambda _value: False) -> Search:
+    """Draw ``budget`` plain-data values from ``drawn`` on rank 0 (seeded by ``config``), run each on every
+    rank with ``check`` and shrink the first failure ([Note: hypothesis inside rank processes]).
+    Collective; every rank returns rank 0's result."""
+    with _one_intra_op_thread():
+        if ctx.rank == 0:
+            return _drive(ctx, impl, drawn, check, budget, config, counted)
+        return _follow(ctx, impl, check)
 
 
 @contextlib.contextmanager
@@ -167,9 +195,12 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 
 def fuzz(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:
-    """Run the fuzz loop on every rank (collective); every rank returns rank 0's result."""
-    with _one_intra_op_thread():
-        return _drive(ctx, impl, config) if ctx.rank == 0 else _follow(ctx, impl)
+    """Run the parity fuzz loop on every rank (collective); every rank returns rank 0's result."""
+    strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
+    drawn = examples(ctx.world_size, strategies, precision_features(impl))
+    found = search(ctx, impl, drawn, check_example, budget=config.budget(ctx.world_size), config=config,
+                   counted=lambda example: example.policy is not None)
+    return FuzzResult(runs=found.runs, failing=found.failing, message=found.message, mixed_precision=found.counted)
 
 
 def render_case(example: Example, message: str) -> str:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 __all__ = [
     "LAYERS", "OPTIMIZERS", "DTYPES", "LOW_DTYPES", "FUZZ_STRATEGIES", "PRECISION_FEATURES",
     "exact_low_precision_reduction",
-    "Block", "ModelSpec", "Policy", "Example", "examples", "source",
+    "Block", "ModelSpec", "Policy", "Example", "examples", "models", "policies", "source",
 ]
 
 #: Layer kinds a block may hold: a width x width linear, a 1-D convolution of
@@ -208,7 +208,7 @@ def _blocks(draw: st.DrawFn) -> Block:
 
 
 @st.composite
-def _models(draw: st.DrawFn) -> ModelSpec:
+def models(draw: st.DrawFn) -> ModelSpec:
     vocab = draw(st.sampled_from((0, 7, 11)))
     return ModelSpec(
         width=draw(st.integers(min_value=2, max_value=6)),
@@ -221,7 +221,7 @@ def _models(draw: st.DrawFn) -> ModelSpec:
 
 
 @st.composite
-def _policies(draw: st.DrawFn, model: ModelSpec, world_size: int, precision: Collection[str]) -> Policy | None:
+def policies(draw: st.DrawFn, model: ModelSpec, world_size: int, precision: Collection[str]) -> Policy | None:
     """``None`` or a policy. Every choice is drawn whatever ``precision`` allows, then what it
     does not allow is dropped, so a seed draws the same models for every implementation."""
     param = draw(st.sampled_from((None, *LOW_DTYPES)))
@@ -250,7 +250,7 @@ def examples(
     unknown = sorted(set(precision) - PRECISION_FEATURES)
     if unknown:
         raise ValueError(f"unknown precision features {unknown}; expected some of {sorted(PRECISION_FEATURES)}")
-    model = draw(_models())
+    model = draw(models())
     wrappable = model.wrappable()
     wrap = tuple(p for p in wrappable if draw(st.booleans()))
     strategy, use_orig_params = draw(st.sampled_from(allowed)), draw(st.booleans())
@@ -263,7 +263,7 @@ def examples(
         use_orig_params=use_orig_params,
         optimizer=optimizer,
         dtype=dtype,
-        policy=draw(_policies(model, world_size, precision)) if dtype == "float32" else None,
+        policy=draw(policies(model, world_size, precision)) if dtype == "float32" else None,
         micro_batches=draw(st.integers(min_value=1, max_value=3)),
         set_to_none=not draw(st.booleans()),
         steps=draw(st.integers(min_value=2, max_value=3)),

@@ -50,7 +50,8 @@ from fixtures.parity import assert_close_named, named_grads
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["check_example", "run_example", "wrap_plan"]
+__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "attempt", "check_example", "make_optimizer", "run_example",
+           "wrap_plan", "zeros_for_none"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
 #: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
@@ -61,7 +62,7 @@ _LR = {"sgd": 0.05, "adam": 0.01}
 ADAM_EPS = 1e-3
 
 
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=_LR[kind], momentum=0.9)
     return torch.optim.Adam(params, lr=_LR[kind], eps=ADAM_EPS)
@@ -119,8 +120,8 @@ class _Run:
         grads = full_grads(self.impl, self.model)  # None: not exposed for this wrap; params still compared
         if grads is not None:
             want, policy = named_grads(self.local), self.example.policy
-            self.compare("grads after backward", assert_close_named, in_compute_dtype(_zeros_for_none(grads, want),
-                         policy), in_compute_dtype(_zeros_for_none(want, grads), policy), what="grads")
+            self.compare("grads after backward", assert_close_named, in_compute_dtype(zeros_for_none(grads, want),
+                         policy), in_compute_dtype(zeros_for_none(want, grads), policy), what="grads")
         for optim in (self.optim, self.local_optim):
             optim.step()
             optim.zero_grad(set_to_none=self.example.set_to_none)
@@ -138,7 +139,7 @@ class _Run:
             ]
             output = self.model(batches[self.rank])
             if ex.policy is not None:
-                self.compare(f"output dtype of micro-batch {micro}", _assert_dtypes, output, ex.policy.param_dtype)
+                self.compare(f"output dtype of micro-batch {micro}", assert_dtypes, output, ex.policy.param_dtype)
             loss = loss_of(output)
             loss.backward()
             want = self.local_backward(batches)[self.rank]
@@ -155,7 +156,7 @@ class _Run:
         return [loss.detach() for loss in local_losses]
 
 
-def _assert_dtypes(output: torch.Tensor | tuple[torch.Tensor, ...], want: str) -> None:
+def assert_dtypes(output: torch.Tensor | tuple[torch.Tensor, ...], want: str) -> None:
     outputs = output if isinstance(output, tuple) else (output,)
     got = [str(o.dtype).removeprefix("torch.") for o in outputs]
     if any(name != want for name in got):
@@ -167,7 +168,7 @@ def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
         raise AssertionError(f"the wrapped model has {len(got)} parameters, the local model {len(want)}")
 
 
-def _zeros_for_none(
+def zeros_for_none(
     grads: dict[str, torch.Tensor | None], other: dict[str, torch.Tensor | None]
 ) -> dict[str, torch.Tensor | None]:
     """``grads`` with a ``None`` replaced by zeros where ``other`` has a tensor (see the module note)."""
@@ -189,13 +190,13 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, example: Example) -> _Run:
         device=ctx.device,
         model=model,
         local=local,
-        optim=_optimizer(example.optimizer, model.parameters()),
-        local_optim=_optimizer(example.optimizer, local.parameters()),
+        optim=make_optimizer(example.optimizer, model.parameters()),
+        local_optim=make_optimizer(example.optimizer, local.parameters()),
         low=low_precision_model(local, example.policy),
     )
 
 
-def _attempt(what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+def attempt(what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     """``(fn(*args), None)``, or ``(None, failure text)`` if it raised."""
     try:
         return fn(*args), None
@@ -204,7 +205,7 @@ def _attempt(what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | 
         return None, f"{what}: {type(exc).__name__}: {' | '.join(text[:6])}"
 
 
-def _agree(ctx: RankContext, failure: str | None) -> str | None:
+def agree(ctx: RankContext, failure: str | None) -> str | None:
     """The first rank's failure text, the same on every rank, or ``None`` if none failed."""
     failures = ctx.all_gather_object(failure)
     return next((f"rank {rank}: {text}" for rank, text in enumerate(failures) if text), None)
@@ -214,13 +215,13 @@ def check_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> str 
     """Train ``example`` on ``impl`` and on the baseline; the first failure (same on every rank) or ``None``."""
     if example.world_size != ctx.world_size:
         raise ValueError(f"example is for world_size {example.world_size}, running on {ctx.world_size} ranks")
-    run, failure = _attempt("wrap", _setup, ctx, impl, example)
-    failure = _agree(ctx, failure)
+    run, failure = attempt("wrap", _setup, ctx, impl, example)
+    failure = agree(ctx, failure)
     if failure is not None:
         return failure
     for step in range(example.steps):
-        raised = _attempt("raised", run.step, step)[1]
-        failure = _agree(ctx, raised or run.mismatch)
+        raised = attempt("raised", run.step, step)[1]
+        failure = agree(ctx, raised or run.mismatch)
         if failure is not None:
             return f"step {step}, {failure}"
     return None

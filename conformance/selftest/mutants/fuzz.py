@@ -1,4 +1,5 @@
-"""Mutants the parity fuzzer must catch: mixed-precision training with the master weights broken."""
+"""Mutants the fuzzers must catch: mixed-precision training with the master weights broken, buffers
+rounded before the first forward."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn as nn
 
+from conformance.contract.adapter import WrapSpec
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
-__all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype"]
+__all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype", "BuffersRoundedAtWrap"]
 
 Fn = Callable[..., Any]
 
@@ -60,3 +63,21 @@ class AccumulatesInReduceDtype(_Mutant):
     breaks = "accumulating gradients across backwards in the parameters' dtype"
     expect = Expect("repro_57555c45", "thread", ("fuzz/repro_57555c45",))
     patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _add_in_reduce_dtype),)
+
+
+class BuffersRoundedAtWrap(_Mutant):
+    """With a ``buffer_dtype``, buffers take that dtype's values when the module is wrapped, before any
+    forward (torch's FSDP1 does so at its first state dict, see fuzz/repro_6ec378a7)."""
+
+    name = "mutant-buffers-rounded-at-wrap"
+    breaks = "keeping buffers as built until the first forward"
+    expect = Expect("repro_6ec378a7", "thread", ("fuzz/repro_6ec378a7",))
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        low = None if spec.mixed_precision is None else spec.mixed_precision.buffer_dtype
+        if low is not None:
+            with torch.no_grad():
+                for buf in module.buffers():
+                    if buf.is_floating_point():
+                        buf.copy_(buf.to(low))
+        return super().wrap(module, spec)

@@ -1,13 +1,16 @@
-"""State-dict mutants: optimizer state, and loading in the middle of an iteration."""
+"""Mutants of state between iterations: optimizer state, loads mid-iteration, gradients across a
+forward without gradients."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from conformance.selftest.declare import Expect, Patch, _Mutant
+import torch
 
-__all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward"]
+from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
+
+__all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState"]
 
 Fn = Callable[..., Any]
 
@@ -50,3 +53,46 @@ class LoadRefusedAfterForward(_Mutant):
         "load_in_loop and after_forward", "thread", ("state_dict/load_in_loop[point=after_forward]",),
     )
     patches = (Patch("fsdp_impl.state_dict:_check_idle", _refusing_unsharded),)
+
+
+def _dropping_grads_without_grad(pre_forward: Fn) -> Fn:
+    def pre_forward_dropping_grads(unit: Any, state: Any, recompute: bool) -> None:
+        if not torch.is_grad_enabled() and unit.handle is not None:
+            drop_grads(unit.handle)  # as if the forward started a new iteration
+        pre_forward(unit, state, recompute)
+
+    return pre_forward_dropping_grads
+
+
+class NoGradForwardDropsGrads(_Mutant):
+    """A forward under ``torch.no_grad()`` forgets the gradients the last backward left for the
+    optimizer (an evaluation forward between backward and step loses the step)."""
+
+    name = "mutant-no-grad-forward-drops-grads"
+    breaks = "keeping gradients across a forward without gradients"
+    #: Its reproducer, and the stateful rows at a nightly-sized budget (seed 0): a backward, then a
+    #: forward without gradients before the next check or step.
+    expect = Expect("repro_438854a6 or repro_3ff502a0 or stateful", "thread",
+                    ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0", "fuzz/stateful_ws1", "fuzz/stateful_ws2",
+                     "fuzz/stateful_ws4"),
+                    stateful_examples=20)
+    patches = (Patch("fsdp_impl.unit:_pre_forward", _dropping_grads_without_grad),)
+
+
+def _needing_state(to_load: Fn) -> Fn:
+    def to_load_needing_state(model: Any, optim: Any, osd: Any) -> Any:
+        if not osd.get("state"):
+            raise AssertionError("optimizer state dict has no per-parameter state to load")
+        return to_load(model, optim, osd)
+
+    return to_load_needing_state
+
+
+class OptimLoadNeedsState(_Mutant):
+    """Refuses to load an optimizer state dict that holds no per-parameter state, as one saved before
+    the first step does (torch-fsdp2's full load, see fuzz/repro_49d9e993)."""
+
+    name = "mutant-optim-load-needs-state"
+    breaks = "loading an optimizer state dict saved before the first step"
+    expect = Expect("repro_49d9e993", "thread", ("fuzz/repro_49d9e993",))
+    patches = (Patch("fsdp_impl.state_dict:optim_state_dict_to_load", _needing_state),)

@@ -1,0 +1,228 @@
+"""The stateful fuzzer's programs as plain data: a configuration and a sequence of public operations.
+
+[Note: stateful programs]
+A :class:`Program` is a :class:`Config` (model, wrap plan, strategy, precision,
+offload, activation checkpointing, frozen blocks) and a tuple of operations a
+user performs on the wrapped model, in order: forwards with and without
+gradients, ``train()``/``eval()``, backward, optimizer step,
+``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
+the last save, and a backward inside the adapter's optional ``no_sync``. Like a
+parity example ([Note: fuzz examples are plain data]) a program holds only
+ints, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
+sent to every rank, and its ``source`` is the reproducer's body.
+
+Every operation is valid after any prefix, so hypothesis may delete any of them
+while shrinking: a backward with no loss pending, a load with nothing saved
+and an optimizer step between a forward and its backward (no training loop
+steps there, and the pending graph would see parameters it did not compute
+with) do nothing, on both sides. A load abandons a pending loss, as rolling
+back an iteration does. Operations an adapter lacks (``no_sync``, optimizer
+state dicts on thread ranks, ...) are skipped the same way and counted.
+
+Configuration is drawn the way the parity fuzzer draws policies: every choice
+first, then what the implementation cannot express is dropped
+(:func:`programs`), so one seed draws the same operations for every adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from conformance.cases.fuzz.example import (
+    DTYPES,
+    FUZZ_STRATEGIES,
+    OPTIMIZERS,
+    ModelSpec,
+    Policy,
+    exact_low_precision_reduction,
+    models,
+    policies,
+)
+
+__all__ = [
+    "FEATURES", "BATCHES", "Config", "Forward", "Backward", "Step", "ZeroGrad", "Mode", "Save", "Load", "NoSync",
+    "Op", "Program", "programs",
+]
+
+#: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.stateful.features_of`).
+FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cpu_offload"})
+#: Distinct input batches a program draws from (per rank), so a repeated forward sees the same batch.
+BATCHES = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a program runs on. ``wrap``: module paths wrapped as units (then the root); ``checkpoint``:
+    blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
+    their unit); ``frozen``: paths whose parameters have ``requires_grad=False``."""
+
+    world_size: int
+    model: ModelSpec = ModelSpec()
+    wrap: tuple[str, ...] = ()
+    strategy: str = "FULL_SHARD"
+    use_orig_params: bool = False
+    optimizer: str = "sgd"
+    dtype: str = "float32"
+    policy: Policy | None = None
+    cpu_offload: bool = False
+    checkpoint: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        wrappable = self.model.wrappable()
+        blocks = tuple(f"blocks.{i}" for i in range(len(self.model.blocks)))
+        for name, paths, allowed in (("wrap", self.wrap, wrappable), ("checkpoint", self.checkpoint, blocks),
+                                     ("frozen", self.frozen, wrappable)):
+            unknown = sorted(set(paths) - set(allowed))
+            if unknown:
+                raise ValueError(f"Config.{name} names {unknown}, not among {allowed}")
+        checks = {"strategy": (self.strategy, FUZZ_STRATEGIES), "optimizer": (self.optimizer, OPTIMIZERS),
+                  "dtype": (self.dtype, DTYPES)}
+        for name, (value, allowed_values) in checks.items():
+            if value not in allowed_values:
+                raise ValueError(f"Config.{name}={value!r}; expected one of {allowed_values}")
+        if self.world_size < 1:
+            raise ValueError(f"Config.world_size must be >= 1, got {self.world_size}")
+        if self.policy is not None and self.dtype != "float32":
+            raise ValueError(f"Config(policy={self.policy}) keeps parameters in float32, got dtype={self.dtype!r}")
+        policy = self.policy
+        if policy and policy.reduce_dtype is None and not exact_low_precision_reduction(policy, self.world_size):
+            raise ValueError(f"Config(world_size={self.world_size}, policy={policy}): give reduce_dtype='float32' "
+                             "(see exact_low_precision_reduction)")
+        if self.frozen and not self.use_orig_params and not set(self.frozen) <= set(self.wrap):
+            raise ValueError(f"Config(frozen={self.frozen}) with flat parameters: a frozen path must be its own "
+                             f"unit (wrap={self.wrap}); a flat parameter cannot mix frozen and trained parameters")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """``model(batch)``; ``grad=False`` under ``torch.no_grad()``. With gradients the loss is kept
+    for the next backward (added to a loss already pending); ``loss="main"`` leaves the auxiliary
+    output out of it (an unused output)."""
+
+    batch: int = 0
+    grad: bool = True
+    loss: str = "all"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.batch < BATCHES or self.loss not in ("all", "main"):
+            raise ValueError(f"Forward(batch={self.batch}, loss={self.loss!r}): batch in [0, {BATCHES}), "
+                             "loss 'all' or 'main'")
+
+
+@dataclass(frozen=True)
+class Backward:
+    """``loss.backward()`` of the pending loss (nothing pending: nothing happens)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """``optimizer.step()`` (skipped while a loss is pending: see [Note: stateful programs])."""
+
+
+@dataclass(frozen=True)
+class ZeroGrad:
+    """``optimizer.zero_grad(set_to_none=...)``."""
+
+    set_to_none: bool = True
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``model.train()`` or ``model.eval()``."""
+
+    train: bool = False
+
+
+@dataclass(frozen=True)
+class Save:
+    """Save the model's state dict (``sharded``: each rank's shards, else the full one) and, with
+    ``optim``, the optimizer's; a full save is compared with the shadow's."""
+
+    sharded: bool = False
+    optim: bool = True
+
+
+@dataclass(frozen=True)
+class Load:
+    """Load what the last :class:`Save` saved (nothing saved: nothing happens)."""
+
+
+@dataclass(frozen=True)
+class NoSync:
+    """A forward and backward of ``batch`` inside the adapter's ``no_sync``, then one of the next batch
+    outside it (the synchronizing backward), as gradient accumulation uses it. Skipped while a loss
+    is pending."""
+
+    batch: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.batch < BATCHES:
+            raise ValueError(f"NoSync(batch={self.batch}): batch in [0, {BATCHES})")
+
+
+Op = Forward | Backward | Step | ZeroGrad | Mode | Save | Load | NoSync
+
+
+@dataclass(frozen=True)
+class Program:
+    """A configuration and the operations run on it, in order."""
+
+    config: Config
+    ops: tuple[Op, ...] = ()
+
+
+_OPS = st.one_of(
+    st.builds(Forward, batch=st.integers(0, BATCHES - 1), grad=st.booleans().map(lambda b: not b),
+              loss=st.sampled_from(("all", "main"))),
+    st.just(Backward()),
+    st.just(Step()),
+    st.builds(ZeroGrad, set_to_none=st.booleans().map(lambda b: not b)),
+    st.builds(Mode, train=st.booleans()),
+    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
+    st.just(Load()),
+    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
+)
+
+
+def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for p in paths if draw(st.booleans()))
+
+
+@st.composite
+def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> Config:
+    model = draw(models())
+    wrap = _subset(draw, model.wrappable())
+    strategy, use_orig_params = draw(st.sampled_from(tuple(strategies))), draw(st.booleans())
+    optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
+    policy = draw(policies(model, world_size, features))
+    offload = draw(st.booleans())
+    checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
+    frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
+    return Config(
+        world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
+        optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
+        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
+        seed=draw(st.integers(min_value=0, max_value=2**16)),
+    )
+
+
+@st.composite
+def programs(
+    draw: st.DrawFn, world_size: int, strategies: Collection[str] = FUZZ_STRATEGIES,
+    features: Collection[str] = FEATURES, max_ops: int = 12,
+) -> Program:
+    """Programs for ``world_size`` ranks over the given ``strategies`` and configuration ``features``
+    (of :data:`FEATURES`), with up to ``max_ops`` operations."""
+    allowed = [s for s in FUZZ_STRATEGIES if s in strategies]
+    if not allowed:
+        raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
+    unknown = sorted(set(features) - FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
+    config = draw(_configs(world_size, allowed, features))
+    return Program(config, tuple(draw(st.lists(_OPS, min_size=1, max_size=max_ops))))

@@ -1,0 +1,195 @@
+"""The stateful fuzzer's oracle: a plain local model that every rank trains on every rank's batches.
+
+[Note: the shadow model]
+The shadow is the unwrapped model (same seed, same frozen parameters, no
+activation checkpointing: recomputation changes no value) with the same
+optimizer. It answers every operation of a program ([Note: stateful programs]
+in :mod:`conformance.cases.fuzz.ops`) the way data-parallel training on the
+ranks must look to a user:
+
+* a forward on rank ``r`` gives the shadow's output on rank ``r``'s batch;
+* a backward leaves, in every parameter's gradient, the mean over ranks of the
+  gradient of each rank's pending loss (what DDP's averaging gives), added to
+  what the gradient held (accumulation);
+* step, ``zero_grad``, ``train``/``eval``, saving and loading are the plain
+  module's and optimizer's own;
+* under a policy with a ``buffer_dtype``, floating buffers take that dtype's
+  values at the first forward and keep them: torch documents that FSDP "casts
+  them to ``buffer_dtype`` in the first forward pass and keeps them in that
+  dtype thereafter" and that "for model checkpointing, the buffers are saved in
+  full precision" (``torch.distributed.fsdp.MixedPrecision``). So the shadow
+  rounds its float32 buffers to the buffer dtype at its first forward and after
+  every later load, and saves them in float32.
+
+The shadow keeps no autograd graph: a forward with gradients records which
+batch and loss it used, and the backward recomputes them on the same parameters
+(no step runs between the two, see the note on programs). Under a
+mixed-precision policy each rank's pending losses are computed and
+differentiated on a copy of the model in the param dtype and reduced in the
+reduce dtype ([Note: fuzz mixed-precision baseline] in
+:mod:`conformance.cases.fuzz.precision`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from conformance.cases.fuzz.model import build_model, loss_of, make_batch
+from conformance.cases.fuzz.ops import Config
+from conformance.cases.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec
+from conformance.cases.fuzz.runner import make_optimizer
+from fixtures.precision import average_grads
+
+__all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for"]
+
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def build(config: Config, device: torch.device) -> nn.Module:
+    """The config's model, initialised from its seed, with its frozen paths frozen."""
+    model = build_model(config.model, config.seed, dtype_of(config.dtype), device)
+    freeze(model, config.frozen)
+    return model
+
+
+def freeze(model: nn.Module, paths: tuple[str, ...]) -> None:
+    """``requires_grad=False`` for every parameter under each of ``paths``."""
+    for path in paths:
+        for param in model.get_submodule(path).parameters():
+            param.requires_grad_(False)
+
+
+def batch_of(config: Config, batch: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Rank ``rank``'s input number ``batch`` (the same on every rank that builds it)."""
+    return make_batch(config.model, (config.seed * 16 + batch) * 8 + rank, dtype_of(config.dtype), device)
+
+
+def loss_for(output: Output, loss: str) -> torch.Tensor:
+    """The loss of a :class:`~conformance.cases.fuzz.ops.Forward`: every output (``"all"``) or the
+    main one only (``"main"``: an auxiliary output goes unused)."""
+    if loss == "main" and isinstance(output, tuple):
+        return loss_of(output[0])
+    return loss_of(output)
+
+
+@dataclass
+class Shadow:
+    """The local model and optimizer standing for what the ranks train ([Note: the shadow model])."""
+
+    config: Config
+    device: torch.device
+    local: nn.Module
+    optim: torch.optim.Optimizer
+    low: nn.Module | None = None
+    pending: list[tuple[int, str]] = field(default_factory=list)
+    saved: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+    buffers_cast: bool = False  # the first forward happened (see the note on buffers)
+
+    @classmethod
+    def of(cls, config: Config, device: torch.device) -> Shadow:
+        local = build(config, device)
+        return cls(config, device, local, make_optimizer(config.optimizer, local.parameters()),
+                   low=low_precision_model(local, config.policy))
+
+    def _compute_model(self) -> nn.Module:
+        """The module that computes: the model itself, or its low-precision copy refreshed from it."""
+        if not self.buffers_cast:
+            self.buffers_cast = True
+            self._round_buffers()
+        if self.low is None:
+            return self.local
+        with torch.no_grad():
+            for low_param, param in zip(self.low.parameters(), self.local.parameters(), strict=True):
+                low_param.copy_(param)
+            for low_buf, buf in zip(self.low.buffers(), self.local.buffers(), strict=True):
+                low_buf.copy_(buf)
+        return self.low
+
+    def _round_buffers(self) -> None:
+        """Floating buffers to the policy's buffer dtype's values, kept in their own dtype (see the note)."""
+        spec = mixed_precision_spec(self.config.policy)
+        if spec is None or spec.buffer_dtype is None:
+            return
+        with torch.no_grad():
+            for buf in self.local.buffers():
+                if buf.is_floating_point():
+                    buf.copy_(buf.to(spec.buffer_dtype))
+
+    def _input(self, batch: int, rank: int) -> torch.Tensor:
+        x = batch_of(self.config, batch, rank, self.device)
+        spec = mixed_precision_spec(self.config.policy)
+        if spec is not None and spec.param_dtype is not None and x.is_floating_point():
+            return x.to(spec.param_dtype)  # as the root casts its inputs
+        return x
+
+    def forward(self, batch: int, rank: int, *, grad: bool, loss: str) -> tuple[Output, torch.Tensor]:
+        """Rank ``rank``'s output and loss for ``batch``; with ``grad`` the loss becomes pending."""
+        with torch.no_grad():
+            output = self._compute_model()(self._input(batch, rank))
+            value = loss_for(output, loss)
+        if grad:
+            self.pending.append((batch, loss))
+        return output, value
+
+    def backward(self) -> bool:
+        """Add the mean over ranks of the pending losses' gradients; ``False`` if nothing was pending."""
+        if not self.pending:
+            return False
+        model, per_rank = self._compute_model(), []
+        for rank in range(self.config.world_size):
+            total = sum(loss_for(model(self._input(b, rank)), kind) for b, kind in self.pending)
+            if self.low is None:
+                (total / self.config.world_size).backward()  # type: ignore[operator]
+                continue
+            model.zero_grad(set_to_none=True)
+            total.backward()  # type: ignore[union-attr]
+            per_rank.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        if per_rank:
+            self._add_reduced(per_rank)
+        self.pending.clear()
+        return True
+
+    def _add_reduced(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
+        spec = mixed_precision_spec(self.config.policy)
+        assert spec is not None and spec.param_dtype is not None
+        if not per_rank[0]:
+            return
+        reduced = average_grads(per_rank, spec.reduce_dtype or spec.param_dtype)
+        for name, param in self.local.named_parameters():
+            if name in reduced:
+                grad = reduced[name].to(param.dtype)
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def step(self) -> bool:
+        """The optimizer step; ``False`` (skipped) while a loss is pending."""
+        if self.pending:
+            return False
+        self.optim.step()
+        return True
+
+    def save(self, optim: bool) -> None:
+        self.saved = (copy.deepcopy(self.local.state_dict()), copy.deepcopy(self.optim.state_dict()) if optim else None)
+
+    def load(self) -> bool:
+        """Load the last save, abandoning a pending loss; ``False`` if nothing was saved."""
+        if self.saved is None:
+            return False
+        self.pending.clear()
+        model_state, optim_state = self.saved
+        self.local.load_state_dict(copy.deepcopy(model_state))
+        if self.buffers_cast:
+            self._round_buffers()
+        if optim_state is not None:
+            self.optim.load_state_dict(copy.deepcopy(optim_state))
+        return True
+
+    def optim_state_by_name(self) -> dict[str, dict[str, Any]]:
+        """The optimizer's per-parameter state keyed by parameter name (the order the optimizer got them)."""
+        names = [name for name, _ in self.local.named_parameters()]
+        state = self.optim.state_dict()["state"]
+        return {names[index]: value for index, value in state.items()}

@@ -1,0 +1,330 @@
+"""Run one stateful program on the ranks: the wrapped model and the shadow, checked after every operation.
+
+[Note: stateful invariant]
+After every operation each rank checks what a user of the wrapped model can
+observe against the shadow ([Note: the shadow model] in
+:mod:`conformance.cases.fuzz.shadow`): the outputs and loss of a forward (this
+rank's batch), and, whenever no loss is pending (between iterations, where a
+user reads them), the full parameters, the full gradients (where the adapter
+exposes them), and that every original parameter is still registered with
+``use_orig_params``; a full save is compared with the shadow's model and
+optimizer state. Tolerances are ``torch.testing.assert_close``'s defaults for
+the dtype (under a mixed-precision policy, outputs, losses and gradients in
+the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
+gradient and an all-zero one are alike, as in the parity fuzzer (see
+:mod:`conformance.cases.fuzz.runner`), and so are missing optimizer state and
+all-zero state: a flat parameter steps the unused parameters it holds with
+zero gradients, which leaves them and their zero moments unchanged. Verdicts
+agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from conformance.cases.fuzz.driver import FuzzSettings, Search, search
+from conformance.cases.fuzz.example import FUZZ_STRATEGIES, source
+from conformance.cases.fuzz.ops import (
+    BATCHES,
+    Backward,
+    Config,
+    Forward,
+    Load,
+    Mode,
+    NoSync,
+    Op,
+    Program,
+    Save,
+    Step,
+    ZeroGrad,
+    programs,
+)
+from conformance.cases.fuzz.precision import (
+    as_compared,
+    in_compute_dtype,
+    mixed_precision_spec,
+    precision_features,
+    required,
+)
+from conformance.cases.fuzz.runner import agree, assert_dtypes, attempt, make_optimizer, zeros_for_none
+from conformance.cases.fuzz.shadow import Output, Shadow, batch_of, build, loss_for
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.applicability import missing_reason
+from conformance.contract.case import CaseSettings
+from conformance.contract.optional import activation_checkpoint_wrapper, full_grads, no_sync
+from fixtures.parity import assert_close_named
+from harness.rank_mode import RankMode
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["MAIN_JOB_PROGRAMS", "budget", "features_of", "missing_operations", "wrap_config", "check_program",
+           "run_program", "stateful_fuzz", "render_program"]
+
+_CHECKPOINT_PREFIX = re.compile(r"_checkpoint_wrapped_module\.")
+
+
+def _clean(named: dict[str, Any]) -> dict[str, Any]:
+    """Names without the activation-checkpoint wrapper this fuzzer put in (the shadow has none)."""
+    return {_CHECKPOINT_PREFIX.sub("", name): value for name, value in named.items()}
+
+
+def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
+    """Operations ``impl`` cannot run in rank ``mode`` -> why (they are skipped)."""
+    needs = {"no_sync": [Capability.NO_SYNC], "full save": [Capability.FULL_STATE_DICT],
+             "sharded save": [Capability.SHARDED_STATE_DICT], "optimizer save": [Capability.OPTIM_STATE_DICT],
+             "full load": [Capability.FULL_STATE_DICT]}
+    reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
+    return {op: reason for op, reason in reasons.items() if reason is not None}
+
+
+def wrap_config(impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
+    """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
+    unit), then wrap the root."""
+    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
+                    mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload)
+    actions = [(p.count("."), 1, p) for p in config.checkpoint] + [(p.count("."), 0, p) for p in config.wrap]
+    for _depth, checkpoint, path in sorted(actions, reverse=True):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        child = getattr(parent, name)
+        wrapped = activation_checkpoint_wrapper(impl, child, offload=False) if checkpoint else impl.wrap(child, spec)
+        setattr(parent, name, wrapped)
+    return impl.wrap(model, spec)
+
+
+@dataclass
+class _Machine:
+    """One program's wrapped model, optimizer and shadow on this rank."""
+
+    ctx: RankContext
+    impl: FSDPAdapter
+    config: Config
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    shadow: Shadow
+    missing: dict[str, Capability]
+    pending: torch.Tensor | None = None
+    saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
+    mismatch: str | None = None
+
+    def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:
+            if self.mismatch is None:
+                self.mismatch = f"{label}: {' | '.join(str(exc).strip().splitlines()[:6])}"
+
+    def apply(self, op: Op) -> None:
+        """Run ``op`` on both sides, then check the state (see [Note: stateful invariant])."""
+        handlers: dict[type, Callable[[Any], None]] = {
+            Forward: self.forward, Backward: self.backward, Step: self.step, ZeroGrad: self.zero_grad,
+            Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync,
+        }
+        handlers[type(op)](op)
+        if self.pending is None:
+            self.check_state()
+
+    def _forward(self, batch: int, *, grad: bool, loss: str) -> torch.Tensor:
+        with nullcontext() if grad else torch.no_grad():
+            output = self.model(batch_of(self.config, batch, self.ctx.rank, self.ctx.device))
+        want, want_loss = self.shadow.forward(batch, self.ctx.rank, grad=grad, loss=loss)
+        policy = self.config.policy
+        if policy is not None:
+            self.compare("output dtype", assert_dtypes, output, policy.param_dtype)
+        self.compare("outputs", assert_close_named, _outputs(output, policy), _outputs(want, policy), what="output")
+        value = loss_for(output, loss)
+        self.compare("loss", torch.testing.assert_close, as_compared(value.detach(), policy),
+                     as_compared(want_loss, policy))
+        return value
+
+    def forward(self, op: Forward) -> None:
+        value = self._forward(op.batch, grad=op.grad, loss=op.loss)
+        if op.grad:
+            self.pending = value if self.pending is None else self.pending + value
+
+    def backward(self, _op: Backward) -> None:
+        if self.pending is not None:
+            self.pending.backward()
+            self.pending = None
+        self.shadow.backward()
+
+    def step(self, _op: Step) -> None:
+        if self.pending is None:
+            self.optim.step()
+        self.shadow.step()
+
+    def zero_grad(self, op: ZeroGrad) -> None:
+        self.optim.zero_grad(set_to_none=op.set_to_none)
+        self.shadow.optim.zero_grad(set_to_none=op.set_to_none)
+
+    def mode(self, op: Mode) -> None:
+        self.model.train(op.train)
+        self.shadow.local.train(op.train)
+
+    def no_sync(self, op: NoSync) -> None:
+        if self.pending is not None or "no_sync" in self.missing:
+            return
+        with no_sync(self.impl, self.model):
+            self._forward(op.batch, grad=True, loss="all").backward()
+        self.shadow.backward()
+        self._forward((op.batch + 1) % BATCHES, grad=True, loss="all").backward()
+        self.shadow.backward()
+
+    def save(self, op: Save) -> None:
+        kind = "sharded save" if op.sharded else "full save"
+        if kind in self.missing or (op.optim and "optimizer save" in self.missing):
+            return
+        state = self.impl.sharded_state_dict(self.model) if op.sharded else self.impl.full_state_dict(self.model)
+        optim = self.impl.optim_state_dict(self.model, self.optim, sharded=op.sharded) if op.optim else None
+        self.saved = (copy.deepcopy(state), copy.deepcopy(optim), op.sharded)
+        self.shadow.save(op.optim)
+        if not op.sharded:
+            self.compare("full model state dict", assert_close_named, _clean(_tensors(state)),
+                         self.shadow.local.state_dict(), what="state_dict")
+            if optim is not None:
+                self.compare("full optimizer state dict", _assert_optim_state, _clean(optim["state"]),
+                             self.shadow.optim_state_by_name())
+
+    def load(self, _op: Load) -> None:
+        if self.saved is None:
+            return
+        state, optim, sharded = self.saved
+        if not sharded and "full load" in self.missing:
+            return
+        self.pending = None  # an abandoned iteration
+        self.impl.load_state_dict(self.model, copy.deepcopy(state), sharded=sharded)
+        if optim is not None:
+            self.impl.load_optim_state_dict(self.model, self.optim, copy.deepcopy(optim), sharded=sharded)
+        self.shadow.load()
+
+    def check_state(self) -> None:
+        local = self.shadow.local
+        if self.config.use_orig_params:  # the original parameters stay registered on the module
+            got, want = len(list(self.model.parameters())), len(list(local.parameters()))
+            if got != want:
+                self.compare("parameters registered", _fail, f"the wrapped model has {got}, the shadow {want}")
+        params = _clean(self.impl.full_params(self.model))
+        self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
+                     what="params")
+        grads = full_grads(self.impl, self.model)
+        if grads is not None:  # None: not exposed for this wrap; parameters still compared
+            got_grads = _clean(grads)
+            want_grads = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
+            policy = self.config.policy
+            self.compare("grads", assert_close_named,
+                         in_compute_dtype(zeros_for_none(got_grads, want_grads), policy),
+                         in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
+
+
+def _fail(message: str) -> None:
+    raise AssertionError(message)
+
+
+def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:
+    outputs = output if isinstance(output, tuple) else (output,)
+    return {str(i): as_compared(o.detach(), policy) for i, o in enumerate(outputs)}
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    """Per-parameter optimizer state equal; a parameter with state on one side only must have all-zero
+    tensors there (see [Note: stateful invariant]), whatever its step count."""
+    for name in sorted(set(got) | set(want)):
+        if name in got and name in want:
+            for key in sorted(set(got[name]) | set(want[name])):
+                if key not in got[name] or key not in want[name]:
+                    raise AssertionError(f"optim[{name}]: {key!r} on one side only")
+                torch.testing.assert_close(torch.as_tensor(got[name][key]).cpu().to(torch.float64),
+                                           torch.as_tensor(want[name][key]).cpu().to(torch.float64),
+                                           msg=lambda m, n=name, k=key: f"optim[{n}][{k}]: {m}")
+            continue
+        one = got.get(name, want.get(name, {}))
+        nonzero = [k for k, v in one.items() if k != "step" and isinstance(v, torch.Tensor) and bool(v.any())]
+        if nonzero:
+            side = "wrapped model" if name in got else "shadow"
+            raise AssertionError(f"optim[{name}]: only the {side} has state, and its {nonzero} are not zero")
+
+
+def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
+    shadow = Shadow.of(config, ctx.device)
+    model = wrap_config(impl, build(config, ctx.device), config)
+    return _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
+                    missing_operations(impl, ctx.mode))
+
+
+def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
+    """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
+    if program.config.world_size != ctx.world_size:
+        raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
+    machine, failure = attempt("wrap", _setup, ctx, impl, program.config)
+    failure = agree(ctx, failure)
+    if failure is not None:
+        return failure
+    for index, op in enumerate(program.ops):
+        raised = attempt("raised", machine.apply, op)[1]
+        failure = agree(ctx, raised or machine.mismatch)
+        if failure is not None:
+            return f"op {index} ({op}), {failure}"
+    return None
+
+
+def run_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> None:
+    """A reproducer's body: fail with the first mismatch of ``program`` on every rank."""
+    failure = check_program(ctx, impl, program)
+    if failure is not None:
+        raise AssertionError(f"{impl.name} differs from the shadow model: {failure}")
+
+
+#: Programs per world size in the main job (see docs/PERFORMANCE.md for what they cost).
+MAIN_JOB_PROGRAMS = {1: 5, 2: 5, 4: 2}
+
+
+def budget(settings: CaseSettings, world_size: int) -> int:
+    """Programs to draw at ``world_size``: ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``),
+    else the main job's."""
+    given = settings.fuzz_stateful_examples
+    return given if given is not None else MAIN_JOB_PROGRAMS.get(world_size, 1)
+
+
+def features_of(impl: FSDPAdapter) -> frozenset[str]:
+    """The configuration :data:`~conformance.cases.fuzz.ops.FEATURES` ``impl`` can express."""
+    cpu_offload = {"cpu_offload"} if Capability.CPU_OFFLOAD in impl.capabilities else set()
+    return precision_features(impl) | cpu_offload
+
+
+def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Search:
+    """Draw, run and shrink programs on every rank (collective; every rank returns rank 0's result)."""
+    strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
+    drawn = programs(ctx.world_size, strategies, features_of(impl))
+    config = FuzzSettings(seed=settings.fuzz_seed, verbose=settings.fuzz_verbose)
+    return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
+                  counted=lambda program: len(program.ops))
+
+
+def render_program(program: Program, message: str) -> str:
+    """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz_stateful.py``)."""
+    digest = hashlib.sha1(repr(program).encode()).hexdigest()[:8]
+    found = " ".join(message.split())[:300]
+    needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
+    needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
+    requires = f", requires=[{', '.join(needs)}]" if needs else ""
+    return (
+        f"# Found by the stateful fuzzer: {found}\n"
+        f'@case("fuzz/repro_{digest}", world_size={program.config.world_size}{requires})\n'
+        f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
+        f"    run_program(ctx, impl, {source(program)})\n"
+    )

@@ -1,0 +1,86 @@
+"""Which mutants the stateful fuzzer catches on its own, without the cases written for them.
+
+``python -m conformance.selftest.fuzz_alone [--examples N] [--seed S] [--rows ws1,ws2] [--json PATH]``
+runs the ``fuzz/stateful_*`` rows (process ranks) against every mutant that runs
+on this machine, in one pytest session (a mutant's patches last one case, so
+mutants can share a session: see :mod:`conformance.selftest.declare`), and
+prints, per mutant, whether a row FAILed, then the count caught/total. Mutants
+needing GPUs are counted as not run where none is visible. This is a
+measurement, not a test: a mutant the fuzzer misses is a gap to know about, not
+an error (each mutant's own cases are required to catch it by
+``conformance/tests/test_mutants.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+from conformance.selftest.declare import Expect
+from conformance.selftest.mutants import MUTANTS
+from conformance.selftest.session import run_session
+from harness import devices
+
+__all__ = ["main", "runnable_mutants", "verdicts"]
+
+_CASES = Path(__file__).resolve().parents[1] / "cases" / "test_fuzz_stateful.py"
+
+
+def runnable_mutants() -> list[str]:
+    """Mutants whose breakage this machine can run (their expected rows need no missing GPU)."""
+    needs = {name: cast(Any, cls).expect.accelerators for name, cls in MUTANTS.items()}
+    return sorted(name for name, gpus in needs.items() if gpus <= devices.visible_gpus())
+
+
+def verdicts(rows: list[dict[str, object]], mutants: list[str]) -> dict[str, str]:
+    """Each mutant -> ``caught by <row>`` or why not (``missed``: every row passed)."""
+    out = {}
+    for name in mutants:
+        mine = [row for row in rows if row["impl"] == name]
+        failed = [str(row["case"]) for row in mine if row["outcome"] == "FAIL"]
+        if failed:
+            out[name] = f"caught by {', '.join(failed)}"
+        elif not mine:
+            out[name] = "not run (no row)"
+        else:
+            out[name] = "missed: " + ", ".join(f"{row['case']} {row['outcome']}" for row in mine)
+    return out
+
+
+def _session(mutants: list[str], args: argparse.Namespace, report: Path) -> list[dict[str, object]]:
+    rows = [f"stateful_{row}" for row in args.rows.split(",")]
+    expect = Expect(" or ".join(rows), "process", tuple(f"fuzz/{row}" for row in rows))
+    options = ["--fuzz-stateful-examples", str(args.examples), "--fuzz-seed", str(args.seed)]
+    return run_session({name: f"conformance.selftest.mutants:{MUTANTS[name].__name__}" for name in mutants},
+                       {name: expect for name in mutants}, report=report, files=[str(_CASES)], options=options,
+                       timeout_s=24 * 3600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--examples", type=int, default=20, help="programs per row (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the fuzz seed (default 0)")
+    parser.add_argument("--rows", default="ws1,ws2", help="world-size rows to run, e.g. ws1,ws2,ws4 (default ws1,ws2)")
+    parser.add_argument("--json", type=Path, help="also write mutant -> verdict as JSON here")
+    args = parser.parse_args(argv)
+    if args.examples < 1:
+        parser.error(f"--examples must be >= 1, got {args.examples}")
+    mutants = runnable_mutants()
+    with tempfile.TemporaryDirectory() as tmp:
+        found = verdicts(_session(mutants, args, Path(tmp) / "rows.json"), mutants)
+    for name, verdict in found.items():
+        print(f"{name}: {verdict}")
+    caught = sum(verdict.startswith("caught") for verdict in found.values())
+    print(f"caught by the stateful fuzzer alone: {caught}/{len(MUTANTS)} mutants "
+          f"({len(MUTANTS) - len(mutants)} need GPUs and did not run; {args.examples} programs per row, "
+          f"rows {args.rows}, seed {args.seed})")
+    if args.json is not None:
+        args.json.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The stateful fuzzer's own contract: plain-data programs, determinism, the shadow, shrinking to a reproducer."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, find, given, settings
+
+import conformance.cases.fuzz.example as example_mod
+import conformance.cases.fuzz.ops as ops_mod
+import conformance.cases.test_fuzz_stateful as stateful_cases
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.cases.fuzz.driver import Search
+from conformance.cases.fuzz.example import ModelSpec, Policy, source
+from conformance.cases.fuzz.ops import Config, Forward, NoSync, Program, programs
+from conformance.cases.fuzz.stateful import budget, check_program, missing_operations, render_program, stateful_fuzz
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import CaseSettings
+from conformance.selftest.fuzz_alone import verdicts
+from conformance.selftest.mutants import NoGradDivide
+from harness import RankContext, run
+from harness.rank_mode import RankMode
+
+_NAMES = {**vars(example_mod), **vars(ops_mod)}
+
+
+@settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(programs(world_size=2))
+def test_source_rebuilds_the_program(program: Program) -> None:
+    """A reproducer is Python: evaluating a program's source gives the same program back."""
+    assert eval(source(program), _NAMES) == program
+
+
+def _drawn(seed: int, count: int, features: Any = ops_mod.FEATURES) -> list[Program]:
+    seen: list[Program] = []
+
+    def record(program: Program) -> bool:
+        seen.append(program)
+        return False
+
+    options = settings(max_examples=count, database=None, phases=(Phase.generate,))
+    with pytest.raises(Exception, match="No examples found"):
+        find(programs(2, features=features), record, settings=options, random=random.Random(seed))
+    return seen
+
+
+def test_drawing_is_deterministic_and_varied() -> None:
+    first, again = _drawn(3, 40), _drawn(3, 40)
+    assert first == again and first != _drawn(4, 40)
+    kinds = {type(op).__name__ for program in first for op in program.ops}
+    assert kinds == {"Forward", "Backward", "Step", "ZeroGrad", "Mode", "Save", "Load", "NoSync"}, kinds
+    configs = [p.config for p in first]
+    assert any(c.policy for c in configs) and any(c.cpu_offload for c in configs), configs
+    assert any(c.checkpoint for c in configs) and any(c.frozen for c in configs), configs
+
+
+def test_unsupported_features_are_dropped_after_drawing() -> None:
+    """Without a feature the same seed draws the same operations on the config minus that feature."""
+    full, bare = _drawn(3, 40), _drawn(3, 40, ())
+    assert [p.ops for p in bare] == [p.ops for p in full]
+    assert not any(p.config.policy or p.config.cpu_offload for p in bare)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Config(world_size=2, wrap=("blocks.3",)), r"Config.wrap names \['blocks.3'\]"),
+        (lambda: Config(world_size=2, checkpoint=("blocks.0.inner",)), "Config.checkpoint names"),
+        (lambda: Config(world_size=2, strategy="HYBRID_SHARD"), "strategy='HYBRID_SHARD'"),
+        (lambda: Config(world_size=0), "world_size must be >= 1, got 0"),
+        (lambda: Config(world_size=2, dtype="float64", policy=Policy()), "dtype='float64'"),
+        (lambda: Config(world_size=4, policy=Policy()), "give reduce_dtype='float32'"),
+        (lambda: Config(world_size=2, model=ModelSpec(unused=True), frozen=("unused",)), "frozen path must be"),
+        (lambda: Forward(batch=3), r"Forward\(batch=3"),
+        (lambda: Forward(loss="aux"), "loss='aux'"),
+        (lambda: NoSync(batch=-1), r"NoSync\(batch=-1\)"),
+    ],
+)
+def test_bad_programs_name_the_bad_value(build: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_budget_and_skipped_operations() -> None:
+    assert [budget(CaseSettings(), ws) for ws in (1, 2, 4)] == [5, 5, 2]
+    assert budget(CaseSettings(fuzz_stateful_examples=40), 4) == 40
+
+    class NoStateDicts(ReferenceAdapter):
+        capabilities = ReferenceAdapter.capabilities - {Capability.NO_SYNC}
+        thread_rank_limits = {Capability.OPTIM_STATE_DICT: "a shared profiler"}
+
+    assert missing_operations(ReferenceAdapter(), RankMode.THREAD) == {}
+    assert missing_operations(NoStateDicts(), RankMode.PROCESS) == {"no_sync": "reference lacks capability no_sync"}
+    assert missing_operations(NoStateDicts(), RankMode.THREAD)["optimizer save"] == (
+        "reference has optim_state_dict on process ranks only: a shared profiler")
+
+
+def test_fuzz_alone_verdicts() -> None:
+    rows = [{"impl": "m1", "case": "fuzz/stateful_ws1", "outcome": "pass"},
+            {"impl": "m1", "case": "fuzz/stateful_ws2", "outcome": "FAIL"},
+            {"impl": "m2", "case": "fuzz/stateful_ws1", "outcome": "pass"}]
+    assert verdicts(rows, ["m1", "m2", "m3"]) == {
+        "m1": "caught by fuzz/stateful_ws2", "m2": "missed: fuzz/stateful_ws1 pass", "m3": "not run (no row)"}
+
+
+def shrink_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSettings) -> tuple[Search, list[Any]]:
+    """Fuzz ``mutant``, then run the shrunk program again on it and on the reference (module level)."""
+    result = stateful_fuzz(ctx, mutant, settings)
+    assert result.failing is not None, f"no failure in {result.runs} runs"
+    return result, [check_program(ctx, impl, result.failing) for impl in (mutant, ReferenceAdapter())]
+
+
+def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
+    """Against a reference that sums gradients without averaging, the shrunk program is one operation
+    with two backwards (``NoSync``: one inside ``no_sync``, one synchronizing) on the simplest config;
+    it fails on the mutant again, passes on the reference, and the pasted case runs in the case
+    module's namespace."""
+    results = run(shrink_and_replay, world_size=2, mode="process", timeout_s=240,
+                  args=(NoGradDivide(), CaseSettings(fuzz_stateful_examples=10)))
+    assert all(r[0] == results[0][0] for r in results), "ranks disagree on the fuzz result"
+    result, (again, reference) = results[0]
+    assert source(result.failing) == "Program(config=Config(world_size=2), ops=(NoSync(),))", source(result.failing)
+    assert result.message is not None and "grads" in result.message, result.message
+    assert again is not None and reference is None, (again, reference)
+    case_text = render_program(result.failing, result.message)
+    assert "run_program(ctx, impl, Program(config=Config(world_size=2), ops=(NoSync(),)))" in case_text
+    exec(compile(case_text, "<reproducer>", "exec"), dict(vars(stateful_cases)))  # its names resolve there
