@@ -26,7 +26,7 @@ from harness import devices
 
 __all__ = ["main", "runnable_mutants", "verdicts"]
 
-_CASES = Path(__file__).resolve().parents[1] / "cases" / "test_fuzz_stateful.py"
+_CASES = Path(__file__).resolve().parents[1] / "cases" / "test_fuzz.py"
 
 
 def runnable_mutants() -> list[str]:

@@ -93,7 +93,7 @@ def test_overlap_case_fails_for_the_toy(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "conformance", "run", "--impl", "toy-dtensor", "--rank-mode",
                           "process", "--timing-repeats", "1", "-k", "training_overlap", "--json", str(out)],
                          env=env, capture_output=True, text=True, timeout=600, check=False)
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["outcome"]) for r in rows] == [("overlap/training_overlap", "FAIL")], run.stdout[-3000:]
     assert "forward does not overlap" in rows[0]["reason"], rows[0]["reason"]
 

@@ -13,5 +13,5 @@ The stateful fuzzer: random sequences of a user's operations, checked after each
 - :mod:`conformance.cases.fuzz.stateful`: one program on the ranks, the invariant, budgets, reproducers.
 
 The matrix rows are ``fuzz/parity_ws{1,2,4}`` in ``conformance/cases/test_fuzz.py`` and
-``fuzz/stateful_ws{1,2,4}`` in ``conformance/cases/test_fuzz_stateful.py``.
+``fuzz/stateful_ws{1,2,4}`` in ``conformance/cases/test_fuzz.py``.
 """

@@ -316,7 +316,7 @@ def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -
 
 
 def render_program(program: Program, message: str) -> str:
-    """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz_stateful.py``)."""
+    """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz.py``)."""
     digest = hashlib.sha1(repr(program).encode()).hexdigest()[:8]
     found = " ".join(message.split())[:300]
     needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
