@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list case rows with their hardware needs and required capabilities")
     lst.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     lst.add_argument("--impl", metavar="NAME", help="also show which rows are n/a for this adapter, and why")
+    lst.add_argument("--explain", metavar="ROW", help="print what one row (an id as the list, the matrix and the "
+                     "JSON show it) asserts, with its needs and requirements")
     sub.add_parser("impls", help="list registered implementations and whether they load here")
     return parser
 
@@ -140,6 +142,8 @@ def _list(ns: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
+    if ns.explain is not None:
+        return _explain(ns.explain, rows)
     width = max((len(row.row_id) for row in rows), default=0)
     for row in rows:
         print(f"{row.row_id.ljust(width)}  {row.text()}")
@@ -150,6 +154,19 @@ def _list(ns: argparse.Namespace) -> int:
         if failing:
             summary += f"; {failing} that would be errors (the adapter fails to load)"
     print(summary)
+    return 0
+
+
+def _explain(row_id: str, rows: list[Any]) -> int:
+    """Print what ``row_id`` asserts; a usage error (exit 2) naming an id no row has."""
+    found = [row for row in rows if row.row_id == row_id]
+    if not found:
+        print(f"fsdp-conformance list --explain: no row {row_id!r}; 'fsdp-conformance list' shows the ids",
+              file=sys.stderr)
+        return 2
+    row = found[0]
+    print(f"{row.row_id}\n  {row.text()}\n")
+    print("\n".join(f"  {line}" if line else "" for line in row.asserts.splitlines()))
     return 0
 
 

@@ -7,6 +7,7 @@ implementation's ``n/a`` rows); it collects the cases without running them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ class ListedRow:
     not_applicable: dict[str, str] = field(default_factory=dict)
     #: rank mode -> why the row would be an ``error`` there (as ``run`` reports it: the adapter fails to load).
     errors: dict[str, str] = field(default_factory=dict)
+    #: What the row asserts: its case's docstring (``list --explain``).
+    asserts: str = ""
 
     def text(self) -> str:
         line = f"{self.needs}; modes {'/'.join(self.modes)}; timeout {self.timeout_s:g} s"
@@ -63,6 +66,7 @@ class _Collector:
             row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(params),
                                                                     spec.modes, spec.timeout(CaseSettings())))
             row.requires.update(spec.required(params))
+            row.asserts = inspect.cleandoc(getattr(getattr(item, "function", None), "__doc__", None) or "")
             impl = params.get("impl")
             mode = str(params.get("rank_mode"))
             if impl is None:
