@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 
 import conformance.cases.fuzz.example as example_mod
 import conformance.cases.fuzz.ops as ops_mod
-import conformance.cases.test_fuzz_stateful as stateful_cases
+import conformance.cases.test_fuzz as stateful_cases
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.cases.fuzz.driver import Search
 from conformance.cases.fuzz.example import ModelSpec, Policy, source

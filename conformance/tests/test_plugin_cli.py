@@ -110,6 +110,7 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
                 "no-no-shard=demo_adapters:NoNoShard")
     monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", adapters)
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.setenv("COLUMNS", "400")  # the wide matrix these tests read, whatever pytest's environment
     return pytester
 
 

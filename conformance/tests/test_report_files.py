@@ -44,7 +44,8 @@ def test_json_document_carries_the_run_and_its_rows() -> None:
     assert doc["settings"]["device"] == {"value": "cpu", "source": "--device"}
     assert (doc["started_at"], doc["ended_at"]) == ("2026-01-01T00:00:00+00:00", "2026-01-01T00:01:00+00:00")
     assert (doc["complete"], doc["interrupted"], doc["interrupted_by"]) == (True, False, None)
-    assert doc["summary"] == {"rows": 5, "pass": 1, "FAIL": 1, "error": 1, "n/a": 1, "skip": 1, "not run": 0, "case_time_s": 3.75}
+    assert doc["summary"] == {"rows": 5, "pass": 1, "FAIL": 1, "error": 1, "n/a": 1, "skip": 1, "not run": 0,
+                              "case_time_s": 3.75}
     assert doc["outcomes"] == ["pass", "FAIL", "error", "n/a", "skip", "not run"]
     assert doc["placements"] == ["cpu"]
     assert doc["rows"] == [asdict(r) for r in RESULTS]
