@@ -28,15 +28,17 @@ MODES = ["process", "thread"]
 TOY = "toy-dtensor=conformance.tests.toy_dtensor_fsdp:ToyDTensorAdapter"
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+def _model(ctx: harness.RankContext) -> nn.Module:
+    """The same seeded model on every rank and every call; thread ranks share the global RNG, so the
+    construction holds the harness's RNG lock (``ctx.rng``)."""
+    with ctx.rng(0):
+        return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
 
 
 def _step_trace(ctx: harness.RankContext, reduce: str, param_dtype: torch.dtype | None) -> list[tuple[Any, ...]]:
     adapter = ToyDTensorAdapter() if reduce == "avg" else ToySummingAdapter()
     mp = None if param_dtype is None else MixedPrecisionSpec(param_dtype=param_dtype)
-    model = adapter.wrap(_model(), WrapSpec(mixed_precision=mp))
+    model = adapter.wrap(_model(ctx), WrapSpec(mixed_precision=mp))
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(param_dtype or torch.float32)
     with ctx.record_collectives() as trace:
         model(x).float().sum().backward()
@@ -103,7 +105,7 @@ def _grads_vs_mean(ctx: harness.RankContext, reduce: str) -> str:
     from fixtures.parity import assert_close_named
 
     adapter = ToyDTensorAdapter() if reduce == "avg" else ToySummingAdapter()
-    model, local = adapter.wrap(_model(), WrapSpec()), _model()
+    model, local = adapter.wrap(_model(ctx), WrapSpec()), _model(ctx)
     batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(ctx.world_size)]
     model(batches[ctx.rank]).sum().backward()
     for batch in batches:
