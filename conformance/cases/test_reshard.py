@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, unit_bytes
 from conformance.contract.adapter import Capability, FSDPAdapter
@@ -65,6 +66,20 @@ def _after_forward_requires(params: Mapping[str, Any]) -> list[Capability]:
     return caps
 
 
+def _recorded_step(ctx: RankContext, model: nn.Module, optim: torch.optim.Optimizer, local: nn.Module,
+                   local_optim: torch.optim.Optimizer, step: int) -> tuple[Any, Any]:
+    """One SGD step of ``model`` on this rank's batch and of ``local`` on every rank's; the collectives the
+    forward and the backward issued, recorded apart."""
+    optim.zero_grad(set_to_none=True)
+    with ctx.record_collectives() as forward:
+        loss = model(block_batch(step, ctx.rank, ctx.device)).sum()
+    with ctx.record_collectives() as backward:
+        loss.backward()
+    optim.step()
+    local_step(ctx, local, local_optim, step, range(ctx.world_size))
+    return forward, backward
+
+
 @case("reshard/after_forward", world_size=4, requires=_after_forward_requires)
 @pytest.mark.parametrize("setting", [True, False, 2])
 def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int) -> None:
@@ -79,13 +94,7 @@ def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int)
     regather = {True: ws, False: 0, 2: 2}[setting]
     want_backward = [(unit, regather) for unit in ["root", "b3", "b2", "b1"]] if regather else []
     for step in range(2):
-        optim.zero_grad(set_to_none=True)
-        with ctx.record_collectives() as forward:
-            loss = model(block_batch(step, ctx.rank, ctx.device)).sum()
-        with ctx.record_collectives() as backward:
-            loss.backward()
-        optim.step()
-        local_step(ctx, local, local_optim, step, range(ws))
+        forward, backward = _recorded_step(ctx, model, optim, local, local_optim, step)
         got = (sorted(_gathers(forward, sizes, ws)), sorted(_gathers(backward, sizes, ws)))
         want = (sorted((unit, ws) for unit in UNITS), sorted(want_backward))
         assert got == want, (
@@ -109,13 +118,7 @@ def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
         if explicit:
             set_modules_to_prefetch(impl, model.b1, forward=[model.b3, model.b2])
             set_modules_to_prefetch(impl, model, backward=[model.b2, model.b3])
-        optim.zero_grad(set_to_none=True)
-        with ctx.record_collectives() as forward:
-            loss = model(block_batch(step, ctx.rank, ctx.device)).sum()
-        with ctx.record_collectives() as backward:
-            loss.backward()
-        optim.step()
-        local_step(ctx, local, local_optim, step, range(ws))
+        forward, backward = _recorded_step(ctx, model, optim, local, local_optim, step)
         order = ([u for u, _ in _gathers(forward, sizes, ws)], [u for u, _ in _gathers(backward, sizes, ws)])
         label = f"rank {ctx.rank} step {step} ({'with' if explicit else 'without'} prefetch lists)"
         assert sorted(order[0]) == sorted(order[1]) == sorted(UNITS), (
