@@ -166,6 +166,24 @@ class Observer(Protocol):
 _observers: dict[int, Observer] = {}
 
 
+def _observed(observer: Observer, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` telling ``observer`` when the rank enters and leaves it: only the real collective counts,
+    not an interceptor's work around it (an injected failure raised before ``fn`` never entered it)."""
+
+    @functools.wraps(fn)  # describe() reads the name and the signature
+    def call(*args: Any, **kwargs: Any) -> Any:
+        observer.entered(op)
+        raised = True
+        try:
+            value = fn(*args, **kwargs)
+            raised = False
+            return value
+        finally:
+            observer.left(raised=raised)
+
+    return call
+
+
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     op = CANONICAL[name]
 
@@ -179,18 +197,12 @@ def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if interceptor is not None and not _python_group(
                 _signature(original).bind_partial(*args, **kwargs).arguments.get("group")):
             interceptor = None  # reaches the dispatcher: CollectiveMode sees it
+        real = original if observer is None else _observed(observer, op, original)
         _nesting.inside = True
-        if observer is not None:
-            observer.entered(op)
-        raised = True
         try:
-            value = original(*args, **kwargs) if interceptor is None else interceptor(op, original, args, kwargs)
-            raised = False
-            return value
+            return real(*args, **kwargs) if interceptor is None else interceptor(op, real, args, kwargs)
         finally:
             _nesting.inside = False
-            if observer is not None:
-                observer.left(raised=raised)
 
     intercepted.__wrapped__ = original  # type: ignore[attr-defined]
     intercepted.__name__ = name
