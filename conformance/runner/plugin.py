@@ -34,7 +34,7 @@ from conformance.contract.declared import DeclaredAdapter
 from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner import budget, outputs, progress, signals
+from conformance.runner import budget, outputs, progress
 from conformance.runner.findings import annotate, explaining
 from conformance.runner.reasons import failure_reason, skip_reason
 from conformance.runner.report import summary_line
@@ -54,7 +54,6 @@ RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
 _GPUS_KEY = pytest.StashKey[int]()
 _STATE_KEY = pytest.StashKey["_ItemState"]()
-_RESTORE_SIGNALS_KEY = pytest.StashKey[Any]()
 _SESSION_KEY = pytest.StashKey[pytest.Session]()
 
 
@@ -152,14 +151,10 @@ def pytest_configure(config: pytest.Config) -> None:
         budget.start(config, config.stash[SETTINGS_KEY].max_time.value)
     except ValueError as exc:  # SettingError included
         raise pytest.UsageError(str(exc)) from exc
-    config.stash[_RESTORE_SIGNALS_KEY] = signals.install()  # [Note: stop signals]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     outputs.release(config)
-    restore = config.stash.get(_RESTORE_SIGNALS_KEY, None)
-    if restore is not None:
-        restore()
 
 
 def settings_of(config: pytest.Config) -> Settings:

@@ -18,6 +18,15 @@ normally, so multiprocessing removes its ``pymp-*`` directories. Signals
 after the first are ignored while the run winds down, so a second Ctrl-C or
 a CI's repeated SIGTERM cannot cut the reports short (SIGKILL still stops
 it). ``fsdp-conformance run`` exits with :data:`~conformance.runner.exitcodes.INTERRUPTED`.
+
+This module is the pytest plugin that does so for every session (entry point
+``fsdp_stop_signals``). The signal lands on whatever instruction the main
+thread is at; on Python 3.11 and later that can be one without a line number
+(an exception-table cleanup), and pytest's own report of the interrupt,
+which formats every frame, then raises ``TypeError`` from inside its
+interrupt handling: the run would end with exit code 1, no matrix and no
+reports. :func:`pytest_keyboard_interrupt` drops such frames from what
+pytest formats first; the handler's own frame, which raised, always has one.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+import pytest
 
 __all__ = ["STOP_SIGNALS", "install", "received"]
 
@@ -60,3 +71,28 @@ def install() -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+_RESTORE_KEY = pytest.StashKey[Callable[[], None]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RESTORE_KEY] = install()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    config.stash.get(_RESTORE_KEY, lambda: None)()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Keep only frames pytest can format ([Note: stop signals])."""
+    excinfo.traceback = excinfo.traceback.filter(_has_line)
+
+
+def _has_line(entry: Any) -> bool:
+    try:
+        entry.lineno  # noqa: B018 (the property raises TypeError when the frame's instruction has no line)
+    except TypeError:
+        return False
+    return True

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -154,6 +155,26 @@ def test_stop_signals_raise_keyboard_interrupt_once() -> None:
     finally:
         restore()
     assert [signal.getsignal(s) for s in signals.STOP_SIGNALS] == previous
+
+
+def _interrupt_with_a_lineless_frame() -> pytest.ExceptionInfo[KeyboardInterrupt]:
+    """A stop signal's interrupt whose traceback holds a frame at an instruction without a line number, as a
+    signal landing in an exception-table cleanup leaves it (Python 3.11 and later)."""
+    try:
+        raise KeyboardInterrupt("stopped by SIGINT")
+    except KeyboardInterrupt as exc:
+        lineless = types.TracebackType(exc.__traceback__, sys._getframe(), 10**6, -1)
+        assert lineless.tb_lineno is None
+        return pytest.ExceptionInfo.from_exception(exc.with_traceback(lineless))
+
+
+def test_an_interrupt_on_a_lineless_instruction_is_still_reported() -> None:
+    with pytest.raises(TypeError):  # pytest alone cannot format it: the run would end with code 1, no reports
+        _interrupt_with_a_lineless_frame().getrepr(funcargs=True)
+    excinfo = _interrupt_with_a_lineless_frame()
+    signals.pytest_keyboard_interrupt(excinfo)
+    crash = excinfo.getrepr(funcargs=True).reprcrash
+    assert crash is not None and "stopped by SIGINT" in crash.message
 
 
 FULL_DISK = '''
