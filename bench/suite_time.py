@@ -13,26 +13,36 @@ Critical path: timing cases run one after another, alone, at the end of a
 parallel run ([Note: timing phase] in ``harness/scheduling.py``), so a
 parallel run cannot take less than their summed time plus the longest other
 case; the slowest cases are listed from the runs' own ``--json`` durations.
+
+CPU: every run loads :mod:`bench.cpu_probe` ([Note: CPU per row]), so the
+report adds CPU-seconds per area and per case (from the last parallel run;
+``--compare`` puts an earlier report's numbers beside them: before/after), and
+counts the baseline cache's lookups ([Note: baseline cache] in
+``fixtures/baselines.py``): the hit rate is hits / lookups over the run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import cpu_probe
 from bench._common import base_parser, median, print_table, write_json
 from conformance.runner.document import load_report
 
-__all__ = ["time_run", "timing_rows"]
+__all__ = ["cpu_by", "hit_rate", "time_run", "timing_rows"]
 
 JOBS = {"main": ["--impl", "reference"], "all": ["--impl", "all"]}
 
@@ -40,17 +50,23 @@ JOBS = {"main": ["--impl", "reference"], "all": ["--impl", "all"]}
 def time_run(job_args: list[str], workers: str, extra: list[str]) -> dict[str, Any]:
     """Run the suite once; wall time, exit code, outcome counts and per-row results."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.json"
-        cmd = [sys.executable, "-m", "conformance", "run", *job_args, "-n", workers, "--json", str(out), *extra]
+        out, cpu_log, cache_log = Path(tmp) / "results.json", Path(tmp) / "cpu", Path(tmp) / "cache"
+        cmd = [sys.executable, "-m", "conformance", "run", *job_args, "-n", workers, "--json", str(out), *extra,
+               "--", "-p", "bench.cpu_probe"]
+        env = {**os.environ, cpu_probe.ENV_VAR: str(cpu_log), "FSDP_BASELINE_CACHE_LOG": str(cache_log)}
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         wall = time.perf_counter() - start
         results = [asdict(r) for r in load_report(out).rows] if out.exists() else []
+        cpu = [json.loads(line) for line in cpu_log.read_text().splitlines()] if cpu_log.exists() else []
+        lookups = Counter(line.split()[-1] for line in cache_log.read_text().splitlines()) \
+            if cache_log.exists() else Counter()
     counts: dict[str, int] = {}
     for row in results:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
     return {"workers": workers, "wall_s": wall, "exit_code": proc.returncode, "counts": counts,
-            "results": results, "tail": (proc.stdout + proc.stderr).splitlines()[-3:]}
+            "results": results, "tail": (proc.stdout + proc.stderr).splitlines()[-3:], "cpu": cpu,
+            "cache": {"hits": lookups["hit"], "misses": lookups["miss"]}}
 
 
 class _TimingRows:
@@ -106,6 +122,36 @@ def _measure(jobs: list[str], workers: str, rounds: int, extra: list[str],
     return runs
 
 
+def cpu_by(rows: list[dict[str, Any]], level: str) -> dict[str, float]:
+    """CPU-seconds summed per area (``level="area"``) or per case (``"case"``: the row id without its
+    parameters), largest first."""
+    totals: Counter[str] = Counter()
+    for row in rows:
+        name = row["case"].split("[")[0]
+        totals[name.split("/")[0] if level == "area" else name] += row["cpu_s"]
+    return {name: round(cpu, 2) for name, cpu in totals.most_common()}
+
+
+def hit_rate(cache: dict[str, int]) -> float | None:
+    lookups = cache["hits"] + cache["misses"]
+    return round(cache["hits"] / lookups, 3) if lookups else None
+
+
+def _print_cpu(entry: dict[str, Any], before: dict[str, Any] | None, slowest: int) -> None:
+    """CPU-seconds per area and for the costliest cases, beside an earlier report's (``--compare``)."""
+    cache = entry["cache"]
+    print(f"\n{entry['job']}: {entry['cpu_s']:.1f} CPU-s in rows; baseline cache {cache['hits']} hits / "
+          f"{cache['hits'] + cache['misses']} lookups (hit rate {cache['hit_rate']})"
+          + (f"; before: {before['cpu_s']:.1f} CPU-s, hit rate {before['cache']['hit_rate']}" if before else ""))
+    for level, limit in (("area", None), ("case", slowest)):
+        now = entry[f"cpu_by_{level}"]
+        was = before.get(f"cpu_by_{level}", {}) if before else {}
+        names = list(now)[:limit] if limit else list(now)
+        print_table([level, "CPU-s", *(["before", "after/before"] if before else [])],
+                    [[n, now[n], *([was.get(n, "-"), now[n] / was[n] if was.get(n) else "-"] if before else [])]
+                     for n in names])
+
+
 def _report(runs: dict[str, dict[str, list[Any]]], workers: str, slowest: int) -> tuple[list[Any], bool]:
     timing = timing_rows()
     table: list[list[Any]] = []
@@ -123,8 +169,12 @@ def _report(runs: dict[str, dict[str, list[Any]]], workers: str, slowest: int) -
         path = _critical_path(parallel[-1]["results"], timing, slowest)
         timed = [{"run": f"-n {mode}", **{k: r[k] for k in ("case", "impl", "outcome", "reason")}}
                  for mode, rs in (("0", serial), (workers, parallel)) for r in rs[-1]["results"] if r["case"] in timing]
+        last = parallel[-1]
         summary.append({"job": job, "serial_s": s_wall, "parallel_s": p_wall, "ratio": p_wall / s_wall,
-                        "rows_identical": same, "critical_path": path, "timing_rows": timed})
+                        "rows_identical": same, "critical_path": path, "timing_rows": timed,
+                        "cpu_s": round(sum(r["cpu_s"] for r in last["cpu"]), 2),
+                        "cpu_by_area": cpu_by(last["cpu"], "area"), "cpu_by_case": cpu_by(last["cpu"], "case"),
+                        "cache": {**last["cache"], "hit_rate": hit_rate(last["cache"])}})
     print_table(["job", "rows", "serial s", f"-n {workers} s", "ratio", "same rows", "outcomes"], table)
     for entry in summary:
         _print_job(entry, timing)
@@ -156,12 +206,17 @@ def main() -> None:
     parser.add_argument("-k", dest="keyword", default=None)
     parser.add_argument("--slowest", type=int, default=8)
     parser.add_argument("--parallel-first", action="store_true", help="start each job with the parallel run")
+    parser.add_argument("--compare", type=Path, default=None,
+                        help="an earlier report of this script: its CPU-seconds beside this run's (before/after)")
     args = parser.parse_args()
+    earlier = {j["job"]: j for j in json.loads(args.compare.read_text())["jobs"]} if args.compare else {}
     if args.workers == "0":
         parser.error("-n 0: the parallel run needs at least one worker (or auto)")
     extra = ["-k", args.keyword] if args.keyword else []
     runs = _measure(args.job or ["main", "all"], args.workers, args.rounds, extra, args.parallel_first)
     summary, ok = _report(runs, args.workers, args.slowest)
+    for entry in summary:
+        _print_cpu(entry, earlier.get(entry["job"]), args.slowest)
     write_json(args.json, {"workers": args.workers, "rounds": args.rounds, "jobs": summary,
                            "runs": {job: {mode: [{k: v for k, v in r.items() if k != "results"} for r in rs]
                                           for mode, rs in by_mode.items()} for job, by_mode in runs.items()}})

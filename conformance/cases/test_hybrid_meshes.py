@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
 from conformance.contract.case import case
+from fixtures.baselines import cached
 from fixtures.meshes import hybrid_groups, hybrid_ranks
 from fixtures.optimizers import make_optim
 from fixtures.parity import assert_close_named, assert_close_seq, assert_differs_across_ranks, assert_same_across_ranks
@@ -101,13 +102,20 @@ def _local_shards(impl: FSDPAdapter, model: nn.Module) -> list[torch.Tensor]:
     return [s.detach().reshape(-1) for u in impl.units(model) for s in u.local_shards]
 
 
-def _baseline_step(local: nn.Module, optim: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
-    """One step of the local model on every rank's batch; returns each rank's loss."""
-    optim.zero_grad()
-    losses = [local(_batch(step, r).to(next(local.parameters()).device)).sum() for r in range(WORLD)]
-    torch.stack(losses).mean().backward()
-    optim.step()
-    return [loss.detach() for loss in losses]
+def _baseline_run(device: torch.device) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
+    """The local model trained ``STEPS`` steps on every rank's batch (mean of the ranks' losses): per step,
+    each rank's loss and the parameters after the step. Rows share it ([Note: baseline cache])."""
+    local = ReplicaModel(seed=0).to(device)
+    optim = make_optim("SGD", local.parameters())
+    trajectory = []
+    for step in range(STEPS):
+        optim.zero_grad()
+        losses = [local(_batch(step, r).to(device)).sum() for r in range(WORLD)]
+        torch.stack(losses).mean().backward()
+        optim.step()
+        trajectory.append(([loss.detach() for loss in losses],
+                           {name: p.detach().clone() for name, p in local.named_parameters()}))
+    return trajectory
 
 
 def _check_unit_groups(ctx: RankContext, units: list[UnitInfo], shape: tuple[int, int]) -> None:
@@ -143,19 +151,18 @@ def test_replicas_match_baseline(
             torch.cat(_local_shards(impl, model)), what=f"{shape} local shards in one shard group",
             group=shape_groups(ctx, *size)[0],
         )
-    local = ReplicaModel(seed=0).to(ctx.device)
-    optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
-    for step in range(STEPS):
+    baseline = cached("local-steps", {"model": ReplicaModel, "seed": 0, "optim": "SGD", "steps": STEPS,
+                                      "world": WORLD, "batch": _batch, "device": ctx.device},
+                      lambda: _baseline_run(ctx.device))
+    optim = make_optim("SGD", model.parameters())
+    for step, (want_losses, want_params) in enumerate(baseline):
         optim.zero_grad()
         loss = model(_batch(step, ctx.rank).to(ctx.device)).sum()
         loss.backward()
         optim.step()
-        want_losses = _baseline_step(local, local_optim, step)
         where = f"rank {ctx.rank} {shape} ({given}, {strategy}) step {step}"
         assert_close_seq([loss.detach()], [want_losses[ctx.rank]], what=f"{where}: loss vs baseline")
-        assert_close_named(
-            impl.full_params(model), dict(local.named_parameters()), what=f"{where}: full params vs baseline"
-        )
+        assert_close_named(impl.full_params(model), want_params, what=f"{where}: full params vs baseline")
         assert_same_across_ranks(
             _local_shards(impl, model), what=f"{where}: local shards across the replicate group",
             group=replicate_group,

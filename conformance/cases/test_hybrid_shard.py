@@ -50,6 +50,7 @@ from conformance.cases._hybrid_helpers import (
 from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from fixtures.baselines import cached
 from fixtures.models import ThreeLinear, TiedTransformer
 from fixtures.optimizers import OPTIMIZERS, make_optim
 from fixtures.parity import (
@@ -68,6 +69,7 @@ __all__ = ["NODE", "WORLD", "Setup", "build_hybrid_transformer", "fwd_bwd"]  # t
 
 MANUAL_WRAP_ERROR = "requires explicit specification of process group or device_mesh."
 INVALID_PG_ERROR = "Expected process_group to be passed in"
+STEPS = 5  # training steps of parity_with_fsdp
 
 
 def _flat_param_needed(params: Mapping[str, Any]) -> list[Capability]:
@@ -162,10 +164,6 @@ def test_parity_with_fsdp(
     as units): hybrid units replicate over more than one rank, and 5 steps of HSDP give FULL_SHARD's
     losses. Adam as in the seed, and SGD
     with momentum, which a wrong gradient scale on the replicate reduction changes."""
-    full_model = impl.wrap(
-        TiedTransformer(seed=0).to(ctx.device),
-        WrapSpec(strategy="FULL_SHARD", auto_wrap=LAYERS, use_orig_params=use_orig_params),
-    )
     hybrid_model = impl.wrap(
         TiedTransformer(seed=0).to(ctx.device),
         WrapSpec(
@@ -179,26 +177,38 @@ def test_parity_with_fsdp(
     assert replicate and all(len(ranks(g)) > 1 for g in replicate), (
         f"hybrid units replicate over {[ranks(g) for g in replicate]}: no replication"
     )
-    optims = [make_optim(optim, m.parameters()) for m in (full_model, hybrid_model)]
-    gen = generator(rank_seed(1, ctx.rank))
-    for step in range(5):
-        inputs = io().get_input(ctx.device, gen)
-        losses = []
-        for model, opt in zip((full_model, hybrid_model), optims, strict=True):
-            opt.zero_grad()
-            loss = model(*inputs).sum()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
+    # Both hybrid strategies are held to the same FULL_SHARD run: computed once ([Note: baseline cache]).
+    full_losses = cached(
+        "full-shard-losses",
+        {"impl": impl.name, "model": TiedTransformer, "seed": 0, "auto_wrap": LAYERS, "optim": optim,
+         "use_orig_params": use_orig_params, "steps": STEPS, "inputs": "get_input(rank_seed(1, rank))",
+         "rank": ctx.rank, "world": ctx.world_size, "device": ctx.device},
+        lambda: _train_losses(ctx, impl.wrap(TiedTransformer(seed=0).to(ctx.device), WrapSpec(
+            strategy="FULL_SHARD", auto_wrap=LAYERS, use_orig_params=use_orig_params)), optim),
+        group=None,
+    )
+    hybrid_losses = _train_losses(ctx, hybrid_model, optim)
+    for step, (got, want) in enumerate(zip(hybrid_losses, full_losses, strict=True)):
         # Not bit-exact, by construction: FULL_SHARD reduce-scatters the four ranks'
         # gradients in one sum, hybrid sums pairs within a node and then the two
         # pair sums across nodes, a different association of float additions. So
         # the comparison is the seed's: default float32 tolerances.
-        assert_close_seq(
-            [losses[1]],
-            [losses[0]],
-            what=f"rank {ctx.rank} step {step}: {strategy} vs FULL_SHARD loss ({optim})",
-        )
+        assert_close_seq([got], [want], what=f"rank {ctx.rank} step {step}: {strategy} vs FULL_SHARD loss ({optim})")
+
+
+def _train_losses(ctx: RankContext, model: nn.Module, optim: str) -> list[torch.Tensor]:
+    """``STEPS`` steps of ``model`` on this rank's inputs (the seed's sum loss); the loss of each step."""
+    opt = make_optim(optim, model.parameters())
+    gen = generator(rank_seed(1, ctx.rank))
+    losses = []
+    for _ in range(STEPS):
+        inputs = io().get_input(ctx.device, gen)
+        opt.zero_grad()
+        loss = model(*inputs).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
 
 
 # -- state dicts and module-state sync ------------------------------------------------------

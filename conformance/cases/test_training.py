@@ -8,7 +8,6 @@ and the note on CPU groups are in ``_rank_helpers.py`` ([Note: CPU groups]).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +18,13 @@ from torch.nn.parallel import DistributedDataParallel
 from conformance.cases._rank_helpers import cpu_world_group, hybrid_cpu_groups
 from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from fixtures.baselines import cached
 from fixtures.models import (
     OptionalSecondOutputModel,
     SumOfInputsModel,
 )
 from fixtures.optimizers import OPTIMIZERS, make_optim
-from fixtures.parity import (
-    assert_runs_match,
-    run_steps,
-)
+from fixtures.parity import StepRecord, assert_runs_match, run_steps
 from fixtures.seeding import generator, rank_seed
 
 if TYPE_CHECKING:
@@ -57,13 +54,19 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
     """
     world = cpu_world_group(ctx)
     group: Any = hybrid_cpu_groups(ctx, shard_size=2) if strategy in HYBRID_STRATEGIES else world
-    model = SumOfInputsModel(seed=42)
-    ddp = DistributedDataParallel(copy.deepcopy(model), process_group=world)
-    fsdp = impl.wrap(model, WrapSpec(strategy=strategy, auto_wrap=ALWAYS, process_group=group, device_id=CPU))
     inp = torch.randn((2, 2), generator=generator(rank_seed(42, ctx.rank)))
     batches = [(inp, inp)] * 10
-    runs = {
-        "ddp": run_steps(ddp, make_optim(optim, ddp.parameters()), batches, _sum_loss),
+
+    def ddp_run() -> list[StepRecord]:
+        ddp = DistributedDataParallel(SumOfInputsModel(seed=42), process_group=world)
+        return run_steps(ddp, make_optim(optim, ddp.parameters()), batches, _sum_loss)
+
+    fsdp = impl.wrap(SumOfInputsModel(seed=42),
+                     WrapSpec(strategy=strategy, auto_wrap=ALWAYS, process_group=group, device_id=CPU))
+    runs = {  # DDP's run is the same for every strategy: computed once ([Note: baseline cache])
+        "ddp": cached("ddp-steps", {"model": SumOfInputsModel, "seed": 42, "optim": optim, "batches": batches,
+                                    "loss": _sum_loss, "world": ctx.world_size, "rank": ctx.rank,
+                                    "rank_batches": "randn((2, 2)) from rank_seed(42, rank)"}, ddp_run, group=world),
         impl.name: run_steps(fsdp, make_optim(optim, fsdp.parameters()), batches, _sum_loss),
     }
     assert_runs_match(runs, reference="ddp")

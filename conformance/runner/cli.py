@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from conformance.runner import CASES_DIR, exitcodes, signals
+from conformance.runner import CASES_DIR, exitcodes
 from harness.rank_mode import SELECTIONS
 
 # pytest, torch and the adapters are imported by the command that needs them, so --help answers at once.
@@ -120,6 +120,8 @@ def _run_args(ns: argparse.Namespace) -> list[str]:
 def _run(ns: argparse.Namespace) -> int:
     """Run the session; the exit code is :mod:`conformance.runner.exitcodes`'s."""
     import pytest
+
+    from conformance.runner import signals  # a pytest plugin: imported here, so that --help imports no pytest
 
     if not _quiet_rank():
         code = int(pytest.main(_run_args(ns)))
