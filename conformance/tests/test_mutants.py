@@ -9,7 +9,8 @@ one ``--fsdp-impl`` per mutant); a mutant's patches last one case (the harness's
 per-case reset reverts them), so its neighbours in the session run against the
 reference they expect. Batching spares each mutant a session's start-up (its
 interpreter's and its rank pool's torch imports, about 6 s on a 2-core box).
-``-k <module>-<rank mode>`` selects one batch (``-k runtime-thread``).
+``-k <module>`` selects the batches holding a module's mutants (``-k runtime``; a
+batch's id names its modules and rank mode, e.g. ``precision+runtime+sharing-thread``).
 Patch targets and expectations are checked without running anything first.
 
 Placement mutants are only visible on GPU rows: on a CPU-only machine the CPU is
@@ -92,25 +93,37 @@ class Batch:
         return sorted({DECLARED_IN[c] for c in cases}) if cases <= DECLARED_IN.keys() else [str(CASES_DIR)]
 
 
-def _session_key(name: str) -> tuple[str, str, int, bool, int, int]:
-    """What a batch's session shares: declaring module, rank mode, GPUs, timing phase, timing repeats,
-    stateful fuzz budget."""
+#: Declaring modules per batch session: each session pays its interpreter's and its rank pools' start-up once
+#: (about 7 CPU-seconds on a 2-core box), and two xdist workers still get several sessions to balance.
+MODULES_PER_BATCH = 3
+
+
+def _session_key(name: str) -> tuple[str, int, bool, int, int]:
+    """What a batch's session shares: rank mode, GPUs, timing phase, timing repeats, stateful fuzz budget."""
     expect = EXPECTED[name]
-    module = MUTANTS[name].__module__.rsplit(".", 1)[-1]
-    return (module, expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats or 0,
+    return (expect.rank_mode, expect.accelerators, _runs_timing_case(expect), expect.timing_repeats or 0,
             expect.stateful_examples or 0)
 
 
+def _module(name: str) -> str:
+    return MUTANTS[name].__module__.rsplit(".", 1)[-1]
+
+
 def _batches() -> list[Batch]:
-    groups: dict[tuple[str, str, int, bool, int, int], list[str]] = {}
-    for name in sorted(EXPECTED):
+    groups: dict[tuple[str, int, bool, int, int], list[str]] = {}
+    for name in sorted(EXPECTED, key=lambda n: (_module(n), n)):
         groups.setdefault(_session_key(name), []).append(name)
-    return [
-        Batch("-".join([module, mode, *([f"gpu{gpus}"] if gpus else []), *(["timing"] if timing else []),
-                        *([f"repeats{repeats}"] if repeats else []), *([f"programs{programs}"] if programs else [])]),
-              tuple(names), mode, gpus, timing, repeats or None, programs or None)
-        for (module, mode, gpus, timing, repeats, programs), names in sorted(groups.items())
-    ]
+    batches = []
+    for (mode, gpus, timing, repeats, programs), names in sorted(groups.items()):
+        modules = sorted({_module(n) for n in names})
+        for start in range(0, len(modules), MODULES_PER_BATCH):
+            chunk = modules[start:start + MODULES_PER_BATCH]
+            label = "-".join(["+".join(chunk), mode, *([f"gpu{gpus}"] if gpus else []),
+                              *(["timing"] if timing else []), *([f"repeats{repeats}"] if repeats else []),
+                              *([f"programs{programs}"] if programs else [])])
+            batches.append(Batch(label, tuple(n for n in names if _module(n) in chunk), mode, gpus, timing,
+                                 repeats or None, programs or None))
+    return batches
 
 
 BATCHES = _batches()
