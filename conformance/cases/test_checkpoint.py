@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.optional import activation_checkpoint_wrapper
 from fixtures.checkpointing import FFN, CheckpointBlock, CheckpointTower, ffn_layers
 from fixtures.parity import assert_close_named, assert_close_seq
@@ -92,15 +93,12 @@ def spy_save_on_cpu() -> Iterator[Callable[[], int]]:
 
 # -- shared pieces ---------------------------------------------------------------------------
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
-    needs = [] if params["use_orig_params"] else [Capability.FLAT_PARAM]
-    if params["cpu_offload"]:
-        needs.append(Capability.CPU_OFFLOAD)
-    return needs
+    return [Capability.CPU_OFFLOAD] if params["cpu_offload"] else []
 
 
 def _grid(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """cpu_offload (parameters) x offload_activations x use_orig_params, as the seed."""
-    fn = pytest.mark.parametrize("use_orig_params", [False, True])(fn)
+    """cpu_offload (parameters) x offload_activations, as the seed; the seed's third axis, use_orig_params,
+    is run inside each row ([Note: parameter exposures] in ``conformance.contract.exposures``)."""
     fn = pytest.mark.parametrize("offload_activations", [True, False])(fn)
     return pytest.mark.parametrize("cpu_offload", [True, False])(fn)
 
@@ -192,19 +190,16 @@ def _train_side_by_side(
 
 
 # -- cases -------------------------------------------------------------------------------------
-@case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires)
+@case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires, uses=[Capability.FLAT_PARAM])
 @_grid
 @pytest.mark.parametrize("nesting", ["roots", "under_root"])
 def test_checkpoint_fsdp_wrapping(
-    ctx: RankContext,
-    impl: FSDPAdapter,
-    cpu_offload: bool,
-    offload_activations: bool,
-    use_orig_params: bool,
-    nesting: str,
+    ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, offload_activations: bool, nesting: str
 ) -> None:
     """The activation wrapper outside per-layer units and inside each unit give the loss, output and
     grads of the units alone over two steps; with offload on, both pack activations through ``save_on_cpu``.
+    For every parameter exposure the implementation offers (original parameters; also flat ones where it
+    declares flat_param).
 
     ``roots``: each layer's unit is its own root, as in the seed; roots keep their
     parameters between forward and backward. ``under_root``: the same units nested
@@ -212,45 +207,36 @@ def test_checkpoint_fsdp_wrapping(
     layer's parameters after forward and recomputation in backward must gather
     them again.
     """
-    spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(impl, offload_activations)
+    for use_orig_params in parameter_exposures(impl):
+        spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
 
-    def unit(layer: nn.Module) -> nn.Module:
-        return impl.wrap(layer, spec)
+        def unit(layer: nn.Module, spec: WrapSpec = spec) -> nn.Module:
+            return impl.wrap(layer, spec)
 
-    def top(model: nn.Module) -> nn.Module:
-        return impl.wrap(model, spec) if nesting == "under_root" else model
+        def top(model: nn.Module, spec: WrapSpec = spec) -> nn.Module:
+            return impl.wrap(model, spec) if nesting == "under_root" else model
 
-    models = {
-        "wrapper outside units": top(wrapper(FFN(_layers(ctx.device), unit))),
-        "wrapper inside each unit": top(FFN(_layers(ctx.device), lambda layer: unit(wrapper(layer)))),
-        "units only": top(FFN(_layers(ctx.device), unit)),
-    }
-    _train_side_by_side(ctx, models, 2, lambda name: offload_activations and name != "units only")
+        models = {
+            "wrapper outside units": top(wrapper(FFN(_layers(ctx.device), unit))),
+            "wrapper inside each unit": top(FFN(_layers(ctx.device), lambda layer: unit(wrapper(layer)))),
+            "units only": top(FFN(_layers(ctx.device), unit)),
+        }
+        with under_exposure(use_orig_params):
+            _train_side_by_side(ctx, models, 2, lambda name: offload_activations and name != "units only")
 
 
-@case("checkpoint/basic_checkpoint_end_to_end", world_size=2, requires=_requires)
+@case("checkpoint/basic_checkpoint_end_to_end", world_size=2, requires=_requires, uses=[Capability.FLAT_PARAM])
 @_grid
 def test_basic_checkpoint_end_to_end(
-    ctx: RankContext,
-    impl: FSDPAdapter,
-    cpu_offload: bool,
-    offload_activations: bool,
-    use_orig_params: bool,
+    ctx: RankContext, impl: FSDPAdapter, cpu_offload: bool, offload_activations: bool
 ) -> None:
     """A unit alone, the activation wrapper around a unit, a unit around the wrapper, and reentrant
     ``checkpoint()`` of a unit give the same loss, output and grads over six steps (default tolerances);
     with offload on, every model but the plain unit packs activations through ``save_on_cpu`` in step one.
+    For every parameter exposure the implementation offers.
     """
-    spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
     wrapper = _activation_wrapper(impl, offload_activations)
-    seq = FFN(_layers(ctx.device))
-    models = {
-        "unit only": impl.wrap(copy.deepcopy(seq), spec),
-        "wrapper(unit)": wrapper(impl.wrap(copy.deepcopy(seq), spec)),
-        "unit(wrapper)": impl.wrap(wrapper(copy.deepcopy(seq)), spec),
-        "checkpoint(unit), reentrant": impl.wrap(copy.deepcopy(seq), spec),
-    }
 
     def forward(name: str, model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
         if not name.startswith("checkpoint("):
@@ -261,7 +247,17 @@ def test_basic_checkpoint_end_to_end(
         with offload:
             return cast(torch.Tensor, checkpoint(model, inp, use_reentrant=True))
 
-    _train_side_by_side(ctx, models, 6, lambda name: offload_activations and name != "unit only", forward)
+    for use_orig_params in parameter_exposures(impl):
+        spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
+        seq = FFN(_layers(ctx.device))
+        models = {
+            "unit only": impl.wrap(copy.deepcopy(seq), spec),
+            "wrapper(unit)": wrapper(impl.wrap(copy.deepcopy(seq), spec)),
+            "unit(wrapper)": impl.wrap(wrapper(copy.deepcopy(seq)), spec),
+            "checkpoint(unit), reentrant": impl.wrap(copy.deepcopy(seq), spec),
+        }
+        with under_exposure(use_orig_params):
+            _train_side_by_side(ctx, models, 6, lambda name: offload_activations and name != "unit only", forward)
 
 
 @case("checkpoint/checkpoint_submodule", world_size=2, strategies=["NO_SHARD"])

@@ -37,6 +37,7 @@ from conformance.contract import registry
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.case import case, not_applicable
+from conformance.contract.exposures import parameter_exposures, under_exposure
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator
@@ -118,19 +119,20 @@ def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     _assert_matches_local(ctx, impl, fresh, local, f"params two steps after {kind} load")
 
 
-def _load_requires(params: Mapping[str, Any]) -> list[Capability]:
-    return [Capability.FULL_STATE_DICT] + ([] if params["use_orig_params"] else [Capability.FLAT_PARAM])
-
-
-@case("state_dict/load_in_loop", world_size=2, requires=_load_requires)
-@pytest.mark.parametrize("use_orig_params", [True, False])
+@case("state_dict/load_in_loop", world_size=2, requires=[Capability.FULL_STATE_DICT], uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("point", ["between_steps", "after_backward", "after_forward"])
-def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, use_orig_params: bool) -> None:
+def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str) -> None:
     """A FULL model state dict loaded between steps, after backward, or after an abandoned forward gives
     the loaded params, and the next forward's output and two steps' losses match the loaded model trained
     locally. ``lin2`` is its own unit, the root owns ``lin1`` and ``lin3``: after a forward the root may
-    still hold its unsharded parameters, which the load must not leave stale."""
-    spec = WrapSpec(use_orig_params=use_orig_params)
+    still hold its unsharded parameters, which the load must not leave stale. For every parameter exposure
+    the implementation offers."""
+    for use_orig_params in parameter_exposures(impl):
+        with under_exposure(use_orig_params):
+            _load_in_loop(ctx, impl, point, WrapSpec(use_orig_params=use_orig_params))
+
+
+def _load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, spec: WrapSpec) -> None:
     inner = ThreeLinear(seed=0).to(ctx.device)
     inner.lin2 = impl.wrap(inner.lin2, spec)  # type: ignore[assignment]
     model = impl.wrap(inner, spec)

@@ -19,8 +19,7 @@ accepts it must train it as one parameter, like the baseline.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.results import CaseReport
 from fixtures.models import UnevenTiedModel
 from fixtures.optimizers import make_optim
@@ -51,23 +51,30 @@ def _wrap(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: WrapSpec) -> nn.M
     return impl.wrap(model, spec)
 
 
-def _requires(params: Mapping[str, Any]) -> list[Capability]:
-    return [] if params["use_orig_params"] else [Capability.FLAT_PARAM]
-
-
-@case("uneven_shared/train", world_size=2, requires=_requires)
+@case("uneven_shared/train", world_size=2, uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("tie", ["within_unit", "across_units"])
-@pytest.mark.parametrize("use_orig_params", [True, False])
-def test_train(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, tie: str) -> CaseReport | None:
+def test_train(ctx: RankContext, impl: FSDPAdapter, tie: str) -> CaseReport | None:
     """Uneven shards, a one-element unit and a tied embedding/projection: params after wrap, each rank's
     loss and params after each of three SGD steps match the local baseline, and the tie holds. A tie across
-    units may instead be rejected at wrap with a ValueError saying "shared" and naming a tied weight."""
+    units may instead be rejected at wrap with a ValueError saying "shared" and naming a tied weight.
+    For every parameter exposure the implementation offers."""
+    rejected = []
+    for use_orig_params in parameter_exposures(impl):
+        with under_exposure(use_orig_params):
+            rejection = _train_against_local(ctx, impl, tie, WrapSpec(use_orig_params=use_orig_params))
+        if rejection is not None:
+            rejected.append(f"use_orig_params={use_orig_params}: rejected at wrap: {rejection}")
+    return CaseReport(reason="; ".join(rejected)) if rejected else None
+
+
+def _train_against_local(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: WrapSpec) -> str | None:
+    """The row's checks under one exposure; the wrap-time rejection's text if the tie was rejected."""
     try:
-        model = _wrap(ctx, impl, tie, WrapSpec(use_orig_params=use_orig_params))
+        model = _wrap(ctx, impl, tie, spec)
     except ValueError as exc:
         if tie != "across_units" or "shared" not in str(exc) or not re.search(SHARED_NAMES, str(exc)):
             raise
-        return CaseReport(reason=f"rejected at wrap: {exc}")
+        return str(exc)
     local = UnevenTiedModel(seed=0).to(ctx.device)
     optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
     want = {n: p.detach() for n, p in local.named_parameters()}

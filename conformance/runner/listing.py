@@ -33,6 +33,8 @@ class ListedRow:
     #: Seconds its ranks may take by default (``--case-timeout`` replaces it).
     timeout_s: float
     requires: set[Capability] = field(default_factory=set)
+    #: Capabilities the row also exercises where the adapter declares them (``@case(uses=...)``).
+    uses: set[Capability] = field(default_factory=set)
     #: rank mode -> why the row is n/a there for the adapter given to :func:`collect_rows`.
     not_applicable: dict[str, str] = field(default_factory=dict)
     #: rank mode -> why the row would be an ``error`` there (as ``run`` reports it: the adapter fails to load).
@@ -44,6 +46,8 @@ class ListedRow:
         line = f"{self.needs}; modes {'/'.join(self.modes)}; timeout {self.timeout_s:g} s"
         if self.requires:
             line += f"; requires {', '.join(sorted(str(c) for c in self.requires))}"
+        if self.uses:
+            line += f"; uses where declared {', '.join(sorted(str(c) for c in self.uses))}"
         for outcome, reasons in (("error", self.errors), ("n/a", self.not_applicable)):
             for reason in dict.fromkeys(reasons.values()):
                 modes = [m for m, r in reasons.items() if r == reason]
@@ -66,6 +70,7 @@ class _Collector:
             row = self.rows.setdefault(case_row_id(item), ListedRow(case_row_id(item), spec.needs_text(params),
                                                                     spec.modes, spec.timeout(CaseSettings())))
             row.requires.update(spec.required(params))
+            row.uses.update(spec.uses)
             row.asserts = inspect.cleandoc(getattr(getattr(item, "function", None), "__doc__", None) or "")
             impl = params.get("impl")
             mode = str(params.get("rank_mode"))

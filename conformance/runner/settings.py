@@ -95,7 +95,8 @@ class Settings:
 
 
 def _parse_impls(raw: Any) -> tuple[str, ...]:
-    names = raw.split(",") if isinstance(raw, str) else list(raw)
+    # ``--impl a,b``, ``--impl a --impl b`` and ``FSDP_CONFORMANCE_IMPL=a,b`` all name a and b.
+    names = [name for item in ([raw] if isinstance(raw, str) else raw) for name in str(item).split(",")]
     wanted = registry.expand([n.strip() for n in names if n.strip()])
     if not wanted:
         raise ValueError("names no implementation")

@@ -73,6 +73,12 @@ def test_command_line_wins_over_environment() -> None:
     assert settings.fuzz_verbose.value is False  # a given switch wins over the environment
 
 
+def test_implementations_split_on_commas_from_every_source() -> None:
+    for given in (["reference,torch-fsdp1"], ["reference", "torch-fsdp1"], ["reference, torch-fsdp1"]):
+        settings = resolve_settings({"impls": ("--impl", given)}, rank_mode=BOTH, env={})
+        assert settings.impls.value == ("reference", "torch-fsdp1"), given
+
+
 def test_bad_values_name_their_source() -> None:
     with pytest.raises(SettingError, match=r"^FSDP_CONFORMANCE_IMPL='nope': unknown implementation\(s\) \['nope'\]"):
         resolve_settings(NO_CLI, rank_mode=BOTH, env={IMPL_ENV: "nope"})

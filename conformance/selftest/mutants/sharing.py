@@ -20,7 +20,7 @@ class SharedAcrossUnitsAccepted(_Mutant):
     # With flat parameters the unchecked reference happens to keep the tie and train
     # correctly (the case accepts that); with original parameters it does not.
     expect = Expect(
-        "uneven_shared and across_units", "thread", ("uneven_shared/train[tie=across_units,use_orig_params=True]",),
+        "uneven_shared and across_units", "thread", ("uneven_shared/train[tie=across_units]",),
     )
     patches = (Patch.instead("fsdp_impl.init:check_not_shared_with_nested", lambda root, params: None),)
 
