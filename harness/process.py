@@ -54,6 +54,26 @@ START_METHOD_ENV = "FSDP_HARNESS_START_METHOD"
 START_METHOD = settings.resolve("start method", [(START_METHOD_ENV, os.environ.get(START_METHOD_ENV))],
                                 settings.choice(("forkserver", "spawn")), "forkserver").value
 
+#: The longest AF_UNIX socket path Linux accepts (``sun_path`` holds 108 bytes with the terminating NUL).
+UNIX_PATH_MAX = 107
+
+
+def check_socket_path() -> None:
+    """Raise ``ValueError`` when the forkserver's socket, which multiprocessing puts at
+    ``<temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX``, would not fit in an AF_UNIX address: every rank start
+    would otherwise fail with a bare ``OSError: AF_UNIX path too long``."""
+    if START_METHOD != "forkserver":
+        return
+    tmp = tempfile.gettempdir()
+    length = len(os.fsencode(os.path.join(tmp, "pymp-" + "x" * 8, "listener-" + "x" * 8)))
+    if length > UNIX_PATH_MAX:
+        raise ValueError(
+            f"the temporary directory {tmp!r} ({len(tmp)} characters, from TMPDIR) is too long for rank "
+            f"processes: the forkserver's socket path would take {length} bytes and AF_UNIX allows "
+            f"{UNIX_PATH_MAX}; set TMPDIR to a shorter directory (or {START_METHOD_ENV}=spawn)"
+        )
+
+
 #: What the forkserver imports once; none of it may probe CUDA (a ``cpu`` placement hides it later).
 #: ``torch._dynamo`` is imported by the first optimizer a rank builds (seconds per process otherwise).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "harness._rank_main", "harness._host_main"]
@@ -217,6 +237,7 @@ class ProcessPool:
 def mp_context() -> Any:
     """A forkserver context whose server has torch imported ([Note: process start])."""
     ctx = mp.get_context(START_METHOD)
+    check_socket_path()
     if START_METHOD == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx

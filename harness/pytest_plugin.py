@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from harness.process import check_socket_path
 from harness.rank_mode import SELECTIONS, SPAWNED, RankMode, excluded_reason, modes_of, resolve_selection
 from harness.settings import Resolved, SettingError
 
@@ -66,6 +67,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "rank_mode_excluded(reason): the row's rank mode is not one its test declares (added by the harness)"
     )
     rank_mode_setting(config)  # resolved once, early: a bad value is a usage error naming its source
+    if set(selected_modes(config)) - {RankMode.LAUNCHED}:
+        try:
+            check_socket_path()  # every row would fail on it: say so once, before any case
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
 
 
 def rank_mode_setting(config: pytest.Config) -> Resolved[str]:
