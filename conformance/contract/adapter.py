@@ -133,7 +133,9 @@ class Capability(str, enum.Enum):
     """Shards per module in FSDP2's shape: the adapter defines ``fully_shard(module, *, mesh,
     reshard_after_forward, ignored_params)`` (:func:`conformance.contract.optional.fully_shard`), which
     cases call bottom-up, the root last. Afterwards the module's parameters (and ``state_dict()``
-    values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool."""
+    values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool. As torch's
+    ``fully_shard``, each call groups the module's own parameters (those no nested call took) into one
+    all-gather per unshard, which ``reshard/*`` reads to tell units apart."""
     RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
     """``fully_shard(..., reshard_after_forward=k)`` with ``k`` a factor of the mesh size: after forward
     each rank keeps its share for an all-gather over ``k`` ranks in backward."""
