@@ -2,10 +2,10 @@
 
 The ``head`` unit's output is used through views, modified in place after the
 forward, detached in part, or taken out of a container; ``head`` is resharded
-after its forward, so backward must gather its parameters again from hooks on
-whatever the caller kept: backward must all-gather again (an implementation
-whose autograd graph still holds the freed parameters may compute right
-gradients without it, so the all-gather itself is checked). Each rank trains on its own batch; the baseline is
+after its forward, so its backward must gather its parameters again, whatever
+the caller did with the output (an implementation whose autograd graph still
+holds the freed parameters computes right gradients without it, so at least one
+all-gather in backward is checked). Each rank trains on its own batch; the baseline is
 the local model over every rank's batch with the loss divided by the world
 size ([Note: accumulation baseline] in ``test_grad_accumulation``). Full
 gradients and, after each SGD-with-momentum step, parameters equal the
