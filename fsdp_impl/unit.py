@@ -57,6 +57,7 @@ overlapping at the forward/backward boundary. With ``False`` nothing is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -199,10 +200,22 @@ def _post_forward(unit: UnitState, state: RootState, output: Any, recompute: boo
         _reshard_after_forward(unit, grad_follows)
     if grad_follows:
         hook = functools.partial(_pre_backward_hook, unit)
-        for leaf in tree_flatten(output)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(hook)
+        for tensor in _output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(hook)
     unit.training_state = TrainingState.IDLE
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor of a unit's output: in pytree containers (tuples, lists, dicts, namedtuples) and in
+    dataclass fields (pytree leaves unless registered), nested either way."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
 
 
 def _reshard_after_forward(unit: UnitState, grad_follows: bool) -> None:

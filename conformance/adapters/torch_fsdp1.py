@@ -50,6 +50,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.SHARDED_STATE_DICT,
             Capability.OPTIM_STATE_DICT,
             Capability.MIXED_PRECISION,
+            Capability.MP_CAST_FORWARD_INPUTS,
             Capability.MP_KEEP_LOW_PRECISION_GRADS,
             Capability.MP_BUFFER_DTYPE,
             Capability.MP_FULL_PRECISION_IN_EVAL,

@@ -55,6 +55,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.THREAD_RANKS,
             Capability.OPTIM_STATE_DICT,
             Capability.MIXED_PRECISION,
+            Capability.MP_CAST_FORWARD_INPUTS,
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.EXPLICIT_PREFETCH,

@@ -39,7 +39,6 @@ from conformance.cases._hybrid_helpers import (
     check_groups,
     check_reshard_after_forward,
     check_strategies,
-    expected_collectives,
     fwd_bwd,
     hybrid_groups,
     io,
@@ -128,8 +127,11 @@ def test_basic_setup(
     use_device_mesh: bool,
 ) -> None:
     """Each unit reports its strategy (hybrid or FULL_SHARD by ``mode``), hybrid units shard within a node
-    and replicate across nodes, non-root hybrid units are resharded after forward iff HYBRID_SHARD, and one
-    forward/backward issues the expected collectives per group (the root may all-gather once more)."""
+    and replicate across nodes, non-root hybrid units are resharded after forward iff HYBRID_SHARD, and in
+    one forward/backward every collective is over the expected group, with at least one all-gather per unit
+    in forward, one reduce-scatter per unit and one replicate all-reduce per hybrid unit in backward, and
+    backward all-gathers that show HYBRID_SHARD re-gathering and _HYBRID_SHARD_ZERO2 not (per unit or per
+    parameter alike: ``check_collectives``)."""
     node = NODE if use_device_mesh else node_size(ctx)
     with env_on_all_ranks(ctx, "LOCAL_WORLD_SIZE", str(node)):
         model = build_hybrid_transformer(
@@ -139,13 +141,12 @@ def test_basic_setup(
     check_strategies(hybrid, full, strategy)
     groups = check_groups(ctx, hybrid, node)
     inputs = io().get_input(ctx.device, generator(rank_seed(0, ctx.rank)))
-    with ctx.record_collectives() as trace:
+    with ctx.record_collectives() as forward:
         output = model(*inputs)
         check_reshard_after_forward(impl, model, strategy)
+    with ctx.record_collectives() as backward:
         io().get_loss(inputs, output).backward()
-    roots = [u for u in (*hybrid, *full) if u.fqn == ""]
-    root_group = tuple(ranks(roots[0].shard_group)) if roots else ()
-    check_collectives(ctx, trace, expected_collectives(hybrid, full, strategy, groups), root_group)
+    check_collectives(ctx, forward, backward, hybrid, full, strategy, groups)
 
 
 # -- training parity with FULL_SHARD -------------------------------------------------------

@@ -1,4 +1,5 @@
-"""mixed_precision: param / reduce / buffer dtypes, low-precision gradients, full precision in eval.
+"""mixed_precision: param / reduce / buffer dtypes, low-precision gradients, full precision in eval,
+the root's cast of its inputs.
 
 Each case trains :class:`~fixtures.precision.ScaledMLP` (units: ``lin1``,
 ``lin2``, the root with the buffer) on two ranks with SGD, next to
@@ -10,6 +11,11 @@ all-gathers in the param dtype, gradient reductions in the reduce dtype), the
 dtype of the sharded parameters and gradients the optimizer sees, and the
 values of losses, gradients and parameters against the emulation with
 ``torch.testing.assert_close``'s defaults for their dtype.
+
+Only ``cast_forward_inputs`` feeds float32 batches and relies on the implementation casting them
+(``Capability.MP_CAST_FORWARD_INPUTS``); every other case casts its batches to the param dtype
+itself (``MixedPrecisionSpec(cast_forward_inputs=False)``), so it needs no more than the dtypes it
+tests.
 """
 
 from __future__ import annotations
@@ -82,6 +88,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _check_collectives(pair: _Pair, trace: Any, step: int) -> None:
+    """The dtypes the step's collectives carry, not how many there are: every all-gather carries the
+    param dtype and there is at least one (none for NO_SHARD), every gradient reduction (reduce-scatter
+    or all-reduce, per unit or per parameter alike) carries the reduce dtype and there is at least one."""
     assert pair.mp.param_dtype is not None
     param, reduce = pair.mp.param_dtype, pair.mp.reduce_dtype or pair.mp.param_dtype
     gathers, reductions = _dtypes(trace, GATHERS), _dtypes(trace, REDUCTIONS)
@@ -91,6 +100,8 @@ def _check_collectives(pair: _Pair, trace: Any, step: int) -> None:
 
 
 def _check_compute_dtypes(pair: _Pair, output: torch.Tensor, step: int) -> None:
+    """The root's forward sees its input in the param dtype (cast by the case, or with
+    ``cast_forward_inputs`` by the implementation), ``lin1`` its weight, the output comes out in it."""
     param = pair.mp.param_dtype
     buffer = pair.mp.buffer_dtype or torch.float32
     seen = {"output": output.dtype, "input": pair.module.seen["input"], "buffer": pair.module.seen["scale"],
@@ -110,10 +121,12 @@ def _check_sharded_dtypes(pair: _Pair, step: int) -> None:
 
 
 def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step: int) -> None:
-    """One recorded step on both sides; every dtype and value check of the module docstring."""
+    """One recorded step on both sides; every dtype and value check of the module docstring. Without
+    ``cast_forward_inputs`` the case hands the model its batch in the param dtype."""
     batches = _batches(ctx, step)
+    x = batches[ctx.rank] if pair.mp.cast_forward_inputs else batches[ctx.rank].to(pair.local.param_dtype)
     with ctx.record_collectives() as trace:
-        output = pair.model(batches[ctx.rank])
+        output = pair.model(x)
         loss = low_precision_loss(output)
         loss.backward()
     want_losses = pair.local.forward_backward(batches)
@@ -153,7 +166,18 @@ def test_param_and_reduce_dtypes(
 ) -> None:
     """Compute and all-gather in the param dtype, reduce in the reduce dtype (the param dtype when
     unset), keep full-precision shards and gradients; train like the local emulation."""
-    mp = MixedPrecisionSpec(param_dtype=DTYPES[param_dtype], reduce_dtype=reduce_dtype and DTYPES[reduce_dtype])
+    mp = MixedPrecisionSpec(param_dtype=DTYPES[param_dtype], reduce_dtype=reduce_dtype and DTYPES[reduce_dtype],
+                            cast_forward_inputs=False)
+    _train(ctx, _pair(ctx, impl, mp, strategy))
+
+
+@case("mixed_precision/cast_forward_inputs", world_size=WORLD,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS])
+@pytest.mark.parametrize(("param_dtype", "strategy"), [("bfloat16", "FULL_SHARD"), ("float16", "NO_SHARD")])
+def test_cast_forward_inputs(ctx: RankContext, impl: FSDPAdapter, param_dtype: str, strategy: str) -> None:
+    """Fed float32 batches, the root's forward sees them in the param dtype (cast before it runs), and
+    outputs, losses, grads and params are those of the emulation computing on the cast batch."""
+    mp = MixedPrecisionSpec(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
@@ -167,7 +191,7 @@ def test_keep_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, reduce_dt
     """Gradients reach the optimizer in the dtype they were reduced in, not upcast (torch's
     documented ``keep_low_precision_grads``); values as emulated."""
     mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype and DTYPES[reduce_dtype],
-                            keep_low_precision_grads=True)
+                            keep_low_precision_grads=True, cast_forward_inputs=False)
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
@@ -176,16 +200,18 @@ def test_keep_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, reduce_dt
 @pytest.mark.parametrize("buffer_dtype", ["bfloat16", "float16"])
 def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) -> None:
     """Buffers compute in the buffer dtype, independently of the param dtype."""
-    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=DTYPES[buffer_dtype])
+    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=DTYPES[buffer_dtype],
+                            cast_forward_inputs=False)
     _train(ctx, _pair(ctx, impl, mp, "FULL_SHARD"))
 
 
 @case("mixed_precision/full_precision_in_eval", world_size=WORLD, env={"FSDP_USE_FULL_PREC_IN_EVAL": "1"},
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.MP_FULL_PRECISION_IN_EVAL])
 def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """In eval, a unit gathers and computes in full precision (buffers too) and matches the float32
-    model; back in train mode it is mixed precision again."""
-    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    """In eval, a unit gathers and computes in full precision (buffers too) on a float32 batch and
+    matches the float32 model; back in train mode it is mixed precision again (bfloat16 batches)."""
+    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16,
+                            cast_forward_inputs=False)
     pair = _pair(ctx, impl, mp, "FULL_SHARD")
     _train(ctx, pair, steps=1)
     pair.model.eval()
@@ -193,6 +219,7 @@ def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
     x = _batches(ctx, 100)[ctx.rank]
     with torch.no_grad(), ctx.record_collectives() as trace:
         output = pair.model(x)
+    # Dtypes only: every eval all-gather carries float32, and there is at least one.
     gathers = _dtypes(trace, GATHERS)
     assert gathers == {"float32"}, f"eval all-gathers carried {gathers}, expected float32"
     seen = {"output": output.dtype, "buffer": pair.module.seen["scale"], "lin1.weight": pair.module.lin1.seen["weight"]}
@@ -204,4 +231,5 @@ def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
     with torch.no_grad():
         torch.testing.assert_close(output, pair.local.master(x), msg=lambda m: f"eval output vs float32 model: {m}")
     pair.model.train()
-    assert pair.model(x).dtype == torch.bfloat16, "back in train mode the output should be bfloat16 again"
+    output = pair.model(x.to(torch.bfloat16))
+    assert output.dtype == torch.bfloat16, "back in train mode the output should be bfloat16 again"

@@ -42,7 +42,9 @@ UNITS = ["root", "b1", "b2", "b3"]
 
 def _gathers(trace: Any, sizes: Mapping[str, int], mesh_size: int) -> list[tuple[str, int]]:
     """(unit, group size) of every all-gather in ``trace``; the unit is the one closest in bytes
-    (over a smaller group a rank sends the share of ``mesh_size / group size`` ranks)."""
+    (over a smaller group a rank sends the share of ``mesh_size / group size`` ranks). One all-gather
+    per unit and direction is ``fully_shard``'s grouping (``Capability.FULLY_SHARD``: a module's
+    parameters are gathered together), not a count of this case's choosing."""
     out = []
     for call in trace.calls:
         if call.op == AG:

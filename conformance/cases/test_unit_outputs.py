@@ -2,22 +2,26 @@
 
 The ``head`` unit's output is used through views, modified in place after the
 forward, detached in part, or taken out of a container; ``head`` is resharded
-after its forward, so backward must gather its parameters again from hooks on
-whatever the caller kept: backward must all-gather again (an implementation
-whose autograd graph still holds the freed parameters may compute right
-gradients without it, so the all-gather itself is checked). Each rank trains on its own batch; the baseline is
+after its forward, so its backward must gather its parameters again, whatever
+the caller did with the output (an implementation whose autograd graph still
+holds the freed parameters computes right gradients without it, so at least one
+all-gather in backward is checked). Each rank trains on its own batch; the baseline is
 the local model over every rank's batch with the loss divided by the world
 size ([Note: accumulation baseline] in ``test_grad_accumulation``). Full
 gradients and, after each SGD-with-momentum step, parameters equal the
 baseline's (torch's float32 tolerances).
 
-Also: outputs that the loss leaves unused, and outputs in a namedtuple.
+Also: outputs returned in any structure (namedtuple, dict, list, dataclass,
+nested containers), trained against the local model the same way; and outputs
+that the loss leaves unused, trained against a local model, with, for an
+implementation that reports it, every unit resharded after each backward
+(a separate row: it needs ``Capability.RESHARD_INTROSPECTION``).
 """
 
 from __future__ import annotations
 
-from collections import namedtuple
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -25,8 +29,8 @@ import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case, not_applicable
-from conformance.contract.optional import full_grads, has_backward_hook
-from fixtures.misc_models import PassThroughModel
+from conformance.contract.optional import full_grads
+from fixtures.misc_models import OUTPUT_STRUCTURES, StructuredOutputModel
 from fixtures.models import (
     OUTPUT_USES,
     OutputUseModel,
@@ -44,6 +48,49 @@ if TYPE_CHECKING:
 STEPS = 2
 
 
+def _step_vs_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local: Any,
+                   optims: tuple[torch.optim.Optimizer, torch.optim.Optimizer], step: int, label: str,
+                   on_backward: Callable[[Any], None] | None = None) -> None:
+    """One SGD step of ``model`` on this rank's batch and of ``local`` on every rank's (the loss divided
+    by the world size, [Note: accumulation baseline]); full grads after backward and params after the step
+    must match (n/a without full grads). ``on_backward`` gets the recorded collectives of the backward."""
+    batches = [local.get_input(ctx.device, generator(rank_seed(step, r)))[0] for r in range(ctx.world_size)]
+    loss = model(batches[ctx.rank]).square().sum()
+    with ctx.record_collectives() as trace:
+        loss.backward()
+    if on_backward is not None:
+        on_backward(trace)
+    for batch in batches:
+        (local(batch).square().sum() / ctx.world_size).backward()
+    grads = full_grads(impl, model)
+    if grads is None:
+        not_applicable(f"{impl.name} cannot expose full gradients for this wrap")
+        return
+    want = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
+    assert_close_named({n: None if g is None else g.to(ctx.device) for n, g in grads.items()}, want,
+                       what=f"rank {ctx.rank} step {step}: grads with {label}")
+    for opt in optims:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert_close_named({n: p.to(ctx.device) for n, p in impl.full_params(model).items()},
+                       {n: p.detach() for n, p in local.named_parameters()},
+                       what=f"rank {ctx.rank}: params after step {step} with {label}")
+
+
+def _regathered(ctx: RankContext, step: int, label: str) -> Callable[[Any], None]:
+    """A check of the backward's collectives: at least one all-gather, of any size and group (one per unit
+    or one per parameter alike). ``head``'s parameters were freed after forward, so its backward must
+    gather them again; right gradients alone do not show it (see the module docstring)."""
+
+    def check(trace: Any) -> None:
+        assert any(c.op.startswith("all_gather") for c in trace.calls), (
+            f"rank {ctx.rank} step {step}: no all-gather in backward with {label}; head was resharded after "
+            f"forward, so its backward must gather it again\n{trace.render()}"
+        )
+
+    return check
+
+
 @case("unit_outputs/caller_use", world_size=2)
 @pytest.mark.parametrize("use", list(OUTPUT_USES))
 def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
@@ -55,41 +102,39 @@ def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
     inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
     model = impl.wrap(inner, spec)
     local = OutputUseModel(use, seed=0).to(ctx.device)
-    optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
+    optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
+    label = f"the head output used as {use!r}"
     for step in range(STEPS):
-        batches = [local.get_input(ctx.device, generator(rank_seed(step, r)))[0] for r in range(ctx.world_size)]
-        loss = model(batches[ctx.rank]).square().sum()
-        with ctx.record_collectives() as trace:
-            loss.backward()
-        gathers = [c for c in trace.calls if c.op.startswith("all_gather")]
-        assert gathers, (
-            f"rank {ctx.rank} step {step}: no all-gather in backward with the head output used as {use!r}; "
-            f"head was resharded after forward, so its backward must gather it again\n{trace.render()}"
-        )
-        for batch in batches:
-            (local(batch).square().sum() / ctx.world_size).backward()
-        grads = full_grads(impl, model)
-        if grads is None:
-            not_applicable(f"{impl.name} cannot expose full gradients for this wrap")
-            return
-        want = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
-        assert_close_named(
-            {n: None if g is None else g.to(ctx.device) for n, g in grads.items()}, want,
-            what=f"rank {ctx.rank} step {step}: grads with the head output used as {use!r}",
-        )
-        for opt in (optim, local_optim):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        assert_close_named(
-            {n: p.to(ctx.device) for n, p in impl.full_params(model).items()},
-            {n: p.detach() for n, p in local.named_parameters()},
-            what=f"rank {ctx.rank}: params after step {step}",
+        _step_vs_local(ctx, impl, model, local, optims, step, label, _regathered(ctx, step, label))
+
+
+@case("unit_outputs/structured_outputs", world_size=2)
+@pytest.mark.parametrize("structure", list(OUTPUT_STRUCTURES))
+def test_structured_outputs(ctx: RankContext, impl: FSDPAdapter, structure: str) -> None:
+    """A unit (``head``, resharded after forward) returning its two outputs in a namedtuple, dict, list,
+    dataclass or nested containers: the caller gets the same structure (the same type) back, backward
+    all-gathers again, and full grads and params after each of two SGD steps match the local model's (n/a
+    without full grads)."""
+    spec = WrapSpec(use_orig_params=True)
+    inner = StructuredOutputModel(structure, seed=0).to(ctx.device)
+    inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
+    model = impl.wrap(inner, spec)
+    local = StructuredOutputModel(structure, seed=0).to(ctx.device)
+    optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
+    label = f"head's outputs in a {structure}"
+    for step in range(STEPS):
+        _step_vs_local(ctx, impl, model, local, optims, step, label, _regathered(ctx, step, label))
+        assert set(inner.head_types) == set(local.head_types), (
+            f"rank {ctx.rank} step {step}: the wrapped head returned {sorted(t.__name__ for t in inner.head_types)}, "
+            f"the local head {sorted(t.__name__ for t in local.head_types)}"
         )
 
-@case("unit_outputs/not_all_outputs_used_in_loss", world_size=2, requires=[Capability.RESHARD_INTROSPECTION])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
-    """Loss uses (a, b) for 2 steps, then only a for 4 (the seed's 6): units reshard, SGD matches a local model."""
+
+def _train_two_outputs(ctx: RankContext, impl: FSDPAdapter, strategy: str,
+                       after_backward: Callable[[nn.Module, int], None] | None = None) -> None:
+    """The seed's loop: outputs (a, b), loss over both for 2 steps then over a only for 4; SGD on the
+    wrapped model and a local one, full params compared after every step; ``after_backward(model, step)``
+    runs after each backward."""
     local = TwoOutputModel(seed=0).to(ctx.device)
     model = TwoOutputModel(seed=0).to(ctx.device)
     spec = WrapSpec(strategy=strategy)
@@ -108,7 +153,8 @@ def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strat
             loss, local_loss = a.sum(), local_a.sum()
         loss.backward()
         local_loss.backward()
-        _assert_all_resharded(impl, fsdp, step)
+        if after_backward is not None:
+            after_backward(fsdp, step)
         optim.step()
         local_optim.step()
         after = dict(local.named_parameters())
@@ -119,26 +165,25 @@ def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strat
     ctx.barrier()
 
 
-def _assert_all_resharded(impl: FSDPAdapter, model: nn.Module, step: int) -> None:
-    units = impl.units(model)
-    unknown = [u.fqn or "<root>" for u in units if u.resharded is None]
-    assert not unknown, f"{impl.name} declares reshard_introspection but reports no resharded state for {unknown}"
-    stale = [u.fqn or "<root>" for u in units if not u.resharded]
-    assert not stale, f"step {step}: units not resharded after backward: {stale}"
+@case("unit_outputs/not_all_outputs_used_in_loss", world_size=2)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    """Loss uses (a, b) for 2 steps, then only a for 4 (the seed's 6): after every SGD step the full
+    params equal a local model's."""
+    _train_two_outputs(ctx, impl, strategy)
 
 
-_Quad = namedtuple("_Quad", ["a", "b", "c", "d"])
+@case("unit_outputs/unused_outputs_resharded", world_size=2, requires=[Capability.RESHARD_INTROSPECTION])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_unused_outputs_resharded(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
+    """The training of ``not_all_outputs_used_in_loss``; after every backward each unit reports itself
+    resharded, the one whose output the loss left unused too."""
 
+    def all_resharded(model: nn.Module, step: int) -> None:
+        units = impl.units(model)
+        unknown = [u.fqn or "<root>" for u in units if u.resharded is None]
+        assert not unknown, f"{impl.name} declares reshard_introspection but reports no resharded state for {unknown}"
+        stale = [u.fqn or "<root>" for u in units if not u.resharded]
+        assert not stale, f"step {step}: units not resharded after backward: {stale}"
 
-@case("unit_outputs/namedtuple_outputs", world_size=2)
-def test_namedtuple_outputs(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """A namedtuple passed through a unit comes back as the same namedtuple type, and every tensor field
-    of it carries the implementation's backward hook."""
-    model = impl.wrap(PassThroughModel(seed=0).to(ctx.device), WrapSpec())
-    t = torch.ones(1, device=ctx.device, requires_grad=True)
-    out = model(_Quad(t, t, t, t))
-    assert isinstance(out, _Quad), f"namedtuple output came back as {type(out).__name__}"
-    for name, field in zip(out._fields, out, strict=True):
-        assert has_backward_hook(impl, field), f"rank {ctx.rank}: output field {name!r} has no backward hook"
-
-
+    _train_two_outputs(ctx, impl, strategy, all_resharded)

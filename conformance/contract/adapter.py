@@ -113,7 +113,14 @@ class Capability(str, enum.Enum):
     model state-dict kind the adapter declares."""
     MIXED_PRECISION = "mixed_precision"
     """Computes in ``MixedPrecisionSpec.param_dtype`` (all-gathers in it) and reduces gradients in
-    ``reduce_dtype``; the sharded parameters and their gradients stay in full precision."""
+    ``reduce_dtype``; the sharded parameters and their gradients stay in full precision. Nothing about
+    the model's inputs: a case that feeds floating inputs in another dtype and relies on the
+    implementation casting them requires :attr:`MP_CAST_FORWARD_INPUTS` as well."""
+    MP_CAST_FORWARD_INPUTS = "mp_cast_forward_inputs"
+    """``MixedPrecisionSpec.cast_forward_inputs``: the root module casts the floating-point tensors of
+    its forward inputs to ``param_dtype`` before its forward runs (torch FSDP1's
+    ``MixedPrecision.cast_root_forward_inputs``, FSDP2's ``MixedPrecisionPolicy.cast_forward_inputs``),
+    so a float32 batch computes in the param dtype as if the caller had cast it."""
     MP_KEEP_LOW_PRECISION_GRADS = "mp_keep_low_precision_grads"
     """``MixedPrecisionSpec.keep_low_precision_grads``: gradients are handed to the optimizer in the
     parameter dtype (torch's FSDP2 has no such option)."""
@@ -126,7 +133,9 @@ class Capability(str, enum.Enum):
     """Shards per module in FSDP2's shape: the adapter defines ``fully_shard(module, *, mesh,
     reshard_after_forward, ignored_params)`` (:func:`conformance.contract.optional.fully_shard`), which
     cases call bottom-up, the root last. Afterwards the module's parameters (and ``state_dict()``
-    values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool."""
+    values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool. As torch's
+    ``fully_shard``, each call groups the module's own parameters (those no nested call took) into one
+    all-gather per unshard, which ``reshard/*`` reads to tell units apart."""
     RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
     """``fully_shard(..., reshard_after_forward=k)`` with ``k`` a factor of the mesh size: after forward
     each rank keeps its share for an all-gather over ``k`` ranks in backward."""
@@ -187,12 +196,17 @@ class MixedPrecisionSpec:
     backward compute in); ``reduce_dtype``: gradient reduction (``None``: the
     param dtype); ``buffer_dtype``: buffers during compute;
     ``keep_low_precision_grads``: leave gradients in the param dtype for the optimizer.
+    ``cast_forward_inputs``: the root casts floating forward inputs to ``param_dtype``
+    (:attr:`Capability.MP_CAST_FORWARD_INPUTS`; the default, as torch's FSDP1 and FSDP2 do by
+    default). ``False`` says the case feeds its inputs in ``param_dtype`` itself and relies on no
+    cast: an implementation may then cast or not, which for such inputs is the same.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -207,6 +221,8 @@ class MixedPrecisionSpec:
             caps.append(Capability.MP_BUFFER_DTYPE)
         if self.keep_low_precision_grads:
             caps.append(Capability.MP_KEEP_LOW_PRECISION_GRADS)
+        if self.cast_forward_inputs:
+            caps.append(Capability.MP_CAST_FORWARD_INPUTS)
         return caps
 
 

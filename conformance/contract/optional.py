@@ -13,7 +13,6 @@ adapter method (optional)                  default
 ``activation_checkpoint_wrapper(m, offload)`` torch's ``checkpoint_wrapper`` / ``offload_wrapper``
 ``set_post_optim_event(model, event)``     unsupported: the case is ``n/a``
 ``wrapped_module(model)``                  ``model.module`` if it is a module, else ``model``
-``has_backward_hook(tensor)``              hooks registered with ``Tensor.register_hook``
 ``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
 ``no_sync(model)``                         unsupported: the case is ``n/a``
 ``thread_rank_limits: Mapping[Capability, str]`` ``{}``: every capability holds on thread ranks too
@@ -47,7 +46,6 @@ __all__ = [
     "capabilities_of",
     "full_grads",
     "fully_shard",
-    "has_backward_hook",
     "no_sync",
     "protocol_version",
     "set_modules_to_prefetch",
@@ -143,14 +141,6 @@ def wrapped_module(adapter: Any, model: nn.Module) -> nn.Module:
         return method(model)
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, nn.Module) else model
-
-
-def has_backward_hook(adapter: Any, tensor: torch.Tensor) -> bool:
-    """Whether the implementation registered a backward hook on ``tensor`` (an output of a unit)."""
-    method = getattr(adapter, "has_backward_hook", None)
-    if method is not None:
-        return bool(method(tensor))
-    return bool(tensor._backward_hooks)
 
 
 def full_grads(adapter: Any, model: nn.Module) -> dict[str, torch.Tensor | None] | None:

@@ -10,6 +10,7 @@ import textwrap
 from typing import Any
 
 import pytest
+import torch
 import torch.nn as nn
 
 from conformance.contract import registry
@@ -44,7 +45,17 @@ def test_wrap_spec_names_what_it_needs() -> None:
                     mixed_precision=MixedPrecisionSpec(buffer_dtype=None, keep_low_precision_grads=True))
     assert set(spec.required()) == {Capability.CPU_OFFLOAD, Capability.SYNC_MODULE_STATES,
                                     Capability.HYBRID_VIA_PG_TUPLE, Capability.BACKWARD_PREFETCH,
-                                    Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS}
+                                    Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS,
+                                    Capability.MP_CAST_FORWARD_INPUTS}
+
+
+def test_mixed_precision_asks_for_the_input_cast_only_when_the_case_relies_on_it() -> None:
+    """``cast_forward_inputs`` (the default, torch's) needs MP_CAST_FORWARD_INPUTS; a case feeding its
+    inputs in the param dtype says ``False`` and needs MIXED_PRECISION alone."""
+    bf16 = torch.bfloat16
+    assert MixedPrecisionSpec(param_dtype=bf16).required() == [Capability.MIXED_PRECISION,
+                                                               Capability.MP_CAST_FORWARD_INPUTS]
+    assert MixedPrecisionSpec(param_dtype=bf16, cast_forward_inputs=False).required() == [Capability.MIXED_PRECISION]
 
 
 def test_a_wrap_needing_more_than_the_row_declared_never_reaches_the_adapter() -> None:

@@ -21,6 +21,11 @@ carries the precision of ([Note: exact comparisons] in ``fixtures.parity``):
   changes them at that dtype's precision, not at float32's);
 * parameters stay float32 on both sides and keep float32's defaults: a master
   copy rounded to the param dtype, or an update lost, shows there.
+
+Inputs: the fuzzers hand the wrapped model and the baseline the same batch, its floating tensors
+cast to the param dtype by :func:`model_input`; they test param, reduce and buffer dtypes, not the
+root's cast of its inputs (``mixed_precision/cast_forward_inputs`` does), so the wrap spec says
+``cast_forward_inputs=False`` and needs no ``Capability.MP_CAST_FORWARD_INPUTS``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from fixtures.precision import average_grads, low_precision_copy
 
 __all__ = [
     "dtype_of", "mixed_precision_spec", "required", "precision_features", "precision_note", "low_precision_model",
-    "local_backward", "as_compared", "in_compute_dtype",
+    "local_backward", "as_compared", "in_compute_dtype", "model_input",
 ]
 
 
@@ -57,7 +62,16 @@ def mixed_precision_spec(policy: Policy | None) -> MixedPrecisionSpec | None:
         param_dtype=dtype_of(policy.param_dtype),
         reduce_dtype=None if policy.reduce_dtype is None else dtype_of(policy.reduce_dtype),
         buffer_dtype=None if policy.buffer_dtype is None else dtype_of(policy.buffer_dtype),
+        cast_forward_inputs=False,
     )
+
+
+def model_input(batch: torch.Tensor, policy: Policy | None) -> torch.Tensor:
+    """``batch`` as the fuzzers feed it to both models: floating in the param dtype under a policy
+    (see the module note), token ids and batches without a policy unchanged."""
+    if policy is None or not batch.is_floating_point():
+        return batch
+    return batch.to(dtype_of(policy.param_dtype))
 
 
 def required(policy: Policy | None) -> list[Capability]:
@@ -107,8 +121,7 @@ def local_backward(
             low_param.copy_(param)
     losses, per_rank = [], []
     for batch in batches:
-        x = batch.to(spec.param_dtype) if batch.is_floating_point() else batch  # as the root casts its inputs
-        loss = loss_of(low(x))
+        loss = loss_of(low(model_input(batch, policy)))
         loss.backward()
         losses.append(loss.detach())
         per_rank.append({name: p.grad for name, p in low.named_parameters() if p.grad is not None})

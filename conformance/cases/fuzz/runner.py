@@ -42,6 +42,7 @@ from conformance.cases.fuzz.precision import (
     local_backward,
     low_precision_model,
     mixed_precision_spec,
+    model_input,
 )
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import full_grads
@@ -137,7 +138,7 @@ class _Run:
                 make_batch(ex.model, _batch_seed(ex, step, micro, r), self.dtype, self.device)
                 for r in range(ex.world_size)
             ]
-            output = self.model(batches[self.rank])
+            output = self.model(model_input(batches[self.rank], ex.policy))
             if ex.policy is not None:
                 self.compare(f"output dtype of micro-batch {micro}", assert_dtypes, output, ex.policy.param_dtype)
             loss = loss_of(output)

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from conformance.cases.fuzz.model import build_model, loss_of, make_batch
 from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec
+from conformance.cases.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
 from conformance.cases.fuzz.runner import make_optimizer
 from fixtures.precision import average_grads
 
@@ -121,11 +121,7 @@ class Shadow:
                     buf.copy_(buf.to(spec.buffer_dtype))
 
     def _input(self, batch: int, rank: int) -> torch.Tensor:
-        x = batch_of(self.config, batch, rank, self.device)
-        spec = mixed_precision_spec(self.config.policy)
-        if spec is not None and spec.param_dtype is not None and x.is_floating_point():
-            return x.to(spec.param_dtype)  # as the root casts its inputs
-        return x
+        return model_input(batch_of(self.config, batch, rank, self.device), self.config.policy)
 
     def forward(self, batch: int, rank: int, *, grad: bool, loss: str) -> tuple[Output, torch.Tensor]:
         """Rank ``rank``'s output and loss for ``batch``; with ``grad`` the loss becomes pending."""

@@ -52,6 +52,7 @@ from conformance.cases.fuzz.precision import (
     as_compared,
     in_compute_dtype,
     mixed_precision_spec,
+    model_input,
     precision_features,
     required,
 )
@@ -137,7 +138,8 @@ class _Machine:
 
     def _forward(self, batch: int, *, grad: bool, loss: str) -> torch.Tensor:
         with nullcontext() if grad else torch.no_grad():
-            output = self.model(batch_of(self.config, batch, self.ctx.rank, self.ctx.device))
+            output = self.model(model_input(batch_of(self.config, batch, self.ctx.rank, self.ctx.device),
+                                            self.config.policy))
         want, want_loss = self.shadow.forward(batch, self.ctx.rank, grad=grad, loss=loss)
         policy = self.config.policy
         if policy is not None:

@@ -60,7 +60,7 @@ class FinalReshardStopsAfterFourIterations(_Mutant):
 
     name = "mutant-final-reshard-stops-after-four-iterations"
     breaks = "resharding at the end of backward in longer runs"
-    expect = Expect("not_all_outputs_used_in_loss", "thread", ("unit_outputs/not_all_outputs_used_in_loss",))
+    expect = Expect("unused_outputs_resharded", "thread", ("unit_outputs/unused_outputs_resharded",))
     patches = (
         Patch("fsdp_impl.flat_param:FlatParamHandle.reshard", _reshard_unless_skipping),
         Patch("fsdp_impl.unit:_final_callback", _final_callback_tiring),

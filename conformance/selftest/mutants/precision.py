@@ -1,4 +1,4 @@
-"""Mixed-precision mutants: one dtype of the policy ignored."""
+"""Mixed-precision mutants: one dtype of the policy ignored, or the root's inputs left uncast."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ __all__ = [
     "BufferDtypeIgnored",
     "LowPrecisionGradsUpcast",
     "EvalInLowPrecision",
+    "RootInputsNotCast",
 ]
 
 _PARAM_REDUCE = "mixed_precision/param_and_reduce_dtypes"
@@ -89,3 +90,16 @@ class EvalInLowPrecision(_Mutant):
     breaks = "full precision in eval"
     expect = Expect("full_precision_in_eval", "thread", ("mixed_precision/full_precision_in_eval",))
     patches = (Patch("fsdp_impl.unit_state:UnitConfig.low_precision", _always_low_precision),)
+
+
+def _uncast(_unit: Any, inputs: Any) -> Any:
+    return inputs
+
+
+class RootInputsNotCast(_Mutant):
+    """Hands the root its forward inputs in their own dtype whatever ``param_dtype`` says."""
+
+    name = "mutant-root-inputs-not-cast"
+    breaks = "casting the root's floating forward inputs to param_dtype"
+    expect = Expect("cast_forward_inputs", "thread", ("mixed_precision/cast_forward_inputs",))
+    patches = (Patch.instead("fsdp_impl.precision:cast_inputs", _uncast),)

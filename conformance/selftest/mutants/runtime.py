@@ -28,8 +28,6 @@ __all__ = [
 
 Fn = Callable[..., Any]
 
-#: Caught by the unused-outputs case (SGD).
-_UNUSED_OUTPUTS = Expect("not_all_outputs_used_in_loss", "thread", ("unit_outputs/not_all_outputs_used_in_loss",))
 #: A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
 _REENTRANT_CHECKPOINT = Expect(
     "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
@@ -100,8 +98,8 @@ class NoReshardAfterBackward(_Mutant):
     breaks = "resharding at the end of backward"
     #: The fuzzer's reproducer: an unused unit's original parameters must be registered again.
     expect = Expect(
-        "not_all_outputs_used_in_loss or repro_8fc450e8", "thread",
-        ("unit_outputs/not_all_outputs_used_in_loss", "fuzz/repro_8fc450e8"),
+        "unused_outputs_resharded or repro_8fc450e8", "thread",
+        ("unit_outputs/unused_outputs_resharded", "fuzz/repro_8fc450e8"),
     )
     patches = (
         Patch("fsdp_impl.flat_param:FlatParamHandle.reshard", _reshard_outside_final_callback),
@@ -177,8 +175,8 @@ class HooksOnPlainTensorOutputsOnly(_Mutant):
     name = "mutant-hooks-on-plain-outputs-only"
     breaks = "pre-backward hooks on every tensor of structured outputs"
     expect = Expect(
-        "namedtuple_outputs or (caller_use and (container or namedtuple))", "thread",
-        ("unit_outputs/namedtuple_outputs", "unit_outputs/caller_use[use=container]",
+        "structured_outputs or (caller_use and (container or namedtuple))", "thread",
+        ("unit_outputs/structured_outputs", "unit_outputs/caller_use[use=container]",
          "unit_outputs/caller_use[use=namedtuple]"),
     )
     patches = (Patch.instead("fsdp_impl.unit:tree_flatten", _plain_tensors_only),)
