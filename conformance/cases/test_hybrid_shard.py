@@ -49,6 +49,7 @@ from conformance.cases._hybrid_helpers import (
 from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.exposures import parameter_exposures, under_exposure
 from fixtures.baselines import cached
 from fixtures.models import ThreeLinear, TiedTransformer
 from fixtures.optimizers import OPTIMIZERS, make_optim
@@ -69,11 +70,6 @@ __all__ = ["NODE", "WORLD", "Setup", "build_hybrid_transformer", "fwd_bwd"]  # t
 MANUAL_WRAP_ERROR = "requires explicit specification of process group or device_mesh."
 INVALID_PG_ERROR = "Expected process_group to be passed in"
 STEPS = 5  # training steps of parity_with_fsdp
-
-
-def _flat_param_needed(params: Mapping[str, Any]) -> list[Capability]:
-    """``use_orig_params=False`` asks for a flat parameter per unit."""
-    return [] if params["use_orig_params"] else [Capability.FLAT_PARAM]
 
 
 # -- manual wrapping and group validation -------------------------------------------------
@@ -108,71 +104,61 @@ def test_invalid_pg_specification(ctx: RankContext, impl: FSDPAdapter) -> None:
 
 # -- basic setup: groups and communication pattern ----------------------------------------
 def _setup_requires(params: Mapping[str, Any]) -> list[Capability]:
-    needs = _flat_param_needed(params)
-    needs.append(Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS)
-    return needs
+    return [Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS]
 
 
-@case("hybrid_shard/basic_setup", world_size=WORLD, requires=_setup_requires)
+@case("hybrid_shard/basic_setup", world_size=WORLD, requires=_setup_requires, uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("use_device_mesh", [False, True])
-@pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("mode", ["ALL_HYBRID", "MIXED_HYBRID_FULL"])
 @pytest.mark.parametrize("strategy", HYBRID)
-def test_basic_setup(
-    ctx: RankContext,
-    impl: FSDPAdapter,
-    strategy: str,
-    mode: str,
-    use_orig_params: bool,
-    use_device_mesh: bool,
-) -> None:
+def test_basic_setup(ctx: RankContext, impl: FSDPAdapter, strategy: str, mode: str, use_device_mesh: bool) -> None:
     """Each unit reports its strategy (hybrid or FULL_SHARD by ``mode``), hybrid units shard within a node
     and replicate across nodes, non-root hybrid units are resharded after forward iff HYBRID_SHARD, and in
     one forward/backward every collective is over the expected group, with at least one all-gather per unit
     in forward, one reduce-scatter per unit and one replicate all-reduce per hybrid unit in backward, and
     backward all-gathers that show HYBRID_SHARD re-gathering and _HYBRID_SHARD_ZERO2 not (per unit or per
-    parameter alike: ``check_collectives``)."""
-    node = NODE if use_device_mesh else node_size(ctx)
+    parameter alike: ``check_collectives``). For every parameter exposure the implementation offers."""
+    for use_orig_params in parameter_exposures(impl):
+        with under_exposure(use_orig_params):
+            _basic_setup(ctx, impl, Setup(strategy, mode, use_orig_params, use_device_mesh))
+
+
+def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> None:
+    node = NODE if setup.use_device_mesh else node_size(ctx)
     with env_on_all_ranks(ctx, "LOCAL_WORLD_SIZE", str(node)):
-        model = build_hybrid_transformer(
-            ctx, impl, Setup(strategy, mode, use_orig_params, use_device_mesh)
-        )
-    hybrid, full = split_units(ctx, impl.units(model), mode)
-    check_strategies(hybrid, full, strategy)
+        model = build_hybrid_transformer(ctx, impl, setup)
+    hybrid, full = split_units(ctx, impl.units(model), setup.mode)
+    check_strategies(hybrid, full, setup.strategy)
     groups = check_groups(ctx, hybrid, node)
     inputs = io().get_input(ctx.device, generator(rank_seed(0, ctx.rank)))
     with ctx.record_collectives() as forward:
         output = model(*inputs)
-        check_reshard_after_forward(impl, model, strategy)
+        check_reshard_after_forward(impl, model, setup.strategy)
     with ctx.record_collectives() as backward:
         io().get_loss(inputs, output).backward()
-    check_collectives(ctx, forward, backward, hybrid, full, strategy, groups)
+    check_collectives(ctx, forward, backward, hybrid, full, setup.strategy, groups)
 
 
 # -- training parity with FULL_SHARD -------------------------------------------------------
-@case(
-    "hybrid_shard/parity_with_fsdp",
-    world_size=WORLD,
-    requires=lambda p: [Capability.HYBRID_VIA_PG_TUPLE, *_flat_param_needed(p)],
-)
+@case("hybrid_shard/parity_with_fsdp", world_size=WORLD, requires=[Capability.HYBRID_VIA_PG_TUPLE],
+      uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("optim", OPTIMIZERS)
-@pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("strategy", HYBRID)
-def test_parity_with_fsdp(
-    ctx: RankContext, impl: FSDPAdapter, strategy: str, use_orig_params: bool, optim: str
-) -> None:
+def test_parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
     """The seed's transformer (tied embedding/output weights, encoder and decoder layers
     as units): hybrid units replicate over more than one rank, and 5 steps of HSDP give FULL_SHARD's
-    losses. Adam as in the seed, and SGD
-    with momentum, which a wrong gradient scale on the replicate reduction changes."""
+    losses. Adam as in the seed, and SGD with momentum, which a wrong gradient scale on the replicate
+    reduction changes. For every parameter exposure the implementation offers."""
+    for use_orig_params in parameter_exposures(impl):
+        with under_exposure(use_orig_params):
+            _parity_with_fsdp(ctx, impl, strategy, use_orig_params, optim)
+
+
+def _parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, use_orig_params: bool, optim: str) -> None:
     hybrid_model = impl.wrap(
         TiedTransformer(seed=0).to(ctx.device),
-        WrapSpec(
-            strategy=strategy,
-            auto_wrap=LAYERS,
-            process_group=hybrid_groups(ctx),
-            use_orig_params=use_orig_params,
-        ),
+        WrapSpec(strategy=strategy, auto_wrap=LAYERS, process_group=hybrid_groups(ctx),
+                 use_orig_params=use_orig_params),
     )
     replicate = [u.replicate_group for u in impl.units(hybrid_model) if u.local_shards]
     assert replicate and all(len(ranks(g)) > 1 for g in replicate), (

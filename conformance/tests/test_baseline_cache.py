@@ -14,7 +14,7 @@ from conformance.selftest.session import CASES_DIR
 
 #: Rows that look up every kind of baseline the cases cache, each kind more than once (so some lookups hit).
 SELECTION = ("(replicas_match_baseline and groups and 2x2) or "
-             "(cpu_training_parity_vs_ddp and SGD and (FULL_SHARD or NO_SHARD)) or (parity_with_fsdp and True and SGD)")
+             "(cpu_training_parity_vs_ddp and SGD and (FULL_SHARD or NO_SHARD)) or (parity_with_fsdp and SGD)")
 
 
 def _kinds_in_cases() -> set[str]:
