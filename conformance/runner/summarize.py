@@ -3,20 +3,21 @@
 Any schema version (docs/REPORTS.md) is read, through :func:`conformance.runner.document.load_report`.
 
 ``python -m conformance.runner.summarize reports/all.json`` prints the table used at
-the top of ``docs/CONFORMANCE.md``, then every FAIL with its reason.
+the top of ``docs/CONFORMANCE.md`` (with a last row ``all`` that totals each
+implementation and gives its n/a share of its rows), then every FAIL with its reason.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
 from conformance.contract.results import OUTCOMES, Result
 from conformance.runner.document import load_report
 
-__all__ = ["summarize"]
+__all__ = ["main", "summarize"]
 
 _MODE = re.compile(r" \(world_size=\d+, mode=\w+\)")
 
@@ -32,6 +33,7 @@ def summarize(results: list[Result]) -> str:
             parts = [f"{counts[(area, impl, o)]} {o}" for o in OUTCOMES if counts[(area, impl, o)]]
             cells.append(", ".join(parts) or "-")
         lines.append(f"| {area} | " + " | ".join(cells) + " |")
+    lines.append("| **all** | " + " | ".join(_total(results, impl) for impl in impls) + " |")
     fails = sorted({(r.case.split("[")[0], r.impl, _MODE.sub("", r.reason)[:220]) for r in results
                     if r.outcome in ("FAIL", "error")})
     if fails:
@@ -40,8 +42,26 @@ def summarize(results: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    report = load_report(Path(sys.argv[1]))
+def _total(results: list[Result], impl: str) -> str:
+    """``N pass, M FAIL, K n/a (K/rows %)``: one implementation over every area."""
+    counts = Counter(r.outcome for r in results if r.impl == impl)
+    rows = sum(counts.values())
+    parts = [f"{counts[o]} {o}" for o in OUTCOMES if counts[o]]
+    share = f" ({100 * counts['n/a'] / rows:.1f} % n/a)" if rows else ""
+    return ", ".join(parts) + share
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance.runner.summarize",
+        description="Outcome counts per area and implementation of a --json report, then every FAIL.",
+    )
+    parser.add_argument("report", type=Path, help="a report written by `fsdp-conformance run --json`")
+    args = parser.parse_args(argv)
+    try:
+        report = load_report(args.report)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not report.complete:
         print(f"(incomplete run: interrupted by {report.header.get('interrupted_by')})\n")
     print(summarize(report.rows))

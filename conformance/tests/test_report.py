@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from expecttest import TestCase
 
@@ -67,3 +69,23 @@ def test_summary_counts_outcomes_per_area_and_lists_failures() -> None:
     assert "| exec_order | 1 pass, 1 FAIL | 1 n/a |" in text
     assert "| placement | 1 skip | - |" in text
     assert "- `exec_order/invalid_first_iter_order` on reference: AssertionError: no matching UserWarning" in text
+
+
+def test_summary_totals_each_implementation_with_its_na_share() -> None:
+    from conformance.runner.summarize import summarize
+
+    last_row = [line for line in summarize(RESULTS).splitlines() if line.startswith("| **all** |")]
+    assert last_row, "no totals row"
+    reference, torch_fsdp2 = last_row[0].split(" | ")[1:3]
+    assert "1 n/a" not in reference and "% n/a" in reference
+    assert torch_fsdp2.startswith("1 n/a") and "(100.0 % n/a)" in torch_fsdp2
+
+
+def test_summarize_names_an_unreadable_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conformance.runner.summarize import main
+
+    missing = tmp_path / "nope.json"
+    with pytest.raises(SystemExit) as exc:
+        main([str(missing)])
+    assert exc.value.code == 2
+    assert "nope.json: not a readable JSON report" in capsys.readouterr().err
