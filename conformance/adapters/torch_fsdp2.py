@@ -18,6 +18,14 @@ A hybrid wrap needs a 2-D mesh or a ``(shard, replicate)`` group pair; FSDP2
 does not build node-local groups itself, so cases that need that are not
 applicable. Units are ``fully_shard`` applied bottom-up to every module the
 auto-wrap spec selects, then to the root.
+
+[Note: FSDP2 device_id]
+``fully_shard`` has no ``device_id``: the mesh's device type decides where the
+managed parameters and buffers live and compute, at the accelerator's current
+index, and ``fully_shard`` moves them there itself (meta tensors stay on meta,
+ignored parameters stay where they are). ``WrapSpec.device_id`` therefore picks
+the mesh's device type; a device index other than the current one cannot be
+expressed and is rejected rather than silently replaced.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from conformance.contract.adapter import HYBRID_STRATEGIES, Capability, UnitInfo
 from fixtures.meshes import hybrid_grid_of
 
 __all__ = ["TorchFSDP2Adapter"]
+
+CPU = torch.device("cpu")
 
 
 class TorchFSDP2Adapter(FullyShardMethods):
@@ -61,6 +71,8 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.EXPLICIT_PREFETCH,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
+            Capability.COMPUTE_DEVICE,
+            Capability.IGNORED_MODULES,
         }
     )
 
@@ -84,8 +96,6 @@ class TorchFSDP2Adapter(FullyShardMethods):
         # ([Note: requirements are checked once] in conformance.contract.declared).
         mp = spec.mixed_precision
         device = self._device(spec)
-        if device.type != "cpu" or spec.device_id is not None:
-            module.to(device)
         mesh = self._mesh(spec, device)
         kwargs: dict[str, Any] = {
             "mesh": mesh,
@@ -119,12 +129,26 @@ class TorchFSDP2Adapter(FullyShardMethods):
 
     @staticmethod
     def _device(spec: WrapSpec) -> torch.device:
-        if spec.device_id is not None:
-            dev = spec.device_id
-            return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """The device the mesh is built for ([Note: FSDP2 device_id])."""
+        dev = spec.device_id
+        if dev is None:
+            if spec.device_mesh is not None:
+                return torch.device(spec.device_mesh.device_type)
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
+        device = torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+        if spec.device_mesh is not None and spec.device_mesh.device_type != device.type:
+            raise ValueError(
+                f"torch-fsdp2 adapter: device_id {device} contradicts the {spec.device_mesh.device_type} device_mesh"
+            )
+        if device.type == "cpu" or device.index is None:
+            return device
+        current = getattr(torch, device.type).current_device()
+        if device.index != current:
+            raise ValueError(
+                f"torch-fsdp2 adapter: fully_shard computes on the current {device.type} device "
+                f"({device.type}:{current}); it cannot honour device_id {device}"
+            )
+        return device
 
     @staticmethod
     def _mesh(spec: WrapSpec, device: torch.device) -> Any:
@@ -194,9 +218,10 @@ class TorchFSDP2Adapter(FullyShardMethods):
     def _unit_info(fqn: str, unit: Any) -> UnitInfo:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-        if group is None:
-            return UnitInfo(fqn, unit, None, None, None, [], [], True)
+        state = unit._get_fsdp_state()
+        group = state._fsdp_param_group
+        if group is None:  # no parameters of its own: it still computes on its mesh's device
+            return UnitInfo(fqn, unit, None, None, state._device, [], [], True)
         info = group.mesh_info
         params = group.fsdp_params
         return UnitInfo(

@@ -7,7 +7,9 @@ declare ``gpus=ANY_GPU`` (they also run with ranks sharing one GPU) or
 is one case with the grid parameter ``on`` (``gpus=gpu_rows``).
 Every case here requires :attr:`Capability.COMPUTE_DEVICE` (``device_id`` is
 honoured) and/or :attr:`Capability.PLACEMENT_MESSAGES` (FSDP1's exact
-placement warnings and errors); see
+placement warnings and errors). Where a module ends up is checked in rows that
+need only the former; FSDP1's warning or error for the same setup is a row of
+its own (``..._warns``, ``..._raises``) that needs the latter; see
 [Note: CPU groups] in ``_rank_helpers.py`` for why, and for the
 gloo groups the CPU-pinned cases use.
 """
@@ -151,12 +153,13 @@ def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_par
 
 
 @case("placement/ignored_module_meta", world_size=2,
-      requires=lambda p: [Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE]
-      + ([Capability.PARAM_INIT_FN] if p["use_param_init_fn"] else []))
+      requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE, Capability.PARAM_INIT_FN])
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
 def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
-    """Materialising a meta-device module onto ``device_id`` leaves its ignored submodule's params on meta
-    and puts every unit's local shards on the rank's device."""
+    """Wrapping a meta-device module materialises it onto ``device_id`` (by ``param_init_fn``, or without
+    one by ``reset_parameters()``), leaves its ignored submodule's params on meta and puts every unit's local
+    shards on the rank's device. Both variants rely on materialisation at wrap time
+    (:attr:`Capability.PARAM_INIT_FN`)."""
     with torch.device("meta"):
         model = PairOfLinears()
     init_fn = (lambda m: m.to_empty(device=ctx.device, recurse=False)) if use_param_init_fn else None
@@ -202,22 +205,31 @@ def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> 
 # -- GPU-only placement rows ------------------------------------------------------------
 
 
+NO_INDEX = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=torch.device("cuda"))
+
+
 @case("placement/device_id", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
 @pytest.mark.parametrize("use_index", [True, False])
 def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
     """``device_id`` given as the rank's GPU index or device puts every unit's compute device and local
-    shards on that GPU, for a CPU module and a GPU one; ``device_id=cuda`` without an index does the same
-    and warns that it "does not have an explicit index"."""
+    shards on that GPU, for a CPU module and a GPU one; ``device_id=cuda`` without an index puts them on
+    the current GPU (the rank's)."""
     device = cuda_device(ctx)
     device_id: int | torch.device = device.index if use_index else device
     spec = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=device_id)
     _assert_units_on(impl, impl.wrap(NestedModel(seed=0), spec), device, "CPU module + device_id")
     _assert_units_on(impl, impl.wrap(NestedModel(seed=0).to(device), spec), device, "GPU module + device_id")
+    _assert_units_on(impl, impl.wrap(NestedModel(seed=0), NO_INDEX), device, "device_id=cuda without index")
+
+
+@case("placement/device_id_without_index_warns", world_size=2, gpus=ANY_GPU, requires=COMPUTE + MESSAGES)
+def test_device_id_without_index_warns(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """``device_id=cuda`` without an index warns, as FSDP1 does, that it "does not have an explicit index"
+    (where the module then lives is ``placement/device_id``)."""
+    cuda_device(ctx)
     with ctx.catch_warnings() as caught:
-        fsdp = impl.wrap(NestedModel(seed=0).to(device), WrapSpec(auto_wrap=AutoWrap((nn.Linear,)),
-                                                                   device_id=torch.device("cuda")))
+        impl.wrap(NestedModel(seed=0), NO_INDEX)
     assert _warned(caught, "does not have an explicit index"), [str(w.message) for w in caught]
-    _assert_units_on(impl, fsdp, device, "device_id=cuda without index")
 
 
 @case("placement/cpu_init_stays_on_cpu", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
@@ -252,22 +264,29 @@ def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter,
             impl.wrap(module, WrapSpec(device_id=0))
 
 
-@case("placement/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
+def _cpu_gpu_module(device: torch.device) -> PairOfLinears:
+    """``a`` on ``device``, ``b`` on the CPU."""
+    model = PairOfLinears()
+    model.a.to(device)
+    return model
+
+
+@case("placement/cpu_gpu_module", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
 def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """A module with one submodule on the GPU and one on the CPU is moved wholly to ``device_id`` when given
-    one; wrapped without ``device_id`` it raises a RuntimeError asking to "please pass in device_id"."""
+    """A module with one submodule on the GPU and one on the CPU is moved wholly to ``device_id``."""
     device = cuda_device(ctx)
-
-    def mixed() -> PairOfLinears:
-        model = PairOfLinears()
-        model.a.to(device)
-        return model
-
-    fsdp = impl.wrap(mixed(), WrapSpec(device_id=device))
+    fsdp = impl.wrap(_cpu_gpu_module(device), WrapSpec(device_id=device))
     devices = {p.device for p in fsdp.parameters()}
     assert devices == {device}, f"mixed module with device_id: params on {devices}, expected {device}"
+
+
+@case("placement/cpu_gpu_module_without_device_id_raises", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
+def test_cpu_gpu_module_without_device_id_raises(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A module with one submodule on the GPU and one on the CPU, wrapped without ``device_id``, raises
+    FSDP1's RuntimeError asking to "please pass in device_id"."""
+    device = cuda_device(ctx)
     with pytest.raises(RuntimeError, match="please pass in device_id"):
-        impl.wrap(mixed(), WrapSpec())
+        impl.wrap(_cpu_gpu_module(device), WrapSpec())
 
 
 @case("placement/multigpu_module", world_size=2, gpus=distinct_gpus(2), requires=MESSAGES)

@@ -76,13 +76,18 @@ class Capability(str, enum.Enum):
     CPU_OFFLOAD = "cpu_offload"
     """``WrapSpec.cpu_offload``: sharded parameters and their gradients live on the CPU."""
     IGNORED_MODULES = "ignored_modules"
-    """``WrapSpec.ignored_modules``: their parameters stay unsharded and unmanaged."""
+    """``WrapSpec.ignored_modules``: their parameters stay unsharded and unmanaged, and they and the
+    ignored modules' buffers stay where they are (not moved to ``device_id``)."""
     PARAM_INIT_FN = "param_init_fn"
-    """``WrapSpec.param_init_fn``: modules on the meta device are materialized by this function."""
+    """``WrapSpec.param_init_fn``: modules on the meta device are materialized by this function when they
+    are wrapped; without one (FSDP1's default), by each module's ``reset_parameters()``. An implementation
+    that leaves meta modules to the user after wrapping (:attr:`META_INIT`) lacks it."""
     DEVICE_ID = "device_id"
     """Deprecated (protocol 1): :attr:`COMPUTE_DEVICE` and :attr:`PLACEMENT_MESSAGES` together."""
     COMPUTE_DEVICE = "compute_device"
-    """Accepts ``WrapSpec.device_id``: computes there and moves the managed parameters there."""
+    """Accepts ``WrapSpec.device_id``: computes there and moves the managed parameters there (a
+    ``device_id`` without an index: the current device). Nothing about warnings: those are
+    :attr:`PLACEMENT_MESSAGES`."""
     PLACEMENT_MESSAGES = "placement_messages"
     """Reports misplaced modules and inputs with FSDP1's exact warnings and errors
     (a CPU module without ``device_id``, a module on another device, a multi-device module)."""

@@ -8,6 +8,7 @@ expectations declare the GPUs they need.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -22,6 +23,7 @@ from conformance.selftest.declare import Expect, Patch, _Mutant
 __all__ = [
     "DeviceIdIgnored",
     "DeviceIdNotPropagated",
+    "DeviceIndexResolvedSilently",
     "OffloadDroppedWithDeviceId",
     "MovesCpuModuleSilently",
     "ConsolidatesDevices",
@@ -84,6 +86,25 @@ class DeviceIdNotPropagated(_Mutant):
     )
 
 
+def _resolve_without_warning(resolve: Fn) -> Fn:
+    def resolve_silently(device_id: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return resolve(device_id)
+
+    return resolve_silently
+
+
+class DeviceIndexResolvedSilently(_Mutant):
+    """Takes the current device for a ``device_id`` without an index, without the warning."""
+
+    name = "mutant-device-index-resolved-silently"
+    breaks = "warning about a device_id without an index"
+    expect = Expect("device_id_without_index_warns", "process", ("placement/device_id_without_index_warns",),
+                    accelerators=2)
+    patches = (Patch("fsdp_impl.init:resolve_device_id", _resolve_without_warning),)
+
+
 class OffloadDroppedWithDeviceId(_Mutant):
     """With ``device_id`` given, parameter CPU offload is silently turned off."""
 
@@ -118,8 +139,8 @@ class ConsolidatesDevices(_Mutant):
     name = "mutant-consolidates-devices"
     breaks = "rejecting modules spread over several devices"
     expect = Expect(
-        "multigpu_module or cpu_gpu_module", "process", ("placement/multigpu_module", "placement/cpu_gpu_module"),
-        accelerators=2,
+        "multigpu_module or cpu_gpu_module_without_device_id_raises", "process",
+        ("placement/multigpu_module", "placement/cpu_gpu_module_without_device_id_raises"), accelerators=2,
     )
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
