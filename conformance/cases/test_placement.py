@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import replace
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
@@ -72,7 +72,9 @@ def _rank_buffers(model: NestedModel, rank: int) -> None:
 
 def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.device) -> None:
     """Buffers registered per rank (value = rank) now hold rank 0's zeros, on ``device``."""
-    buffers = {"buf": model.buf, "module.0.buf": model.module[0].buf}
+    # Attribute access, as a user reads them: an FSDP1 wrapper around module[0] forwards ``buf``.
+    buffers: dict[str, torch.Tensor] = {"buf": cast(torch.Tensor, model.buf),
+                                        "module.0.buf": cast(torch.Tensor, model.module[0].buf)}
     for name, buf in buffers.items():
         assert buf.device == device, f"{name} on {buf.device}, expected {device}"
         assert torch.equal(buf.cpu(), torch.zeros_like(buf, device="cpu")), (
