@@ -101,6 +101,8 @@ class TorchTitanSimpleFSDPAdapter:
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         sf = _simple_fsdp()
+        if spec.device_id is not None:  # SimpleFSDP computes where the parameters are
+            module.to(_device(spec))
         kwargs = self._kwargs(spec)
         sf._wrap_class_cache.clear()  # see [Note: SimpleFSDP mapping]
         return sf.data_parallel(module, **kwargs)  # type: ignore[no-any-return]
@@ -113,22 +115,22 @@ class TorchTitanSimpleFSDPAdapter:
             "sync_module_states": spec.sync_module_states,
             "ignored_modules": bool(spec.ignored_modules),
             "param_init_fn": spec.param_init_fn is not None,
-            "device_id": spec.device_id is not None,
         }
         bad = sorted(name for name, used in unsupported.items() if used)
         if bad:
             raise ValueError(f"{self.name} cannot express {bad}")
         mode = {"NO_SHARD": "replicate", **dict.fromkeys(HYBRID_STRATEGIES, "hybrid_shard")}.get(
             spec.strategy or "", "fully_shard")
-        kwargs: dict[str, Any] = {"device_mesh": self._mesh(spec), "mode": mode}
+        kwargs: dict[str, Any] = {"device_mesh": self._mesh(spec, _device(spec).type), "mode": mode}
         mp = spec.mixed_precision
         if mp is not None:
+            # The spec's reduce_dtype=None is the param dtype; SimpleFSDP's None is the parameter's own dtype.
             kwargs["mp_policy"] = _simple_fsdp().MixedPrecisionPolicy(
-                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype or mp.param_dtype)
         kwargs.update(spec.extra)
         return kwargs
 
-    def _mesh(self, spec: WrapSpec) -> Any:
+    def _mesh(self, spec: WrapSpec, device_type: str) -> Any:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         if spec.device_mesh is not None:
@@ -136,14 +138,14 @@ class TorchTitanSimpleFSDPAdapter:
         pg = spec.process_group
         if isinstance(pg, tuple):
             shard, replicate = pg
-            return DeviceMesh.from_group([replicate, shard], "cpu", mesh=hybrid_grid_of(shard, replicate),
+            return DeviceMesh.from_group([replicate, shard], device_type, mesh=hybrid_grid_of(shard, replicate),
                                          mesh_dim_names=("replicate", "shard"))
         if spec.strategy in HYBRID_STRATEGIES:
             raise ValueError(f"{self.name} needs a 2-D device_mesh or a (shard, replicate) process_group "
                              f"for {spec.strategy}; it does not build node-local groups itself")
         if pg is not None:
-            return DeviceMesh.from_group(pg, "cpu")
-        return init_device_mesh("cpu", (dist.get_world_size(),))
+            return DeviceMesh.from_group(pg, device_type)
+        return init_device_mesh(device_type, (dist.get_world_size(),))
 
     def units(self, model: nn.Module) -> list[UnitInfo]:
         """One unit per module that owns parameters (SimpleFSDP communicates per parameter)."""
@@ -199,6 +201,14 @@ class TorchTitanSimpleFSDPAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _device(spec: WrapSpec) -> torch.device:
+    """``device_id`` as a device; without one, the accelerator when there is one."""
+    if spec.device_id is not None:
+        dev = spec.device_id
+        return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _full(tensor: Any) -> torch.Tensor:
