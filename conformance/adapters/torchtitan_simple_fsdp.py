@@ -28,7 +28,11 @@ SimpleFSDP has no ``reshard_after_forward``: eagerly, autograd keeps each
 gathered parameter for backward, so FULL_SHARD and SHARD_GRAD_OP behave alike.
 A hybrid wrap needs a 2-D mesh or a ``(shard, replicate)`` group pair.
 ``auto_wrap`` changes nothing (every parameter is sharded on its own);
-``units()`` reports one unit per module that owns parameters.
+``units()`` reports one unit per module that owns parameters. ``device_id``
+moves the module there first (SimpleFSDP computes where the parameters are).
+Parameters keep their names (``named_parameters()`` and ``state_dict()`` hold
+the DTensors themselves), so the sharded state dict is ``state_dict()``, and
+optimizer state dicts go through ``torch.distributed.checkpoint.state_dict``.
 
 SimpleFSDP caches the generated classes per (module class, parameter names)
 in a module-level dict, and a cached class reads through the first wrapped
@@ -76,8 +80,10 @@ class TorchTitanSimpleFSDPAdapter:
     protocol_version = 2
     capabilities = frozenset(
         {
+            Capability.COMPUTE_DEVICE,
             Capability.DEVICE_MESH,
             Capability.HYBRID_VIA_PG_TUPLE,
+            Capability.OPTIM_STATE_DICT,
             Capability.MIXED_PRECISION,
             Capability.FULL_STATE_DICT,
             Capability.SHARDED_STATE_DICT,
@@ -180,24 +186,28 @@ class TorchTitanSimpleFSDPAdapter:
         if sharded:
             model.load_state_dict(state)
             return
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         own = model.state_dict()
         converted = {}
         for name, value in state.items():
             target = own.get(name)
-            if hasattr(target, "device_mesh") and not hasattr(value, "device_mesh"):
+            if isinstance(target, DTensor) and not isinstance(value, DTensor):
                 value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements)
             converted[name] = value
         model.load_state_dict(converted)
 
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool) -> dict[str, Any]:
-        raise NotImplementedError(f"{self.name}: optimizer state dicts are not offered (OPTIM_STATE_DICT)")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=not sharded))
 
     def load_optim_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, state: dict[str, Any], *, sharded: bool
     ) -> None:
-        raise NotImplementedError(f"{self.name}: optimizer state dicts are not offered (OPTIM_STATE_DICT)")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=not sharded))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
