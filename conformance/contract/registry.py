@@ -26,6 +26,7 @@ BUILTIN: dict[str, str] = {
     "torch-fsdp1": "conformance.adapters.torch_fsdp1:TorchFSDP1Adapter",
     "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
     "fairscale-fsdp": "conformance.adapters.fairscale_fsdp:FairScaleFSDPAdapter",
+    "torchtitan-simple-fsdp": "conformance.adapters.torchtitan_simple_fsdp:TorchTitanSimpleFSDPAdapter",
 }
 
 
