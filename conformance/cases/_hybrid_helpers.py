@@ -72,8 +72,11 @@ def build_hybrid_transformer(ctx: RankContext, impl: FSDPAdapter, setup: Setup) 
     model = TiedTransformer(seed=0).to(ctx.device)
     if setup.mode == "ALL_HYBRID":
         return impl.wrap(model, hybrid)
-    model.transformer = impl.wrap(model.transformer, hybrid)  # type: ignore[assignment]
+    model.transformer = impl.wrap(model.transformer, hybrid)  # type: ignore[assignment]  # HYBRID_SUBTREE
     return impl.wrap(model, WrapSpec(strategy="FULL_SHARD", use_orig_params=setup.use_orig_params))
+
+
+HYBRID_SUBTREE = "transformer"  # what MIXED_HYBRID_FULL wraps hybrid (build_hybrid_transformer)
 
 
 @functools.cache
@@ -108,15 +111,33 @@ def split_units(
             f"shard groups {[ranks(u.shard_group) for u in full]})"
         )
     else:
-        assert [u.fqn for u in full] == [""], (
-            f"MIXED_HYBRID_FULL: full-shard units {[u.fqn for u in full]}, expected only the root"
-        )
-        assert ranks(full[0].shard_group) == list(range(WORLD)), (
-            f"root FULL_SHARD unit shards over {ranks(full[0].shard_group)}, "
-            f"expected the world {list(range(WORLD))}"
-        )
+        _check_full_outside_hybrid(hybrid, full)
     assert hybrid, f"{mode}: no hybrid unit owns parameters; units {[u.fqn for u in units]}"
     return hybrid, full
+
+
+def _check_full_outside_hybrid(hybrid: list[UnitInfo], full: list[UnitInfo]) -> None:
+    """MIXED_HYBRID_FULL: everything under ``transformer`` (wrapped hybrid) is hybrid, and the parameters
+    outside it are sharded over the whole world.
+
+    FSDP1-like designs hold the outside parameters in the root unit; a per-parameter design may hold them
+    in one unit per module (the embedding, the output projection). Either way some unit owning parameters
+    shards over the world, every such unit does, and it lies outside the hybrid subtree; every hybrid
+    unit lies inside it."""
+    def under(fqn: str) -> bool:
+        return fqn == HYBRID_SUBTREE or fqn.startswith(HYBRID_SUBTREE + ".")
+
+    assert full, f"MIXED_HYBRID_FULL: no unit owning parameters shards over the world; hybrid {[u.fqn for u in hybrid]}"
+    for unit in full:
+        assert ranks(unit.shard_group) == list(range(WORLD)), (
+            f"FULL_SHARD unit {unit.fqn!r} shards over {ranks(unit.shard_group)}, "
+            f"expected the world {list(range(WORLD))}"
+        )
+    misplaced = [u.fqn for u in full if under(u.fqn)] + [u.fqn for u in hybrid if not under(u.fqn)]
+    assert not misplaced, (
+        f"MIXED_HYBRID_FULL: units {misplaced} are on the wrong side of {HYBRID_SUBTREE!r} "
+        f"(full-shard {[u.fqn for u in full]}, hybrid {[u.fqn for u in hybrid]})"
+    )
 
 
 def check_strategies(hybrid: list[UnitInfo], full: list[UnitInfo], strategy: str) -> None:

@@ -334,9 +334,13 @@ TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 def _device_id_auto_wrap(impl: FSDPAdapter, device: torch.device, group: object, kind: str) -> None:
     spec = WrapSpec(auto_wrap=AutoWrap(TRANSFORMER_LAYERS, kind=kind), device_id=device, process_group=group)
-    fsdp = impl.wrap(TiedTransformer(seed=0), spec)
-    units = impl.units(fsdp)
-    assert len(units) == 1 + 4, f"expected root + 2 encoder + 2 decoder units, got {[u.fqn for u in units]}"
+    model = TiedTransformer(seed=0)
+    layers = [name for name, m in model.named_modules() if isinstance(m, TRANSFORMER_LAYERS)]
+    fsdp = impl.wrap(model, spec)
+    # Each of the 2 encoder + 2 decoder layers is a unit, or (a per-parameter design) holds units of its own.
+    fqns = [u.fqn for u in impl.units(fsdp)]
+    uncovered = [name for name in layers if not any(f == name or f.startswith(name + ".") for f in fqns)]
+    assert len(layers) == 4 and not uncovered, f"auto wrap ({kind}): layers {uncovered} hold no unit; units {fqns}"
     _assert_units_on(impl, fsdp, device, f"auto wrap ({kind})")
 
 
