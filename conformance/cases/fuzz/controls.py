@@ -29,6 +29,9 @@ reads, so the shadow ([Note: the shadow model]) does nothing for them:
   ``zero_grad`` would do with them, so gradients are not compared and ``Step``
   and ``ZeroGrad`` do nothing on either side until a synchronizing backward.
 
+``NoSync`` (the adapter's ``no_sync``, defined on the root ``wrap`` returns) does
+nothing on a ``fully_shard``-ed model; ``GradSync`` is its counterpart there.
+
 What a user reads is the parameters the optimizer was built with, as
 ``named_parameters()`` gave them right after sharding (DTensors): their full
 values and full gradients (``full_tensor()``), and the model's and optimizer's

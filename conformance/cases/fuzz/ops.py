@@ -30,7 +30,7 @@ first, then what the implementation cannot express is dropped
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
@@ -293,18 +293,16 @@ _OPS = (
 )
 
 
-def _ops(config: Config, features: Collection[str]) -> st.SearchStrategy[Op]:
-    """The operations a program on ``config`` draws: a ``fully_shard`` program's controls too, those
-    the adapter has (``features``)."""
-    extra: list[st.SearchStrategy[Op]] = []
-    if config.api == "fully_shard" and "fully_shard_controls" in features:
-        units = st.sampled_from(config.units())
-        extra += [st.builds(Unshard, unit=units, async_op=st.booleans(), batch=st.integers(0, BATCHES - 1)),
-                  st.builds(Reshard, unit=units), st.builds(GradSync, on=st.booleans()),
-                  st.builds(ReshardAfterBackward, on=st.booleans())]
-    if config.api == "fully_shard" and "explicit_prefetch" in features:
-        extra.append(st.builds(Prefetch, forward=st.integers(0, 2), backward=st.integers(0, 2)))
-    return st.one_of(*_OPS, *extra)
+def _controls(config: Config) -> st.SearchStrategy[Op]:
+    """The controls of a ``fully_shard``-ed model on ``config``, drawn together as often as one other
+    operation (such a program still trains, saves and loads as much as another)."""
+    units = st.sampled_from(config.units())
+    return st.one_of(
+        st.builds(Unshard, unit=units, async_op=st.booleans(), batch=st.integers(0, BATCHES - 1)),
+        st.builds(Reshard, unit=units), st.builds(GradSync, on=st.booleans()),
+        st.builds(ReshardAfterBackward, on=st.booleans()),
+        st.builds(Prefetch, forward=st.integers(0, 2), backward=st.integers(0, 2)),
+    )
 
 
 def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -321,19 +319,18 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     offload = draw(st.booleans())
     checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
     frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
-    api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
-    if api == "fully_shard" and "fully_shard" in features:  # no strategy, policy or offload to express
-        return Config(
-            world_size=world_size, model=model, wrap=wrap, optimizer=optimizer, dtype=dtype,
-            checkpoint=checkpoint, frozen=frozen, seed=draw(st.integers(min_value=0, max_value=2**16)),
-            api=api, reshard_after_forward=_reshard_after_forward(raf, world_size, features),
-        )
-    return Config(
+    config = Config(
         world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
         optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
         cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
         seed=draw(st.integers(min_value=0, max_value=2**16)),
     )
+    api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
+    if api != "fully_shard" or "fully_shard" not in features:
+        return config
+    # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
+    return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
+                   reshard_after_forward=_reshard_after_forward(raf, world_size, features))
 
 
 def _reshard_after_forward(drawn: bool | int, world_size: int, features: Collection[str]) -> bool | int:
@@ -358,4 +355,16 @@ def programs(
     if unknown:
         raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
     config = draw(_configs(world_size, allowed, features))
-    return Program(config, tuple(draw(st.lists(_ops(config, features), min_size=1, max_size=max_ops))))
+    drawn = st.one_of(*_OPS, _controls(config)) if config.api == "fully_shard" else st.one_of(*_OPS)
+    ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
+    return Program(config, tuple(op for op in ops if _runs(op, config, features)))
+
+
+def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
+    """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
+    ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
+    with ``fully_shard``)."""
+    if not isinstance(op, CONTROL_OPS):
+        return True
+    needs = "explicit_prefetch" if isinstance(op, Prefetch) else "fully_shard_controls"
+    return config.api == "fully_shard" and needs in features
