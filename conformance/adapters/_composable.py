@@ -1,10 +1,11 @@
-"""The optional FSDP2-shaped methods (``fully_shard``, ``set_modules_to_prefetch``) for adapters whose
-implementation has torch's ``fully_shard`` API: only where that function lives differs."""
+"""The optional FSDP2-shaped methods (``fully_shard``, ``set_modules_to_prefetch``, a module's controls)
+for adapters whose implementation has torch's ``fully_shard`` API: only where that function lives differs;
+the rest are the ``FSDPModule`` methods of the sharded module."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch.nn as nn
 
@@ -39,3 +40,19 @@ class FullyShardMethods:
             owner.set_modules_to_forward_prefetch(list(forward))
         if backward is not None:
             owner.set_modules_to_backward_prefetch(list(backward))
+
+    def unshard(self, module: nn.Module, *, async_op: bool) -> Any:
+        """``FSDPModule.unshard(async_op=...)``."""
+        return cast(Any, module).unshard(async_op=async_op)
+
+    def reshard(self, module: nn.Module) -> None:
+        """``FSDPModule.reshard()``."""
+        cast(Any, module).reshard()
+
+    def set_requires_gradient_sync(self, module: nn.Module, on: bool) -> None:
+        """``FSDPModule.set_requires_gradient_sync(on)`` (recursive)."""
+        cast(Any, module).set_requires_gradient_sync(on)
+
+    def set_reshard_after_backward(self, module: nn.Module, on: bool) -> None:
+        """``FSDPModule.set_reshard_after_backward(on)`` (recursive)."""
+        cast(Any, module).set_reshard_after_backward(on)

@@ -56,6 +56,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.EXPLICIT_PREFETCH,
+            Capability.FULLY_SHARD_CONTROLS,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }

@@ -69,6 +69,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.EXPLICIT_PREFETCH,
+            Capability.FULLY_SHARD_CONTROLS,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
             Capability.COMPUTE_DEVICE,

@@ -21,7 +21,10 @@ Each row draws ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``)
 programs (default: 5, 5 and 2 at world sizes 1, 2 and 4; a nightly run raises
 it) from ``--fuzz-seed``: a configuration (strategy, ``use_orig_params``,
 mixed precision, CPU offload, activation checkpointing, frozen and tied
-parameters) and a random sequence of a user's operations on the wrapped model
+parameters; sharded by the adapter's ``wrap``, or by its ``fully_shard`` where it
+declares ``FULLY_SHARD``) and a random sequence of a user's operations on the model
+(on a ``fully_shard``-ed one also ``unshard``/``reshard``, gradient sync and
+reshard-after-backward switches and explicit prefetch, where declared)
 ([Note: stateful programs] in :mod:`conformance.cases.fuzz.ops`). Every
 operation runs on the implementation and on a local shadow model, and the
 user-visible state must agree after each one ([Note: stateful invariant]). A
@@ -40,7 +43,21 @@ from typing import TYPE_CHECKING
 
 from conformance.cases.fuzz.driver import FuzzSettings, fuzz, render_case
 from conformance.cases.fuzz.example import Block, Example, ModelSpec, Policy
-from conformance.cases.fuzz.ops import FEATURES, Backward, Config, Forward, Load, Program, Save, Step
+from conformance.cases.fuzz.ops import (
+    FEATURES,
+    Backward,
+    Config,
+    Forward,
+    GradSync,
+    Load,
+    Prefetch,
+    Program,
+    Reshard,
+    ReshardAfterBackward,
+    Save,
+    Step,
+    Unshard,
+)
 from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import run_example
 from conformance.cases.fuzz.stateful import (
@@ -167,7 +184,9 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
 
 
 #: What the stateful fuzzer draws only where the adapter declares it (stateful.features_of).
-_STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD)
+_STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD,
+                   Capability.FULLY_SHARD, Capability.RESHARD_AFTER_FORWARD_INT, Capability.FULLY_SHARD_CONTROLS,
+                   Capability.EXPLICIT_PREFETCH)
 
 
 @case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN)
@@ -186,6 +205,27 @@ def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
 def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
     return _stateful(ctx, impl, case_settings)
+
+
+#: A program using every control of a ``fully_shard``-ed module ([Note: fully_shard programs]): prefetch lists;
+#: a backward without gradient sync, then one with it (after an asynchronous unshard); a backward keeping the
+#: unsharded parameters, with a reshard mid-iteration; a step after it; an unshard of the root.
+CONTROLS_PROGRAM = Program(
+    config=Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"),
+                  api="fully_shard", reshard_after_forward=False),
+    ops=(Prefetch(), GradSync(), Forward(), Backward(), GradSync(on=True),
+         Unshard(unit="blocks.1", async_op=True, batch=1), Backward(), Step(), ReshardAfterBackward(), Forward(),
+         Reshard(unit="blocks.0"), Backward(), Step(), Unshard(), Backward()),
+)
+
+
+@case("fuzz/fully_shard_controls", world_size=2,
+      requires=[Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS, Capability.EXPLICIT_PREFETCH])
+def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """On a ``fully_shard``-ed model, explicit prefetch, ``unshard()`` (also asynchronous), ``reshard()``
+    mid-iteration, ``set_reshard_after_backward(False)`` and a backward without gradient sync change no value:
+    outputs, losses, parameters and (after the synchronizing backward) gradients stay the shadow model's."""
+    run_program(ctx, impl, CONTROLS_PROGRAM)
 
 
 # -- reproducers the stateful fuzzer found ----------------------------------------------------------------

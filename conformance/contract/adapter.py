@@ -148,6 +148,12 @@ class Capability(str, enum.Enum):
     """All-gathers the modules a case lists for a ``fully_shard``-ed module, in that order, right after
     its own in forward or backward: the adapter defines ``set_modules_to_prefetch(module, *, forward,
     backward)`` (:func:`conformance.contract.optional.set_modules_to_prefetch`)."""
+    FULLY_SHARD_CONTROLS = "fully_shard_controls"
+    """A ``fully_shard``-ed module's own controls (FSDP2's ``FSDPModule`` methods): the adapter defines
+    ``unshard(module, *, async_op)``, ``reshard(module)``, ``set_requires_gradient_sync(module, on)`` and
+    ``set_reshard_after_backward(module, on)`` (:func:`conformance.contract.optional.unshard` and the
+    functions after it). None of them changes a value a user reads: forwards, parameters and, once a
+    synchronizing backward has reduced them, gradients stay those of data-parallel training."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""

@@ -18,6 +18,9 @@ adapter method (optional)                  default
 ``thread_rank_limits: Mapping[Capability, str]`` ``{}``: every capability holds on thread ranks too
 ``fully_shard(module, mesh=..., ...)``     unsupported: the case is ``n/a``
 ``set_modules_to_prefetch(m, forward, backward)`` unsupported: the case is ``n/a``
+``unshard(m, async_op)``, ``reshard(m)``   unsupported: the case is ``n/a``
+``set_requires_gradient_sync(m, on)``      unsupported: the case is ``n/a``
+``set_reshard_after_backward(m, on)``      unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -48,19 +51,25 @@ __all__ = [
     "fully_shard",
     "no_sync",
     "protocol_version",
+    "reshard",
     "set_modules_to_prefetch",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
     "wrapped_module",
 ]
 
 
-#: A capability -> the optional method an adapter declaring it must define (checked at load).
-CAPABILITY_METHODS: dict[Capability, str] = {
-    Capability.POST_OPTIM_EVENT: "set_post_optim_event",
-    Capability.NO_SYNC: "no_sync",
-    Capability.FULLY_SHARD: "fully_shard",
-    Capability.EXPLICIT_PREFETCH: "set_modules_to_prefetch",
+#: A capability -> the optional methods an adapter declaring it must define (checked at load).
+CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
+    Capability.POST_OPTIM_EVENT: ("set_post_optim_event",),
+    Capability.NO_SYNC: ("no_sync",),
+    Capability.FULLY_SHARD: ("fully_shard",),
+    Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
+    Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
+                                      "set_reshard_after_backward"),
 }
 
 
@@ -235,3 +244,39 @@ def set_modules_to_prefetch(
     if method is None:
         raise FullyShardUnsupported(f"{adapter.name} has no explicit prefetch lists")
     method(module, forward=forward, backward=backward)
+
+
+def _control(adapter: Any, name: str) -> Any:
+    method = getattr(adapter, name, None)
+    if method is None:
+        raise FullyShardUnsupported(f"{adapter.name} has no {name} for a fully_shard-ed module")
+    return method
+
+
+def unshard(adapter: Any, module: nn.Module, *, async_op: bool = False) -> Any:
+    """All-gather the ``fully_shard``-ed ``module``'s own parameters (not its submodules') for its next
+    forward; with ``async_op`` return a handle whose ``wait()`` the caller calls before that forward,
+    else ``None`` once they are gathered (FSDP2's ``FSDPModule.unshard``).
+
+    Optional part of the contract (:attr:`Capability.FULLY_SHARD_CONTROLS`), as the three below. Each
+    raises :class:`FullyShardUnsupported` when the adapter lacks the method.
+    """
+    return _control(adapter, "unshard")(module, async_op=async_op)
+
+
+def reshard(adapter: Any, module: nn.Module) -> None:
+    """Free the ``fully_shard``-ed ``module``'s own unsharded parameters (FSDP2's ``FSDPModule.reshard``)."""
+    _control(adapter, "reshard")(module)
+
+
+def set_requires_gradient_sync(adapter: Any, module: nn.Module, on: bool) -> None:
+    """Whether backwards reduce the gradients of ``module`` and every ``fully_shard``-ed module under it:
+    off, each rank keeps its own gradient, unreduced, and adds it to the next reduced one (FSDP2's
+    ``set_requires_gradient_sync``, as :func:`no_sync`)."""
+    _control(adapter, "set_requires_gradient_sync")(module, on)
+
+
+def set_reshard_after_backward(adapter: Any, module: nn.Module, on: bool) -> None:
+    """Whether backward frees the unsharded parameters of ``module`` and every ``fully_shard``-ed module
+    under it (off: the next forward may reuse them; FSDP2's ``set_reshard_after_backward``)."""
+    _control(adapter, "set_reshard_after_backward")(module, on)

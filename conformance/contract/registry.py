@@ -78,10 +78,11 @@ def load(name: str) -> FSDPAdapter:
         raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter: "
                         f"missing {', '.join(missing)}")
     protocol_version(adapter)
-    for capability, method in CAPABILITY_METHODS.items():
-        if capability in adapter.capabilities and not hasattr(adapter, method):
-            raise TypeError(f"adapter {name!r} declares Capability.{capability.name} but has no {method} method "
-                            "(conformance.contract.optional documents its signature)")
+    for capability, methods in CAPABILITY_METHODS.items():
+        lacking = [method for method in methods if not hasattr(adapter, method)]
+        if capability in adapter.capabilities and lacking:
+            raise TypeError(f"adapter {name!r} declares Capability.{capability.name} but has no "
+                            f"{', '.join(lacking)} method (conformance.contract.optional documents its signature)")
     return adapter
 
 

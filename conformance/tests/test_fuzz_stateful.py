@@ -12,14 +12,33 @@ import conformance.cases.fuzz.example as example_mod
 import conformance.cases.fuzz.ops as ops_mod
 import conformance.cases.test_fuzz as stateful_cases
 from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.cases.fuzz.driver import Search
 from conformance.cases.fuzz.example import ModelSpec, Policy, source
-from conformance.cases.fuzz.ops import Config, Forward, NoSync, Program, programs
+from conformance.cases.fuzz.ops import (
+    CONTROL_OPS,
+    FULLY_SHARD_FEATURES,
+    Backward,
+    Config,
+    Forward,
+    GradSync,
+    Load,
+    NoSync,
+    Prefetch,
+    Program,
+    Reshard,
+    ReshardAfterBackward,
+    Save,
+    Step,
+    Unshard,
+    ZeroGrad,
+    programs,
+)
 from conformance.cases.fuzz.stateful import budget, check_program, missing_operations, render_program, stateful_fuzz
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import verdicts
-from conformance.selftest.mutants import NoGradDivide
+from conformance.selftest.mutants import NoGradDivide, UnshardWithoutGather
 from harness import RankContext, run
 from harness.rank_mode import RankMode
 
@@ -33,7 +52,7 @@ def test_source_rebuilds_the_program(program: Program) -> None:
     assert eval(source(program), _NAMES) == program
 
 
-def _drawn(seed: int, count: int, features: Any = ops_mod.FEATURES) -> list[Program]:
+def _drawn(seed: int, count: int, features: Any = ops_mod.FEATURES, world_size: int = 2) -> list[Program]:
     seen: list[Program] = []
 
     def record(program: Program) -> bool:
@@ -42,7 +61,7 @@ def _drawn(seed: int, count: int, features: Any = ops_mod.FEATURES) -> list[Prog
 
     options = settings(max_examples=count, database=None, phases=(Phase.generate,))
     with pytest.raises(Exception, match="No examples found"):
-        find(programs(2, features=features), record, settings=options, random=random.Random(seed))
+        find(programs(world_size, features=features), record, settings=options, random=random.Random(seed))
     return seen
 
 
@@ -50,17 +69,47 @@ def test_drawing_is_deterministic_and_varied() -> None:
     first, again = _drawn(3, 40), _drawn(3, 40)
     assert first == again and first != _drawn(4, 40)
     kinds = {type(op).__name__ for program in first for op in program.ops}
-    assert kinds == {"Forward", "Backward", "Step", "ZeroGrad", "Mode", "Save", "Load", "NoSync"}, kinds
+    controls = {kind.__name__ for kind in CONTROL_OPS}
+    assert kinds - controls == {"Forward", "Backward", "Step", "ZeroGrad", "Mode", "Save", "Load", "NoSync"}, kinds
+    assert kinds & controls, kinds  # every one of them: test_controls_are_drawn_only_where_declared
     configs = [p.config for p in first]
     assert any(c.policy for c in configs) and any(c.cpu_offload for c in configs), configs
     assert any(c.checkpoint for c in configs) and any(c.frozen for c in configs), configs
+    assert any(c.api == "fully_shard" for c in configs) and any(c.api == "wrap" for c in configs), configs
 
 
 def test_unsupported_features_are_dropped_after_drawing() -> None:
-    """Without a feature the same seed draws the same operations on the config minus that feature."""
-    full, bare = _drawn(3, 40), _drawn(3, 40, ())
-    assert [p.ops for p in bare] == [p.ops for p in full]
-    assert not any(p.config.policy or p.config.cpu_offload for p in bare)
+    """Without a configuration feature the same seed draws the same operations on the config minus that
+    feature; without ``fully_shard`` no program uses it or its controls."""
+    full, plain, bare = _drawn(3, 40), _drawn(3, 40, FULLY_SHARD_FEATURES), _drawn(3, 40, ())
+    assert [p.ops for p in plain] == [p.ops for p in full]
+    assert not any(p.config.policy or p.config.cpu_offload for p in plain)
+    assert not any(p.config.api == "fully_shard" or p.config.policy or p.config.cpu_offload for p in bare)
+    assert not any(isinstance(op, CONTROL_OPS) for p in bare for op in p.ops)
+
+
+@pytest.mark.parametrize(
+    ("features", "absent"),
+    [
+        ({"fully_shard"}, CONTROL_OPS),
+        ({"fully_shard", "explicit_prefetch"}, (Unshard, Reshard, GradSync, ReshardAfterBackward)),
+        ({"fully_shard", "fully_shard_controls"}, (Prefetch,)),
+    ],
+)
+def test_controls_are_drawn_only_where_declared(features: set[str], absent: tuple[type, ...]) -> None:
+    """A ``fully_shard`` program draws the controls the adapter has and no others."""
+    drawn = _drawn(5, 150, features)
+    ops = [op for p in drawn if p.config.api == "fully_shard" for op in p.ops]
+    assert ops and not any(isinstance(op, absent) for op in ops), sorted({type(op).__name__ for op in ops})
+    kinds = {type(op) for op in ops}
+    assert set(CONTROL_OPS) - set(absent) <= kinds, kinds
+
+
+def test_an_int_reshard_after_forward_is_drawn_only_where_declared() -> None:
+    """``reshard_after_forward=2`` at four ranks needs ``reshard_after_forward_int``; else it is ``True``."""
+    with_int = {p.config.reshard_after_forward for p in _drawn(3, 100, FULLY_SHARD_FEATURES, world_size=4)}
+    without = {p.config.reshard_after_forward for p in _drawn(3, 100, {"fully_shard"}, world_size=4)}
+    assert 2 in with_int and 2 not in without and False in without, (with_int, without)
 
 
 @pytest.mark.parametrize(
@@ -76,6 +125,14 @@ def test_unsupported_features_are_dropped_after_drawing() -> None:
         (lambda: Forward(batch=3), r"Forward\(batch=3"),
         (lambda: Forward(loss="aux"), "loss='aux'"),
         (lambda: NoSync(batch=-1), r"NoSync\(batch=-1\)"),
+        (lambda: Config(world_size=2, api="fsdp3"), "Config.api='fsdp3'"),
+        (lambda: Config(world_size=2, api="fully_shard", strategy="NO_SHARD"), "takes no strategy"),
+        (lambda: Config(world_size=4, api="fully_shard", reshard_after_forward=4), "proper factor"),
+        (lambda: Config(world_size=2, reshard_after_forward=False), "the strategy decides it"),
+        (lambda: Program(Config(world_size=2), (GradSync(),)), r"needs Config\(api='fully_shard'\)"),
+        (lambda: Program(Config(world_size=2, api="fully_shard"), (Reshard(unit="blocks.0"),)), "no sharded module"),
+        (lambda: Unshard(batch=3), r"Unshard\(batch=3\)"),
+        (lambda: Prefetch(forward=3), r"Prefetch\(forward=3"),
     ],
 )
 def test_bad_programs_name_the_bad_value(build: Any, message: str) -> None:
@@ -130,4 +187,69 @@ def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
     assert again is not None and reference is None, (again, reference)
     case_text = render_program(result.failing, result.message)
     assert f"run_program(ctx, impl, {shrunk})" in case_text
+    exec(compile(case_text, "<reproducer>", "exec"), dict(vars(stateful_cases)))  # its names resolve there
+
+
+def _fully_shard(**fields: Any) -> Config:
+    return Config(world_size=2, wrap=("blocks.0",), api="fully_shard", **fields)
+
+
+#: One program per control of a ``fully_shard``-ed model, and the case row's program of all of them.
+CONTROL_PROGRAMS = (
+    Program(_fully_shard(), (Unshard(unit="blocks.0", async_op=True), Backward(), Step(), Unshard(batch=1),
+                             Backward())),
+    Program(_fully_shard(reshard_after_forward=False), (Forward(), Reshard(), Reshard(unit="blocks.0"), Backward(),
+                                                        Step(), Reshard(), Forward(), Backward())),
+    Program(_fully_shard(), (GradSync(), Forward(), Backward(), Step(), ZeroGrad(), GradSync(on=True),
+                             Forward(batch=1), Backward(), Step())),
+    Program(_fully_shard(), (ReshardAfterBackward(), Forward(), Backward(), Forward(batch=1), Backward(), Step(),
+                             Forward(), Backward(), Save(), Load())),
+    Program(_fully_shard(model=ModelSpec(blocks=(example_mod.Block(), example_mod.Block()))),
+            (Prefetch(forward=2, backward=2), Forward(), Backward(), Step(), Prefetch(forward=0), Forward(),
+             Backward())),
+    stateful_cases.CONTROLS_PROGRAM,
+)
+
+
+def check_programs(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -> list[str | None]:
+    """Each program's verdict on ``impl`` (module level: rank processes import it)."""
+    return [check_program(ctx, impl, program) for program in drawn]
+
+
+@pytest.mark.parametrize(("impl", "mode"), [(ReferenceAdapter(), "process"), (ReferenceAdapter(), "thread"),
+                                            (TorchFSDP2Adapter(), "process")], ids=["reference-process",
+                                                                                   "reference-thread", "torch-fsdp2"])
+def test_every_control_keeps_the_shadows_values(impl: FSDPAdapter, mode: str) -> None:
+    """Each control alone, and all of them in one program, pass on the reference and on torch's FSDP2."""
+    results = run(check_programs, world_size=2, mode=mode, timeout_s=240, args=(impl, CONTROL_PROGRAMS))
+    assert results[0] == [None] * len(CONTROL_PROGRAMS), results[0]
+
+
+class UnshardWithoutGatherFullPrecision(UnshardWithoutGather):
+    """The mutant without mixed precision, so the search is about the controls alone."""
+
+    capabilities = UnshardWithoutGather.capabilities - {Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE}
+
+
+def fuzz_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSettings) -> tuple[Search, str | None]:
+    """Fuzz ``mutant``, then run the shrunk program on it again (module level)."""
+    result = stateful_fuzz(ctx, mutant, settings)
+    assert result.failing is not None, f"no failure in {result.runs} runs"
+    return result, check_program(ctx, mutant, result.failing)
+
+
+def test_a_broken_control_is_found_and_shrunk() -> None:
+    """Against a reference whose ``unshard()`` gathers nothing, the fuzzer finds a ``fully_shard`` program
+    whose ``Unshard`` gives the wrong outputs; it fails on the mutant again and passes on the reference
+    (in fresh rank processes: the mutant's patches stay where it ran)."""
+    results = run(fuzz_and_replay, world_size=2, mode="process", timeout_s=300, isolated=True,
+                  args=(UnshardWithoutGatherFullPrecision(), CaseSettings(fuzz_stateful_examples=20)))
+    result, again = results[0]
+    shrunk = result.failing
+    assert shrunk.config.api == "fully_shard" and any(isinstance(op, Unshard) for op in shrunk.ops), source(shrunk)
+    assert result.message is not None and "outputs" in result.message, result.message
+    assert again is not None
+    assert run(check_programs, world_size=2, timeout_s=120, args=(ReferenceAdapter(), (shrunk,)))[0] == [None]
+    case_text = render_program(shrunk, result.message)
+    assert "Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS" in case_text, case_text
     exec(compile(case_text, "<reproducer>", "exec"), dict(vars(stateful_cases)))  # its names resolve there

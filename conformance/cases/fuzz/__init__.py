@@ -10,6 +10,7 @@ The stateful fuzzer: random sequences of a user's operations, checked after each
 
 - :mod:`conformance.cases.fuzz.ops`: a program (configuration and operations) as plain data, and its strategy;
 - :mod:`conformance.cases.fuzz.shadow`: the local shadow model, the oracle;
+- :mod:`conformance.cases.fuzz.controls`: a program on a ``fully_shard``-ed model and its FSDP2 controls;
 - :mod:`conformance.cases.fuzz.stateful`: one program on the ranks, the invariant, budgets, reproducers.
 
 The matrix rows are ``fuzz/parity_ws{1,2,4}`` in ``conformance/cases/test_fuzz.py`` and

@@ -2,11 +2,14 @@
 
 [Note: stateful programs]
 A :class:`Program` is a :class:`Config` (model, wrap plan, strategy, precision,
-offload, activation checkpointing, frozen blocks) and a tuple of operations a
-user performs on the wrapped model, in order: forwards with and without
+offload, activation checkpointing, frozen blocks, and the API that shards the
+model: ``wrap`` units, or ``fully_shard`` bottom-up) and a tuple of operations a
+user performs on the sharded model, in order: forwards with and without
 gradients, ``train()``/``eval()``, backward, optimizer step,
 ``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
-the last save, and a backward inside the adapter's optional ``no_sync``. Like a
+the last save, and a backward inside the adapter's optional ``no_sync``; on a
+``fully_shard``-ed model also FSDP2's per-module controls ([Note: fully_shard
+programs] in :mod:`conformance.cases.fuzz.controls`). Like a
 parity example ([Note: fuzz examples are plain data]) a program holds only
 ints, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
 sent to every rank, and its ``source`` is the reproducer's body.
@@ -27,7 +30,7 @@ first, then what the implementation cannot express is dropped
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
@@ -43,12 +46,19 @@ from conformance.cases.fuzz.example import (
 )
 
 __all__ = [
-    "FEATURES", "BATCHES", "Config", "Forward", "Backward", "Step", "ZeroGrad", "Mode", "Save", "Load", "NoSync",
-    "Op", "Program", "programs",
+    "APIS", "FEATURES", "FULLY_SHARD_FEATURES", "BATCHES", "Config", "Forward", "Backward", "Step", "ZeroGrad",
+    "Mode", "Save", "Load", "NoSync", "Unshard", "Reshard", "GradSync", "ReshardAfterBackward", "Prefetch",
+    "CONTROL_OPS", "Op", "Program", "programs",
 ]
 
+#: How a program shards its model: the adapter's ``wrap`` per unit, or its ``fully_shard`` bottom-up.
+APIS = ("wrap", "fully_shard")
+#: What a ``fully_shard`` program may draw, each where the adapter declares it: the API itself, an int
+#: ``reshard_after_forward``, the per-module controls, explicit prefetch lists.
+FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
+                                  "explicit_prefetch"})
 #: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.stateful.features_of`).
-FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cpu_offload"})
+FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cpu_offload"}) | FULLY_SHARD_FEATURES
 #: Distinct input batches a program draws from (per rank), so a repeated forward sees the same batch.
 BATCHES = 3
 
@@ -57,7 +67,10 @@ BATCHES = 3
 class Config:
     """What a program runs on. ``wrap``: module paths wrapped as units (then the root); ``checkpoint``:
     blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
-    their unit); ``frozen``: paths whose parameters have ``requires_grad=False``."""
+    their unit); ``frozen``: paths whose parameters have ``requires_grad=False``. ``api``: the paths
+    (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
+    ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
+    choose, and the original parameters are what the module holds)."""
 
     world_size: int
     model: ModelSpec = ModelSpec()
@@ -71,6 +84,8 @@ class Config:
     checkpoint: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
     seed: int = 0
+    api: str = "wrap"
+    reshard_after_forward: bool | int = True
 
     def __post_init__(self) -> None:
         wrappable = self.model.wrappable()
@@ -93,9 +108,36 @@ class Config:
         if policy and policy.reduce_dtype is None and not exact_low_precision_reduction(policy, self.world_size):
             raise ValueError(f"Config(world_size={self.world_size}, policy={policy}): give reduce_dtype='float32' "
                              "(see exact_low_precision_reduction)")
-        if self.frozen and not self.use_orig_params and not set(self.frozen) <= set(self.wrap):
+        self._check_api()
+        if self.frozen and not self.orig_params and not set(self.frozen) <= set(self.wrap):
             raise ValueError(f"Config(frozen={self.frozen}) with flat parameters: a frozen path must be its own "
                              f"unit (wrap={self.wrap}); a flat parameter cannot mix frozen and trained parameters")
+
+
+    def _check_api(self) -> None:
+        if self.api not in APIS:
+            raise ValueError(f"Config.api={self.api!r}; expected one of {APIS}")
+        raf = self.reshard_after_forward
+        if self.api == "wrap":
+            if raf is not True:
+                raise ValueError(f"Config(api='wrap', reshard_after_forward={raf!r}): the strategy decides it")
+            return
+        plain = dict(strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False)
+        if any(getattr(self, name) != value for name, value in plain.items()):
+            raise ValueError(f"Config(api='fully_shard') takes no strategy, policy, offload or use_orig_params "
+                             f"(it keeps the original parameters): leave them at {plain}")
+        if not isinstance(raf, bool) and not (1 < raf < self.world_size and self.world_size % raf == 0):
+            raise ValueError(f"Config(reshard_after_forward={raf!r}): an int must be a proper factor of the "
+                             f"world size {self.world_size}")
+
+    @property
+    def orig_params(self) -> bool:
+        """Whether the module keeps its original parameters (``use_orig_params``, or ``fully_shard``)."""
+        return self.use_orig_params or self.api == "fully_shard"
+
+    def units(self) -> tuple[str, ...]:
+        """The sharded modules in forward order: the root (``""``), then the wrapped paths."""
+        return ("", *(path for path in self.model.wrappable() if path in self.wrap))
 
 
 @dataclass(frozen=True)
@@ -165,7 +207,61 @@ class NoSync:
             raise ValueError(f"NoSync(batch={self.batch}): batch in [0, {BATCHES})")
 
 
-Op = Forward | Backward | Step | ZeroGrad | Mode | Save | Load | NoSync
+@dataclass(frozen=True)
+class Unshard:
+    """``unshard()`` of the ``fully_shard``-ed module at ``unit`` (``""``: the root), with ``async_op``
+    waiting on the handle it returns, then a forward of ``batch`` with gradients (as :class:`Forward`)
+    that uses the gathered parameters."""
+
+    unit: str = ""
+    async_op: bool = False
+    batch: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.batch < BATCHES:
+            raise ValueError(f"Unshard(batch={self.batch}): batch in [0, {BATCHES})")
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """``reshard()`` of the ``fully_shard``-ed module at ``unit`` (``""``: the root)."""
+
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """``set_requires_gradient_sync(on)`` on the root (every unit): with ``on=False`` backward keeps
+    each rank's gradient unreduced until a backward with it on."""
+
+    on: bool = False
+
+
+@dataclass(frozen=True)
+class ReshardAfterBackward:
+    """``set_reshard_after_backward(on)`` on the root (every unit): with ``on=False`` backward keeps the
+    unsharded parameters for the next forward."""
+
+    on: bool = False
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Explicit prefetch lists: every unit, in forward order, all-gathers the next ``forward`` units
+    after its own in forward, and the ``backward`` units before it (in reverse) after its own in backward."""
+
+    forward: int = 1
+    backward: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.forward <= 2 and 0 <= self.backward <= 2):
+            raise ValueError(f"Prefetch(forward={self.forward}, backward={self.backward}): each in [0, 2]")
+
+
+Op = Forward | Backward | Step | ZeroGrad | Mode | Save | Load | NoSync | Unshard | Reshard | GradSync | \
+    ReshardAfterBackward | Prefetch
+#: Operations only a ``fully_shard``-ed model has.
+CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch)
 
 
 @dataclass(frozen=True)
@@ -175,8 +271,16 @@ class Program:
     config: Config
     ops: tuple[Op, ...] = ()
 
+    def __post_init__(self) -> None:
+        units = self.config.units()
+        for op in self.ops:
+            if isinstance(op, CONTROL_OPS) and self.config.api != "fully_shard":
+                raise ValueError(f"{op} needs Config(api='fully_shard')")
+            if isinstance(op, (Unshard, Reshard)) and op.unit not in units:
+                raise ValueError(f"{op} names no sharded module; expected one of {units}")
 
-_OPS = st.one_of(
+
+_OPS = (
     st.builds(Forward, batch=st.integers(0, BATCHES - 1), grad=st.booleans().map(lambda b: not b),
               loss=st.sampled_from(("all", "main"))),
     st.just(Backward()),
@@ -187,6 +291,18 @@ _OPS = st.one_of(
     st.just(Load()),
     st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
 )
+
+
+def _controls(config: Config) -> st.SearchStrategy[Op]:
+    """The controls of a ``fully_shard``-ed model on ``config``, drawn together as often as one other
+    operation (such a program still trains, saves and loads as much as another)."""
+    units = st.sampled_from(config.units())
+    return st.one_of(
+        st.builds(Unshard, unit=units, async_op=st.booleans(), batch=st.integers(0, BATCHES - 1)),
+        st.builds(Reshard, unit=units), st.builds(GradSync, on=st.booleans()),
+        st.builds(ReshardAfterBackward, on=st.booleans()),
+        st.builds(Prefetch, forward=st.integers(0, 2), backward=st.integers(0, 2)),
+    )
 
 
 def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -203,12 +319,26 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     offload = draw(st.booleans())
     checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
     frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
-    return Config(
+    config = Config(
         world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
         optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
         cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
         seed=draw(st.integers(min_value=0, max_value=2**16)),
     )
+    api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
+    if api != "fully_shard" or "fully_shard" not in features:
+        return config
+    # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
+    return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
+                   reshard_after_forward=_reshard_after_forward(raf, world_size, features))
+
+
+def _reshard_after_forward(drawn: bool | int, world_size: int, features: Collection[str]) -> bool | int:
+    """``drawn``, an int only where the adapter has it and it is a proper factor of ``world_size`` (else ``True``)."""
+    if isinstance(drawn, bool):
+        return drawn
+    fits = "reshard_after_forward_int" in features and 1 < drawn < world_size and world_size % drawn == 0
+    return drawn if fits else True
 
 
 @st.composite
@@ -225,4 +355,16 @@ def programs(
     if unknown:
         raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
     config = draw(_configs(world_size, allowed, features))
-    return Program(config, tuple(draw(st.lists(_OPS, min_size=1, max_size=max_ops))))
+    drawn = st.one_of(*_OPS, _controls(config)) if config.api == "fully_shard" else st.one_of(*_OPS)
+    ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
+    return Program(config, tuple(op for op in ops if _runs(op, config, features)))
+
+
+def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
+    """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
+    ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
+    with ``fully_shard``)."""
+    if not isinstance(op, CONTROL_OPS):
+        return True
+    needs = "explicit_prefetch" if isinstance(op, Prefetch) else "fully_shard_controls"
+    return config.api == "fully_shard" and needs in features

@@ -31,6 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from conformance.cases.fuzz.controls import (
+    Controls,
+    full_value,
+    fully_shard_features,
+    fully_shard_requires,
+    shard_config,
+)
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES, source
 from conformance.cases.fuzz.ops import (
@@ -38,13 +45,18 @@ from conformance.cases.fuzz.ops import (
     Backward,
     Config,
     Forward,
+    GradSync,
     Load,
     Mode,
     NoSync,
     Op,
+    Prefetch,
     Program,
+    Reshard,
+    ReshardAfterBackward,
     Save,
     Step,
+    Unshard,
     ZeroGrad,
     programs,
 )
@@ -114,6 +126,7 @@ class _Machine:
     optim: torch.optim.Optimizer
     shadow: Shadow
     missing: dict[str, Capability]
+    controls: Controls | None = None  # a fully_shard program's ([Note: fully_shard programs])
     pending: torch.Tensor | None = None
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
     mismatch: str | None = None
@@ -130,7 +143,10 @@ class _Machine:
         """Run ``op`` on both sides, then check the state (see [Note: stateful invariant])."""
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: self.forward, Backward: self.backward, Step: self.step, ZeroGrad: self.zero_grad,
-            Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync,
+            Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync, Unshard: self.unshard,
+            Reshard: lambda op: self._controls().reshard(op), GradSync: lambda op: self._controls().grad_sync(op),
+            ReshardAfterBackward: lambda op: self._controls().reshard_after_backward(op),
+            Prefetch: lambda op: self._controls().prefetch(op, self.config),
         }
         handlers[type(op)](op)
         if self.pending is None:
@@ -150,6 +166,18 @@ class _Machine:
                      as_compared(want_loss, policy))
         return value
 
+    def _controls(self) -> Controls:
+        assert self.controls is not None, "a control operation on a program without api='fully_shard'"
+        return self.controls
+
+    def _unsynced(self) -> bool:
+        """Gradients kept unreduced (see [Note: fully_shard programs]): the optimizer waits."""
+        return self.controls is not None and self.controls.unsynced
+
+    def unshard(self, op: Unshard) -> None:
+        self._controls().unshard(op)
+        self.forward(Forward(batch=op.batch))
+
     def forward(self, op: Forward) -> None:
         value = self._forward(op.batch, grad=op.grad, loss=op.loss)
         if op.grad:
@@ -159,14 +187,22 @@ class _Machine:
         if self.pending is not None:
             self.pending.backward()
             self.pending = None
+            if self.controls is not None:
+                self.controls.after_backward()
         self.shadow.backward()
 
     def step(self, _op: Step) -> None:
+        if self._unsynced():
+            return
         if self.pending is None:
+            if self.controls is not None:
+                self.controls.before_update(self.config)
             self.optim.step()
         self.shadow.step()
 
     def zero_grad(self, op: ZeroGrad) -> None:
+        if self._unsynced():
+            return
         self.optim.zero_grad(set_to_none=op.set_to_none)
         self.shadow.optim.zero_grad(set_to_none=op.set_to_none)
 
@@ -175,8 +211,8 @@ class _Machine:
         self.shadow.local.train(op.train)
 
     def no_sync(self, op: NoSync) -> None:
-        if self.pending is not None or "no_sync" in self.missing:
-            return
+        if self.pending is not None or "no_sync" in self.missing or self.controls is not None:
+            return  # a fully_shard-ed model has GradSync instead
         with no_sync(self.impl, self.model):
             self._forward(op.batch, grad=True, loss="all").backward()
         self.shadow.backward()
@@ -184,6 +220,9 @@ class _Machine:
         self.shadow.backward()
 
     def save(self, op: Save) -> None:
+        if self.controls is not None:
+            self._save_fully_sharded(op)
+            return
         kind = "sharded save" if op.sharded else "full save"
         if kind in self.missing or (op.optim and "optimizer save" in self.missing):
             return
@@ -192,19 +231,37 @@ class _Machine:
         self.saved = (copy.deepcopy(state), copy.deepcopy(optim), op.sharded)
         self.shadow.save(op.optim)
         if not op.sharded:
-            self.compare("full model state dict", assert_close_named, _clean(_tensors(state)),
-                         self.shadow.local.state_dict(), what="state_dict")
-            if optim is not None:
-                self.compare("full optimizer state dict", _assert_optim_state, _clean(optim["state"]),
-                             self.shadow.optim_state_by_name())
+            self._compare_saved(_tensors(state), None if optim is None else optim["state"])
+
+    def _save_fully_sharded(self, op: Save) -> None:
+        """The model's and optimizer's ``state_dict()`` (see [Note: fully_shard programs])."""
+        controls = self._controls()
+        state, optim = controls.save(self.optim if op.optim else None)
+        self.saved = (state, optim, op.sharded)
+        self.shadow.save(op.optim)
+        if not op.sharded:
+            self._compare_saved({name: full_value(v) for name, v in _tensors(state).items()},
+                                None if optim is None else controls.full_optim_state(optim))
+
+    def _compare_saved(self, state: dict[str, torch.Tensor], optim: dict[str, Any] | None) -> None:
+        self.compare("full model state dict", assert_close_named, _clean(state), self.shadow.local.state_dict(),
+                     what="state_dict")
+        if optim is not None:
+            self.compare("full optimizer state dict", _assert_optim_state, _clean(optim),
+                         self.shadow.optim_state_by_name())
 
     def load(self, _op: Load) -> None:
         if self.saved is None:
             return
         state, optim, sharded = self.saved
-        if not sharded and "full load" in self.missing:
+        if not sharded and "full load" in self.missing and self.controls is None:
             return
         self.pending = None  # an abandoned iteration
+        if self.controls is not None:
+            self.controls.before_update(self.config)
+            self.controls.load(self.optim, (state, optim))
+            self.shadow.load()
+            return
         self.impl.load_state_dict(self.model, copy.deepcopy(state), sharded=sharded)
         if optim is not None:
             self.impl.load_optim_state_dict(self.model, self.optim, copy.deepcopy(optim), sharded=sharded)
@@ -212,14 +269,17 @@ class _Machine:
 
     def check_state(self) -> None:
         local = self.shadow.local
-        if self.config.use_orig_params:  # the original parameters stay registered on the module
+        if self.config.orig_params:  # the original parameters stay registered on the module
             got, want = len(list(self.model.parameters())), len(list(local.parameters()))
             if got != want:
                 self.compare("parameters registered", _fail, f"the wrapped model has {got}, the shadow {want}")
-        params = _clean(self.impl.full_params(self.model))
+        if self.controls is not None:
+            params = self.controls.full_params()
+            grads = None if self.controls.unsynced else self.controls.full_grads()
+        else:
+            params, grads = _clean(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
         self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
                      what="params")
-        grads = full_grads(self.impl, self.model)
         if grads is not None:  # None: not exposed for this wrap; parameters still compared
             got_grads = _clean(grads)
             want_grads = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
@@ -263,9 +323,13 @@ def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str
 
 def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
-    model = wrap_config(impl, build(config, ctx.device), config)
+    if config.api == "fully_shard":
+        model = shard_config(ctx, impl, build(config, ctx.device), config)
+        controls: Controls | None = Controls.of(impl, model, _clean)
+    else:
+        model, controls = wrap_config(impl, build(config, ctx.device), config), None
     return _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
-                    missing_operations(impl, ctx.mode))
+                    missing_operations(impl, ctx.mode), controls)
 
 
 def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
@@ -305,7 +369,7 @@ def budget(settings: CaseSettings, world_size: int) -> int:
 def features_of(impl: FSDPAdapter) -> frozenset[str]:
     """The configuration :data:`~conformance.cases.fuzz.ops.FEATURES` ``impl`` can express."""
     cpu_offload = {"cpu_offload"} if Capability.CPU_OFFLOAD in impl.capabilities else set()
-    return precision_features(impl) | cpu_offload
+    return precision_features(impl) | cpu_offload | fully_shard_features(impl)
 
 
 def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Search:
@@ -323,6 +387,7 @@ def render_program(program: Program, message: str) -> str:
     found = " ".join(message.split())[:300]
     needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
     needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
+    needs += [f"Capability.{cap.name}" for cap in fully_shard_requires(program)]
     requires = f", requires=[{', '.join(needs)}]" if needs else ""
     return (
         f"# Found by the stateful fuzzer: {found}\n"

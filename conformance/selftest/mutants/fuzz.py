@@ -1,5 +1,5 @@
 """Mutants the fuzzers must catch: mixed-precision training with the master weights broken, buffers
-rounded before the first forward."""
+rounded before the first forward, a ``fully_shard``-ed module's controls broken."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch.nn as nn
 from conformance.contract.adapter import WrapSpec
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
-__all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype", "BuffersRoundedAtWrap"]
+__all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype", "BuffersRoundedAtWrap", "UnshardWithoutGather",
+           "GradSyncForgetsKeptGrads"]
 
 Fn = Callable[..., Any]
 
@@ -81,3 +82,56 @@ class BuffersRoundedAtWrap(_Mutant):
                     if buf.is_floating_point():
                         buf.copy_(buf.to(low))
         return super().wrap(module, spec)
+
+
+def _unshard_without_gather(_unshard: Fn) -> Fn:
+    def unshard_without_gather(module: Any, async_op: bool = False) -> None:
+        # Marks the parameters gathered without gathering them: the next forward computes on zeros.
+        from fsdp_impl.api import ShardedState
+
+        handle = module._own().handle
+        if handle is not None and handle.state is ShardedState.SHARDED:
+            handle._alloc_storage()
+            with torch.no_grad():
+                handle.full.data.zero_()
+            handle.state = ShardedState.UNSHARDED
+            handle.install_unsharded_views()
+        return None
+
+    return unshard_without_gather
+
+
+#: The stateful fuzzer's fixed program of every fully_shard control.
+_CONTROLS = Expect("fully_shard_controls", "thread", ("fuzz/fully_shard_controls",))
+
+
+class UnshardWithoutGather(_Mutant):
+    """``FSDPModule.unshard()`` allocates the module's unsharded parameters and marks them gathered
+    without all-gathering them, so the forward that follows computes on zeros."""
+
+    name = "mutant-unshard-without-gather"
+    breaks = "filling the unsharded parameters on unshard()"
+    expect = _CONTROLS
+    patches = (Patch("fsdp_impl.composable:FSDPModule.unshard", _unshard_without_gather),)
+
+
+def _forgetting_kept_grads(set_sync: Fn) -> Fn:
+    def set_requires_gradient_sync_forgetting(module: Any, requires_gradient_sync: bool, *,
+                                              recurse: bool = True) -> None:
+        # Turning sync back on drops what the backwards without it kept.
+        if requires_gradient_sync:
+            for state in module._units(recurse):
+                state.unsynced_grad = None
+        set_sync(module, requires_gradient_sync, recurse=recurse)
+
+    return set_requires_gradient_sync_forgetting
+
+
+class GradSyncForgetsKeptGrads(_Mutant):
+    """``set_requires_gradient_sync(True)`` forgets the gradients backwards kept while it was off: the
+    next synchronizing backward reduces its own gradient only."""
+
+    name = "mutant-grad-sync-forgets-kept-grads"
+    breaks = "accumulating the gradients of backwards without gradient sync"
+    expect = _CONTROLS
+    patches = (Patch("fsdp_impl.composable:FSDPModule.set_requires_gradient_sync", _forgetting_kept_grads),)

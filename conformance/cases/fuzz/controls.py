@@ -1,0 +1,219 @@
+"""A stateful program on a ``fully_shard``-ed model: sharding it, FSDP2's per-module controls, what a user reads.
+
+[Note: fully_shard programs]
+With ``Config(api="fully_shard")`` the program's model is sharded through the
+adapter's optional ``fully_shard`` (a 1-D mesh over the world; the config's
+paths bottom-up, each inside its activation-checkpoint wrapper if it has one,
+then the root; ``reshard_after_forward`` as drawn). Its operations may then use
+the sharded modules' controls (:attr:`Capability.FULLY_SHARD_CONTROLS`,
+:attr:`Capability.EXPLICIT_PREFETCH`), none of which changes a value a user
+reads, so the shadow ([Note: the shadow model]) does nothing for them:
+
+* ``Unshard``: ``unshard()`` (or ``unshard(async_op=True)`` and ``wait()``) of one
+  module, then a forward with gradients, whose outputs must be the shadow's;
+* ``Reshard``: ``reshard()`` of one module, at any point, a pending loss included;
+* ``ReshardAfterBackward``: ``set_reshard_after_backward`` on the root. A module
+  kept unsharded after backward reuses its gathered parameters in the next
+  forward (torch documents that they "do not need to be re-all-gathered"), so
+  what it computes after an optimizer step or a load changed the shards is not
+  defined by the contract (torch and the reference both use the stale ones):
+  before a ``Step`` or ``Load`` after such a backward the program does what its
+  user must, ``reshard()`` every module;
+* ``Prefetch``: explicit forward and backward prefetch lists for every module;
+* ``GradSync``: ``set_requires_gradient_sync`` on the root. A backward with it
+  off keeps each rank's gradient unreduced; the next backward with it on reduces
+  the sum, so the shadow, whose every backward adds the mean over ranks, is right
+  again after it, exactly as for ``NoSync``. In between the gradients a user reads
+  are not defined by the contract (FSDP2 and the reference show the last reduced
+  ones, FSDP1's ``no_sync`` the local sum), and neither is what the optimizer or
+  ``zero_grad`` would do with them, so gradients are not compared and ``Step``
+  and ``ZeroGrad`` do nothing on either side until a synchronizing backward.
+
+``NoSync`` (the adapter's ``no_sync``, defined on the root ``wrap`` returns) does
+nothing on a ``fully_shard``-ed model; ``GradSync`` is its counterpart there.
+
+What a user reads is the parameters the optimizer was built with, as
+``named_parameters()`` gave them right after sharding (DTensors): their full
+values and full gradients (``full_tensor()``), and the model's and optimizer's
+own ``state_dict()`` (both kinds of ``Save`` take it, a full one compares its full
+values with the shadow's) loaded back with ``load_state_dict``. Which tensors the
+module registers while a module is unsharded differs (torch registers the
+unsharded ones, the reference keeps the DTensors), so that is not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from conformance.cases.fuzz.ops import (
+    Config,
+    GradSync,
+    Prefetch,
+    Program,
+    Reshard,
+    ReshardAfterBackward,
+    Unshard,
+)
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.optional import (
+    activation_checkpoint_wrapper,
+    fully_shard,
+    reshard,
+    set_modules_to_prefetch,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    unshard,
+)
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "shard_config"]
+
+#: A capability -> the :data:`~conformance.cases.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
+_FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
+               Capability.FULLY_SHARD_CONTROLS: "fully_shard_controls",
+               Capability.EXPLICIT_PREFETCH: "explicit_prefetch"}
+
+
+def fully_shard_features(impl: FSDPAdapter) -> frozenset[str]:
+    """What of a ``fully_shard`` program ``impl`` can run (nothing without ``fully_shard``)."""
+    if Capability.FULLY_SHARD not in impl.capabilities:
+        return frozenset()
+    return frozenset(feature for cap, feature in _FEATURE_OF.items() if cap in impl.capabilities)
+
+
+def fully_shard_requires(program: Program) -> list[Capability]:
+    """The capabilities ``program``'s sharding and operations need."""
+    config = program.config
+    if config.api != "fully_shard":
+        return []
+    needs = [Capability.FULLY_SHARD]
+    if not isinstance(config.reshard_after_forward, bool):
+        needs.append(Capability.RESHARD_AFTER_FORWARD_INT)
+    if any(isinstance(op, (Unshard, Reshard, GradSync, ReshardAfterBackward)) for op in program.ops):
+        needs.append(Capability.FULLY_SHARD_CONTROLS)
+    if any(isinstance(op, Prefetch) for op in program.ops):
+        needs.append(Capability.EXPLICIT_PREFETCH)
+    return needs
+
+
+def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
+    """Checkpoint the config's blocks, then ``fully_shard`` its paths deepest first (a checkpointed block
+    inside its wrapper), then the root, over a 1-D mesh of the world."""
+    mesh = ctx.device_mesh((ctx.world_size,))
+    for path in sorted(config.checkpoint, key=lambda p: p.count("."), reverse=True):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, name, activation_checkpoint_wrapper(impl, getattr(parent, name), offload=False))
+    raf = config.reshard_after_forward
+    for path in sorted(config.wrap, key=lambda p: p.count("."), reverse=True):
+        fully_shard(impl, _at(model, path), mesh=mesh, reshard_after_forward=raf)
+    return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf)
+
+
+def _at(model: nn.Module, path: str) -> nn.Module:
+    """The module at ``path`` (``""``: ``model``), looked up by attribute: a checkpoint wrapper passes
+    its block's attributes through."""
+    module = model
+    for part in path.split(".") if path else ():
+        module = getattr(module, part)
+    return module
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's ``full_tensor()`` (collective), a plain tensor as it is."""
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().clone()
+
+
+def _cloned(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@dataclass
+class Controls:
+    """A ``fully_shard``-ed model's parameters as the user holds them and its controls ([Note: fully_shard
+    programs]): ``unsynced`` while a backward ran without gradient sync and none with it since, ``kept``
+    once a backward ran without resharding after it, until every module is resharded."""
+
+    impl: FSDPAdapter
+    model: nn.Module
+    params: dict[str, nn.Parameter]
+    sync: bool = True
+    unsynced: bool = False
+    reshards_after_backward: bool = True
+    kept: bool = False
+
+    @classmethod
+    def of(cls, impl: FSDPAdapter, model: nn.Module, clean: Any) -> Controls:
+        return cls(impl, model, clean(dict(model.named_parameters())))
+
+    def units(self, config: Config) -> list[nn.Module]:
+        """The sharded modules in forward order (the root first)."""
+        return [_at(self.model, unit) for unit in config.units()]
+
+    def unshard(self, op: Unshard) -> None:
+        handle = unshard(self.impl, _at(self.model, op.unit), async_op=op.async_op)
+        if handle is not None:
+            handle.wait()
+
+    def reshard(self, op: Reshard) -> None:
+        reshard(self.impl, _at(self.model, op.unit))
+
+    def grad_sync(self, op: GradSync) -> None:
+        set_requires_gradient_sync(self.impl, self.model, op.on)
+        self.sync = op.on
+
+    def reshard_after_backward(self, op: ReshardAfterBackward) -> None:
+        set_reshard_after_backward(self.impl, self.model, op.on)
+        self.reshards_after_backward = op.on
+
+    def before_update(self, config: Config) -> None:
+        """Before a step or load changes the shards: reshard every module if one may be kept unsharded."""
+        if self.kept:
+            for module in self.units(config):
+                reshard(self.impl, module)
+            self.kept = False
+
+    def prefetch(self, op: Prefetch, config: Config) -> None:
+        """Each module prefetches the next ``op.forward`` in forward order and the next ``op.backward`` in
+        backward order (the root first, then the others reversed)."""
+        forward = self.units(config)
+        backward = forward[:1] + forward[:0:-1]
+        for index, module in enumerate(forward):
+            set_modules_to_prefetch(self.impl, module, forward=forward[index + 1:index + 1 + op.forward])
+        for index, module in enumerate(backward):
+            set_modules_to_prefetch(self.impl, module, backward=backward[index + 1:index + 1 + op.backward])
+
+    def after_backward(self) -> None:
+        """A backward ran: its gradients (and those kept before) are reduced if sync is on."""
+        self.unsynced = not self.sync
+        self.kept = self.kept or not self.reshards_after_backward
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {name: full_value(param) for name, param in self.params.items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        return {name: None if p.grad is None else full_value(p.grad) for name, p in self.params.items()}
+
+    def save(self, optim: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The model's ``state_dict()`` and the optimizer's (``None``: not saved), cloned."""
+        return _cloned(dict(self.model.state_dict())), None if optim is None else _cloned(optim.state_dict())
+
+    def full_optim_state(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """A saved optimizer state's per-parameter state, keyed by name, with full values."""
+        names = list(self.params)
+        return {names[index]: {key: full_value(v) if isinstance(v, torch.Tensor) else v for key, v in entry.items()}
+                for index, entry in state["state"].items()}
+
+    def load(self, optim: torch.optim.Optimizer, saved: tuple[dict[str, Any], dict[str, Any] | None]) -> None:
+        state, optim_state = saved
+        self.model.load_state_dict(_cloned(state))
+        if optim_state is not None:
+            optim.load_state_dict(_cloned(optim_state))
