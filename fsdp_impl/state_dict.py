@@ -192,7 +192,7 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
 
 
 # -- model state dicts --------------------------------------------------------------------------
-def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
+def model_state_dict(root: nn.Module) -> dict[str, Any]:
     """``root``'s state dict in the layout its units were told to use (see [Note: state dict formats])."""
     units = _managing_units(root)
 
@@ -201,10 +201,11 @@ def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
     def snapshot() -> dict[str, Any]:
         # Cloned inside the context: full views die with the unsharded storage. Buffers go out in
         # the dtype they were built in: a buffer_dtype casts them for compute, and FSDP1 documents
-        # that checkpoints hold them "in full precision".
-        raw = nn.Module.state_dict(root, **kwargs)
+        # that checkpoints hold them "in full precision". They are found by identity, since state
+        # dict hooks (an activation-checkpoint wrapper's) may rename them.
+        raw = nn.Module.state_dict(root, keep_vars=True)
         return {
-            clean_fqn(k): (v.detach().to(built.get(clean_fqn(k), v.dtype), copy=True)
+            clean_fqn(k): (v.detach().to(built.get(id(v), v.dtype), copy=True)
                            if isinstance(v, torch.Tensor) else v)
             for k, v in raw.items()
         }
@@ -222,12 +223,15 @@ def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
             _unregister_orig(unit)
 
 
-def _buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    """Each of the root's buffers -> the dtype it was built in (empty before the first forward, when
-    no buffer has been cast yet)."""
+def _buffer_dtypes(root: nn.Module) -> dict[int, torch.dtype]:
+    """``id`` of each of the root's buffers -> the dtype it was built in (empty before the first
+    forward, when no buffer has been cast yet)."""
     unit = unit_state(root)
     shared = None if unit is None else unit.root
-    return {} if shared is None else {clean_fqn(name): dtype for name, dtype in shared.buffer_dtypes.items()}
+    if shared is None:
+        return {}
+    built, top = shared.buffer_dtypes, next(u for u in shared.units if u.is_root).module
+    return {id(buf): built[name] for name, buf in top.named_buffers() if name in built}
 
 
 def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
