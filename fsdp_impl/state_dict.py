@@ -117,6 +117,9 @@ def summon_full_params(
     """
     units = _managing_units(module)
     _check_idle(units)
+    # The dtype each unit computes in, back on exit: between forward and backward, backward
+    # re-gathers into the low-precision leaf its saved views point at.
+    precisions = [unit.handle.full.dtype == unit.handle.flat_param.dtype for unit in units]  # type: ignore[union-attr]
     for unit in units:
         unit.handle.set_full_precision(True)  # type: ignore[union-attr]
         unit.handle.start_unshard()  # type: ignore[union-attr]
@@ -135,7 +138,7 @@ def summon_full_params(
     try:
         yield
     finally:
-        for unit, grads in zip(units, saved_grads, strict=True):
+        for unit, grads, full_precision in zip(units, saved_grads, precisions, strict=True):
             handle = unit.handle
             assert handle is not None
             if writeback:
@@ -148,6 +151,7 @@ def summon_full_params(
                 slot.param.grad = None
             _unregister_orig(unit)
             handle.reshard()
+            handle.set_full_precision(full_precision)
             for slot, grad in zip(handle.slots, grads, strict=True):
                 _restore_grad(slot.param, grad)
             _restore_grad(handle.flat_param, unit.saved_flat_grad)
