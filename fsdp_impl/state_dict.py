@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_impl import collectives
-from fsdp_impl.api import StateDictType, TrainingState
+from fsdp_impl.api import ShardedState, StateDictType, TrainingState
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
 from fsdp_impl.layout import ParamSlot
 from fsdp_impl.unit_state import UnitState, unit_state, unit_states
@@ -104,6 +104,9 @@ def _unregister_orig(unit: UnitState) -> None:
         for module, name in slot.registrations:
             module._parameters.pop(name, None)
     unit.module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)
+    if handle.state is ShardedState.UNSHARDED:  # between forward and backward: a recomputation reads them
+        with torch.set_grad_enabled(handle.full.requires_grad):
+            handle.install_unsharded_views()
 
 
 @contextlib.contextmanager

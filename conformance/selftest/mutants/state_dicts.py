@@ -1,5 +1,5 @@
 """Mutants of state between iterations: optimizer state, loads mid-iteration, gradients across a
-forward without gradients, a save between forward and backward, buffers saved in their compute dtype."""
+forward without gradients, saves between forward and backward, buffers saved in their compute dtype."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState",
-           "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype"]
+           "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype", "ShardedSaveDropsAttributes"]
 
 Fn = Callable[..., Any]
 
@@ -133,3 +133,24 @@ class BuffersSavedInBufferDtype(_Mutant):
     breaks = "saving buffers in the dtype they were built in"
     expect = Expect("repro_5e69d8c9", "thread", ("fuzz/repro_5e69d8c9",))
     patches = (Patch.instead("fsdp_impl.state_dict:_buffer_dtypes", lambda _root: {}),)
+
+
+def _dropping_attributes(unregister: Fn) -> Fn:
+    def unregister_dropping_attributes(unit: Any) -> None:
+        unregister(unit)
+        if not unit.handle.use_orig_params:  # the modules keep no attribute for their parameters
+            for slot in unit.handle.slots:
+                for module, name in slot.registrations:
+                    module.__dict__.pop(name, None)
+
+    return unregister_dropping_attributes
+
+
+class ShardedSaveDropsAttributes(_Mutant):
+    """With flat parameters, a sharded state dict leaves the modules without their parameter attributes
+    until the next forward: a checkpointed block recomputed in the backward that follows finds none."""
+
+    name = "mutant-sharded-save-drops-attributes"
+    breaks = "a backward after a sharded state dict taken between forward and backward"
+    expect = Expect("repro_ff3cd83a", "thread", ("fuzz/repro_ff3cd83a",))
+    patches = (Patch("fsdp_impl.state_dict:_unregister_orig", _dropping_attributes),)
