@@ -104,7 +104,7 @@ class FullyShardedDataParallel(nn.Module):
             return super().state_dict(
                 *args, destination=destination, prefix=prefix, keep_vars=keep_vars
             )
-        return sd.model_state_dict(self, keep_vars=keep_vars)
+        return sd.model_state_dict(self)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load the output of :meth:`state_dict` for the current ``state_dict_type``."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_impl import collectives
-from fsdp_impl.api import StateDictType, TrainingState
+from fsdp_impl.api import ShardedState, StateDictType, TrainingState
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
 from fsdp_impl.layout import ParamSlot
 from fsdp_impl.unit_state import UnitState, unit_state, unit_states
@@ -104,6 +104,9 @@ def _unregister_orig(unit: UnitState) -> None:
         for module, name in slot.registrations:
             module._parameters.pop(name, None)
     unit.module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)
+    if handle.state is ShardedState.UNSHARDED:  # between forward and backward: a recomputation reads them
+        with torch.set_grad_enabled(handle.full.requires_grad):
+            handle.install_unsharded_views()
 
 
 @contextlib.contextmanager
@@ -117,6 +120,9 @@ def summon_full_params(
     """
     units = _managing_units(module)
     _check_idle(units)
+    # The dtype each unit computes in, back on exit: between forward and backward, backward
+    # re-gathers into the low-precision leaf its saved views point at.
+    precisions = [unit.handle.full.dtype == unit.handle.flat_param.dtype for unit in units]  # type: ignore[union-attr]
     for unit in units:
         unit.handle.set_full_precision(True)  # type: ignore[union-attr]
         unit.handle.start_unshard()  # type: ignore[union-attr]
@@ -135,7 +141,7 @@ def summon_full_params(
     try:
         yield
     finally:
-        for unit, grads in zip(units, saved_grads, strict=True):
+        for unit, grads, full_precision in zip(units, saved_grads, precisions, strict=True):
             handle = unit.handle
             assert handle is not None
             if writeback:
@@ -148,6 +154,7 @@ def summon_full_params(
                 slot.param.grad = None
             _unregister_orig(unit)
             handle.reshard()
+            handle.set_full_precision(full_precision)
             for slot, grad in zip(handle.slots, grads, strict=True):
                 _restore_grad(slot.param, grad)
             _restore_grad(handle.flat_param, unit.saved_flat_grad)
@@ -192,7 +199,7 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
 
 
 # -- model state dicts --------------------------------------------------------------------------
-def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
+def model_state_dict(root: nn.Module) -> dict[str, Any]:
     """``root``'s state dict in the layout its units were told to use (see [Note: state dict formats])."""
     units = _managing_units(root)
 
@@ -201,10 +208,11 @@ def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
     def snapshot() -> dict[str, Any]:
         # Cloned inside the context: full views die with the unsharded storage. Buffers go out in
         # the dtype they were built in: a buffer_dtype casts them for compute, and FSDP1 documents
-        # that checkpoints hold them "in full precision".
-        raw = nn.Module.state_dict(root, **kwargs)
+        # that checkpoints hold them "in full precision". They are found by identity, since state
+        # dict hooks (an activation-checkpoint wrapper's) may rename them.
+        raw = nn.Module.state_dict(root, keep_vars=True)
         return {
-            clean_fqn(k): (v.detach().to(built.get(clean_fqn(k), v.dtype), copy=True)
+            clean_fqn(k): (v.detach().to(built.get(id(v), v.dtype), copy=True)
                            if isinstance(v, torch.Tensor) else v)
             for k, v in raw.items()
         }
@@ -222,12 +230,15 @@ def model_state_dict(root: nn.Module, **kwargs: Any) -> dict[str, Any]:
             _unregister_orig(unit)
 
 
-def _buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    """Each of the root's buffers -> the dtype it was built in (empty before the first forward, when
-    no buffer has been cast yet)."""
+def _buffer_dtypes(root: nn.Module) -> dict[int, torch.dtype]:
+    """``id`` of each of the root's buffers -> the dtype it was built in (empty before the first
+    forward, when no buffer has been cast yet)."""
     unit = unit_state(root)
     shared = None if unit is None else unit.root
-    return {} if shared is None else {clean_fqn(name): dtype for name, dtype in shared.buffer_dtypes.items()}
+    if shared is None:
+        return {}
+    built, top = shared.buffer_dtypes, next(u for u in shared.units if u.is_root).module
+    return {id(buf): built[name] for name, buf in top.named_buffers() if name in built}
 
 
 def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:

@@ -271,3 +271,39 @@ def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
     the state then equals the shadow's."""
     run_program(ctx, impl, Program(config=Config(world_size=2), ops=(Forward(), Backward(), Save(), Load())))
+
+
+# Found by the stateful fuzzer (seeds 0-3, 40 programs, world size 2; shrunk by hand to one unit and no optimizer
+# save) in the reference: a full state dict between forward and backward left the units gathering in full
+# precision, and backward raised (setStorage: "storage of size 0"). torch-fsdp1 and torch-fsdp2 pass.
+@case("fuzz/repro_445b0205", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT])
+def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Under a bfloat16 policy, a full state dict taken between forward and backward holds the shadow's
+    values, and the backward that follows runs and gives the shadow's gradients."""
+    run_program(ctx, impl, Program(config=Config(world_size=2, policy=Policy()),
+                                   ops=(Forward(), Save(optim=False), Backward())))
+
+
+# Found by the stateful fuzzer (seeds 0-3, 40 programs; shrunk by hand to one rank and one checkpointed scale
+# layer) in the reference: a full state dict after a forward held the buffers of an activation-checkpointed block
+# in the buffer dtype (bfloat16), not in the dtype they were built in. torch-fsdp1 passes.
+@case("fuzz/repro_5e69d8c9", world_size=1,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT])
+def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """With ``buffer_dtype=bfloat16``, a full state dict after a forward holds the buffers of an
+    activation-checkpointed block in float32, the dtype they were built in (as the shadow's)."""
+    run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
+                                                 policy=Policy(buffer_dtype="bfloat16"), checkpoint=("blocks.0",)),
+                                   ops=(Forward(), Save(optim=False))))
+
+
+# Found by the stateful fuzzer (seed 3, 40 programs, world size 2; shrunk by hand to one block) in the reference:
+# a sharded state dict between forward and backward left a flat-parameter unit's modules without their parameter
+# attributes, and the recomputation of a checkpointed block in backward raised ("'Linear' object has no attribute
+# 'weight'"). torch-fsdp1 passes.
+@case("fuzz/repro_ff3cd83a", world_size=2, requires=[Capability.SHARDED_STATE_DICT])
+def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A sharded state dict taken between forward and backward leaves the backward that follows (recomputing
+    an activation-checkpointed block) running, with the shadow's gradients."""
+    run_program(ctx, impl, Program(config=Config(world_size=2, checkpoint=("blocks.0",)),
+                                   ops=(Forward(), Save(sharded=True, optim=False), Backward())))

@@ -1,16 +1,18 @@
 """Mutants of state between iterations: optimizer state, loads mid-iteration, gradients across a
-forward without gradients."""
+forward without gradients, saves between forward and backward, buffers saved in their compute dtype."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
 
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
-__all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState"]
+__all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState",
+           "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype", "ShardedSaveDropsAttributes"]
 
 Fn = Callable[..., Any]
 
@@ -96,3 +98,59 @@ class OptimLoadNeedsState(_Mutant):
     breaks = "loading an optimizer state dict saved before the first step"
     expect = Expect("repro_49d9e993", "thread", ("fuzz/repro_49d9e993",))
     patches = (Patch("fsdp_impl.state_dict:optim_state_dict_to_load", _needing_state),)
+
+
+def _staying_in_full_precision(summon: Fn) -> Fn:
+    @contextlib.contextmanager
+    def summon_staying_in_full_precision(module: Any, *args: Any, **kwargs: Any) -> Generator[None, None, None]:
+        from fsdp_impl.unit_state import unit_states
+
+        with summon(module, *args, **kwargs):
+            yield
+        for unit in unit_states(module):  # the next all-gather (backward's too) is in full precision
+            if unit.handle is not None:
+                unit.handle.set_full_precision(True)
+
+    return summon_staying_in_full_precision
+
+
+class SummonKeepsFullPrecision(_Mutant):
+    """After ``summon_full_params`` (and so a full state dict) the units keep gathering in the parameters'
+    dtype instead of the policy's ``param_dtype`` until the next forward: a backward after a save
+    between forward and backward gathers into other storage than its forward computed on."""
+
+    name = "mutant-summon-keeps-full-precision"
+    breaks = "computing backward in the param dtype after a state dict between forward and backward"
+    expect = Expect("repro_445b0205", "thread", ("fuzz/repro_445b0205",))
+    patches = (Patch("fsdp_impl.state_dict:summon_full_params", _staying_in_full_precision),)
+
+
+class BuffersSavedInBufferDtype(_Mutant):
+    """With a ``buffer_dtype``, state dicts after a forward hold the buffers in that dtype (bfloat16), as
+    they compute, not in the dtype they were built in."""
+
+    name = "mutant-buffers-saved-in-buffer-dtype"
+    breaks = "saving buffers in the dtype they were built in"
+    expect = Expect("repro_5e69d8c9", "thread", ("fuzz/repro_5e69d8c9",))
+    patches = (Patch.instead("fsdp_impl.state_dict:_buffer_dtypes", lambda _root: {}),)
+
+
+def _dropping_attributes(unregister: Fn) -> Fn:
+    def unregister_dropping_attributes(unit: Any) -> None:
+        unregister(unit)
+        if not unit.handle.use_orig_params:  # the modules keep no attribute for their parameters
+            for slot in unit.handle.slots:
+                for module, name in slot.registrations:
+                    module.__dict__.pop(name, None)
+
+    return unregister_dropping_attributes
+
+
+class ShardedSaveDropsAttributes(_Mutant):
+    """With flat parameters, a sharded state dict leaves the modules without their parameter attributes
+    until the next forward: a checkpointed block recomputed in the backward that follows finds none."""
+
+    name = "mutant-sharded-save-drops-attributes"
+    breaks = "a backward after a sharded state dict taken between forward and backward"
+    expect = Expect("repro_ff3cd83a", "thread", ("fuzz/repro_ff3cd83a",))
+    patches = (Patch("fsdp_impl.state_dict:_unregister_orig", _dropping_attributes),)
