@@ -5,7 +5,11 @@ runs the ``fuzz/stateful_*`` rows (process ranks) against every mutant that runs
 on this machine, in one pytest session (a mutant's patches last one case, so
 mutants can share a session: see :mod:`conformance.selftest.declare`), and
 prints, per mutant, whether a row FAILed, then the count caught/total. Mutants
-needing GPUs are counted as not run where none is visible. This is a
+needing GPUs are counted as not run where none is visible. The unmutated
+reference runs the same rows with the same programs first: a row it FAILs
+cannot tell a mutant from the reference, so a FAIL there counts as nothing
+(the mutant is "not measurable" by that row) and the row is named with the
+reference's reason. This is a
 measurement, not a test: a mutant the fuzzer misses is a gap to know about, not
 an error (each mutant's own cases are required to catch it by
 ``conformance/tests/test_mutants.py``).
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, cast
@@ -35,25 +41,51 @@ def runnable_mutants() -> list[str]:
     return sorted(name for name, gpus in needs.items() if gpus <= devices.visible_gpus())
 
 
-def verdicts(rows: list[dict[str, object]], mutants: list[str]) -> dict[str, str]:
-    """Each mutant -> ``caught by <row>`` or why not (``missed``: every row passed)."""
+def verdicts(rows: list[dict[str, object]], mutants: list[str],
+             unusable: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Each mutant -> ``caught by <row>`` or why not (``missed``: every usable row passed).
+
+    ``unusable``: rows the unmutated reference FAILs; a FAIL there shows nothing about the mutant."""
     out = {}
     for name in mutants:
         mine = [row for row in rows if row["impl"] == name]
-        failed = [str(row["case"]) for row in mine if row["outcome"] == "FAIL"]
+        usable = [row for row in mine if row["case"] not in unusable]
+        failed = [str(row["case"]) for row in usable if row["outcome"] == "FAIL"]
         if failed:
             out[name] = f"caught by {', '.join(failed)}"
         elif not mine:
             out[name] = "not run (no row)"
+        elif not usable:
+            out[name] = "not measurable: every row fails on the unmutated reference"
         else:
-            out[name] = "missed: " + ", ".join(f"{row['case']} {row['outcome']}" for row in mine)
+            out[name] = "missed: " + ", ".join(f"{row['case']} {row['outcome']}" for row in usable)
     return out
 
 
+def _options(args: argparse.Namespace) -> list[str]:
+    return ["--fuzz-stateful-examples", str(args.examples), "--fuzz-seed", str(args.seed)]
+
+
+def _rows(args: argparse.Namespace) -> list[str]:
+    return [f"stateful_{row}" for row in args.rows.split(",")]
+
+
+def reference_failures(args: argparse.Namespace, report: Path) -> dict[str, str]:
+    """The rows the unmutated reference FAILs on the same programs, with its reasons."""
+    cmd = [sys.executable, "-m", "pytest", str(_CASES), "-q", "-p", "no:cacheprovider", "--fsdp-impl", "reference",
+           "--rank-mode", "process", "-k", " or ".join(_rows(args)), *_options(args), "--conformance-json", str(report)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=24 * 3600, check=False)
+    if not report.exists():
+        raise RuntimeError(f"no report from {' '.join(cmd)}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    loaded = json.loads(report.read_text())
+    rows = loaded["rows"] if isinstance(loaded, dict) else loaded
+    return {str(row["case"]): str(row["reason"]) for row in rows if row["outcome"] != "pass"}
+
+
 def _session(mutants: list[str], args: argparse.Namespace, report: Path) -> list[dict[str, object]]:
-    rows = [f"stateful_{row}" for row in args.rows.split(",")]
+    rows = _rows(args)
     expect = Expect(" or ".join(rows), "process", tuple(f"fuzz/{row}" for row in rows))
-    options = ["--fuzz-stateful-examples", str(args.examples), "--fuzz-seed", str(args.seed)]
+    options = _options(args)
     return run_session({name: f"conformance.selftest.mutants:{MUTANTS[name].__name__}" for name in mutants},
                        {name: expect for name in mutants}, report=report, files=[str(_CASES)], options=options,
                        timeout_s=24 * 3600)
@@ -70,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--examples must be >= 1, got {args.examples}")
     mutants = runnable_mutants()
     with tempfile.TemporaryDirectory() as tmp:
-        found = verdicts(_session(mutants, args, Path(tmp) / "rows.json"), mutants)
+        failing = reference_failures(args, Path(tmp) / "reference.json")
+        for case, reason in failing.items():
+            print(f"{case} does not pass on the unmutated reference, so it measures nothing: {reason}")
+        found = verdicts(_session(mutants, args, Path(tmp) / "rows.json"), mutants, frozenset(failing))
     for name, verdict in found.items():
         print(f"{name}: {verdict}")
     caught = sum(verdict.startswith("caught") for verdict in found.values())
     print(f"caught by the stateful fuzzer alone: {caught}/{len(MUTANTS)} mutants "
           f"({len(MUTANTS) - len(mutants)} need GPUs and did not run; {args.examples} programs per row, "
-          f"rows {args.rows}, seed {args.seed})")
+          f"rows {args.rows}, seed {args.seed}"
+          + (f"; not counting {', '.join(sorted(failing))}, which the reference fails" if failing else "") + ")")
     if args.json is not None:
         args.json.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
     return 0

@@ -162,6 +162,18 @@ def test_fuzz_alone_verdicts() -> None:
         "m1": "caught by fuzz/stateful_ws2", "m2": "missed: fuzz/stateful_ws1 pass", "m3": "not run (no row)"}
 
 
+def test_fuzz_alone_counts_nothing_on_a_row_the_reference_fails() -> None:
+    """A row the unmutated reference FAILs cannot tell a mutant from it: its FAILs catch nothing."""
+    rows = [{"impl": "m1", "case": "fuzz/stateful_ws1", "outcome": "FAIL"},
+            {"impl": "m1", "case": "fuzz/stateful_ws2", "outcome": "pass"},
+            {"impl": "m2", "case": "fuzz/stateful_ws1", "outcome": "FAIL"},
+            {"impl": "m2", "case": "fuzz/stateful_ws2", "outcome": "FAIL"},
+            {"impl": "m3", "case": "fuzz/stateful_ws1", "outcome": "FAIL"}]
+    assert verdicts(rows, ["m1", "m2", "m3"], frozenset({"fuzz/stateful_ws1"})) == {
+        "m1": "missed: fuzz/stateful_ws2 pass", "m2": "caught by fuzz/stateful_ws2",
+        "m3": "not measurable: every row fails on the unmutated reference"}
+
+
 def shrink_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSettings) -> tuple[Search, list[Any]]:
     """Fuzz ``mutant``, then run the shrunk program again on it and on the reference (module level)."""
     result = stateful_fuzz(ctx, mutant, settings)
