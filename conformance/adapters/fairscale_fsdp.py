@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
+from conformance.adapters._inexpressible import refuse_inexpressible
 from conformance.contract.adapter import Capability, UnitInfo, WrapSpec
 
 __all__ = ["FairScaleFSDPAdapter"]
@@ -76,18 +77,8 @@ class FairScaleFSDPAdapter:
 
     @staticmethod
     def _kwargs(spec: WrapSpec) -> dict[str, Any]:
-        if spec.strategy not in _STRATEGIES:
-            raise ValueError(f"fairscale-fsdp cannot express strategy {spec.strategy!r}")
-        unsupported = {
-            "device_mesh": spec.device_mesh is not None,
-            "cpu_offload": spec.cpu_offload,
-            "sync_module_states": spec.sync_module_states,
-            "ignored_modules": bool(spec.ignored_modules),
-            "param_init_fn": spec.param_init_fn is not None,
-        }
-        bad = sorted(name for name, used in unsupported.items() if used)
-        if bad:
-            raise ValueError(f"fairscale-fsdp cannot express {bad}")
+        refuse_inexpressible("fairscale-fsdp", spec, strategies=_STRATEGIES, features=(
+            "device_mesh", "cpu_offload", "sync_module_states", "ignored_modules", "param_init_fn"))
         # forward_prefetch is a performance hint FairScale has no switch for; it is not refused.
         kwargs: dict[str, Any] = {
             "reshard_after_forward": spec.strategy != "SHARD_GRAD_OP",

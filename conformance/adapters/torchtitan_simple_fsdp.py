@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.adapters._inexpressible import refuse_inexpressible
 from conformance.contract.adapter import HYBRID_STRATEGIES, Capability, UnitInfo, WrapSpec
 from fixtures.meshes import hybrid_grid_of
 
@@ -114,17 +115,8 @@ class TorchTitanSimpleFSDPAdapter:
         return sf.data_parallel(module, **kwargs)  # type: ignore[no-any-return]
 
     def _kwargs(self, spec: WrapSpec) -> dict[str, Any]:
-        if spec.strategy not in _STRATEGIES:
-            raise ValueError(f"{self.name} cannot express strategy {spec.strategy!r}")
-        unsupported = {
-            "cpu_offload": spec.cpu_offload,
-            "sync_module_states": spec.sync_module_states,
-            "ignored_modules": bool(spec.ignored_modules),
-            "param_init_fn": spec.param_init_fn is not None,
-        }
-        bad = sorted(name for name, used in unsupported.items() if used)
-        if bad:
-            raise ValueError(f"{self.name} cannot express {bad}")
+        refuse_inexpressible(self.name, spec, strategies=_STRATEGIES, features=(
+            "cpu_offload", "sync_module_states", "ignored_modules", "param_init_fn"))
         mode = {"NO_SHARD": "replicate", **dict.fromkeys(HYBRID_STRATEGIES, "hybrid_shard")}.get(
             spec.strategy or "", "fully_shard")
         kwargs: dict[str, Any] = {"device_mesh": self._mesh(spec, _device(spec).type), "mode": mode}
