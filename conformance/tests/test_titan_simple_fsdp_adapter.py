@@ -20,14 +20,20 @@ HAS_TITAN = importlib.util.find_spec("torchtitan") is not None
 needs_titan = pytest.mark.skipif(not HAS_TITAN, reason=f"torchtitan is an optional extra: {INSTALL}")
 
 
+def _hide_torchtitan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torchtitan unimportable, submodules an earlier test imported included."""
+    for name in [n for n in sys.modules if n == "torchtitan" or n.startswith("torchtitan.")] or ["torchtitan"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def test_unavailable_without_torchtitan_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    _hide_torchtitan(monkeypatch)
     reason = TorchTitanSimpleFSDPAdapter().unavailable_reason()
     assert reason is not None and INSTALL in reason
 
 
 def test_all_leaves_out_an_unavailable_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    _hide_torchtitan(monkeypatch)
     assert "torchtitan-simple-fsdp" in registry.registered()
     assert "torchtitan-simple-fsdp" not in registry.expand(["all"])
     assert registry.expand(["torchtitan-simple-fsdp"]) == ["torchtitan-simple-fsdp"]
