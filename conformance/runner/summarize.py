@@ -25,15 +25,14 @@ _MODE = re.compile(r" \(world_size=\d+, mode=\w+\)")
 def summarize(results: list[Result]) -> str:
     impls = sorted({r.impl for r in results})
     areas = sorted({r.case.split("/", 1)[0] for r in results})
-    counts = Counter((r.case.split("/", 1)[0], r.impl, r.outcome) for r in results)
+    by_area: dict[tuple[str, str], Counter[str]] = {}
+    for r in results:
+        by_area.setdefault((r.case.split("/", 1)[0], r.impl), Counter())[r.outcome] += 1
     lines = ["| area | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
     for area in areas:
-        cells = []
-        for impl in impls:
-            parts = [f"{counts[(area, impl, o)]} {o}" for o in OUTCOMES if counts[(area, impl, o)]]
-            cells.append(", ".join(parts) or "-")
-        lines.append(f"| {area} | " + " | ".join(cells) + " |")
-    lines.append("| **all** | " + " | ".join(_total(results, impl) for impl in impls) + " |")
+        lines.append(f"| {area} | " + " | ".join(_cell(by_area.get((area, impl), Counter())) for impl in impls) + " |")
+    totals = {impl: sum((c for (_, i), c in by_area.items() if i == impl), Counter()) for impl in impls}
+    lines.append("| **all** | " + " | ".join(_cell(totals[impl], share=True) for impl in impls) + " |")
     fails = sorted({(r.case.split("[")[0], r.impl, _MODE.sub("", r.reason)[:220]) for r in results
                     if r.outcome in ("FAIL", "error")})
     if fails:
@@ -42,13 +41,11 @@ def summarize(results: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _total(results: list[Result], impl: str) -> str:
-    """``N pass, M FAIL, K n/a (K/rows %)``: one implementation over every area."""
-    counts = Counter(r.outcome for r in results if r.impl == impl)
+def _cell(counts: Counter[str], *, share: bool = False) -> str:
+    """``N pass, M FAIL, ...`` in outcome order (``-`` for none); with ``share``, the n/a share of the rows."""
+    text = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o]) or "-"
     rows = sum(counts.values())
-    parts = [f"{counts[o]} {o}" for o in OUTCOMES if counts[o]]
-    share = f" ({100 * counts['n/a'] / rows:.1f} % n/a)" if rows else ""
-    return ", ".join(parts) + share
+    return text + (f" ({100 * counts['n/a'] / rows:.1f} % n/a)" if share and rows else "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ on this machine, in one pytest session (a mutant's patches last one case, so
 mutants can share a session: see :mod:`conformance.selftest.declare`), and
 prints, per mutant, whether a row FAILed, then the count caught/total. Mutants
 needing GPUs are counted as not run where none is visible. The unmutated
-reference runs the same rows with the same programs first: a row it FAILs
+reference runs the same rows with the same programs in the same session: a row it FAILs
 cannot tell a mutant from the reference, so a FAIL there counts as nothing
 (the mutant is "not measurable" by that row) and the row is named with the
 reference's reason. This is a
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, cast
 
+from conformance.contract.registry import BUILTIN
 from conformance.selftest.declare import Expect
 from conformance.selftest.mutants import MUTANTS
 from conformance.selftest.session import run_session
@@ -33,6 +32,7 @@ from harness import devices
 __all__ = ["main", "runnable_mutants", "verdicts"]
 
 _CASES = Path(__file__).resolve().parents[1] / "cases" / "test_fuzz.py"
+CONTROL = "reference"  # the unmutated implementation the mutants are measured against
 
 
 def runnable_mutants() -> list[str]:
@@ -62,33 +62,21 @@ def verdicts(rows: list[dict[str, object]], mutants: list[str],
     return out
 
 
-def _options(args: argparse.Namespace) -> list[str]:
-    return ["--fuzz-stateful-examples", str(args.examples), "--fuzz-seed", str(args.seed)]
-
-
-def _rows(args: argparse.Namespace) -> list[str]:
-    return [f"stateful_{row}" for row in args.rows.split(",")]
-
-
-def reference_failures(args: argparse.Namespace, report: Path) -> dict[str, str]:
-    """The rows the unmutated reference FAILs on the same programs, with its reasons."""
-    cmd = [sys.executable, "-m", "pytest", str(_CASES), "-q", "-p", "no:cacheprovider", "--fsdp-impl", "reference",
-           "--rank-mode", "process", "-k", " or ".join(_rows(args)), *_options(args), "--conformance-json", str(report)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=24 * 3600, check=False)
-    if not report.exists():
-        raise RuntimeError(f"no report from {' '.join(cmd)}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    loaded = json.loads(report.read_text())
-    rows = loaded["rows"] if isinstance(loaded, dict) else loaded
-    return {str(row["case"]): str(row["reason"]) for row in rows if row["outcome"] != "pass"}
-
-
 def _session(mutants: list[str], args: argparse.Namespace, report: Path) -> list[dict[str, object]]:
-    rows = _rows(args)
+    """The stateful rows of every mutant and of the unmutated reference, in one pytest session."""
+    rows = [f"stateful_{row}" for row in args.rows.split(",")]
     expect = Expect(" or ".join(rows), "process", tuple(f"fuzz/{row}" for row in rows))
-    options = _options(args)
-    return run_session({name: f"conformance.selftest.mutants:{MUTANTS[name].__name__}" for name in mutants},
-                       {name: expect for name in mutants}, report=report, files=[str(_CASES)], options=options,
-                       timeout_s=24 * 3600)
+    options = ["--fuzz-stateful-examples", str(args.examples), "--fuzz-seed", str(args.seed)]
+    adapters = {name: f"conformance.selftest.mutants:{MUTANTS[name].__name__}" for name in mutants}
+    adapters[CONTROL] = BUILTIN[CONTROL]
+    return run_session(adapters, dict.fromkeys(adapters, expect), report=report, files=[str(_CASES)],
+                       options=options, timeout_s=24 * 3600)
+
+
+def reference_failures(rows: list[dict[str, object]]) -> dict[str, str]:
+    """The rows the unmutated reference did not pass on the same programs, with its reasons."""
+    return {str(row["case"]): str(row["reason"]) for row in rows
+            if row["impl"] == CONTROL and row["outcome"] != "pass"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--examples must be >= 1, got {args.examples}")
     mutants = runnable_mutants()
     with tempfile.TemporaryDirectory() as tmp:
-        failing = reference_failures(args, Path(tmp) / "reference.json")
-        for case, reason in failing.items():
-            print(f"{case} does not pass on the unmutated reference, so it measures nothing: {reason}")
-        found = verdicts(_session(mutants, args, Path(tmp) / "rows.json"), mutants, frozenset(failing))
+        rows = _session(mutants, args, Path(tmp) / "rows.json")
+    failing = reference_failures(rows)
+    for case, reason in failing.items():
+        print(f"{case} does not pass on the unmutated reference, so it measures nothing: {reason}")
+    found = verdicts(rows, mutants, frozenset(failing))
     for name, verdict in found.items():
         print(f"{name}: {verdict}")
     caught = sum(verdict.startswith("caught") for verdict in found.values())

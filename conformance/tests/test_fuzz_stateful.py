@@ -37,7 +37,7 @@ from conformance.cases.fuzz.ops import (
 from conformance.cases.fuzz.stateful import budget, check_program, missing_operations, render_program, stateful_fuzz
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings
-from conformance.selftest.fuzz_alone import verdicts
+from conformance.selftest.fuzz_alone import reference_failures, verdicts
 from conformance.selftest.mutants import NoGradDivide, UnshardWithoutGather
 from harness import RankContext, run
 from harness.rank_mode import RankMode
@@ -172,6 +172,9 @@ def test_fuzz_alone_counts_nothing_on_a_row_the_reference_fails() -> None:
     assert verdicts(rows, ["m1", "m2", "m3"], frozenset({"fuzz/stateful_ws1"})) == {
         "m1": "missed: fuzz/stateful_ws2 pass", "m2": "caught by fuzz/stateful_ws2",
         "m3": "not measurable: every row fails on the unmutated reference"}
+    session = [*rows, {"impl": "reference", "case": "fuzz/stateful_ws1", "outcome": "FAIL", "reason": "r"},
+               {"impl": "reference", "case": "fuzz/stateful_ws2", "outcome": "pass", "reason": ""}]
+    assert reference_failures(session) == {"fuzz/stateful_ws1": "r"}
 
 
 def shrink_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSettings) -> tuple[Search, list[Any]]:
