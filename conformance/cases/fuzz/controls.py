@@ -22,8 +22,8 @@ reads, so the shadow ([Note: the shadow model]) does nothing for them:
 * ``Prefetch``: explicit forward and backward prefetch lists for every module;
 * ``GradSync``: ``set_requires_gradient_sync`` on the root. A backward with it
   off keeps each rank's gradient unreduced; the next backward with it on reduces
-  the sum, so the shadow, whose every backward adds the mean over ranks, is right
-  again after it, exactly as for ``NoSync``. In between the gradients a user reads
+  the sum, and so does the shadow, exactly as for ``NoSync`` ([Note: unsynced
+  accumulation dtype] in :mod:`conformance.cases.fuzz.shadow`). In between the gradients a user reads
   are not defined by the contract (FSDP2 and the reference show the last reduced
   ones, FSDP1's ``no_sync`` the local sum), and neither is what the optimizer or
   ``zero_grad`` would do with them, so gradients are not compared and ``Step``

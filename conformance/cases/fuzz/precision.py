@@ -9,7 +9,10 @@ dtype (buffers to the buffer dtype) computes the loss and its gradients; each
 rank's gradients are cast to the reduce dtype (the param dtype when unset),
 summed and divided by the world size in that dtype, cast to float32 and added
 to the local model's gradients, one backward at a time, as an FSDP accumulates
-reduced gradients. Parameters and optimizer state stay in float32.
+reduced gradients (the stateful fuzzer's backwards without gradient sync keep
+each rank's gradient unreduced instead, see [Note: unsynced accumulation dtype]
+in :mod:`conformance.cases.fuzz.shadow`). Parameters and optimizer state stay in
+float32.
 
 Tolerances are ``torch.testing.assert_close``'s defaults for the dtype a value
 carries the precision of ([Note: exact comparisons] in ``fixtures.parity``):

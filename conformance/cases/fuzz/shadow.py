@@ -11,6 +11,10 @@ ranks must look to a user:
 * a backward leaves, in every parameter's gradient, the mean over ranks of the
   gradient of each rank's pending loss (what DDP's averaging gives), added to
   what the gradient held (accumulation);
+* a backward without gradient sync (``NoSync``'s first, or one after
+  ``GradSync(on=False)``) keeps each rank's gradient unreduced, and the next
+  synchronizing backward adds its own gradient to the kept one on each rank
+  and reduces the sum once ([Note: unsynced accumulation dtype]);
 * step, ``zero_grad``, ``train``/``eval``, saving and loading are the plain
   module's and optimizer's own;
 * under a policy with a ``buffer_dtype``, floating buffers take that dtype's
@@ -28,6 +32,27 @@ mixed-precision policy each rank's pending losses are computed and
 differentiated on a copy of the model in the param dtype and reduced in the
 reduce dtype ([Note: fuzz mixed-precision baseline] in
 :mod:`conformance.cases.fuzz.precision`).
+
+[Note: unsynced accumulation dtype]
+Under a mixed-precision policy each rank's gradient is computed in the param
+dtype, and what a backward without gradient sync keeps is added to by the next
+backward before anything is reduced, so the dtype it is kept in shows in the
+reduced sum (one rounding of each rank's sum). Each API says which:
+
+* ``wrap`` (``NoSync``, FSDP1's ``no_sync()``): torch documents that inside it
+  "gradients will be accumulated in module variables", the parameters backward
+  computes with, which are in the param dtype; ``reduce_dtype`` is documented
+  as the dtype of the reduction only. So each rank's sum is kept in the param
+  dtype, then cast to the reduce dtype and reduced.
+* ``fully_shard`` (``GradSync``, ``set_requires_gradient_sync(False)``): torch's
+  ``MixedPrecisionPolicy`` documents that with gradient reduction disabled FSDP
+  "will accumulate gradients using ``reduce_dtype``"; without one it is the
+  param dtype (the reduction's dtype too). Programs draw no policy for this API
+  yet (see ``Config``), so this stands for when they do.
+
+Without a policy the gradients are float32 throughout and the shadow adds each
+backward's mean at once: summing before or after averaging differs only in the
+order of float32 additions.
 """
 
 from __future__ import annotations
@@ -87,6 +112,7 @@ class Shadow:
     optim: torch.optim.Optimizer
     low: nn.Module | None = None
     pending: list[tuple[int, str]] = field(default_factory=list)
+    unsynced: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per rank, kept by backwards without sync
     saved: tuple[dict[str, Any], dict[str, Any] | None] | None = None
     buffers_cast: bool = False  # the first forward happened (see the note on buffers)
 
@@ -132,23 +158,43 @@ class Shadow:
             self.pending.append((batch, loss))
         return output, value
 
-    def backward(self) -> bool:
-        """Add the mean over ranks of the pending losses' gradients; ``False`` if nothing was pending."""
+    def backward(self, *, sync: bool = True) -> bool:
+        """Add the mean over ranks of the pending losses' gradients (without ``sync``: keep each rank's
+        gradient for the next synchronizing backward); ``False`` if nothing was pending."""
         if not self.pending:
             return False
         model, per_rank = self._compute_model(), []
         for rank in range(self.config.world_size):
             total = sum(loss_for(model(self._input(b, rank)), kind) for b, kind in self.pending)
-            if self.low is None:
+            if self.low is None:  # float32 throughout (see [Note: unsynced accumulation dtype])
                 (total / self.config.world_size).backward()  # type: ignore[operator]
                 continue
             model.zero_grad(set_to_none=True)
             total.backward()  # type: ignore[union-attr]
             per_rank.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         if per_rank:
-            self._add_reduced(per_rank)
+            self._accumulate(per_rank, sync)
         self.pending.clear()
         return True
+
+    def _accumulate(self, per_rank: list[dict[str, torch.Tensor]], sync: bool) -> None:
+        """Add each rank's gradients to what it kept, in the kept dtype; reduce the sums if ``sync``."""
+        kept = self.unsynced or [{} for _ in per_rank]
+        dtype = self._unsynced_dtype()
+        for grads, new in zip(kept, per_rank, strict=True):
+            for name, grad in new.items():
+                grads[name] = grads[name].add_(grad) if name in grads else grad.to(dtype)
+        self.unsynced = [] if sync else kept
+        if sync:
+            self._add_reduced(kept)
+
+    def _unsynced_dtype(self) -> torch.dtype:
+        """The dtype each rank's unreduced gradient sum is kept in ([Note: unsynced accumulation dtype])."""
+        spec = mixed_precision_spec(self.config.policy)
+        assert spec is not None and spec.param_dtype is not None
+        if self.config.api == "fully_shard" and spec.reduce_dtype is not None:
+            return spec.reduce_dtype
+        return spec.param_dtype
 
     def _add_reduced(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
         spec = mixed_precision_spec(self.config.policy)

@@ -189,7 +189,7 @@ class _Machine:
             self.pending = None
             if self.controls is not None:
                 self.controls.after_backward()
-        self.shadow.backward()
+        self.shadow.backward(sync=self.controls is None or self.controls.sync)
 
     def step(self, _op: Step) -> None:
         if self._unsynced():
@@ -215,7 +215,7 @@ class _Machine:
             return  # a fully_shard-ed model has GradSync instead
         with no_sync(self.impl, self.model):
             self._forward(op.batch, grad=True, loss="all").backward()
-        self.shadow.backward()
+        self.shadow.backward(sync=False)
         self._forward((op.batch + 1) % BATCHES, grad=True, loss="all").backward()
         self.shadow.backward()
 
