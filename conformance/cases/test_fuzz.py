@@ -50,6 +50,7 @@ from conformance.cases.fuzz.ops import (
     Forward,
     GradSync,
     Load,
+    NoSync,
     Prefetch,
     Program,
     Reshard,
@@ -307,3 +308,28 @@ def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
     an activation-checkpointed block) running, with the shadow's gradients."""
     run_program(ctx, impl, Program(config=Config(world_size=2, checkpoint=("blocks.0",)),
                                    ops=(Forward(), Save(sharded=True, optim=False), Backward())))
+
+
+# Found by the stateful fuzzer (seed 0, 20 programs, world size 1) in the shadow model, which failed every
+# implementation, the reference included: it reduced the backward inside no_sync and the next one separately and
+# added the results in float32, where each rank's sum is rounded to the param dtype before the one reduction
+# ([Note: unsynced accumulation dtype] in conformance/cases/fuzz/shadow.py).
+@case("fuzz/repro_27b1c63e", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC])
+def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Under bfloat16 params and reduction, a backward inside ``no_sync`` and the next one: the gradient is their
+    sum rounded to bfloat16 and reduced once, and the parameters after the step equal the shadow's."""
+    run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(), Block())),
+                                                 use_orig_params=True, policy=Policy()), ops=(NoSync(), Step())))
+
+
+# Written from the program above with reduce_dtype=float32 on two ranks: torch-fsdp2 (whose no_sync is
+# set_requires_gradient_sync(False)) keeps the unsynced gradient in float32, where FSDP1's no_sync keeps it in
+# bfloat16 (docs/findings/fsdp2-no-sync-accumulates-in-reduce-dtype.md).
+@case("fuzz/repro_c8d7309a", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC])
+def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Under bfloat16 params and a float32 reduction, a backward inside ``no_sync`` and the next one: each rank's
+    sum is kept in bfloat16 (FSDP1's ``no_sync``) and reduced once in float32; gradients and parameters after the
+    step equal the shadow's."""
+    run_program(ctx, impl, Program(config=Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())),
+                                                 use_orig_params=True, policy=Policy(reduce_dtype="float32")),
+                                   ops=(NoSync(), Step())))

@@ -1,5 +1,6 @@
 """Mutants the fuzzers must catch: mixed-precision training with the master weights broken, buffers
-rounded before the first forward, a ``fully_shard``-ed module's controls broken."""
+rounded before the first forward, a ``fully_shard``-ed module's controls broken, the gradient kept
+inside ``no_sync`` reduced apart or kept in another dtype."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from conformance.contract.adapter import WrapSpec
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype", "BuffersRoundedAtWrap", "UnshardWithoutGather",
-           "GradSyncForgetsKeptGrads"]
+           "GradSyncForgetsKeptGrads", "NoSyncReducesKeptApart", "NoSyncKeepsGradInReduceDtype"]
 
 Fn = Callable[..., Any]
 
@@ -135,3 +136,51 @@ class GradSyncForgetsKeptGrads(_Mutant):
     breaks = "accumulating the gradients of backwards without gradient sync"
     expect = _CONTROLS
     patches = (Patch("fsdp_impl.composable:FSDPModule.set_requires_gradient_sync", _forgetting_kept_grads),)
+
+
+def _reduce_kept_apart(add_kept: Fn) -> Fn:
+    def reduce_kept_apart(unit: Any, grad: torch.Tensor) -> torch.Tensor:
+        # The synchronizing backward reduces the kept gradient on its own, then its own gradient: two
+        # reductions whose results add up in float32, where the sum should be rounded and reduced once.
+        from fsdp_impl import unit as units
+
+        if unit.unsynced_grad is None or not unit.controls.requires_gradient_sync:
+            return add_kept(unit, grad)  # type: ignore[no-any-return]
+        kept, unit.unsynced_grad = unit.unsynced_grad, None
+        units._finish_reductions(unit.root)
+        unit.root.reductions.append(units._issue_reduction(unit, kept))
+        return grad
+
+    return reduce_kept_apart
+
+
+class NoSyncReducesKeptApart(_Mutant):
+    """The first backward after ``no_sync`` reduces the gradient kept inside it and its own separately and adds
+    the reduced results in float32, instead of reducing their sum (rounded to ``param_dtype``) once."""
+
+    name = "mutant-no-sync-reduces-kept-apart"
+    breaks = "reducing the sum of the gradient kept inside no_sync and the synchronizing backward's once"
+    expect = Expect("repro_27b1c63e", "thread", ("fuzz/repro_27b1c63e",))
+    patches = (Patch("fsdp_impl.unit:_with_unsynced_grad", _reduce_kept_apart),)
+
+
+def _widen_kept(add_kept: Fn) -> Fn:
+    def add_kept_in_reduce_dtype(unit: Any, grad: torch.Tensor) -> torch.Tensor:
+        # Widens the kept gradient to reduce_dtype before the next backward adds to it (as fully_shard does).
+        policy = unit.config.low_precision(unit.training)
+        if unit.unsynced_grad is not None and policy is not None and policy.reduce_dtype is not None:
+            unit.unsynced_grad = unit.unsynced_grad.to(policy.reduce_dtype)
+        return add_kept(unit, grad)  # type: ignore[no-any-return]
+
+    return add_kept_in_reduce_dtype
+
+
+class NoSyncKeepsGradInReduceDtype(_Mutant):
+    """Inside ``no_sync`` the kept gradient adds up in ``reduce_dtype`` (float32) rather than in ``param_dtype``,
+    the dtype of the module variables FSDP1's ``no_sync`` accumulates in (FSDP2's behaviour, see
+    fuzz/repro_c8d7309a)."""
+
+    name = "mutant-no-sync-keeps-grad-in-reduce-dtype"
+    breaks = "accumulating the gradients kept inside no_sync in param_dtype"
+    expect = Expect("repro_c8d7309a", "thread", ("fuzz/repro_c8d7309a",))
+    patches = (Patch("fsdp_impl.unit:_with_unsynced_grad", _widen_kept),)
