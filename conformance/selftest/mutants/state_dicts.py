@@ -72,11 +72,12 @@ class NoGradForwardDropsGrads(_Mutant):
 
     name = "mutant-no-grad-forward-drops-grads"
     breaks = "keeping gradients across a forward without gradients"
-    #: Its reproducer, and the stateful rows at a nightly-sized budget (seed 0): a backward, then a
-    #: forward without gradients before the next check or step.
+    #: Its reproducer, and the stateful rows at a nightly-sized budget (seed 0) that draw a backward, then
+    #: a forward without gradients before the next check or step. The 20 programs of world size 1 do not:
+    #: stateful_ws1 only ever reached that program by shrinking a failure the shadow's old no_sync model
+    #: caused ([Note: unsynced accumulation dtype]).
     expect = Expect("repro_438854a6 or repro_3ff502a0 or stateful", "thread",
-                    ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0", "fuzz/stateful_ws1", "fuzz/stateful_ws2",
-                     "fuzz/stateful_ws4"),
+                    ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0", "fuzz/stateful_ws2", "fuzz/stateful_ws4"),
                     stateful_examples=20)
     patches = (Patch("fsdp_impl.unit:_pre_forward", _dropping_grads_without_grad),)
 
