@@ -14,13 +14,14 @@ import json
 import os
 import platform
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["base_parser", "machine", "median", "print_table", "write_json", "save_plot"]
+__all__ = ["base_parser", "machine", "warn_without_bytecode_cache", "median", "print_table", "write_json", "save_plot"]
 
 REPORTS = Path("reports")
 
@@ -39,10 +40,21 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
+        # Without a bytecode cache every interpreter a run starts compiles the modules it imports
+        # (torch's among them when it was installed without pip's compile step) from source.
+        "bytecode_cache": not sys.flags.dont_write_bytecode,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available()
         else [],
     }
+
+
+def warn_without_bytecode_cache() -> None:
+    """Say on stderr when ``PYTHONDONTWRITEBYTECODE`` is set: the figures then include compiling from source."""
+    if sys.flags.dont_write_bytecode:
+        print("warning: PYTHONDONTWRITEBYTECODE is set, so every interpreter of these runs compiles the modules "
+              "it imports from source; a user's machine and .ci/run cache bytecode (unset it to measure that)",
+              file=sys.stderr)
 
 
 def median(values: Sequence[float]) -> float:

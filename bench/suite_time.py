@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from bench import cpu_probe
-from bench._common import base_parser, median, print_table, write_json
+from bench._common import base_parser, median, print_table, warn_without_bytecode_cache, write_json
 from conformance.runner.document import load_report
 
 __all__ = ["cpu_by", "hit_rate", "time_run", "timing_rows"]
@@ -213,6 +213,7 @@ def main() -> None:
     if args.workers == "0":
         parser.error("-n 0: the parallel run needs at least one worker (or auto)")
     extra = ["-k", args.keyword] if args.keyword else []
+    warn_without_bytecode_cache()
     runs = _measure(args.job or ["main", "all"], args.workers, args.rounds, extra, args.parallel_first)
     summary, ok = _report(runs, args.workers, args.slowest)
     for entry in summary:
