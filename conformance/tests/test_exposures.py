@@ -15,10 +15,8 @@ def test_flat_parameters_only_where_declared() -> None:
 
 
 def test_a_failure_names_its_exposure_and_keeps_its_type() -> None:
-    with pytest.raises(AssertionError, match=r"^use_orig_params=False: grads differ$"):
-        with under_exposure(False):
-            raise AssertionError("grads differ")
-    with pytest.raises(RuntimeError, match="must be 2-D") as info:
-        with under_exposure(True):
-            raise RuntimeError("'weight' must be 2-D")
+    with pytest.raises(AssertionError, match=r"^use_orig_params=False: grads differ$"), under_exposure(False):
+        raise AssertionError("grads differ")
+    with pytest.raises(RuntimeError, match="must be 2-D") as info, under_exposure(True):
+        raise RuntimeError("'weight' must be 2-D")
     assert info.value.__notes__ == ["(raised under use_orig_params=True)"]
