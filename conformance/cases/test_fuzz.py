@@ -61,14 +61,8 @@ from conformance.cases.fuzz.ops import (
 )
 from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import run_example
-from conformance.cases.fuzz.stateful import (
-    budget,
-    features_of,
-    missing_operations,
-    render_program,
-    run_program,
-    stateful_fuzz,
-)
+from conformance.cases.fuzz.stateful import budget, run_program, stateful_fuzz
+from conformance.cases.fuzz.wrapping import features_of, missing_operations, render_program
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings, case
 from conformance.contract.results import CaseReport
@@ -184,8 +178,9 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
     )
 
 
-#: What the stateful fuzzer draws only where the adapter declares it (stateful.features_of).
+#: What the stateful fuzzer draws only where the adapter declares it (wrapping.features_of).
 _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD,
+                   Capability.HYBRID_VIA_PG_TUPLE, Capability.MP_CAST_FORWARD_INPUTS,
                    Capability.FULLY_SHARD, Capability.RESHARD_AFTER_FORWARD_INT, Capability.FULLY_SHARD_CONTROLS,
                    Capability.EXPLICIT_PREFETCH)
 
