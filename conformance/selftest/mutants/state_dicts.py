@@ -12,6 +12,7 @@ import torch
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState",
+           "OptimSaveStepsEmptyState",
            "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype", "ShardedSaveDropsAttributes"]
 
 Fn = Callable[..., Any]
@@ -88,6 +89,30 @@ def _needing_state(to_load: Fn) -> Fn:
         return to_load(model, optim, osd)
 
     return to_load_needing_state
+
+
+def _stepping_empty_state(save: Fn) -> Fn:
+    def save_stepping_empty_state(model: Any, optim: torch.optim.Optimizer) -> Any:
+        if not optim.state:  # fills the state with a step on zero gradients (it counts for Adam)
+            for group in optim.param_groups:
+                for param in group["params"]:
+                    if param.requires_grad and param.grad is None:
+                        param.grad = torch.zeros_like(param)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        return save(model, optim)
+
+    return save_stepping_empty_state
+
+
+class OptimSaveStepsEmptyState(_Mutant):
+    """An optimizer state dict taken before the first step runs a step on zero gradients first, so
+    Adam's first real step is its second (torch-fsdp2's, see fuzz/repro_c34640a2)."""
+
+    name = "mutant-optim-save-steps-empty-state"
+    breaks = "leaving the optimizer as it was when saving its state before the first step"
+    expect = Expect("repro_c34640a2", "thread", ("fuzz/repro_c34640a2",))
+    patches = (Patch("fsdp_impl.state_dict:optim_state_dict", _stepping_empty_state),)
 
 
 class OptimLoadNeedsState(_Mutant):
