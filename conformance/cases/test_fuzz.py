@@ -57,18 +57,13 @@ from conformance.cases.fuzz.ops import (
     ReshardAfterBackward,
     Save,
     Step,
+    Train,
     Unshard,
 )
 from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import run_example
-from conformance.cases.fuzz.stateful import (
-    budget,
-    features_of,
-    missing_operations,
-    render_program,
-    run_program,
-    stateful_fuzz,
-)
+from conformance.cases.fuzz.stateful import budget, run_program, stateful_fuzz
+from conformance.cases.fuzz.wrapping import features_of, missing_operations, render_program
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings, case
 from conformance.contract.results import CaseReport
@@ -184,8 +179,9 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
     )
 
 
-#: What the stateful fuzzer draws only where the adapter declares it (stateful.features_of).
+#: What the stateful fuzzer draws only where the adapter declares it (wrapping.features_of).
 _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD,
+                   Capability.HYBRID_VIA_PG_TUPLE, Capability.MP_CAST_FORWARD_INPUTS,
                    Capability.FULLY_SHARD, Capability.RESHARD_AFTER_FORWARD_INT, Capability.FULLY_SHARD_CONTROLS,
                    Capability.EXPLICIT_PREFETCH)
 
@@ -333,3 +329,14 @@ def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
     run_program(ctx, impl, Program(config=Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())),
                                                  use_orig_params=True, policy=Policy(reduce_dtype="float32")),
                                    ops=(NoSync(), Step())))
+
+
+# Found by the stateful fuzzer (seed 0, 20 programs, world size 4, HYBRID_SHARD; the strategy does not matter, so
+# shrunk by hand to the default configuration on two ranks) in torch-fsdp2: taking the optimizer state dict before
+# the first step runs a step on zero gradients, which counts for Adam, so the first real step is its second
+# (docs/findings/fsdp2-optim-save-before-first-step-steps-adam.md).
+@case("fuzz/repro_c34640a2", world_size=2, requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT])
+def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Saving the model and Adam's state before the first step changes nothing: the first training
+    iteration after it leaves the parameters the shadow's."""
+    run_program(ctx, impl, Program(config=Config(world_size=2, optimizer="adam"), ops=(Save(), Train())))

@@ -13,6 +13,7 @@ import conformance.cases.fuzz.ops as ops_mod
 import conformance.cases.test_fuzz as stateful_cases
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import Search
 from conformance.cases.fuzz.example import ModelSpec, Policy, source
 from conformance.cases.fuzz.ops import (
@@ -32,9 +33,9 @@ from conformance.cases.fuzz.ops import (
     Step,
     Unshard,
     ZeroGrad,
-    programs,
 )
-from conformance.cases.fuzz.stateful import budget, check_program, missing_operations, render_program, stateful_fuzz
+from conformance.cases.fuzz.stateful import budget, check_program, stateful_fuzz
+from conformance.cases.fuzz.wrapping import missing_operations, render_program
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
@@ -70,7 +71,8 @@ def test_drawing_is_deterministic_and_varied() -> None:
     assert first == again and first != _drawn(4, 40)
     kinds = {type(op).__name__ for program in first for op in program.ops}
     controls = {kind.__name__ for kind in CONTROL_OPS}
-    assert kinds - controls == {"Forward", "Backward", "Step", "ZeroGrad", "Mode", "Save", "Load", "NoSync"}, kinds
+    plain = {"Forward", "Backward", "Step", "Train", "ZeroGrad", "Mode", "Save", "Load", "NoSync"}
+    assert kinds - controls == plain, kinds
     assert kinds & controls, kinds  # every one of them: test_controls_are_drawn_only_where_declared
     configs = [p.config for p in first]
     assert any(c.policy for c in configs) and any(c.cpu_offload for c in configs), configs
@@ -185,20 +187,20 @@ def shrink_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSetti
 
 
 def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
-    """Against a reference that sums gradients without averaging, the shrunk program is one operation
-    with two backwards (``NoSync``: one inside ``no_sync``, one synchronizing) on the simplest config;
-    it fails on the mutant again, passes on the reference, and the pasted case runs in the case
-    module's namespace."""
+    """Against a reference that sums gradients without averaging, the shrunk program is a minimal
+    synchronizing backward (a training iteration, ``NoSync``, or a forward and its backward) on the
+    simplest config; it fails on the mutant again (in the gradients, or in the parameters a step
+    updated with them), passes on the reference, and the pasted case runs in the case module's namespace."""
     results = run(shrink_and_replay, world_size=2, mode="process", timeout_s=240,
                   args=(NoGradDivide(), CaseSettings(fuzz_stateful_examples=10)))
     assert all(r[0] == results[0][0] for r in results), "ranks disagree on the fuzz result"
     result, (again, reference) = results[0]
-    # Either minimal shape of "one synchronizing backward" on the simplest config, as hypothesis's shrink
-    # order reaches it for the current draw: a NoSync, or a forward and its backward.
-    minimal = {"(NoSync(),)", "(Forward(), Backward())"}
+    # A minimal shape of "one synchronizing backward" on the simplest config, as hypothesis's shrink
+    # order reaches it for the current draw: a training iteration, a NoSync, or a forward and its backward.
+    minimal = {"(Train(),)", "(NoSync(),)", "(Forward(), Backward())"}
     shrunk = source(result.failing)
     assert shrunk in {f"Program(config=Config(world_size=2), ops={ops})" for ops in minimal}, shrunk
-    assert result.message is not None and "grads" in result.message, result.message
+    assert result.message is not None and ("grads" in result.message or "params" in result.message), result.message
     assert again is not None and reference is None, (again, reference)
     case_text = render_program(result.failing, result.message)
     assert f"run_program(ctx, impl, {shrunk})" in case_text

@@ -113,12 +113,15 @@ class Policy:
     ``param_dtype``: what all-gathers carry and forward and backward compute in;
     ``reduce_dtype``: gradient reduction (``None``: the param dtype);
     ``buffer_dtype``: buffers during compute (``None``: their own). Parameters,
-    gradients and optimizer state stay in float32.
+    gradients and optimizer state stay in float32. ``cast_inputs``: the root casts
+    floating inputs to the param dtype (else they come in it already; see
+    [Note: fuzz mixed-precision baseline]; only the stateful fuzzer draws it).
     """
 
     param_dtype: str = "bfloat16"
     reduce_dtype: str | None = None
     buffer_dtype: str | None = None
+    cast_inputs: bool = False
 
     def __post_init__(self) -> None:
         checks = {

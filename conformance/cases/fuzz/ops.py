@@ -5,7 +5,7 @@ A :class:`Program` is a :class:`Config` (model, wrap plan, strategy, precision,
 offload, activation checkpointing, frozen blocks, and the API that shards the
 model: ``wrap`` units, or ``fully_shard`` bottom-up) and a tuple of operations a
 user performs on the sharded model, in order: forwards with and without
-gradients, ``train()``/``eval()``, backward, optimizer step,
+gradients, ``train()``/``eval()``, backward, optimizer step, a whole training iteration,
 ``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
 the last save, and a backward inside the adapter's optional ``no_sync``; on a
 ``fully_shard``-ed model also FSDP2's per-module controls ([Note: fully_shard
@@ -24,15 +24,12 @@ state dicts on thread ranks, ...) are skipped the same way and counted.
 
 Configuration is drawn the way the parity fuzzer draws policies: every choice
 first, then what the implementation cannot express is dropped
-(:func:`programs`), so one seed draws the same operations for every adapter.
+(:func:`conformance.cases.fuzz.drawing.programs`), so one seed draws the same operations for every adapter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass, replace
-
-from hypothesis import strategies as st
+from dataclasses import dataclass
 
 from conformance.cases.fuzz.example import (
     DTYPES,
@@ -41,14 +38,13 @@ from conformance.cases.fuzz.example import (
     ModelSpec,
     Policy,
     exact_low_precision_reduction,
-    models,
-    policies,
 )
 
 __all__ = [
-    "APIS", "FEATURES", "FULLY_SHARD_FEATURES", "BATCHES", "Config", "Forward", "Backward", "Step", "ZeroGrad",
+    "APIS", "FEATURES", "FULLY_SHARD_FEATURES", "BATCHES", "STRATEGIES", "HYBRID_OF", "NODE", "hybrid_fits",
+    "Config", "Forward", "Backward", "Step", "ZeroGrad",
     "Mode", "Save", "Load", "NoSync", "Unshard", "Reshard", "GradSync", "ReshardAfterBackward", "Prefetch",
-    "CONTROL_OPS", "Op", "Program", "programs",
+    "CONTROL_OPS", "Op", "Program", "Train",
 ]
 
 #: How a program shards its model: the adapter's ``wrap`` per unit, or its ``fully_shard`` bottom-up.
@@ -57,10 +53,22 @@ APIS = ("wrap", "fully_shard")
 #: ``reshard_after_forward``, the per-module controls, explicit prefetch lists.
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
                                   "explicit_prefetch"})
-#: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.stateful.features_of`).
-FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cpu_offload"}) | FULLY_SHARD_FEATURES
+#: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.wrapping.features_of`).
+FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid"}) | \
+    FULLY_SHARD_FEATURES
+#: A sharding strategy -> its hybrid counterpart, which shards the same way within a "node" of
+#: :data:`NODE` ranks and replicates across nodes (see [Note: hybrid programs]).
+HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "_HYBRID_SHARD_ZERO2"}
+NODE = 2  # ranks per node of a hybrid program; STRATEGIES: every strategy a program may use
+STRATEGIES = (*FUZZ_STRATEGIES, *HYBRID_OF.values())
 #: Distinct input batches a program draws from (per rank), so a repeated forward sees the same batch.
 BATCHES = 3
+
+
+def hybrid_fits(world_size: int) -> bool:
+    """Whether ``world_size`` ranks make several nodes of :data:`NODE` ranks, where a ``wrap`` program may
+    draw a hybrid strategy ([Note: hybrid programs] in :mod:`conformance.cases.fuzz.wrapping`)."""
+    return world_size > NODE and world_size % NODE == 0
 
 
 @dataclass(frozen=True)
@@ -95,13 +103,16 @@ class Config:
             unknown = sorted(set(paths) - set(allowed))
             if unknown:
                 raise ValueError(f"Config.{name} names {unknown}, not among {allowed}")
-        checks = {"strategy": (self.strategy, FUZZ_STRATEGIES), "optimizer": (self.optimizer, OPTIMIZERS),
+        checks = {"strategy": (self.strategy, STRATEGIES), "optimizer": (self.optimizer, OPTIMIZERS),
                   "dtype": (self.dtype, DTYPES)}
         for name, (value, allowed_values) in checks.items():
             if value not in allowed_values:
                 raise ValueError(f"Config.{name}={value!r}; expected one of {allowed_values}")
         if self.world_size < 1:
             raise ValueError(f"Config.world_size must be >= 1, got {self.world_size}")
+        if self.hybrid and not hybrid_fits(self.world_size):
+            raise ValueError(f"Config(strategy={self.strategy!r}) needs a world of several nodes of {NODE} ranks, "
+                             f"got world_size={self.world_size}")
         if self.policy is not None and self.dtype != "float32":
             raise ValueError(f"Config(policy={self.policy}) keeps parameters in float32, got dtype={self.dtype!r}")
         policy = self.policy
@@ -129,6 +140,11 @@ class Config:
         if not isinstance(raf, bool) and not (1 < raf < self.world_size and self.world_size % raf == 0):
             raise ValueError(f"Config(reshard_after_forward={raf!r}): an int must be a proper factor of the "
                              f"world size {self.world_size}")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the strategy is hybrid (see [Note: hybrid programs])."""
+        return self.strategy in HYBRID_OF.values()
 
     @property
     def orig_params(self) -> bool:
@@ -164,6 +180,18 @@ class Backward:
 @dataclass(frozen=True)
 class Step:
     """``optimizer.step()`` (skipped while a loss is pending: see [Note: stateful programs])."""
+
+
+@dataclass(frozen=True)
+class Train:
+    """One training iteration: a :class:`Forward` of ``batch`` with gradients (added to a loss already
+    pending), its :class:`Backward`, then a :class:`Step`."""
+
+    batch: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.batch < BATCHES:
+            raise ValueError(f"Train(batch={self.batch}): batch in [0, {BATCHES})")
 
 
 @dataclass(frozen=True)
@@ -258,7 +286,7 @@ class Prefetch:
             raise ValueError(f"Prefetch(forward={self.forward}, backward={self.backward}): each in [0, 2]")
 
 
-Op = Forward | Backward | Step | ZeroGrad | Mode | Save | Load | NoSync | Unshard | Reshard | GradSync | \
+Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | Unshard | Reshard | GradSync | \
     ReshardAfterBackward | Prefetch
 #: Operations only a ``fully_shard``-ed model has.
 CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch)
@@ -278,93 +306,3 @@ class Program:
                 raise ValueError(f"{op} needs Config(api='fully_shard')")
             if isinstance(op, (Unshard, Reshard)) and op.unit not in units:
                 raise ValueError(f"{op} names no sharded module; expected one of {units}")
-
-
-_OPS = (
-    st.builds(Forward, batch=st.integers(0, BATCHES - 1), grad=st.booleans().map(lambda b: not b),
-              loss=st.sampled_from(("all", "main"))),
-    st.just(Backward()),
-    st.just(Step()),
-    st.builds(ZeroGrad, set_to_none=st.booleans().map(lambda b: not b)),
-    st.builds(Mode, train=st.booleans()),
-    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
-    st.just(Load()),
-    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
-)
-
-
-def _controls(config: Config) -> st.SearchStrategy[Op]:
-    """The controls of a ``fully_shard``-ed model on ``config``, drawn together as often as one other
-    operation (such a program still trains, saves and loads as much as another)."""
-    units = st.sampled_from(config.units())
-    return st.one_of(
-        st.builds(Unshard, unit=units, async_op=st.booleans(), batch=st.integers(0, BATCHES - 1)),
-        st.builds(Reshard, unit=units), st.builds(GradSync, on=st.booleans()),
-        st.builds(ReshardAfterBackward, on=st.booleans()),
-        st.builds(Prefetch, forward=st.integers(0, 2), backward=st.integers(0, 2)),
-    )
-
-
-def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(p for p in paths if draw(st.booleans()))
-
-
-@st.composite
-def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> Config:
-    model = draw(models())
-    wrap = _subset(draw, model.wrappable())
-    strategy, use_orig_params = draw(st.sampled_from(tuple(strategies))), draw(st.booleans())
-    optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
-    policy = draw(policies(model, world_size, features))
-    offload = draw(st.booleans())
-    checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
-    frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
-    config = Config(
-        world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
-        optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
-        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
-        seed=draw(st.integers(min_value=0, max_value=2**16)),
-    )
-    api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
-    if api != "fully_shard" or "fully_shard" not in features:
-        return config
-    # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
-    return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
-                   reshard_after_forward=_reshard_after_forward(raf, world_size, features))
-
-
-def _reshard_after_forward(drawn: bool | int, world_size: int, features: Collection[str]) -> bool | int:
-    """``drawn``, an int only where the adapter has it and it is a proper factor of ``world_size`` (else ``True``)."""
-    if isinstance(drawn, bool):
-        return drawn
-    fits = "reshard_after_forward_int" in features and 1 < drawn < world_size and world_size % drawn == 0
-    return drawn if fits else True
-
-
-@st.composite
-def programs(
-    draw: st.DrawFn, world_size: int, strategies: Collection[str] = FUZZ_STRATEGIES,
-    features: Collection[str] = FEATURES, max_ops: int = 12,
-) -> Program:
-    """Programs for ``world_size`` ranks over the given ``strategies`` and configuration ``features``
-    (of :data:`FEATURES`), with up to ``max_ops`` operations."""
-    allowed = [s for s in FUZZ_STRATEGIES if s in strategies]
-    if not allowed:
-        raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
-    unknown = sorted(set(features) - FEATURES)
-    if unknown:
-        raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
-    config = draw(_configs(world_size, allowed, features))
-    drawn = st.one_of(*_OPS, _controls(config)) if config.api == "fully_shard" else st.one_of(*_OPS)
-    ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
-    return Program(config, tuple(op for op in ops if _runs(op, config, features)))
-
-
-def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
-    """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
-    ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
-    with ``fully_shard``)."""
-    if not isinstance(op, CONTROL_OPS):
-        return True
-    needs = "explicit_prefetch" if isinstance(op, Prefetch) else "fully_shard_controls"
-    return config.api == "fully_shard" and needs in features

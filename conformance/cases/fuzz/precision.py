@@ -25,10 +25,11 @@ carries the precision of ([Note: exact comparisons] in ``fixtures.parity``):
 * parameters stay float32 on both sides and keep float32's defaults: a master
   copy rounded to the param dtype, or an update lost, shows there.
 
-Inputs: the fuzzers hand the wrapped model and the baseline the same batch, its floating tensors
-cast to the param dtype by :func:`model_input`; they test param, reduce and buffer dtypes, not the
-root's cast of its inputs (``mixed_precision/cast_forward_inputs`` does), so the wrap spec says
-``cast_forward_inputs=False`` and needs no ``Capability.MP_CAST_FORWARD_INPUTS``.
+Inputs: the baseline gets each batch with its floating tensors cast to the param dtype by
+:func:`model_input`, and so does the wrapped model, with ``cast_forward_inputs=False`` in its wrap
+spec, unless the policy says ``cast_inputs``: then the wrapped model gets the batch as it is and
+its root casts it (``cast_forward_inputs=True``, :attr:`Capability.MP_CAST_FORWARD_INPUTS`), which
+must give the same values (:func:`wrapped_input`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from fixtures.precision import average_grads, low_precision_copy
 
 __all__ = [
     "dtype_of", "mixed_precision_spec", "required", "precision_features", "precision_note", "low_precision_model",
-    "local_backward", "as_compared", "in_compute_dtype", "model_input",
+    "local_backward", "as_compared", "in_compute_dtype", "model_input", "wrapped_input",
 ]
 
 
@@ -65,7 +66,7 @@ def mixed_precision_spec(policy: Policy | None) -> MixedPrecisionSpec | None:
         param_dtype=dtype_of(policy.param_dtype),
         reduce_dtype=None if policy.reduce_dtype is None else dtype_of(policy.reduce_dtype),
         buffer_dtype=None if policy.buffer_dtype is None else dtype_of(policy.buffer_dtype),
-        cast_forward_inputs=False,
+        cast_forward_inputs=policy.cast_inputs,
     )
 
 
@@ -75,6 +76,12 @@ def model_input(batch: torch.Tensor, policy: Policy | None) -> torch.Tensor:
     if policy is None or not batch.is_floating_point():
         return batch
     return batch.to(dtype_of(policy.param_dtype))
+
+
+def wrapped_input(batch: torch.Tensor, policy: Policy | None) -> torch.Tensor:
+    """``batch`` as the fuzzers feed it to the wrapped model: as it is where the root casts it
+    (``cast_inputs``), else :func:`model_input`'s (see the module note)."""
+    return batch if policy is not None and policy.cast_inputs else model_input(batch, policy)
 
 
 def required(policy: Policy | None) -> list[Capability]:

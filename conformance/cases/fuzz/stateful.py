@@ -21,7 +21,6 @@ agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
 from __future__ import annotations
 
 import copy
-import hashlib
 import re
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -31,15 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import (
-    Controls,
-    full_value,
-    fully_shard_features,
-    fully_shard_requires,
-    shard_config,
-)
+from conformance.cases.fuzz.controls import Controls, full_value, shard_config
+from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
-from conformance.cases.fuzz.example import FUZZ_STRATEGIES, source
+from conformance.cases.fuzz.example import FUZZ_STRATEGIES
 from conformance.cases.fuzz.ops import (
     BATCHES,
     Backward,
@@ -56,32 +50,23 @@ from conformance.cases.fuzz.ops import (
     ReshardAfterBackward,
     Save,
     Step,
+    Train,
     Unshard,
     ZeroGrad,
-    programs,
 )
-from conformance.cases.fuzz.precision import (
-    as_compared,
-    in_compute_dtype,
-    mixed_precision_spec,
-    model_input,
-    precision_features,
-    required,
-)
+from conformance.cases.fuzz.precision import as_compared, in_compute_dtype, wrapped_input
 from conformance.cases.fuzz.runner import agree, assert_dtypes, attempt, make_optimizer, zeros_for_none
 from conformance.cases.fuzz.shadow import Output, Shadow, batch_of, build, loss_for
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.applicability import missing_reason
+from conformance.cases.fuzz.wrapping import features_of, missing_operations, wrap_config
+from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
-from conformance.contract.optional import activation_checkpoint_wrapper, full_grads, no_sync
+from conformance.contract.optional import full_grads, no_sync
 from fixtures.parity import assert_close_named
-from harness.rank_mode import RankMode
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_PROGRAMS", "budget", "features_of", "missing_operations", "wrap_config", "check_program",
-           "run_program", "stateful_fuzz", "render_program"]
+__all__ = ["MAIN_JOB_PROGRAMS", "budget", "check_program", "run_program", "stateful_fuzz"]
 
 _CHECKPOINT_PREFIX = re.compile(r"_checkpoint_wrapped_module\.")
 
@@ -89,30 +74,6 @@ _CHECKPOINT_PREFIX = re.compile(r"_checkpoint_wrapped_module\.")
 def _clean(named: dict[str, Any]) -> dict[str, Any]:
     """Names without the activation-checkpoint wrapper this fuzzer put in (the shadow has none)."""
     return {_CHECKPOINT_PREFIX.sub("", name): value for name, value in named.items()}
-
-
-def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
-    """Operations ``impl`` cannot run in rank ``mode`` -> why (they are skipped)."""
-    needs = {"no_sync": [Capability.NO_SYNC], "full save": [Capability.FULL_STATE_DICT],
-             "sharded save": [Capability.SHARDED_STATE_DICT], "optimizer save": [Capability.OPTIM_STATE_DICT],
-             "full load": [Capability.FULL_STATE_DICT]}
-    reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
-    return {op: reason for op, reason in reasons.items() if reason is not None}
-
-
-def wrap_config(impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
-    """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
-    unit), then wrap the root."""
-    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
-                    mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload)
-    actions = [(p.count("."), 1, p) for p in config.checkpoint] + [(p.count("."), 0, p) for p in config.wrap]
-    for _depth, checkpoint, path in sorted(actions, reverse=True):
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        child = getattr(parent, name)
-        wrapped = activation_checkpoint_wrapper(impl, child, offload=False) if checkpoint else impl.wrap(child, spec)
-        setattr(parent, name, wrapped)
-    return impl.wrap(model, spec)
 
 
 @dataclass
@@ -125,7 +86,7 @@ class _Machine:
     model: nn.Module
     optim: torch.optim.Optimizer
     shadow: Shadow
-    missing: dict[str, Capability]
+    missing: dict[str, str]
     controls: Controls | None = None  # a fully_shard program's ([Note: fully_shard programs])
     pending: torch.Tensor | None = None
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
@@ -142,7 +103,8 @@ class _Machine:
     def apply(self, op: Op) -> None:
         """Run ``op`` on both sides, then check the state (see [Note: stateful invariant])."""
         handlers: dict[type, Callable[[Any], None]] = {
-            Forward: self.forward, Backward: self.backward, Step: self.step, ZeroGrad: self.zero_grad,
+            Forward: self.forward, Backward: self.backward, Step: self.step, Train: self.train_iteration,
+            ZeroGrad: self.zero_grad,
             Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync, Unshard: self.unshard,
             Reshard: lambda op: self._controls().reshard(op), GradSync: lambda op: self._controls().grad_sync(op),
             ReshardAfterBackward: lambda op: self._controls().reshard_after_backward(op),
@@ -154,8 +116,8 @@ class _Machine:
 
     def _forward(self, batch: int, *, grad: bool, loss: str) -> torch.Tensor:
         with nullcontext() if grad else torch.no_grad():
-            output = self.model(model_input(batch_of(self.config, batch, self.ctx.rank, self.ctx.device),
-                                            self.config.policy))
+            output = self.model(wrapped_input(batch_of(self.config, batch, self.ctx.rank, self.ctx.device),
+                                              self.config.policy))
         want, want_loss = self.shadow.forward(batch, self.ctx.rank, grad=grad, loss=loss)
         policy = self.config.policy
         if policy is not None:
@@ -199,6 +161,11 @@ class _Machine:
                 self.controls.before_update(self.config)
             self.optim.step()
         self.shadow.step()
+
+    def train_iteration(self, op: Train) -> None:
+        self.forward(Forward(batch=op.batch))
+        self.backward(Backward())
+        self.step(Step())
 
     def zero_grad(self, op: ZeroGrad) -> None:
         if self._unsynced():
@@ -327,7 +294,7 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
         model = shard_config(ctx, impl, build(config, ctx.device), config)
         controls: Controls | None = Controls.of(impl, model, _clean)
     else:
-        model, controls = wrap_config(impl, build(config, ctx.device), config), None
+        model, controls = wrap_config(ctx, impl, build(config, ctx.device), config), None
     return _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
                     missing_operations(impl, ctx.mode), controls)
 
@@ -366,12 +333,6 @@ def budget(settings: CaseSettings, world_size: int) -> int:
     return given if given is not None else MAIN_JOB_PROGRAMS.get(world_size, 1)
 
 
-def features_of(impl: FSDPAdapter) -> frozenset[str]:
-    """The configuration :data:`~conformance.cases.fuzz.ops.FEATURES` ``impl`` can express."""
-    cpu_offload = {"cpu_offload"} if Capability.CPU_OFFLOAD in impl.capabilities else set()
-    return precision_features(impl) | cpu_offload | fully_shard_features(impl)
-
-
 def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Search:
     """Draw, run and shrink programs on every rank (collective; every rank returns rank 0's result)."""
     strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
@@ -379,19 +340,3 @@ def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -
     config = FuzzSettings(seed=settings.fuzz_seed, verbose=settings.fuzz_verbose)
     return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
                   counted=lambda program: len(program.ops))
-
-
-def render_program(program: Program, message: str) -> str:
-    """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz.py``)."""
-    digest = hashlib.sha1(repr(program).encode()).hexdigest()[:8]
-    found = " ".join(message.split())[:300]
-    needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
-    needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
-    needs += [f"Capability.{cap.name}" for cap in fully_shard_requires(program)]
-    requires = f", requires=[{', '.join(needs)}]" if needs else ""
-    return (
-        f"# Found by the stateful fuzzer: {found}\n"
-        f'@case("fuzz/repro_{digest}", world_size={program.config.world_size}{requires})\n'
-        f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
-        f"    run_program(ctx, impl, {source(program)})\n"
-    )

@@ -12,6 +12,7 @@ import torch
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState",
+           "OptimSaveStepsEmptyState",
            "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype", "ShardedSaveDropsAttributes"]
 
 Fn = Callable[..., Any]
@@ -72,13 +73,12 @@ class NoGradForwardDropsGrads(_Mutant):
 
     name = "mutant-no-grad-forward-drops-grads"
     breaks = "keeping gradients across a forward without gradients"
-    #: Its reproducer, and the stateful rows at a nightly-sized budget (seed 0) that draw a backward, then
-    #: a forward without gradients before the next check or step. The 20 programs of world size 1 do not:
-    #: stateful_ws1 only ever reached that program by shrinking a failure the shadow's old no_sync model
-    #: caused ([Note: unsynced accumulation dtype]).
-    expect = Expect("repro_438854a6 or repro_3ff502a0 or stateful", "thread",
-                    ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0", "fuzz/stateful_ws2", "fuzz/stateful_ws4"),
-                    stateful_examples=20)
+    #: Its reproducers. No stateful row is claimed: at a nightly-sized budget (20 programs, seed 0) none
+    #: draws a backward, then a forward without gradients, then a check that reads the gradients or a
+    #: step before zero_grad. stateful_ws2 and ws4 did until programs drew Train and hybrid strategies
+    #: (every draw after the new choices moved); ws1 only reached it by shrinking a failure the shadow's
+    #: old no_sync model caused ([Note: unsynced accumulation dtype]).
+    expect = Expect("repro_438854a6 or repro_3ff502a0", "thread", ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0"))
     patches = (Patch("fsdp_impl.unit:_pre_forward", _dropping_grads_without_grad),)
 
 
@@ -89,6 +89,30 @@ def _needing_state(to_load: Fn) -> Fn:
         return to_load(model, optim, osd)
 
     return to_load_needing_state
+
+
+def _stepping_empty_state(save: Fn) -> Fn:
+    def save_stepping_empty_state(model: Any, optim: torch.optim.Optimizer) -> Any:
+        if not optim.state:  # fills the state with a step on zero gradients (it counts for Adam)
+            for group in optim.param_groups:
+                for param in group["params"]:
+                    if param.requires_grad and param.grad is None:
+                        param.grad = torch.zeros_like(param)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        return save(model, optim)
+
+    return save_stepping_empty_state
+
+
+class OptimSaveStepsEmptyState(_Mutant):
+    """An optimizer state dict taken before the first step runs a step on zero gradients first, so
+    Adam's first real step is its second (torch-fsdp2's, see fuzz/repro_c34640a2)."""
+
+    name = "mutant-optim-save-steps-empty-state"
+    breaks = "leaving the optimizer as it was when saving its state before the first step"
+    expect = Expect("repro_c34640a2", "thread", ("fuzz/repro_c34640a2",))
+    patches = (Patch("fsdp_impl.state_dict:optim_state_dict", _stepping_empty_state),)
 
 
 class OptimLoadNeedsState(_Mutant):

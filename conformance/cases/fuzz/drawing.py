@@ -1,0 +1,143 @@
+"""Drawing stateful programs ([Note: stateful programs] in :mod:`conformance.cases.fuzz.ops`) with hypothesis."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from conformance.cases.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, models, policies
+from conformance.cases.fuzz.ops import (
+    APIS,
+    BATCHES,
+    CONTROL_OPS,
+    FEATURES,
+    HYBRID_OF,
+    Backward,
+    Config,
+    Forward,
+    GradSync,
+    Load,
+    Mode,
+    NoSync,
+    Op,
+    Prefetch,
+    Program,
+    Reshard,
+    ReshardAfterBackward,
+    Save,
+    Step,
+    Train,
+    Unshard,
+    ZeroGrad,
+    hybrid_fits,
+)
+
+__all__ = ["programs"]
+
+
+#: A training iteration first: hypothesis draws and shrinks towards the first choice, so the simplest
+#: program trains (a forward alone would check little) and a shrunk one reads as iterations plus what matters.
+_OPS = (
+    st.builds(Train, batch=st.integers(0, BATCHES - 1)),
+    st.builds(Forward, batch=st.integers(0, BATCHES - 1), grad=st.booleans().map(lambda b: not b),
+              loss=st.sampled_from(("all", "main"))),
+    st.just(Backward()),
+    st.just(Step()),
+    st.builds(ZeroGrad, set_to_none=st.booleans().map(lambda b: not b)),
+    st.builds(Mode, train=st.booleans()),
+    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
+    st.just(Load()),
+    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
+)
+
+
+def _controls(config: Config) -> st.SearchStrategy[Op]:
+    """The controls of a ``fully_shard``-ed model on ``config``, drawn together as often as one other
+    operation (such a program still trains, saves and loads as much as another)."""
+    units = st.sampled_from(config.units())
+    return st.one_of(
+        st.builds(Unshard, unit=units, async_op=st.booleans(), batch=st.integers(0, BATCHES - 1)),
+        st.builds(Reshard, unit=units), st.builds(GradSync, on=st.booleans()),
+        st.builds(ReshardAfterBackward, on=st.booleans()),
+        st.builds(Prefetch, forward=st.integers(0, 2), backward=st.integers(0, 2)),
+    )
+
+
+def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for p in paths if draw(st.booleans()))
+
+
+@st.composite
+def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> Config:
+    model = draw(models())
+    wrap = _subset(draw, model.wrappable())
+    strategy, use_orig_params = _strategy(draw, world_size, strategies, features), draw(st.booleans())
+    optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
+    policy, cast_inputs = draw(policies(model, world_size, features)), draw(st.booleans())
+    if policy is not None and cast_inputs and "cast_forward_inputs" in features:
+        policy = replace(policy, cast_inputs=True)
+    offload = draw(st.booleans())
+    checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
+    frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
+    config = Config(
+        world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
+        optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
+        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
+        seed=draw(st.integers(min_value=0, max_value=2**16)),
+    )
+    api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
+    if api != "fully_shard" or "fully_shard" not in features:
+        return config
+    # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
+    return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
+                   reshard_after_forward=_reshard_after_forward(raf, world_size, features))
+
+
+def _strategy(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> str:
+    """A strategy; where a hybrid layout fits ([Note: hybrid programs]) the hybrid ones are drawn too, first
+    (the simplest choice there: only such world sizes can test them, the others test the rest), and stand
+    for their non-hybrid counterpart where the adapter has none (so one seed draws alike for all)."""
+    hybrids = tuple(HYBRID_OF[s] for s in strategies if s in HYBRID_OF) if hybrid_fits(world_size) else ()
+    strategy = draw(st.sampled_from((*hybrids, *strategies)))
+    if strategy in hybrids and "hybrid" not in features:
+        return next(plain for plain, hybrid in HYBRID_OF.items() if hybrid == strategy)
+    return strategy
+
+
+def _reshard_after_forward(drawn: bool | int, world_size: int, features: Collection[str]) -> bool | int:
+    """``drawn``, an int only where the adapter has it and it is a proper factor of ``world_size`` (else ``True``)."""
+    if isinstance(drawn, bool):
+        return drawn
+    fits = "reshard_after_forward_int" in features and 1 < drawn < world_size and world_size % drawn == 0
+    return drawn if fits else True
+
+
+@st.composite
+def programs(
+    draw: st.DrawFn, world_size: int, strategies: Collection[str] = FUZZ_STRATEGIES,
+    features: Collection[str] = FEATURES, max_ops: int = 12,
+) -> Program:
+    """Programs for ``world_size`` ranks over the given ``strategies`` and configuration ``features``
+    (of :data:`FEATURES`), with up to ``max_ops`` operations."""
+    allowed = [s for s in FUZZ_STRATEGIES if s in strategies]  # hybrid ones: the "hybrid" feature
+    if not allowed:
+        raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
+    unknown = sorted(set(features) - FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
+    config = draw(_configs(world_size, allowed, features))
+    drawn = st.one_of(*_OPS, _controls(config)) if config.api == "fully_shard" else st.one_of(*_OPS)
+    ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
+    return Program(config, tuple(op for op in ops if _runs(op, config, features)))
+
+
+def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
+    """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
+    ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
+    with ``fully_shard``)."""
+    if not isinstance(op, CONTROL_OPS):
+        return True
+    needs = "explicit_prefetch" if isinstance(op, Prefetch) else "fully_shard_controls"
+    return config.api == "fully_shard" and needs in features

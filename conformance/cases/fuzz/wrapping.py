@@ -1,0 +1,90 @@
+"""A stateful program's wrapped model, what of programs an adapter can run, and a program's reproducer.
+
+[Note: hybrid programs]
+Where the world is several "nodes" of :data:`~conformance.cases.fuzz.ops.NODE`
+ranks (:func:`~conformance.cases.fuzz.ops.hybrid_fits`), a ``wrap`` program's
+``FULL_SHARD`` or ``SHARD_GRAD_OP`` may become its hybrid counterpart
+(``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) for every unit, given an explicit
+``(shard, replicate)`` group tuple: shard groups of ``NODE`` consecutive ranks,
+replicate groups of the ranks at the same place in each node
+(``fixtures.meshes.hybrid_groups``). Drawn only where the adapter can express
+both strategies with a group tuple (:attr:`Capability.HYBRID_VIA_PG_TUPLE`).
+Training must look as it does on the whole world with any other strategy: the
+shadow averages every rank's gradient, so a replica left out of the reduction,
+or a mean over the shard group only, shows in the gradients and parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+from conformance.cases.fuzz.controls import fully_shard_features, fully_shard_requires
+from conformance.cases.fuzz.example import source
+from conformance.cases.fuzz.ops import HYBRID_OF, NODE, Config, Program
+from conformance.cases.fuzz.precision import mixed_precision_spec, precision_features, required
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.applicability import missing_reason
+from conformance.contract.optional import activation_checkpoint_wrapper
+from fixtures.meshes import hybrid_groups
+from harness.rank_mode import RankMode
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["features_of", "missing_operations", "wrap_config", "render_program"]
+
+
+def features_of(impl: FSDPAdapter) -> frozenset[str]:
+    """The configuration :data:`~conformance.cases.fuzz.ops.FEATURES` ``impl`` can express."""
+    caps = impl.capabilities
+    cpu_offload = {"cpu_offload"} if Capability.CPU_OFFLOAD in caps else set()
+    cast = {"cast_forward_inputs"} if {Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS} <= caps else set()
+    hybrid = Capability.HYBRID_VIA_PG_TUPLE in caps and all(
+        impl.supports_strategy(s) for s in HYBRID_OF.values())
+    return (precision_features(impl) | cpu_offload | cast | ({"hybrid"} if hybrid else set())
+            | fully_shard_features(impl))
+
+
+def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
+    """Operations ``impl`` cannot run in rank ``mode`` -> why (they are skipped)."""
+    needs = {"no_sync": [Capability.NO_SYNC], "full save": [Capability.FULL_STATE_DICT],
+             "sharded save": [Capability.SHARDED_STATE_DICT], "optimizer save": [Capability.OPTIM_STATE_DICT],
+             "full load": [Capability.FULL_STATE_DICT]}
+    reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
+    return {op: reason for op, reason in reasons.items() if reason is not None}
+
+
+def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
+    """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
+    unit), then wrap the root; a hybrid strategy with this rank's group tuple ([Note: hybrid programs])."""
+    groups: Any = hybrid_groups(ctx, NODE) if config.hybrid else None
+    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, process_group=groups,
+                    mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload)
+    actions = [(p.count("."), 1, p) for p in config.checkpoint] + [(p.count("."), 0, p) for p in config.wrap]
+    for _depth, checkpoint, path in sorted(actions, reverse=True):
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        child = getattr(parent, name)
+        wrapped = activation_checkpoint_wrapper(impl, child, offload=False) if checkpoint else impl.wrap(child, spec)
+        setattr(parent, name, wrapped)
+    return impl.wrap(model, spec)
+
+
+def render_program(program: Program, message: str) -> str:
+    """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz.py``)."""
+    digest = hashlib.sha1(repr(program).encode()).hexdigest()[:8]
+    found = " ".join(message.split())[:300]
+    needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
+    needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
+    needs += ["Capability.HYBRID_VIA_PG_TUPLE"] * program.config.hybrid
+    needs += [f"Capability.{cap.name}" for cap in fully_shard_requires(program)]
+    requires = f", requires=[{', '.join(needs)}]" if needs else ""
+    return (
+        f"# Found by the stateful fuzzer: {found}\n"
+        f'@case("fuzz/repro_{digest}", world_size={program.config.world_size}{requires})\n'
+        f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
+        f"    run_program(ctx, impl, {source(program)})\n"
+    )
