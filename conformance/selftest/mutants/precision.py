@@ -39,7 +39,8 @@ class ParamDtypeIgnored(_PolicyMutant):
     name = "mutant-param-dtype-ignored"
     breaks = "computing and all-gathering in param_dtype"
     policy_overrides = {"param_dtype": None}
-    expect = Expect("param_and_reduce_dtypes", "thread", (_PARAM_REDUCE,))
+    #: And the stateful fuzzer at world size 1 with the main job's budget (seed 0), which draws a policy.
+    expect = Expect("param_and_reduce_dtypes or stateful_ws1", "thread", (_PARAM_REDUCE, "fuzz/stateful_ws1"))
 
 
 class ReduceInParamDtype(_PolicyMutant):
