@@ -20,9 +20,9 @@ from fixtures import timing
 
 
 def _rank(ctx: Any, impl_name: str, prefetch: bool, repeats: int) -> tuple[float, float]:
-    fwd_ms, fwd_bwd_ms, _ = timing.measure_overlap(ctx, registry.load(impl_name), prefetch, repeats)
-    assert fwd_bwd_ms is not None
-    return fwd_ms, fwd_bwd_ms
+    times = timing.measure_overlap(ctx, registry.load(impl_name), prefetch, repeats)
+    assert times.forward_backward_ms is not None
+    return times.forward_ms, times.forward_backward_ms
 
 
 def main() -> None:

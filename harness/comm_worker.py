@@ -96,6 +96,8 @@ class CommWorker:
     _thread: threading.Thread | None = None
     #: Storage address of a functional collective's output -> its collective, until waited for.
     _pending: dict[int, _Done] = field(default_factory=dict)
+    #: Inside :meth:`undelayed`: collectives run on the caller's thread, neither delayed nor recorded.
+    _passthrough: bool = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="comm-worker", daemon=True)
@@ -113,6 +115,17 @@ class CommWorker:
         done = threading.Event()
         self._queue.put(done)
         done.wait()
+
+    @contextmanager
+    def undelayed(self) -> Iterator[None]:
+        """Inside the block this rank's collectives run at once on the calling thread, as without the
+        worker: not delayed, not in :attr:`timeline` (for work that is not timed). Drains first."""
+        self.drain()
+        self._passthrough = True
+        try:
+            yield
+        finally:
+            self._passthrough = False
 
     def _now(self) -> float:
         return (time.perf_counter() - self._origin) * 1e3
@@ -144,7 +157,7 @@ class CommWorker:
         return done
 
     def __call__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if op not in self.ops:
+        if op not in self.ops or self._passthrough:
             return fn(*args, **kwargs)
         info = op_info(fn)
         if info is None:
