@@ -13,9 +13,11 @@ multiprocessing's forkserver; it stays equal to a fresh process because:
   :data:`PRELOAD` first, and :func:`pytester_run` fails naming any torch module
   a nested run imported that the snapshot then dropped: add it to
   :data:`PRELOAD` (or leave that test in a subprocess).
-* pytest-timeout. A nested session with a timeout would arm ``SIGALRM`` for
-  its own tests and cancel it after each, taking the outer test's timeout with
-  it; nested sessions run with ``-p no:timeout``, under the outer test's.
+* pytest-timeout. The nested session's tests keep their own timeouts, as in
+  a process of their own; pytest-timeout arms ``SIGALRM`` for each and
+  cancels it after, which would take the outer test's timeout with it, so the
+  outer test's handler and alarm are put back after the nested session, less
+  the time it took (already spent, the outer timeout fires at once).
 * Environment. Settings, the adapter registry and the known findings read
   ``os.environ`` when a session asks, so what a test sets with ``monkeypatch``
   is what the nested session sees; an import path goes on ``sys.path``
@@ -33,29 +35,25 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-__all__ = ["PRELOAD", "NESTED_ARGS", "MainResult", "preloaded", "pytester_run", "run_main"]
+__all__ = ["PRELOAD", "MainResult", "preloaded", "pytester_run", "run_main"]
 
-#: What nested sessions import that must never be imported twice: torch and what the
-#: harness, the runner, the adapters and the cases import from it.
+#: What nested sessions import that must never be imported twice: torch's modules that the
+#: harness, the adapters and the cases use, and the harness's rank processes' own.
 PRELOAD = (
     "torch", "torch.distributed", "torch._dynamo", "multiprocessing.forkserver",
     "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
     "torch.distributed.device_mesh", "torch.testing",
     "harness.process", "harness.runner", "harness._rank_main", "harness._host_main",
-    "conformance.adapters.reference", "conformance.adapters.torch_fsdp1", "conformance.adapters.torch_fsdp2",
 )
-
-#: Added to every nested session's command line ([Note: in-process sessions]).
-NESTED_ARGS = ("-p", "no:timeout")
 
 
 def _import_all() -> None:
@@ -80,11 +78,18 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _outer_alarm_kept() -> Iterator[None]:
-    """Fail if the nested session disarmed the outer test's ``SIGALRM`` (its pytest-timeout)."""
-    armed = signal.getitimer(signal.ITIMER_REAL)[0] > 0
-    yield
-    assert not armed or signal.getitimer(signal.ITIMER_REAL)[0] > 0, "the nested session cancelled the test's timeout"
+def _outer_timeout_restored() -> Iterator[None]:
+    """The outer test's ``SIGALRM`` handler and alarm (its pytest-timeout), put back after the nested session."""
+    handler = signal.getsignal(signal.SIGALRM)
+    remaining, interval = signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGALRM, handler)
+        left = remaining - (time.monotonic() - start)
+        signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3) if remaining > 0 else 0, interval)
 
 
 def pytester_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
@@ -94,8 +99,8 @@ def pytester_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         raise RuntimeError("pytester_run needs the 'preloaded' fixture, set up before pytester")
     pytester.syspathinsert()
     recorder = _Recorder()
-    with _outer_alarm_kept():
-        result = pytester.runpytest_inprocess(*NESTED_ARGS, *args, plugins=[recorder])
+    with _outer_timeout_restored():
+        result = pytester.runpytest_inprocess(*args, plugins=[recorder])
     dropped = sorted(name for name in recorder.modules - set(sys.modules)
                      if name == "torch" or name.startswith("torch."))
     assert not dropped, f"the nested session imported {dropped}, which cannot be imported twice: add to PRELOAD"
@@ -111,20 +116,12 @@ class MainResult:
     stderr: str
 
 
-@contextlib.contextmanager
-def _nested_addopts() -> Iterator[None]:
-    """``PYTEST_ADDOPTS`` as the test set it (a subprocess would inherit it), plus :data:`NESTED_ARGS`."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTEST_ADDOPTS", " ".join((os.environ.get("PYTEST_ADDOPTS", ""), *NESTED_ARGS)).strip())
-        yield
-
-
 def run_main(main: Callable[[Sequence[str]], Any], *argv: str) -> MainResult:
     """``sys.exit(main(argv))`` in this process under [Note: in-process sessions]: its exit code
     and what it wrote to ``sys.stdout`` and ``sys.stderr``."""
     _import_all()
     out, err = io.StringIO(), io.StringIO()
-    with _nested_addopts(), _outer_alarm_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with _outer_timeout_restored(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(argv))
         except SystemExit as exc:
