@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
+from harness.tests.inprocess import pytester_run
+
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 CASES = '''
 import time
@@ -27,9 +29,9 @@ def test_slow(ctx, impl, n):
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+def suite(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(test_demo=CASES)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # for the xdist run's subprocess
     for name in ("FSDP_RANK_MODE", "FSDP_CONFORMANCE_CASE_TIMEOUT", "FSDP_CONFORMANCE_MAX_TIME"):
         monkeypatch.delenv(name, raising=False)
     return pytester
@@ -49,7 +51,7 @@ def test_case_timeout_bounds_a_hung_row_and_blames_the_rank(suite: pytest.Pytest
     else:
         monkeypatch.setenv("FSDP_CONFORMANCE_CASE_TIMEOUT", "3")
         given = []
-    result = suite.runpytest_subprocess("-k", "hangs", *given, "--conformance-json", str(out))
+    result = pytester_run(suite, "-k", "hangs", *given, "--conformance-json", str(out))
     assert result.ret == 1
     row = _rows(out)["demo/hangs"]
     assert row["outcome"] == "FAIL"
@@ -61,15 +63,15 @@ def test_case_timeout_bounds_a_hung_row_and_blames_the_rank(suite: pytest.Pytest
 
 
 def test_bad_case_timeout_is_a_usage_error(suite: pytest.Pytester) -> None:
-    result = suite.runpytest_subprocess("--case-timeout", "0s")
+    result = pytester_run(suite, "--case-timeout", "0s")
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*--case-timeout='0s': expected a whole number >= 1*"])
 
 
 def test_rows_after_the_budget_are_not_run(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
-    result = suite.runpytest_subprocess("-k", "slow", "--max-time", "5", "--conformance-json", str(out),
-                                        "--conformance-progress")
+    result = pytester_run(suite, "-k", "slow", "--max-time", "5", "--conformance-json", str(out),
+                          "--conformance-progress")
     rows = _rows(out)
     assert rows["demo/slow[n=1]"]["outcome"] == "pass"
     for late in ("demo/slow[n=2]", "demo/slow[n=3]"):

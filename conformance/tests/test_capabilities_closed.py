@@ -20,8 +20,9 @@ from conformance.contract.declared import DeclaredAdapter, UndeclaredCapability
 from conformance.contract.optional import capabilities_of, thread_rank_limits
 from conformance.runner.listing import collect_rows
 from harness.rank_mode import RankMode
+from harness.tests.inprocess import pytester_run
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 
 class _Recording:
@@ -149,12 +150,12 @@ def test_forgets_requires(ctx, impl):
 '''
 
 
-def test_a_case_that_forgets_requires_fails_for_every_adapter(pytester: pytest.Pytester) -> None:
+def test_a_case_that_forgets_requires_fails_for_every_adapter(preloaded: None, pytester: pytest.Pytester) -> None:
     """Not n/a for those without the capability and pass for the rest: an error in the case, named."""
     pytester.makepyfile(test_forgetful=FORGETFUL)
     out = pytester.path / "r.json"
-    result = pytester.runpytest_subprocess("--fsdp-impl", "reference", "--fsdp-impl", "torch-fsdp2",
-                                           "--conformance-json", str(out), "-p", "no:cacheprovider")
+    result = pytester_run(pytester, "--fsdp-impl", "reference", "--fsdp-impl", "torch-fsdp2",
+                          "--conformance-json", str(out), "-p", "no:cacheprovider")
     assert result.ret == 1
     rows = json.loads(out.read_text())["rows"]
     assert {r["impl"] for r in rows} == {"reference", "torch-fsdp2"}

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import inspect
 import os
-import subprocess
-import sys
 
 import pytest
 
 from conformance.runner.cli import main
+from harness.tests.inprocess import run_main
 
 
-def test_an_adapter_that_fails_to_import_is_previewed_as_error_like_run_reports_it() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")}
-    env["FSDP_CONFORMANCE_ADAPTERS"] = "broken=no_such_module:Nope"
-    listed = subprocess.run([sys.executable, "-m", "conformance", "list", "--impl", "broken", "-k",
-                             "exec_order and train_eval"], env=env, capture_output=True, text=True, timeout=300,
-                            check=False)
+def test_an_adapter_that_fails_to_import_is_previewed_as_error_like_run_reports_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [name for name in os.environ if name.startswith("FSDP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", "broken=no_such_module:Nope")
+    listed = run_main(main, "list", "--impl", "broken", "-k", "exec_order and train_eval")
     assert listed.returncode == 0, listed.stderr
     rows = listed.stdout.splitlines()[:-1]
     assert len(rows) == 2

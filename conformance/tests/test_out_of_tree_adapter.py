@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conformance.contract import registry
 from conformance.contract.rows import parse_row_id
+from conformance.runner import cli
+from harness.tests.inprocess import MainResult, run_main
 
 ADAPTER = '''
 from conformance.contract.adapter import Capability
@@ -52,21 +52,22 @@ def site(tmp_path: Path) -> Path:
     return root
 
 
-def _cli(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "conformance", *args], env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
+def _cli(*args: str) -> MainResult:
+    return run_main(cli.main, *args)
 
 
-def test_out_of_tree_adapter_rows_are_na_for_what_it_lacks(site: Path, tmp_path: Path) -> None:
+def test_out_of_tree_adapter_rows_are_na_for_what_it_lacks(site: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     assert "no-replication" not in registry.registered(), "the adapter must come only from its own dist-info"
+    for name in [name for name in os.environ if name.startswith("FSDP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.syspath_prepend(site)  # as if installed: its dist-info's entry point registers it
     selection = "world_size_1_no_shard_warning or manual_wrap_requires_pg or cpu_training_parity_vs_ddp"
-    preview = _cli(site, "list", "--impl", "no-replication", "-k", selection)
+    preview = _cli("list", "--impl", "no-replication", "-k", selection)
     assert preview.returncode == 0, preview.stderr
     assert "n/a (process/thread): no-replication does not support strategy NO_SHARD" in preview.stdout
     out = tmp_path / "r.json"
-    run = _cli(site, "run", "--impl", "no-replication", "--rank-mode", "thread", "-k", selection, "--json", str(out))
+    run = _cli("run", "--impl", "no-replication", "--rank-mode", "thread", "-k", selection, "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["rank_mode"] for r in rows} == {"thread"}

@@ -1,16 +1,17 @@
-"""The conformance plugin and CLI end to end, in real pytest subprocesses."""
+"""The conformance plugin and CLI end to end, in nested in-process sessions ([Note: in-process sessions])."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
+from conformance.runner import cli
+from harness.tests.inprocess import MainResult, pytester_run, run_main
+
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 ADAPTERS = '''
 from conformance.contract.adapter import Capability
@@ -104,12 +105,11 @@ def pytest_conformance_result(config, result):
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+def suite(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(demo_adapters=ADAPTERS, test_demo=CASES)
     adapters = ("bare=demo_adapters:Bare,process-only=demo_adapters:ProcessOnly,broken=no_such_module:Nope,"
                 "no-no-shard=demo_adapters:NoNoShard")
     monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", adapters)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     monkeypatch.setenv("COLUMNS", "400")  # the wide matrix these tests read, whatever pytest's environment
     return pytester
 
@@ -117,8 +117,9 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
 def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
     md = suite.path / "r.md"
-    result = suite.runpytest_subprocess(
-        "--fsdp-impl", "reference", "--fsdp-impl", "bare", "--fsdp-impl", "process-only", "--conformance-progress",
+    result = pytester_run(
+        suite, "--fsdp-impl", "reference", "--fsdp-impl", "bare", "--fsdp-impl", "process-only",
+        "--conformance-progress",
         "--conformance-json", str(out), "--conformance-markdown", str(md), "-p", "no:cacheprovider",
         "--device", "cpu",  # the same rows on every machine
     )
@@ -145,7 +146,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
 
 def test_unloadable_adapter_is_an_error_row_not_a_crash(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
-    result = suite.runpytest_subprocess("--fsdp-impl", "broken", "-k", "passes", "--conformance-json", str(out))
+    result = pytester_run(suite, "--fsdp-impl", "broken", "-k", "passes", "--conformance-json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert {r["outcome"] for r in rows} == {"error"}
     assert "adapter 'broken' failed to load: ModuleNotFoundError" in rows[0]["reason"]
@@ -153,13 +154,13 @@ def test_unloadable_adapter_is_an_error_row_not_a_crash(suite: pytest.Pytester) 
 
 
 def test_unknown_implementation_is_a_usage_error(suite: pytest.Pytester) -> None:
-    result = suite.runpytest_subprocess("--fsdp-impl", "nope")
+    result = pytester_run(suite, "--fsdp-impl", "nope")
     result.stderr.fnmatch_lines(["*--fsdp-impl=?'nope'?: unknown implementation(s) ?'nope'?; registered: *reference*"])
     assert result.ret == 4
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "conformance", *args], capture_output=True, text=True, check=False)
+def _cli(*args: str) -> MainResult:
+    return run_main(cli.main, *args)
 
 
 def test_cli_list_impls_and_empty_selection() -> None:
@@ -182,7 +183,7 @@ def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkey
     suite.makeconftest(RESULT_LISTENER)
     monkeypatch.setenv("FSDP_CONFORMANCE_TIMING_REPEATS", "7")
     out = suite.path / "r.json"
-    result = suite.runpytest_subprocess("test_reporting.py", "--conformance-json", str(out), "-p", "no:cacheprovider")
+    result = pytester_run(suite, "test_reporting.py", "--conformance-json", str(out), "-p", "no:cacheprovider")
     assert result.ret == 1
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == ["demo/reports[variant=A,n=1]", "demo/reports[variant=A,n=2]",
@@ -207,8 +208,8 @@ def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
     suite.makepyfile(test_reporting=REPORTING)
     monkeypatch.setenv("FSDP_CONFORMANCE_TIMING_REPEATS", "7")
     out = suite.path / "r.json"
-    suite.runpytest_subprocess("test_reporting.py", "-k", "reports and A-1", "--timing-repeats", "2",
-                               "--conformance-json", str(out))
+    pytester_run(suite, "test_reporting.py", "-k", "reports and A-1", "--timing-repeats", "2",
+                 "--conformance-json", str(out))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["metrics"]["repeats"] == 2
 
@@ -234,16 +235,16 @@ def _rows_without_times(path: Path) -> list[tuple]:
 def test_device_env_and_option_give_the_same_rows(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     by_option, by_env = suite.path / "option.json", suite.path / "env.json"
     common = ("-k", "passes or needs_gpus", "-p", "no:cacheprovider")
-    suite.runpytest_subprocess("--device", "cpu", "--conformance-json", str(by_option), *common)
+    pytester_run(suite, "--device", "cpu", "--conformance-json", str(by_option), *common)
     monkeypatch.setenv("FSDP_DEVICE", "cpu")
-    suite.runpytest_subprocess("--conformance-json", str(by_env), *common)
+    pytester_run(suite, "--conformance-json", str(by_env), *common)
     assert _rows_without_times(by_option) == _rows_without_times(by_env)
     assert {r[5] for r in _rows_without_times(by_env)} == {"cpu", ""}
 
 
 def test_bad_device_names_its_source(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FSDP_DEVICE", "gpu")
-    result = suite.runpytest_subprocess("-k", "passes")
+    result = pytester_run(suite, "-k", "passes")
     result.stderr.fnmatch_lines(["*FSDP_DEVICE='gpu': expected one of auto, cpu, cuda*"])
     assert result.ret == 4
 
@@ -252,8 +253,8 @@ def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
     """Refused strategies and excluded rank modes are n/a with reasons; a body's skip is not a hardware skip."""
     suite.makepyfile(test_decisions=DECISIONS)
     out, md = suite.path / "r.json", suite.path / "r.md"
-    result = suite.runpytest_subprocess("test_decisions.py", "--fsdp-impl", "no-no-shard", "--rank-mode", "thread",
-                                        "--conformance-json", str(out), "--conformance-markdown", str(md))
+    result = pytester_run(suite, "test_decisions.py", "--fsdp-impl", "no-no-shard", "--rank-mode", "thread",
+                          "--conformance-json", str(out), "--conformance-markdown", str(md))
     assert result.ret == 1
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["demo/strategies[strategy=FULL_SHARD]"]["outcome"] == "pass"
@@ -274,7 +275,6 @@ def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
 
 def test_cli_forwards_the_rank_mode_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rank mode is resolved once, by the harness's plugin in the session: the CLI only forwards it."""
-    from conformance.runner import cli
     from harness import rank_mode
 
     def must_not_resolve(**_: object) -> None:

@@ -1,4 +1,5 @@
-"""Selecting rows by id ([Note: row selection] in conformance.runner.selection), in real pytest subprocesses."""
+"""Selecting rows by id ([Note: row selection] in conformance.runner.selection), in nested in-process sessions
+([Note: in-process sessions]); with xdist workers, in pytest subprocesses."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
+from harness.tests.inprocess import pytester_run
+
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 CASES = '''
 import pytest
@@ -25,11 +28,16 @@ def test_fine(ctx, impl):
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+def suite(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(test_demo=CASES)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # for the xdist runs' subprocesses
     monkeypatch.delenv("FSDP_RANK_MODE", raising=False)
     return pytester
+
+
+def _run(suite: pytest.Pytester, workers: list[str], *args: str) -> pytest.RunResult:
+    """In-process, except with xdist workers, which are processes of their own."""
+    return suite.runpytest_subprocess(*args, *workers) if workers else pytester_run(suite, *args)
 
 
 def _cells(path: Path) -> dict[tuple[str, str, str], str]:
@@ -40,17 +48,16 @@ def _cells(path: Path) -> dict[tuple[str, str, str], str]:
 
 def test_rows_from_reruns_exactly_the_failed_cells(suite: pytest.Pytester) -> None:
     first, again = suite.path / "first.json", suite.path / "again.json"
-    ran = suite.runpytest_subprocess("--conformance-json", str(first), "--rank-mode", "both")
+    ran = pytester_run(suite, "--conformance-json", str(first), "--rank-mode", "both")
     assert ran.ret == 1
     failed = {cell for cell, outcome in _cells(first).items() if outcome == "FAIL"}
     assert failed == {("demo/mixed[n=2]", "reference", "thread")}
     assert len(_cells(first)) == 5
-    rerun = suite.runpytest_subprocess("--rows-from", str(first), "--conformance-json", str(again))
+    rerun = pytester_run(suite, "--rows-from", str(first), "--conformance-json", str(again))
     assert rerun.ret == 1
     assert _cells(again) == {("demo/mixed[n=2]", "reference", "thread"): "FAIL"}
     passed = suite.path / "passed.json"
-    suite.runpytest_subprocess("--rows-from", str(first), "--rows-outcome", "pass,n/a",
-                               "--conformance-json", str(passed))
+    pytester_run(suite, "--rows-from", str(first), "--rows-outcome", "pass,n/a", "--conformance-json", str(passed))
     assert set(_cells(passed)) == {cell for cell, outcome in _cells(first).items() if outcome in ("pass", "n/a")}
     assert len(_cells(passed)) == 4
 
@@ -60,22 +67,22 @@ def test_rows_from_reads_an_object_with_rows(suite: pytest.Pytester) -> None:
     row = {"case": "demo/mixed[n=1]", "impl": "reference", "rank_mode": "thread", "outcome": "error"}
     report.write_text(json.dumps({"schema_version": 2, "rows": [row]}))
     out = suite.path / "out.json"
-    result = suite.runpytest_subprocess("--rows-from", str(report), "--conformance-json", str(out))
+    result = pytester_run(suite, "--rows-from", str(report), "--conformance-json", str(out))
     assert result.ret == 0
     assert _cells(out) == {("demo/mixed[n=1]", "reference", "thread"): "pass"}
 
 
 def test_row_runs_every_cell_of_the_row(suite: pytest.Pytester) -> None:
     out = suite.path / "out.json"
-    result = suite.runpytest_subprocess("--row", "demo/mixed[n=1]", "--row", "demo/fine", "--rank-mode", "thread",
-                                        "--conformance-json", str(out))
+    result = pytester_run(suite, "--row", "demo/mixed[n=1]", "--row", "demo/fine", "--rank-mode", "thread",
+                          "--conformance-json", str(out))
     assert result.ret == 0
     assert set(_cells(out)) == {("demo/mixed[n=1]", "reference", "thread"), ("demo/fine", "reference", "thread")}
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_unknown_row_is_a_usage_error_naming_it(suite: pytest.Pytester, workers: list[str]) -> None:
-    result = suite.runpytest_subprocess("--row", "demo/mixed[n=3]", *workers)
+    result = _run(suite, workers, "--row", "demo/mixed[n=3]")
     assert result.ret == 4
     assert "--row: unknown row id(s) 'demo/mixed[n=3]'" in result.stderr.str()
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -85,15 +92,15 @@ def test_report_problems_are_usage_errors_naming_the_report(suite: pytest.Pytest
     report = suite.path / "r.json"
     report.write_text(json.dumps([{"case": "demo/fine", "impl": "torch-fsdp2", "rank_mode": "thread",
                                    "outcome": "FAIL"}]))
-    result = suite.runpytest_subprocess("--rows-from", str(report))
+    result = pytester_run(suite, "--rows-from", str(report))
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*--rows-from *r.json: 1 cell(s) in column(s) torch-fsdp2/thread that this run "
                                  "does not select*--impl*"])
     report.write_text("[{")
-    broken = suite.runpytest_subprocess("--rows-from", str(report))
+    broken = pytester_run(suite, "--rows-from", str(report))
     assert broken.ret == 4
     broken.stderr.fnmatch_lines(["*--rows-from *r.json*: cannot read a JSON report*"])
-    bad_outcome = suite.runpytest_subprocess("--rows-from", str(report), "--rows-outcome", "FAIL,failed")
+    bad_outcome = pytester_run(suite, "--rows-from", str(report), "--rows-outcome", "FAIL,failed")
     assert bad_outcome.ret == 4
     bad_outcome.stderr.fnmatch_lines(["*--rows-outcome='FAIL,failed'*['failed']*"])
 
@@ -102,14 +109,14 @@ def test_report_without_such_rows_has_nothing_to_rerun(suite: pytest.Pytester) -
     report = suite.path / "r.json"
     report.write_text(json.dumps([{"case": "demo/fine", "impl": "reference", "rank_mode": "thread",
                                    "outcome": "pass"}]))
-    result = suite.runpytest_subprocess("--rows-from", str(report))
+    result = pytester_run(suite, "--rows-from", str(report))
     assert result.ret == 0
     result.stderr.fnmatch_lines(["*has no FAIL/error rows; nothing to re-run*"])
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_malformed_keyword_is_a_usage_error(suite: pytest.Pytester, workers: list[str]) -> None:
-    result = suite.runpytest_subprocess("-k", "mixed and", *workers)
+    result = _run(suite, workers, "-k", "mixed and")
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*-k 'mixed and' is not a valid selection expression*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()

@@ -7,8 +7,9 @@ import pytest
 from conformance.contract.results import Result
 from conformance.runner.report import render_matrix
 from conformance.runner.terminal import render_terminal
+from harness.tests.inprocess import pytester_run
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 LONG = ("checkpoint/checkpoint_fsdp_wrapping[nesting=roots,use_orig_params=False,offload_activations=True,"
         "cpu_offload=True]")
@@ -69,12 +70,13 @@ def test_quick(ctx, impl, n):
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
-def test_a_line_per_case_with_the_total(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+def test_a_line_per_case_with_the_total(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
                                         workers: list[str]) -> None:
     pytester.makepyfile(test_demo=CASES)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # for the xdist run's subprocess
     monkeypatch.setenv("COLUMNS", "60")
-    result = pytester.runpytest_subprocess("--conformance-progress", "-q", *workers)
+    args = ("--conformance-progress", "-q")
+    result = pytester.runpytest_subprocess(*args, *workers) if workers else pytester_run(pytester, *args)
     assert result.ret == 0
     lines = [ln for ln in result.stdout.lines if ln.startswith("[") and "demo/quick" in ln]
     assert len(lines) == 3, result.stdout.str()

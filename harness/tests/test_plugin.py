@@ -1,10 +1,12 @@
-"""The pytest plugin, driven through real pytest runs (pytester, in a subprocess)."""
+"""The pytest plugin, driven through real pytest runs (pytester, in-process: [Note: in-process sessions])."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["pytester"]
+from harness.tests.inprocess import pytester_run
+
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 BODIES = '''
 import pytest, torch, torch.distributed as dist
@@ -36,13 +38,13 @@ def test_partial_skip(ctx):
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+def suite(preloaded: None, pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makepyfile(test_bodies=BODIES)
     return pytester
 
 
 def test_outcomes_in_both_modes(suite: pytest.Pytester) -> None:
-    result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result = pytester_run(suite, "-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4, failed=4, skipped=2)
     result.stdout.fnmatch_lines([
         "*_ test_fails_on_rank_1?process? _*",
@@ -53,20 +55,20 @@ def test_outcomes_in_both_modes(suite: pytest.Pytester) -> None:
 
 
 def test_rank_mode_option_selects_modes(suite: pytest.Pytester) -> None:
-    result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider", "--rank-mode", "thread", "-k", "sum or param")
+    result = pytester_run(suite, "-q", "-p", "no:cacheprovider", "--rank-mode", "thread", "-k", "sum or param")
     result.assert_outcomes(passed=3)
     result.stdout.no_fnmatch_line("*process*")
 
 
 def test_bad_rank_mode_names_its_source(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FSDP_RANK_MODE", "both-ish")
-    result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result = pytester_run(suite, "-q", "-p", "no:cacheprovider")
     result.stderr.fnmatch_lines(["*FSDP_RANK_MODE='both-ish': expected one of both, process, thread, launched*"])
     assert result.ret != 0
 
 
 def test_timeout_mark_is_added_from_the_marker(suite: pytest.Pytester) -> None:
-    result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider", "--collect-only", "-k", "test_sum")
+    result = pytester_run(suite, "-q", "-p", "no:cacheprovider", "--collect-only", "-k", "test_sum")
     result.stdout.fnmatch_lines(["*test_sum?process?*", "*test_sum?thread?*"])
     from harness.pytest_plugin import POOL_START_MARGIN_S
 
