@@ -22,6 +22,10 @@ multiprocessing's forkserver; it stays equal to a fresh process because:
   ``os.environ`` when a session asks, so what a test sets with ``monkeypatch``
   is what the nested session sees; an import path goes on ``sys.path``
   (``pytester.syspathinsert``), where a subprocess would read ``PYTHONPATH``.
+  Process ranks do not see such a change: they fork from multiprocessing's
+  forkserver, whose environment is the one it started with, perhaps in an
+  earlier test. So a test whose ranks must read a variable it sets (the
+  baseline cache's ``FSDP_BASELINE_CACHE``, say) stays in a subprocess.
 * Output and exit codes. :func:`run_main` captures ``sys.stdout`` and
   ``sys.stderr`` (where pytest's terminal and argparse write) and turns
   ``SystemExit`` into the exit code, as ``sys.exit(main())`` would.
