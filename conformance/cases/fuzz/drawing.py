@@ -41,15 +41,15 @@ __all__ = ["programs"]
 #: program trains (a forward alone would check little) and a shrunk one reads as iterations plus what matters.
 _OPS = (
     st.builds(Train, batch=st.integers(0, BATCHES - 1)),
+    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
+    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
+    st.just(Load()),
     st.builds(Forward, batch=st.integers(0, BATCHES - 1), grad=st.booleans().map(lambda b: not b),
               loss=st.sampled_from(("all", "main"))),
     st.just(Backward()),
     st.just(Step()),
     st.builds(ZeroGrad, set_to_none=st.booleans().map(lambda b: not b)),
     st.builds(Mode, train=st.booleans()),
-    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
-    st.just(Load()),
-    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
 )
 
 
