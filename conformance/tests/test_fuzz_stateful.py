@@ -192,7 +192,7 @@ def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
     simplest config; it fails on the mutant again (in the gradients, or in the parameters a step
     updated with them), passes on the reference, and the pasted case runs in the case module's namespace."""
     results = run(shrink_and_replay, world_size=2, mode="process", timeout_s=240,
-                  args=(NoGradDivide(), CaseSettings(fuzz_stateful_examples=10)))
+                  args=(NoGradDivide(), CaseSettings(fuzz_stateful_examples=20)))
     assert all(r[0] == results[0][0] for r in results), "ranks disagree on the fuzz result"
     result, (again, reference) = results[0]
     # A minimal shape of "one synchronizing backward" on the simplest config, as hypothesis's shrink
