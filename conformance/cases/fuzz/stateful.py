@@ -285,7 +285,8 @@ def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str
             for key in sorted(set(got[name]) | set(want[name])):
                 if key not in got[name] or key not in want[name]:
                     raise AssertionError(f"optim[{name}]: {key!r} on one side only")
-                torch.testing.assert_close(*_common_dtype(got[name][key], want[name][key]),
+                got_value, want_value = _common_dtype(got[name][key], want[name][key])
+                torch.testing.assert_close(got_value, want_value,
                                            msg=lambda m, n=name, k=key: f"optim[{n}][{k}]: {m}")
             continue
         one = got.get(name, want.get(name, {}))
