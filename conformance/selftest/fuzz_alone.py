@@ -1,8 +1,8 @@
 """Which mutants the stateful fuzzer catches on its own, without the cases written for them.
 
-``python -m conformance.selftest.fuzz_alone [--examples N] [--seed S] [--rows ws1,ws2] [--json PATH]``
-runs the ``fuzz/stateful_*`` rows (process ranks) against every mutant that runs
-on this machine, in one pytest session (a mutant's patches last one case, so
+``python -m conformance.selftest.fuzz_alone [--examples N] [--seed S] [--rows ws1,ws2] [--mutants a,b]
+[--json PATH]`` runs the ``fuzz/stateful_*`` rows (process ranks) against every mutant that runs
+on this machine (or the named ones), in one pytest session (a mutant's patches last one case, so
 mutants can share a session: see :mod:`conformance.selftest.declare`), and
 prints, per mutant, whether a row FAILed, then the count caught/total. Mutants
 needing GPUs are counted as not run where none is visible. The unmutated
@@ -84,11 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=20, help="programs per row (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="the fuzz seed (default 0)")
     parser.add_argument("--rows", default="ws1,ws2", help="world-size rows to run, e.g. ws1,ws2,ws4 (default ws1,ws2)")
+    parser.add_argument("--mutants", help="comma-separated mutant names to measure (default: every runnable one)")
     parser.add_argument("--json", type=Path, help="also write mutant -> verdict as JSON here")
     args = parser.parse_args(argv)
     if args.examples < 1:
         parser.error(f"--examples must be >= 1, got {args.examples}")
     mutants = runnable_mutants()
+    if args.mutants:
+        chosen = args.mutants.split(",")
+        unknown = sorted(set(chosen) - set(MUTANTS))
+        if unknown:
+            parser.error(f"unknown mutants {unknown}")
+        mutants = [name for name in mutants if name in chosen]
     with tempfile.TemporaryDirectory() as tmp:
         rows = _session(mutants, args, Path(tmp) / "rows.json")
     failing = reference_failures(rows)
@@ -98,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, verdict in found.items():
         print(f"{name}: {verdict}")
     caught = sum(verdict.startswith("caught") for verdict in found.values())
-    print(f"caught by the stateful fuzzer alone: {caught}/{len(MUTANTS)} mutants "
-          f"({len(MUTANTS) - len(mutants)} need GPUs and did not run; {args.examples} programs per row, "
+    total = len(args.mutants.split(",")) if args.mutants else len(MUTANTS)
+    print(f"caught by the stateful fuzzer alone: {caught}/{total} mutants "
+          f"({total - len(mutants)} need GPUs and did not run; {args.examples} programs per row, "
           f"rows {args.rows}, seed {args.seed}"
           + (f"; not counting {', '.join(sorted(failing))}, which the reference fails" if failing else "") + ")")
     if args.json is not None:

@@ -67,8 +67,11 @@ def _drawn(seed: int, count: int, features: Any = ops_mod.FEATURES, world_size: 
 
 
 def test_drawing_is_deterministic_and_varied() -> None:
-    first, again = _drawn(3, 40), _drawn(3, 40)
-    assert first == again and first != _drawn(4, 40)
+    # One seed's programs are correlated (hypothesis's generation reuses earlier choices): programs with a
+    # policy among 40 range from 0 (seeds 3 and 6) to 10 over seeds 3-9 since NoSync, Save and Load follow
+    # Train in the op list (2 to 11 before); seed 4 draws every configuration feature checked here.
+    first, again = _drawn(4, 40), _drawn(4, 40)
+    assert first == again and first != _drawn(5, 40)
     kinds = {type(op).__name__ for program in first for op in program.ops}
     controls = {kind.__name__ for kind in CONTROL_OPS}
     plain = {"Forward", "Backward", "Step", "Train", "ZeroGrad", "Mode", "Save", "Load", "NoSync"}
@@ -192,7 +195,7 @@ def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
     simplest config; it fails on the mutant again (in the gradients, or in the parameters a step
     updated with them), passes on the reference, and the pasted case runs in the case module's namespace."""
     results = run(shrink_and_replay, world_size=2, mode="process", timeout_s=240,
-                  args=(NoGradDivide(), CaseSettings(fuzz_stateful_examples=10)))
+                  args=(NoGradDivide(), CaseSettings(fuzz_stateful_examples=20)))
     assert all(r[0] == results[0][0] for r in results), "ranks disagree on the fuzz result"
     result, (again, reference) = results[0]
     # A minimal shape of "one synchronizing backward" on the simplest config, as hypothesis's shrink

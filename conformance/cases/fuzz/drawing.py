@@ -39,17 +39,20 @@ __all__ = ["programs"]
 
 #: A training iteration first: hypothesis draws and shrinks towards the first choice, so the simplest
 #: program trains (a forward alone would check little) and a shrunk one reads as iterations plus what matters.
+#: Then what needs company to show a breakage (an accumulation in ``no_sync``; a save, a change, a load).
+#: The order moves every draw of a seed; it is chosen by what a small budget reaches (docs/CONFORMANCE.md,
+#: "fuzzer alone"): with these three last, 20 programs per row at seed 0 caught none of their mutants.
 _OPS = (
     st.builds(Train, batch=st.integers(0, BATCHES - 1)),
+    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
+    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
+    st.just(Load()),
     st.builds(Forward, batch=st.integers(0, BATCHES - 1), grad=st.booleans().map(lambda b: not b),
               loss=st.sampled_from(("all", "main"))),
     st.just(Backward()),
     st.just(Step()),
     st.builds(ZeroGrad, set_to_none=st.booleans().map(lambda b: not b)),
     st.builds(Mode, train=st.booleans()),
-    st.builds(Save, sharded=st.booleans(), optim=st.booleans().map(lambda b: not b)),
-    st.just(Load()),
-    st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),
 )
 
 

@@ -269,6 +269,18 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    return lambda message: prefix + message
+
+
+def _common_dtype(got: Any, want: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both values as CPU tensors of the dtype they promote to, so they are compared at that dtype's default
+    tolerance (a float32 moment at float32's, not float64's; an int step count exactly)."""
+    got_t, want_t = torch.as_tensor(got).cpu(), torch.as_tensor(want).cpu()
+    dtype = torch.promote_types(got_t.dtype, want_t.dtype)
+    return got_t.to(dtype), want_t.to(dtype)
+
+
 def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
     """Per-parameter optimizer state equal; a parameter with state on one side only must have all-zero
     tensors there (see [Note: stateful invariant]), whatever its step count."""
@@ -277,9 +289,8 @@ def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str
             for key in sorted(set(got[name]) | set(want[name])):
                 if key not in got[name] or key not in want[name]:
                     raise AssertionError(f"optim[{name}]: {key!r} on one side only")
-                torch.testing.assert_close(torch.as_tensor(got[name][key]).cpu().to(torch.float64),
-                                           torch.as_tensor(want[name][key]).cpu().to(torch.float64),
-                                           msg=lambda m, n=name, k=key: f"optim[{n}][{k}]: {m}")
+                got_value, want_value = _common_dtype(got[name][key], want[name][key])
+                torch.testing.assert_close(got_value, want_value, msg=_prefixed(f"optim[{name}][{key}]: "))
             continue
         one = got.get(name, want.get(name, {}))
         nonzero = [k for k, v in one.items() if k != "step" and isinstance(v, torch.Tensor) and bool(v.any())]

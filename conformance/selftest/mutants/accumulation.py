@@ -59,7 +59,9 @@ class NoSyncDropsKeptGrad(_Mutant):
 
     name = "mutant-no-sync-drops-kept-grad"
     breaks = "adding the gradient kept inside no_sync to the synchronizing backward's"
-    expect = Expect("grad_accumulation", "thread", ("grad_accumulation/accumulate[no_sync=True]",))
+    #: And the stateful fuzzer at world sizes 1 and 2 with the main job's budget (seed 0).
+    expect = Expect("grad_accumulation or stateful_ws1 or stateful_ws2", "thread",
+                    ("grad_accumulation/accumulate[no_sync=True]", "fuzz/stateful_ws1", "fuzz/stateful_ws2"))
     patches = (Patch.instead("fsdp_impl.unit:_with_unsynced_grad", _drop_kept),)
 
 
@@ -68,7 +70,9 @@ class NoSyncKeepsGradForever(_Mutant):
 
     name = "mutant-no-sync-keeps-grad-forever"
     breaks = "handing the gradient kept inside no_sync over once"
-    expect = Expect("grad_accumulation", "thread", ("grad_accumulation/accumulate[no_sync=True]",))
+    #: And the stateful fuzzer at world sizes 1 and 2 with the main job's budget (seed 0).
+    expect = Expect("grad_accumulation or stateful_ws1 or stateful_ws2", "thread",
+                    ("grad_accumulation/accumulate[no_sync=True]", "fuzz/stateful_ws1", "fuzz/stateful_ws2"))
     patches = (Patch("fsdp_impl.unit:_with_unsynced_grad", _keep_forever),)
 
 

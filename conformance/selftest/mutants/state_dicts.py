@@ -30,9 +30,10 @@ class OptimStateNotLoaded(_Mutant):
 
     name = "mutant-optim-state-not-loaded"
     breaks = "loading optimizer state (e.g. Adam's moments)"
+    #: And the stateful fuzzer at world size 1 with the main job's budget (seed 0): a save, a change, a load, a step.
     expect = Expect(
-        "roundtrip or cross_impl", "thread",
-        ("state_dict/roundtrip", "state_dict/cross_impl[dst=reference]"),
+        "roundtrip or cross_impl or stateful_ws1", "thread",
+        ("state_dict/roundtrip", "state_dict/cross_impl[dst=reference]", "fuzz/stateful_ws1"),
     )
     patches = (Patch("fsdp_impl.state_dict:optim_state_dict_to_load", _without_state),)
 
@@ -73,12 +74,11 @@ class NoGradForwardDropsGrads(_Mutant):
 
     name = "mutant-no-grad-forward-drops-grads"
     breaks = "keeping gradients across a forward without gradients"
-    #: Its reproducers. No stateful row is claimed: at a nightly-sized budget (20 programs, seed 0) none
-    #: draws a backward, then a forward without gradients, then a check that reads the gradients or a
-    #: step before zero_grad. stateful_ws2 and ws4 did until programs drew Train and hybrid strategies
-    #: (every draw after the new choices moved); ws1 only reached it by shrinking a failure the shadow's
-    #: old no_sync model caused ([Note: unsynced accumulation dtype]).
-    expect = Expect("repro_438854a6 or repro_3ff502a0", "thread", ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0"))
+    #: Its reproducers, and the stateful fuzzer at world size 2 with the main job's budget (seed 0): a
+    #: backward, then a forward without gradients, then a check that reads the gradients or a step before
+    #: zero_grad (drawn again since the programs list NoSync, Save and Load after Train).
+    expect = Expect("repro_438854a6 or repro_3ff502a0 or stateful_ws2", "thread",
+                    ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0", "fuzz/stateful_ws2"))
     patches = (Patch("fsdp_impl.unit:_pre_forward", _dropping_grads_without_grad),)
 
 
