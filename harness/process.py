@@ -2,7 +2,10 @@
 
 [Note: process pool lifecycle]
 A pool is keyed by (world size, placement) ([Note: placements] in
-:mod:`harness.devices`). Its ranks rendezvous
+:mod:`harness.devices`). Its ranks start with the caller's ``sys.path``, so a
+pool started under another ``sys.path`` is replaced rather than reused: its
+ranks could not import what the caller now can (a test directory an
+in-process pytest session put on the path, say). Its ranks rendezvous
 once through a ``FileStore`` in the pool's private temporary directory (no
 ports, so concurrent suites never collide) and then run one task after another
 (per-case reset: [Note: per-case reset]). The parent waits on every rank's
@@ -87,6 +90,7 @@ class ProcessPool:
     def __init__(self, world_size: int, placement: str, gpus: int = 0) -> None:
         self.world_size = world_size
         self.placement = placement
+        self.sys_path = list(sys.path)
         self.tmpdir = tempfile.mkdtemp(prefix=f"fsdp-harness-{os.getpid()}-")
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
@@ -110,7 +114,7 @@ class ProcessPool:
                 gpus=gpus,
                 intra_op_threads=intra_op_threads(self.world_size),
                 store_path=store_path,
-                sys_path=list(sys.path),
+                sys_path=self.sys_path,
                 parent_pid=os.getpid(),
                 stack_path=self._path("stack", rank),
                 crash_path=self._path("crash", rank),
@@ -261,10 +265,12 @@ def read_text(path: str) -> str:
 
 
 def get_pool(world_size: int, placement: str, gpus: int = 0, *, fresh: bool = False) -> ProcessPool:
-    """The pool for this key, started on first use (or anew with ``fresh``)."""
+    """The pool for this key, started on first use (or anew with ``fresh``, or when ``sys.path`` changed since
+    it started: [Note: process pool lifecycle])."""
     key = (world_size, placement)
     pool = _pools.get(key)
-    if pool is not None and (fresh or pool.closed or not all(p.is_alive() for p in pool.procs)):
+    stale = pool is not None and pool.sys_path != sys.path
+    if pool is not None and (fresh or stale or pool.closed or not all(p.is_alive() for p in pool.procs)):
         discard_pool(pool)
         pool = None
     if pool is None:

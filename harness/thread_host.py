@@ -52,10 +52,11 @@ class ThreadHost:
 
     def __init__(self, placement: str, gpus: int) -> None:
         self.placement = placement
+        self.sys_path = list(sys.path)
         self.tmpdir = tempfile.mkdtemp(prefix=f"fsdp-harness-{os.getpid()}-host-")
         ctx = mp_context()
         self.conn, child_end = ctx.Pipe()
-        setup = HostSetup(placement=placement, gpus=gpus, sys_path=list(sys.path), parent_pid=os.getpid(),
+        setup = HostSetup(placement=placement, gpus=gpus, sys_path=self.sys_path, parent_pid=os.getpid(),
                           stack_path=self._path("stack"), crash_path=self._path("crash"),
                           ranks_path=self._path("ranks"))
         self.proc = ctx.Process(target=host_main, args=(setup, child_end), name=f"thread-host-{placement}",
@@ -156,11 +157,16 @@ def _culprit(log: str, crash: str) -> tuple[int, bool]:
 
 
 def run_in_host(job: ThreadTask, placement: str, gpus: int) -> list[Any]:
-    """Run ``job`` in the host for ``placement`` (started on first use, replaced after it dies or hangs)."""
+    """Run ``job`` in the host for ``placement`` (started on first use, replaced after it dies or hangs, or
+    when ``sys.path`` changed since it started, as a process pool is: [Note: process pool lifecycle])."""
     if not _lock.acquire(blocking=False):
         raise RuntimeError("another thread-rank run is active in this process; thread runs cannot overlap")
     try:
         host = _hosts.get(placement)
+        if host is not None and host.sys_path != sys.path:
+            del _hosts[placement]
+            host.close(graceful=True)
+            host = None
         if host is None or host.closed or not host.proc.is_alive():
             host = _hosts[placement] = ThreadHost(placement, gpus)
         try:

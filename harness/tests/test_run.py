@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +94,22 @@ def test_pool_is_reused_and_replaced_after_a_failure() -> None:
     after = harness.run(_pid, world_size=2)
     assert set(after).isdisjoint(first), "a failed pool must be replaced"
     assert harness.run(_pid, world_size=2, isolated=True) != after
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ranks_import_what_the_caller_can_after_sys_path_grows(mode: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool or thread host started before a directory went on ``sys.path`` is replaced, not reused: its
+    ranks could not import a function from there ([Note: process pool lifecycle])."""
+    harness.run(_pid, world_size=2, mode=mode)  # started under the path as it was
+    (tmp_path / "harness_later_module.py").write_text("def rank_plus_one(ctx):\n    return ctx.rank + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "harness_later_module", raising=False)
+    later = importlib.import_module("harness_later_module")
+    try:
+        assert harness.run(later.rank_plus_one, world_size=2, mode=mode) == [1, 2]
+    finally:
+        del sys.modules["harness_later_module"]
 
 
 def _set_state(ctx: harness.RankContext) -> tuple[str | None, int, int, float]:
