@@ -52,8 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--html", metavar="PATH", help="write the matrix as one self-contained HTML page, with filters")
     run.add_argument("--timing-repeats", default=None, metavar="N",
                      help="timing cases (those that measure wall time, e.g. overlap/*; they run alone, after the "
-                     "rest) time each region N times and compare the median with their bound: more repeats are "
-                     "steadier on a loaded machine and slower (default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
+                     "rest) compare the median of N timings of each region with their bound, stopping early once "
+                     "no further timing could change the verdict: more repeats are steadier on a loaded machine "
+                     "and slower (default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
     run.add_argument("--fuzz-examples", default=None, metavar="N",
                      help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
     run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")

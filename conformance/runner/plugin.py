@@ -98,7 +98,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--timing-repeats",
         default=None,
         metavar="N",
-        help="repetitions of each timed region in timing cases (median is used). "
+        help="repetitions of each timed region in timing cases (their median is compared; the repetitions "
+        "stop once no further one could change the verdict). "
         "Default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3.",
     )
     group.addoption(
