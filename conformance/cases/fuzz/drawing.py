@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from conformance.cases.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, models, policies
+from conformance.cases.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, Policy, models, policies
 from conformance.cases.fuzz.ops import (
     APIS,
     BATCHES,
@@ -92,10 +92,33 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     )
     api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
     if api != "fully_shard" or "fully_shard" not in features:
-        return config
+        return replace(config, policy=_unused_draw_options(config.policy, raf, optimizer, features))
     # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
     return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
                    reshard_after_forward=_reshard_after_forward(raf, world_size, features))
+
+
+def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
+                         features: Collection[str]) -> Policy | None:
+    """A ``wrap`` program's ``policy`` with the options read off its ``reshard_after_forward`` draw.
+
+    [Note: options from an unused draw]
+    Hypothesis draws a byte stream: a choice drawn anywhere, even after everything
+    else, moves every later example of a seed, and the mutants' declared rows, the
+    registered findings and the tests' seeds rely on what each seed draws. A
+    ``wrap`` program draws ``reshard_after_forward`` (``True``, ``False``, ``2``)
+    and uses it only under ``fully_shard``, so policy options added later are read
+    off that draw instead of drawing: ``False`` keeps low-precision gradients (the
+    first choice, ``True``, where it shrinks to, leaves it off; ``2`` is still
+    free for another option). ``keep_low_precision_grads`` only with SGD:
+    torch's Adam rejects float32 parameters with low-precision gradients, and
+    torch documents the option for "a custom optimizer that supports running in
+    low precision".
+    """
+    if policy is None:
+        return None
+    keep_low = raf is False and optimizer == "sgd" and "keep_low_precision_grads" in features
+    return replace(policy, keep_low_precision_grads=keep_low) if keep_low else policy
 
 
 def _strategy(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> str:

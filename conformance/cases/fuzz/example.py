@@ -116,12 +116,16 @@ class Policy:
     gradients and optimizer state stay in float32. ``cast_inputs``: the root casts
     floating inputs to the param dtype (else they come in it already; see
     [Note: fuzz mixed-precision baseline]; only the stateful fuzzer draws it).
+    ``keep_low_precision_grads``: gradients reach the optimizer in the dtype they were
+    reduced in, not upcast to float32; only the stateful fuzzer draws it
+    ([Note: options from an unused draw] in :mod:`conformance.cases.fuzz.drawing`).
     """
 
     param_dtype: str = "bfloat16"
     reduce_dtype: str | None = None
     buffer_dtype: str | None = None
     cast_inputs: bool = False
+    keep_low_precision_grads: bool = False
 
     def __post_init__(self) -> None:
         checks = {

@@ -54,8 +54,8 @@ APIS = ("wrap", "fully_shard")
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
                                   "explicit_prefetch"})
 #: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.wrapping.features_of`).
-FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid"}) | \
-    FULLY_SHARD_FEATURES
+FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
+                      "keep_low_precision_grads"}) | FULLY_SHARD_FEATURES
 #: A sharding strategy -> its hybrid counterpart, which shards the same way within a "node" of
 #: :data:`NODE` ranks and replicates across nodes (see [Note: hybrid programs]).
 HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "_HYBRID_SHARD_ZERO2"}

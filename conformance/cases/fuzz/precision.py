@@ -66,6 +66,7 @@ def mixed_precision_spec(policy: Policy | None) -> MixedPrecisionSpec | None:
         param_dtype=dtype_of(policy.param_dtype),
         reduce_dtype=None if policy.reduce_dtype is None else dtype_of(policy.reduce_dtype),
         buffer_dtype=None if policy.buffer_dtype is None else dtype_of(policy.buffer_dtype),
+        keep_low_precision_grads=policy.keep_low_precision_grads,
         cast_forward_inputs=policy.cast_inputs,
     )
 

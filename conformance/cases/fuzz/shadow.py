@@ -17,6 +17,11 @@ ranks must look to a user:
   and reduces the sum once ([Note: unsynced accumulation dtype]);
 * step, ``zero_grad``, ``train``/``eval``, saving and loading are the plain
   module's and optimizer's own;
+* under a policy with ``keep_low_precision_grads`` the reduced gradients stay
+  in the reduction dtype and accumulate in it: torch documents that FSDP then
+  "keeps the gradients in the dtype used for gradient reduction" instead of
+  upcasting them "in preparation for the optimizer step"
+  (``torch.distributed.fsdp.MixedPrecision``); the optimizer steps on them;
 * under a policy with a ``buffer_dtype``, floating buffers take that dtype's
   values at the first forward and keep them: torch documents that FSDP "casts
   them to ``buffer_dtype`` in the first forward pass and keeps them in that
@@ -203,9 +208,16 @@ class Shadow:
             return
         reduced = average_grads(per_rank, spec.reduce_dtype or spec.param_dtype)
         for name, param in self.local.named_parameters():
-            if name in reduced:
-                grad = reduced[name].to(param.dtype)
-                param.grad = grad if param.grad is None else param.grad.add_(grad)
+            if name not in reduced:
+                continue
+            grad = reduced[name] if spec.keep_low_precision_grads else reduced[name].to(param.dtype)
+            if param.grad is not None:
+                param.grad.add_(grad)
+            elif grad.dtype == param.dtype:
+                param.grad = grad
+            else:  # autograd rejects assigning a gradient in another dtype; its data may be one
+                param.grad = torch.empty(grad.shape, dtype=param.dtype, device=grad.device)
+                param.grad.data = grad
 
     def step(self) -> bool:
         """The optimizer step; ``False`` (skipped) while a loss is pending."""

@@ -251,6 +251,8 @@ class _Machine:
             got_grads = _clean(grads)
             want_grads = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
             policy = self.config.policy
+            if policy is not None and policy.keep_low_precision_grads:
+                self.compare("grad dtypes", _assert_same_dtypes, got_grads, want_grads)
             self.compare("grads", assert_close_named,
                          in_compute_dtype(zeros_for_none(got_grads, want_grads), policy),
                          in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
@@ -258,6 +260,17 @@ class _Machine:
 
 def _fail(message: str) -> None:
     raise AssertionError(message)
+
+
+def _assert_same_dtypes(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]) -> None:
+    """Every gradient both sides have is in the same dtype (``keep_low_precision_grads`` leaves them low)."""
+    differ = {}
+    for name, grad in got.items():
+        other = want.get(name)
+        if grad is not None and other is not None and grad.dtype != other.dtype:
+            differ[name] = (grad.dtype, other.dtype)
+    if differ:
+        raise AssertionError(f"gradient dtypes (wrapped, shadow) differ: {differ}")
 
 
 def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:

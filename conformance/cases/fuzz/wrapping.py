@@ -44,7 +44,9 @@ def features_of(impl: FSDPAdapter) -> frozenset[str]:
     cast = {"cast_forward_inputs"} if {Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS} <= caps else set()
     hybrid = Capability.HYBRID_VIA_PG_TUPLE in caps and all(
         impl.supports_strategy(s) for s in HYBRID_OF.values())
-    return (precision_features(impl) | cpu_offload | cast | ({"hybrid"} if hybrid else set())
+    keep_low = {"keep_low_precision_grads"} if {Capability.MIXED_PRECISION,
+                                                Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps else set()
+    return (precision_features(impl) | cpu_offload | cast | keep_low | ({"hybrid"} if hybrid else set())
             | fully_shard_features(impl))
 
 
