@@ -89,13 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.examples < 1:
         parser.error(f"--examples must be >= 1, got {args.examples}")
-    mutants = runnable_mutants()
-    if args.mutants:
-        chosen = args.mutants.split(",")
-        unknown = sorted(set(chosen) - set(MUTANTS))
-        if unknown:
-            parser.error(f"unknown mutants {unknown}")
-        mutants = [name for name in mutants if name in chosen]
+    chosen = set(args.mutants.split(",")) if args.mutants else set(MUTANTS)
+    unknown = sorted(chosen - set(MUTANTS))
+    if unknown:
+        parser.error(f"unknown mutants {unknown}")
+    mutants = [name for name in runnable_mutants() if name in chosen]
     with tempfile.TemporaryDirectory() as tmp:
         rows = _session(mutants, args, Path(tmp) / "rows.json")
     failing = reference_failures(rows)
@@ -105,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, verdict in found.items():
         print(f"{name}: {verdict}")
     caught = sum(verdict.startswith("caught") for verdict in found.values())
-    total = len(args.mutants.split(",")) if args.mutants else len(MUTANTS)
-    print(f"caught by the stateful fuzzer alone: {caught}/{total} mutants "
-          f"({total - len(mutants)} need GPUs and did not run; {args.examples} programs per row, "
+    print(f"caught by the stateful fuzzer alone: {caught}/{len(chosen)} mutants "
+          f"({len(chosen) - len(mutants)} need GPUs and did not run; {args.examples} programs per row, "
           f"rows {args.rows}, seed {args.seed}"
           + (f"; not counting {', '.join(sorted(failing))}, which the reference fails" if failing else "") + ")")
     if args.json is not None:
