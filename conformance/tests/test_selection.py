@@ -35,11 +35,6 @@ def suite(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.Monkey
     return pytester
 
 
-def _run(suite: pytest.Pytester, workers: list[str], *args: str) -> pytest.RunResult:
-    """In-process, except with xdist workers, which are processes of their own."""
-    return suite.runpytest_subprocess(*args, *workers) if workers else pytester_run(suite, *args)
-
-
 def _cells(path: Path) -> dict[tuple[str, str, str], str]:
     data = json.loads(path.read_text())
     rows = data["rows"] if isinstance(data, dict) else data
@@ -82,7 +77,7 @@ def test_row_runs_every_cell_of_the_row(suite: pytest.Pytester) -> None:
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_unknown_row_is_a_usage_error_naming_it(suite: pytest.Pytester, workers: list[str]) -> None:
-    result = _run(suite, workers, "--row", "demo/mixed[n=3]")
+    result = pytester_run(suite, "--row", "demo/mixed[n=3]", workers=workers)
     assert result.ret == 4
     assert "--row: unknown row id(s) 'demo/mixed[n=3]'" in result.stderr.str()
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -116,7 +111,7 @@ def test_report_without_such_rows_has_nothing_to_rerun(suite: pytest.Pytester) -
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_malformed_keyword_is_a_usage_error(suite: pytest.Pytester, workers: list[str]) -> None:
-    result = _run(suite, workers, "-k", "mixed and")
+    result = pytester_run(suite, "-k", "mixed and", workers=workers)
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*-k 'mixed and' is not a valid selection expression*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()

@@ -76,7 +76,7 @@ def test_a_line_per_case_with_the_total(preloaded: None, pytester: pytest.Pytest
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # for the xdist run's subprocess
     monkeypatch.setenv("COLUMNS", "60")
     args = ("--conformance-progress", "-q")
-    result = pytester.runpytest_subprocess(*args, *workers) if workers else pytester_run(pytester, *args)
+    result = pytester_run(pytester, *args, workers=workers)
     assert result.ret == 0
     lines = [ln for ln in result.stdout.lines if ln.startswith("[") and "demo/quick" in ln]
     assert len(lines) == 3, result.stdout.str()

@@ -96,9 +96,12 @@ def _outer_timeout_restored() -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3) if remaining > 0 else 0, interval)
 
 
-def pytester_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def pytester_run(pytester: pytest.Pytester, *args: str, workers: Sequence[str] = ()) -> pytest.RunResult:
     """``pytester.runpytest_inprocess(*args)`` under [Note: in-process sessions]; the test's directory
-    is importable, as ``PYTHONPATH`` made it for a subprocess. Requires the :func:`preloaded` fixture."""
+    is importable, as ``PYTHONPATH`` made it for a subprocess. Requires the :func:`preloaded` fixture.
+    With ``workers`` (xdist's ``-n N``), a subprocess: its workers are processes of their own anyway."""
+    if workers:
+        return pytester.runpytest_subprocess(*args, *workers)
     if "torch._dynamo" not in sys.modules:
         raise RuntimeError("pytester_run needs the 'preloaded' fixture, set up before pytester")
     pytester.syspathinsert()
