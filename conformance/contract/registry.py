@@ -73,8 +73,11 @@ def load(name: str) -> FSDPAdapter:
     module_name, _, attr = entries[name].target.partition(":")
     adapter_cls = getattr(importlib.import_module(module_name), attr)
     adapter = adapter_cls()
-    if not isinstance(adapter, FSDPAdapter):
-        missing = [m for m in _REQUIRED if not hasattr(adapter, m)]
+    # hasattr, not isinstance(adapter, FSDPAdapter): since Python 3.12 a runtime-checkable
+    # Protocol looks members up statically, so an adapter that delegates through __getattr__
+    # would be refused there with nothing missing, and accepted on 3.11.
+    missing = [m for m in _REQUIRED if not hasattr(adapter, m)]
+    if missing:
         raise TypeError(f"adapter {name!r} ({entries[name].target}) does not implement FSDPAdapter: "
                         f"missing {', '.join(missing)}")
     protocol_version(adapter)

@@ -167,3 +167,21 @@ def test_builtin_adapters_declare_no_deprecated_capability() -> None:
         warnings.simplefilter("error", DeprecationWarning)
         for name in registry.BUILTIN:
             optional.capabilities_of(registry.load(name))
+
+
+class LacksWrap(ProtocolOneAdapter):
+    """Delegates like a protocol-1 adapter, but not ``wrap`` or ``units``."""
+
+    name = "lacks-wrap"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("wrap", "units"):
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+def test_an_adapter_missing_a_required_method_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members are found as hasattr finds them (delegation through __getattr__ counts), and the missing ones named."""
+    monkeypatch.setenv(registry.ENV_VAR, f"lacks-wrap={__name__}:LacksWrap")
+    with pytest.raises(TypeError, match=r"'lacks-wrap' .* does not implement FSDPAdapter: missing units, wrap$"):
+        registry.load("lacks-wrap")
