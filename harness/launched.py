@@ -16,7 +16,11 @@ group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
 its own (it moves CPU and CUDA tensors), else ``gloo``; each case then
 computes on its placement's device (``cpu``; ``cuda:{local_rank}``; a shared
 GPU). Unlike a rank process, a launched rank already exists when the case
-starts, so the ``cpu`` placement cannot hide CUDA from it.
+starts, so the ``cpu`` placement cannot hide CUDA from it: where the rank sees a
+GPU, a CPU row is skipped with that reason (an implementation that picks its
+compute device from what it sees would compute on the GPU, and the row would
+test another placement than it names). A job started with
+``CUDA_VISIBLE_DEVICES=`` runs the CPU rows.
 """
 
 from __future__ import annotations
@@ -83,6 +87,10 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
     if world_size != job["WORLD_SIZE"]:
         raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}")
     gpus = visible_gpus()
+    if placement == "cpu" and gpus:
+        raise pytest.skip.Exception(
+            f"a CPU row, and this launched rank sees {gpus} GPU(s) it cannot hide (an implementation would pick "
+            "one as its compute device); start the job with CUDA_VISIBLE_DEVICES= to run CPU rows")
     control = _ensure_initialised(max(timeout_s, 60.0), job, gpus)
     device = _device(placement, job["LOCAL_RANK"], gpus)
     ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],

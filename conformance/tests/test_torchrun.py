@@ -24,7 +24,8 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--rank-mode", "launched",
            "--impl", "reference", "-k", "exec_order", "--json", str(report)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # CPU rows: on a GPU machine the job hides CUDA, as the README says.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(report.read_text())["rows"]
@@ -41,3 +42,18 @@ def test_launched_mode_outside_a_job_explains_itself(monkeypatch: pytest.MonkeyP
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="launched mode needs RANK, WORLD_SIZE, LOCAL_RANK"):
         job_env()
+
+
+def test_a_launched_rank_that_sees_a_gpu_skips_cpu_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It cannot hide the GPU from the implementation, so the row would test another placement than it names."""
+    import harness.launched as launched
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launched, "visible_gpus", lambda: 1)
+    never = {"called": False}
+    monkeypatch.setattr(launched, "_ensure_initialised", lambda *a: never.update(called=True))
+    with pytest.raises(pytest.skip.Exception, match=r"sees 1 GPU\(s\) it cannot hide .* CUDA_VISIBLE_DEVICES="):
+        launched.run_launched(lambda ctx: None, world_size=2, timeout_s=5, args=(), kwargs={}, seed=0, env=None,
+                              placement="cpu")
+    assert not never["called"], "skipped before the job's group is made"
