@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 
 import conformance.cases.fuzz.example as example_mod
@@ -34,9 +35,10 @@ from conformance.cases.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
+from conformance.cases.fuzz.runner import assert_no_grads_outside_the_loss
 from conformance.cases.fuzz.stateful import budget, check_program, stateful_fuzz
 from conformance.cases.fuzz.wrapping import missing_operations, render_program
-from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
 from conformance.selftest.mutants import NoGradDivide, UnshardWithoutGather
@@ -273,3 +275,28 @@ def test_a_broken_control_is_found_and_shrunk() -> None:
     case_text = render_program(shrunk, result.message)
     assert "Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS" in case_text, case_text
     exec(compile(case_text, "<reproducer>", "exec"), dict(vars(stateful_cases)))  # its names resolve there
+
+
+def _unit(fqn: str, grads: list[Any]) -> UnitInfo:
+    return UnitInfo(fqn=fqn, module=torch.nn.Module(), shard_group=None, replicate_group=None, compute_device=None,
+                    local_shards=[torch.zeros(1) for _ in grads], local_grads=grads, resharded=None)
+
+
+def test_a_whole_unit_outside_the_loss_must_show_no_gradient() -> None:
+    """Only whole units are judged: zeros within a used unit are a flat parameter's right, a wholly unused one's not.
+    The full gradients are what the user sees where exposed, else the unit's local ones."""
+    local = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 2), "unused": torch.nn.Linear(2, 2)})
+    local["used"].weight.grad = torch.ones(2, 2)  # its bias has none: zeros there are fine
+    zero = torch.zeros(3)
+    units = [_unit("", [None]), _unit("used", [zero]), _unit("unused", [None])]
+    assert_no_grads_outside_the_loss(units, None, local)
+    with pytest.raises(AssertionError, match=r"unit 'unused' took no part in a loss .* \[True\]: a zero gradient"):
+        assert_no_grads_outside_the_loss([_unit("used", [zero]), _unit("unused", [zero])], None, local)
+    wrapped = "unused._checkpoint_wrapped_module"  # the activation-checkpoint wrapper's name is left out
+    with pytest.raises(AssertionError, match=r"unit 'unused' took no part"):
+        assert_no_grads_outside_the_loss([_unit(wrapped, [zero])], None, local)
+    full: dict[str, torch.Tensor | None] = {"used.weight": zero, "used.bias": zero, "unused.weight": None,
+                                            "unused.bias": None}
+    assert_no_grads_outside_the_loss([_unit("unused", [zero])], full, local)  # the user's view decides
+    with pytest.raises(AssertionError, match=r"unit 'unused' .* shows gradients \[False, True\]"):
+        assert_no_grads_outside_the_loss([_unit("unused", [None])], {**full, "unused.bias": zero}, local)

@@ -26,7 +26,7 @@ implementations cannot tell them apart within a unit, and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +44,15 @@ from conformance.cases.fuzz.precision import (
     mixed_precision_spec,
     model_input,
 )
-from conformance.contract.adapter import FSDPAdapter, WrapSpec
+from conformance.contract.adapter import FSDPAdapter, UnitInfo, WrapSpec
 from conformance.contract.optional import full_grads
 from fixtures.parity import assert_close_named, named_grads
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "attempt", "check_example", "make_optimizer", "run_example",
-           "wrap_plan", "zeros_for_none"]
+__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "attempt", "check_example",
+           "make_optimizer", "run_example", "wrap_plan", "zeros_for_none"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
 #: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
@@ -167,6 +167,34 @@ def assert_dtypes(output: torch.Tensor | tuple[torch.Tensor, ...], want: str) ->
 def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     if len(got) != len(want):
         raise AssertionError(f"the wrapped model has {len(got)} parameters, the local model {len(want)}")
+
+
+def assert_no_grads_outside_the_loss(units: Sequence[UnitInfo], grads: dict[str, torch.Tensor | None] | None,
+                                     local: nn.Module) -> None:
+    """A unit none of whose parameters has a gradient in ``local`` shows the user none either.
+
+    torch leaves ``grad`` None on a parameter that took no part in any loss since its gradient was
+    last set to None (and on a frozen one); a zero gradient is not that. What the user sees is
+    ``grads`` (the full gradients, by the local model's names) where the adapter exposes them, else
+    the unit's own local gradients (a flat parameter's, which its optimizer steps). A flat parameter
+    cannot tell None from zero for some parameters of a unit whose others are used, so only whole
+    units are judged (never the root: it holds the head). The activation-checkpoint wrapper this
+    fuzzer may put in is left out of unit names.
+    """
+    fqns = {unit.fqn: ".".join(part for part in unit.fqn.split(".") if part != "_checkpoint_wrapped_module")
+            for unit in units}
+    named = dict(local.named_parameters())
+    owner = {name: max((f for f in fqns.values() if f and name.startswith(f + ".")), key=len, default="")
+             for name in named}
+    for unit in units:
+        owned = [name for name in named if fqns[unit.fqn] and owner[name] == fqns[unit.fqn]]
+        if not owned or any(named[name].grad is not None for name in owned):
+            continue
+        seen = unit.local_grads if grads is None else [grads.get(name) for name in owned]
+        present = [grad is not None for grad in seen]
+        if any(present):
+            raise AssertionError(f"unit {fqns[unit.fqn]!r} took no part in a loss (its {len(owned)} parameters have "
+                                 f"no gradient locally), yet shows gradients {present}: a zero gradient is not None")
 
 
 def zeros_for_none(

@@ -8,10 +8,12 @@ rank's batch), and, whenever no loss is pending (between iterations, where a
 user reads them), the full parameters, the full gradients (where the adapter
 exposes them), and that every original parameter is still registered with
 ``use_orig_params``; a full save is compared with the shadow's model and
-optimizer state. Tolerances are ``torch.testing.assert_close``'s defaults for
+optimizer state. A unit none of whose parameters has a gradient in the shadow
+shows none either (``assert_no_grads_outside_the_loss`` in
+:mod:`conformance.cases.fuzz.runner`). Tolerances are ``torch.testing.assert_close``'s defaults for
 the dtype (under a mixed-precision policy, outputs, losses and gradients in
 the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
-gradient and an all-zero one are alike, as in the parity fuzzer (see
+gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
 :mod:`conformance.cases.fuzz.runner`), and so are missing optimizer state and
 all-zero state: a flat parameter steps the unused parameters it holds with
 zero gradients, which leaves them and their zero moments unchanged. Verdicts
@@ -55,7 +57,14 @@ from conformance.cases.fuzz.ops import (
     ZeroGrad,
 )
 from conformance.cases.fuzz.precision import as_compared, in_compute_dtype, wrapped_input
-from conformance.cases.fuzz.runner import agree, assert_dtypes, attempt, make_optimizer, zeros_for_none
+from conformance.cases.fuzz.runner import (
+    agree,
+    assert_dtypes,
+    assert_no_grads_outside_the_loss,
+    attempt,
+    make_optimizer,
+    zeros_for_none,
+)
 from conformance.cases.fuzz.shadow import Output, Shadow, batch_of, build, loss_for
 from conformance.cases.fuzz.wrapping import features_of, missing_operations, wrap_config
 from conformance.contract.adapter import FSDPAdapter
@@ -247,8 +256,10 @@ class _Machine:
             params, grads = _clean(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
         self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
                      what="params")
-        if grads is not None:  # None: not exposed for this wrap; parameters still compared
-            got_grads = _clean(grads)
+        got_grads = None if grads is None else _clean(grads)
+        self.compare("no gradient outside the loss", assert_no_grads_outside_the_loss, self.impl.units(self.model),
+                     got_grads, local)
+        if got_grads is not None:  # None: not exposed for this wrap; parameters still compared
             want_grads = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
             policy = self.config.policy
             if policy is not None and policy.keep_low_precision_grads:
