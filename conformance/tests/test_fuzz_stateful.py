@@ -16,7 +16,7 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import Search
-from conformance.cases.fuzz.example import ModelSpec, Policy, source
+from conformance.cases.fuzz.example import Block, ModelSpec, Policy, source
 from conformance.cases.fuzz.ops import (
     CONTROL_OPS,
     FULLY_SHARD_FEATURES,
@@ -37,7 +37,7 @@ from conformance.cases.fuzz.ops import (
 )
 from conformance.cases.fuzz.runner import assert_no_grads_outside_the_loss
 from conformance.cases.fuzz.stateful import budget, check_program, stateful_fuzz
-from conformance.cases.fuzz.wrapping import missing_operations, render_program
+from conformance.cases.fuzz.wrapping import assert_ignored_kept, missing_operations, render_program
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
@@ -300,3 +300,27 @@ def test_a_whole_unit_outside_the_loss_must_show_no_gradient() -> None:
     assert_no_grads_outside_the_loss([_unit("unused", [zero])], full, local)  # the user's view decides
     with pytest.raises(AssertionError, match=r"unit 'unused' .* shows gradients \[False, True\]"):
         assert_no_grads_outside_the_loss([_unit("unused", [None])], {**full, "unused.bias": zero}, local)
+
+
+def test_only_modules_without_gradients_outside_units_are_ignorable() -> None:
+    """Frozen modules and the unused block, outermost, with no unit or checkpoint wrapper in or above them."""
+    model = ModelSpec(blocks=(Block(inner=("linear",)), Block()), unused=True)
+    frozen = ("blocks.0", "blocks.0.inner", "blocks.1")
+    assert Config(2, model, use_orig_params=True, frozen=frozen).ignorable() == ("blocks.0", "blocks.1", "unused")
+    assert Config(2, model, wrap=("blocks.0.inner",), use_orig_params=True, frozen=frozen,
+                  checkpoint=("blocks.1",)).ignorable() == ("unused",)
+    with pytest.raises(ValueError, match=r"Config\(ignored=\('blocks.1',\)\) needs api='wrap', no policy and paths "
+                                         r"among \('unused',\)"):
+        Config(2, model, wrap=("blocks.1",), ignored=("blocks.1",))
+
+
+def test_an_ignored_module_that_lost_its_parameters_is_reported() -> None:
+    local = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    kept = torch.nn.Linear(2, 2)
+    kept.load_state_dict(local[0].state_dict())
+    assert_ignored_kept({"0": kept}, local)
+    flat = torch.nn.Linear(2, 2)
+    del flat.weight  # as flattening into a unit leaves it
+    with pytest.raises(AssertionError, match=r"ignored module '0' holds parameters \{'bias': \(2,\)\}, the shadow's "
+                                             r"\{'weight': \(2, 2\), 'bias': \(2,\)\}"):
+        assert_ignored_kept({"0": flat}, local)

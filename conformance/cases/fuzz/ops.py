@@ -55,7 +55,7 @@ FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "f
                                   "explicit_prefetch"})
 #: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.wrapping.features_of`).
 FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
-                      "keep_low_precision_grads"}) | FULLY_SHARD_FEATURES
+                      "keep_low_precision_grads", "ignored_modules"}) | FULLY_SHARD_FEATURES
 #: A sharding strategy -> its hybrid counterpart, which shards the same way within a "node" of
 #: :data:`NODE` ranks and replicates across nodes (see [Note: hybrid programs]).
 HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "_HYBRID_SHARD_ZERO2"}
@@ -75,7 +75,8 @@ def hybrid_fits(world_size: int) -> bool:
 class Config:
     """What a program runs on. ``wrap``: module paths wrapped as units (then the root); ``checkpoint``:
     blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
-    their unit); ``frozen``: paths whose parameters have ``requires_grad=False``. ``api``: the paths
+    their unit); ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths
+    given to the root as ``ignored_modules`` ([Note: ignored modules in programs]). ``api``: the paths
     (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
     choose, and the original parameters are what the module holds)."""
@@ -94,6 +95,7 @@ class Config:
     seed: int = 0
     api: str = "wrap"
     reshard_after_forward: bool | int = True
+    ignored: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         wrappable = self.model.wrappable()
@@ -120,6 +122,10 @@ class Config:
             raise ValueError(f"Config(world_size={self.world_size}, policy={policy}): give reduce_dtype='float32' "
                              "(see exact_low_precision_reduction)")
         self._check_api()
+        if self.ignored and (self.api != "wrap" or self.policy is not None
+                             or not set(self.ignored) <= set(self.ignorable())):
+            raise ValueError(f"Config(ignored={self.ignored}) needs api='wrap', no policy and paths among "
+                             f"{self.ignorable()} (see [Note: ignored modules in programs])")
         if self.frozen and not self.orig_params and not set(self.frozen) <= set(self.wrap):
             raise ValueError(f"Config(frozen={self.frozen}) with flat parameters: a frozen path must be its own "
                              f"unit (wrap={self.wrap}); a flat parameter cannot mix frozen and trained parameters")
@@ -150,6 +156,24 @@ class Config:
     def orig_params(self) -> bool:
         """Whether the module keeps its original parameters (``use_orig_params``, or ``fully_shard``)."""
         return self.use_orig_params or self.api == "fully_shard"
+
+    def ignorable(self) -> tuple[str, ...]:
+        """The paths a program may ignore: frozen modules and the unused block, outside every unit but the
+        root and every checkpointed block, outermost only.
+
+        [Note: ignored modules in programs]
+        torch documents that the parameters of ``ignored_modules`` are not managed by FSDP: not sharded
+        or flattened, and their gradients not reduced, so each rank would train its own copy of a used
+        one, which a shadow averaging every gradient cannot stand for. A program ignores only modules
+        whose parameters get no gradient on any rank (frozen, or outside the loss), and without a
+        mixed-precision policy (which does not apply to them). What it shows: the ignored module keeps
+        the user's full parameters on every rank, equal to the shadow's, through training, saving and
+        loading, while the rest is sharded and trained around it.
+        """
+        related = (*self.wrap, *self.checkpoint)
+        paths = [p for p in dict.fromkeys((*self.frozen, *(("unused",) if self.model.unused else ())))
+                 if not any(p == q or p.startswith(q + ".") or q.startswith(p + ".") for q in related)]
+        return tuple(p for p in paths if not any(p.startswith(q + ".") for q in paths))
 
     def units(self) -> tuple[str, ...]:
         """The sharded modules in forward order: the root (``""``), then the wrapped paths."""

@@ -26,7 +26,7 @@ import copy
 import re
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +66,7 @@ from conformance.cases.fuzz.runner import (
     zeros_for_none,
 )
 from conformance.cases.fuzz.shadow import Output, Shadow, batch_of, build, loss_for
-from conformance.cases.fuzz.wrapping import features_of, missing_operations, wrap_config
+from conformance.cases.fuzz.wrapping import assert_ignored_kept, features_of, missing_operations, wrap_config
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
 from conformance.contract.optional import full_grads, no_sync
@@ -100,6 +100,7 @@ class _Machine:
     pending: torch.Tensor | None = None
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
     mismatch: str | None = None
+    ignored: dict[str, nn.Module] = field(default_factory=dict)  # the user's ignored modules, by path
 
     def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
@@ -256,6 +257,7 @@ class _Machine:
             params, grads = _clean(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
         self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
                      what="params")
+        self.compare("ignored modules", assert_ignored_kept, self.ignored, local)
         got_grads = None if grads is None else _clean(grads)
         self.compare("no gradient outside the loss", assert_no_grads_outside_the_loss, self.impl.units(self.model),
                      got_grads, local)
@@ -325,13 +327,16 @@ def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str
 
 def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
+    ignored: dict[str, nn.Module] = {}
     if config.api == "fully_shard":
         model = shard_config(ctx, impl, build(config, ctx.device), config)
         controls: Controls | None = Controls.of(impl, model, _clean)
     else:
-        model, controls = wrap_config(ctx, impl, build(config, ctx.device), config), None
+        built = build(config, ctx.device)
+        ignored = {path: built.get_submodule(path) for path in config.ignored}
+        model, controls = wrap_config(ctx, impl, built, config), None
     return _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
-                    missing_operations(impl, ctx.mode), controls)
+                    missing_operations(impl, ctx.mode), controls, ignored=ignored)
 
 
 def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:

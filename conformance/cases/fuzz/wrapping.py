@@ -17,6 +17,7 @@ or a mean over the shard group only, shows in the gradients and parameters.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
@@ -29,12 +30,13 @@ from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.optional import activation_checkpoint_wrapper
 from fixtures.meshes import hybrid_groups
+from fixtures.parity import assert_close_named
 from harness.rank_mode import RankMode
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["features_of", "missing_operations", "wrap_config", "render_program"]
+__all__ = ["assert_ignored_kept", "features_of", "missing_operations", "wrap_config", "render_program"]
 
 
 def features_of(impl: FSDPAdapter) -> frozenset[str]:
@@ -46,7 +48,8 @@ def features_of(impl: FSDPAdapter) -> frozenset[str]:
         impl.supports_strategy(s) for s in HYBRID_OF.values())
     keep_low = {"keep_low_precision_grads"} if {Capability.MIXED_PRECISION,
                                                 Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps else set()
-    return (precision_features(impl) | cpu_offload | cast | keep_low | ({"hybrid"} if hybrid else set())
+    ignored = {"ignored_modules"} if Capability.IGNORED_MODULES in caps else set()
+    return (precision_features(impl) | cpu_offload | cast | keep_low | ignored | ({"hybrid"} if hybrid else set())
             | fully_shard_features(impl))
 
 
@@ -72,7 +75,20 @@ def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: C
         child = getattr(parent, name)
         wrapped = activation_checkpoint_wrapper(impl, child, offload=False) if checkpoint else impl.wrap(child, spec)
         setattr(parent, name, wrapped)
-    return impl.wrap(model, spec)
+    return impl.wrap(model, replace(spec, ignored_modules=tuple(model.get_submodule(p) for p in config.ignored)))
+
+
+def assert_ignored_kept(ignored: dict[str, nn.Module], local: nn.Module) -> None:
+    """Each ignored module (the user's object) still holds its own full parameters, equal to the shadow's
+    ([Note: ignored modules in programs] in :mod:`conformance.cases.fuzz.ops`)."""
+    for path, module in ignored.items():
+        got = {name: param.detach() for name, param in module.named_parameters()}
+        want = {name: param.detach() for name, param in local.get_submodule(path).named_parameters()}
+        if sorted(got) != sorted(want) or any(got[n].shape != want[n].shape for n in want):
+            shapes = [{name: tuple(value.shape) for name, value in side.items()} for side in (got, want)]
+            raise AssertionError(f"ignored module {path!r} holds parameters {shapes[0]}, the shadow's "
+                                 f"{shapes[1]}: an ignored module keeps its own full parameters")
+        assert_close_named(got, want, what=f"ignored {path}")
 
 
 def render_program(program: Program, message: str) -> str:
@@ -82,6 +98,7 @@ def render_program(program: Program, message: str) -> str:
     needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
     needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
     needs += ["Capability.HYBRID_VIA_PG_TUPLE"] * program.config.hybrid
+    needs += ["Capability.IGNORED_MODULES"] * bool(program.config.ignored)
     needs += [f"Capability.{cap.name}" for cap in fully_shard_requires(program)]
     requires = f", requires=[{', '.join(needs)}]" if needs else ""
     return (
