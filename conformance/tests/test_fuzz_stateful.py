@@ -309,8 +309,8 @@ def test_only_modules_without_gradients_outside_units_are_ignorable() -> None:
     assert Config(2, model, use_orig_params=True, frozen=frozen).ignorable() == ("blocks.0", "blocks.1", "unused")
     assert Config(2, model, wrap=("blocks.0.inner",), use_orig_params=True, frozen=frozen,
                   checkpoint=("blocks.1",)).ignorable() == ("unused",)
-    with pytest.raises(ValueError, match=r"Config\(ignored=\('blocks.1',\)\) needs api='wrap', no policy and paths "
-                                         r"among \('unused',\)"):
+    with pytest.raises(ValueError, match=r"Config\(ignored=\('blocks.1',\)\) needs no policy and paths among "
+                                         r"\('unused',\)"):
         Config(2, model, wrap=("blocks.1",), ignored=("blocks.1",))
 
 

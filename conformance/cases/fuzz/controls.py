@@ -105,16 +105,18 @@ def fully_shard_requires(program: Program) -> list[Capability]:
 
 def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
     """Checkpoint the config's blocks, then ``fully_shard`` its paths deepest first (a checkpointed block
-    inside its wrapper), then the root, over a 1-D mesh of the world."""
+    inside its wrapper), then the root, over a 1-D mesh of the world, each ignoring the parameters of the
+    config's ignored modules."""
     mesh = ctx.device_mesh((ctx.world_size,))
     for path in sorted(config.checkpoint, key=lambda p: p.count("."), reverse=True):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, name, activation_checkpoint_wrapper(impl, getattr(parent, name), offload=False))
     raf = config.reshard_after_forward
+    ignored = frozenset(p for path in config.ignored for p in _at(model, path).parameters())
     for path in sorted(config.wrap, key=lambda p: p.count("."), reverse=True):
-        fully_shard(impl, _at(model, path), mesh=mesh, reshard_after_forward=raf)
-    return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf)
+        fully_shard(impl, _at(model, path), mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
+    return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
 
 
 def _at(model: nn.Module, path: str) -> nn.Module:

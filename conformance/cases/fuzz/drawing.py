@@ -97,8 +97,9 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
         return replace(config, policy=_unused_draw_options(config.policy, raf, optimizer, features),
                        ignored=config.ignorable() if ignore else ())
     # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
-    return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
-                   reshard_after_forward=_reshard_after_forward(raf, world_size, features))
+    config = replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
+                     reshard_after_forward=_reshard_after_forward(raf, world_size, features))
+    return replace(config, ignored=config.ignorable() if cast_inputs and "ignored_modules" in features else ())
 
 
 def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
@@ -116,8 +117,9 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     free for another option). ``keep_low_precision_grads`` only with SGD:
     torch's Adam rejects float32 parameters with low-precision gradients, and
     torch documents the option for "a custom optimizer that supports running in
-    low precision". Likewise ``cast_inputs`` is drawn for every program and read only under a policy;
-    without one, ``True`` ignores what :meth:`Config.ignorable` allows.
+    low precision". Likewise ``cast_inputs`` is drawn for every program and read only under a policy
+    (which a ``fully_shard`` program never has); without one, ``True`` ignores what
+    :meth:`Config.ignorable` allows.
     """
     if policy is None:
         return None

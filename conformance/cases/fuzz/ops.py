@@ -76,7 +76,8 @@ class Config:
     """What a program runs on. ``wrap``: module paths wrapped as units (then the root); ``checkpoint``:
     blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
     their unit); ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths
-    given to the root as ``ignored_modules`` ([Note: ignored modules in programs]). ``api``: the paths
+    given to the root as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored
+    modules in programs]). ``api``: the paths
     (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
     choose, and the original parameters are what the module holds)."""
@@ -122,9 +123,8 @@ class Config:
             raise ValueError(f"Config(world_size={self.world_size}, policy={policy}): give reduce_dtype='float32' "
                              "(see exact_low_precision_reduction)")
         self._check_api()
-        if self.ignored and (self.api != "wrap" or self.policy is not None
-                             or not set(self.ignored) <= set(self.ignorable())):
-            raise ValueError(f"Config(ignored={self.ignored}) needs api='wrap', no policy and paths among "
+        if self.ignored and (self.policy is not None or not set(self.ignored) <= set(self.ignorable())):
+            raise ValueError(f"Config(ignored={self.ignored}) needs no policy and paths among "
                              f"{self.ignorable()} (see [Note: ignored modules in programs])")
         if self.frozen and not self.orig_params and not set(self.frozen) <= set(self.wrap):
             raise ValueError(f"Config(frozen={self.frozen}) with flat parameters: a frozen path must be its own "

@@ -327,13 +327,12 @@ def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str
 
 def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
-    ignored: dict[str, nn.Module] = {}
+    built = build(config, ctx.device)
+    ignored = {path: built.get_submodule(path) for path in config.ignored}
     if config.api == "fully_shard":
-        model = shard_config(ctx, impl, build(config, ctx.device), config)
+        model = shard_config(ctx, impl, built, config)
         controls: Controls | None = Controls.of(impl, model, _clean)
     else:
-        built = build(config, ctx.device)
-        ignored = {path: built.get_submodule(path) for path in config.ignored}
         model, controls = wrap_config(ctx, impl, built, config), None
     return _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
                     missing_operations(impl, ctx.mode), controls, ignored=ignored)

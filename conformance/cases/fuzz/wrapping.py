@@ -84,6 +84,9 @@ def assert_ignored_kept(ignored: dict[str, nn.Module], local: nn.Module) -> None
     for path, module in ignored.items():
         got = {name: param.detach() for name, param in module.named_parameters()}
         want = {name: param.detach() for name, param in local.get_submodule(path).named_parameters()}
+        sharded = sorted(name for name, value in got.items() if hasattr(value, "full_tensor"))
+        if sharded:
+            raise AssertionError(f"ignored module {path!r} holds sharded parameters (DTensors): {sharded}")
         if sorted(got) != sorted(want) or any(got[n].shape != want[n].shape for n in want):
             shapes = [{name: tuple(value.shape) for name, value in side.items()} for side in (got, want)]
             raise AssertionError(f"ignored module {path!r} holds parameters {shapes[0]}, the shadow's "
