@@ -6,9 +6,11 @@ observe against the shadow ([Note: the shadow model] in
 :mod:`conformance.cases.fuzz.shadow`): the outputs and loss of a forward (this
 rank's batch), and, whenever no loss is pending (between iterations, where a
 user reads them), the full parameters, the full gradients (where the adapter
-exposes them), and that every original parameter is still registered with
-``use_orig_params``; a full save is compared with the shadow's model and
-optimizer state. Tolerances are ``torch.testing.assert_close``'s defaults for
+exposes them), the values of the model's buffers (``named_buffers()``, also
+before the first operation: a ``buffer_dtype`` changes them at the first
+forward, not at wrapping), and that every original parameter is still
+registered with ``use_orig_params``; a full save is compared with the shadow's
+model and optimizer state. Tolerances are ``torch.testing.assert_close``'s defaults for
 the dtype (under a mixed-precision policy, outputs, losses and gradients in
 the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are alike, as in the parity fuzzer (see
@@ -234,7 +236,13 @@ class _Machine:
             self.impl.load_optim_state_dict(self.model, self.optim, copy.deepcopy(optim), sharded=sharded)
         self.shadow.load()
 
+    def check_buffers(self) -> None:
+        """The wrapped model's buffers hold the shadow's values (see [Note: stateful invariant])."""
+        want = {name: buf.detach() for name, buf in self.shadow.local.named_buffers()}
+        self.compare("buffers", assert_close_named, _buffers(self.model, want), want, what="buffers")
+
     def check_state(self) -> None:
+        self.check_buffers()
         local = self.shadow.local
         if self.config.orig_params:  # the original parameters stay registered on the module
             got, want = len(list(self.model.parameters())), len(list(local.parameters()))
@@ -271,6 +279,16 @@ def _assert_same_dtypes(got: dict[str, torch.Tensor | None], want: dict[str, tor
             differ[name] = (grad.dtype, other.dtype)
     if differ:
         raise AssertionError(f"gradient dtypes (wrapped, shadow) differ: {differ}")
+
+
+def _buffers(model: nn.Module, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The wrapped model's buffers, whole, keyed as the unwrapped model names them (a wrapper's attribute
+    starts with an underscore, no name of the fuzz model does), in the dtype and on the device of the
+    shadow's buffer of that name: the values are compared, at that dtype's tolerance."""
+    named = {".".join(part for part in name.split(".") if not part.startswith("_")): full_value(buf)
+             for name, buf in model.named_buffers()}
+    return {name: buf.to(dtype=like[name].dtype, device=like[name].device) if name in like else buf
+            for name, buf in named.items()}
 
 
 def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:
@@ -331,6 +349,9 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     failure = agree(ctx, failure)
     if failure is not None:
         return failure
+    failure = agree(ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
+    if failure is not None:
+        return f"before any operation, {failure}"
     for index, op in enumerate(program.ops):
         raised = attempt("raised", machine.apply, op)[1]
         failure = agree(ctx, raised or machine.mismatch)
