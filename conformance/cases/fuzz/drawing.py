@@ -92,7 +92,8 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     )
     api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
     if api != "fully_shard" or "fully_shard" not in features:
-        return replace(config, policy=_unused_draw_options(config.policy, raf, optimizer, features))
+        return replace(config, policy=_unused_draw_options(config.policy, raf, optimizer, features),
+                       saves_in_iteration=raf == 2)
     # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
     return replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
                    reshard_after_forward=_reshard_after_forward(raf, world_size, features))
@@ -109,8 +110,10 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     ``wrap`` program draws ``reshard_after_forward`` (``True``, ``False``, ``2``)
     and uses it only under ``fully_shard``, so policy options added later are read
     off that draw instead of drawing: ``False`` keeps low-precision gradients (the
-    first choice, ``True``, where it shrinks to, leaves it off; ``2`` is still
-    free for another option). ``keep_low_precision_grads`` only with SGD:
+    first choice, ``True``, where it shrinks to, leaves it off), and ``2`` takes
+    state dicts inside each training iteration (``Config.saves_in_iteration``,
+    set by the caller: it is no policy option, and holds without a policy).
+    ``keep_low_precision_grads`` only with SGD:
     torch's Adam rejects float32 parameters with low-precision gradients, and
     torch documents the option for "a custom optimizer that supports running in
     low precision".

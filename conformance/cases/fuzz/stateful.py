@@ -166,6 +166,11 @@ class _Machine:
 
     def train_iteration(self, op: Train) -> None:
         self.forward(Forward(batch=op.batch))
+        if self.config.saves_in_iteration:  # kept nowhere: a later Load loads the last Save's
+            if "full save" not in self.missing:
+                self._compare_saved(_tensors(self.impl.full_state_dict(self.model)), None)
+            if "sharded save" not in self.missing:
+                self.impl.sharded_state_dict(self.model)
         self.backward(Backward())
         self.step(Step())
 
