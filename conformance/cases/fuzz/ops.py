@@ -79,8 +79,9 @@ class Config:
     (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
     choose, and the original parameters are what the module holds). ``saves_in_iteration`` (``wrap``
-    only): every :class:`Train` takes a full, then a sharded, state dict between its forward and its
-    backward, as a checkpointing callback inside the loop would."""
+    only): each :class:`Train` takes a state dict between its forward and its backward, as a
+    checkpointing callback inside the loop would: a full one in the first, a sharded one in the next, and
+    so on."""
 
     world_size: int
     model: ModelSpec = ModelSpec()

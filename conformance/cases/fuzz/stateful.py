@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import Controls, full_value, shard_config
+from conformance.cases.fuzz.controls import Controls, full_value, shard_config, user_buffers
 from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES
@@ -93,6 +93,7 @@ class _Machine:
     pending: torch.Tensor | None = None
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
     mismatch: str | None = None
+    trains: int = 0  # Train operations run (see _save_in_iteration)
 
     def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
@@ -166,13 +167,23 @@ class _Machine:
 
     def train_iteration(self, op: Train) -> None:
         self.forward(Forward(batch=op.batch))
-        if self.config.saves_in_iteration:  # kept nowhere: a later Load loads the last Save's
-            if "full save" not in self.missing:
-                self._compare_saved(_tensors(self.impl.full_state_dict(self.model)), None)
-            if "sharded save" not in self.missing:
-                self.impl.sharded_state_dict(self.model)
+        if self.config.saves_in_iteration:
+            self._save_in_iteration()
         self.backward(Backward())
         self.step(Step())
+        self.trains += 1
+
+    def _save_in_iteration(self) -> None:
+        """``Config.saves_in_iteration``: a full state dict (compared with the shadow's) in a program's first
+        ``Train``, a sharded one in the second, and so on (a full one reshards the units, so a sharded one after
+        it would find none still gathered from the forward); kept nowhere: a ``Load`` loads the last ``Save``."""
+        sharded = self.trains % 2 == 1
+        if ("sharded save" if sharded else "full save") in self.missing:
+            return
+        if sharded:
+            self.impl.sharded_state_dict(self.model)
+        else:
+            self._compare_saved(_tensors(self.impl.full_state_dict(self.model)), None)
 
     def zero_grad(self, op: ZeroGrad) -> None:
         if self._unsynced():
@@ -244,7 +255,7 @@ class _Machine:
     def check_buffers(self) -> None:
         """The wrapped model's buffers hold the shadow's values (see [Note: stateful invariant])."""
         want = {name: buf.detach() for name, buf in self.shadow.local.named_buffers()}
-        self.compare("buffers", assert_close_named, _buffers(self.model, want), want, what="buffers")
+        self.compare("buffers", assert_close_named, user_buffers(self.model, want), want, what="buffers")
 
     def check_state(self) -> None:
         self.check_buffers()
@@ -284,16 +295,6 @@ def _assert_same_dtypes(got: dict[str, torch.Tensor | None], want: dict[str, tor
             differ[name] = (grad.dtype, other.dtype)
     if differ:
         raise AssertionError(f"gradient dtypes (wrapped, shadow) differ: {differ}")
-
-
-def _buffers(model: nn.Module, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The wrapped model's buffers, whole, keyed as the unwrapped model names them (a wrapper's attribute
-    starts with an underscore, no name of the fuzz model does), in the dtype and on the device of the
-    shadow's buffer of that name: the values are compared, at that dtype's tolerance."""
-    named = {".".join(part for part in name.split(".") if not part.startswith("_")): full_value(buf)
-             for name, buf in model.named_buffers()}
-    return {name: buf.to(dtype=like[name].dtype, device=like[name].device) if name in like else buf
-            for name, buf in named.items()}
 
 
 def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:
