@@ -119,6 +119,15 @@ def test_an_int_reshard_after_forward_is_drawn_only_where_declared() -> None:
     assert 2 in with_int and 2 not in without and False in without, (with_int, without)
 
 
+def test_state_dicts_inside_iterations_are_drawn_for_wrap_programs_only() -> None:
+    """``saves_in_iteration`` is read off a ``wrap`` program's unused ``reshard_after_forward`` draw
+    ([Note: options from an unused draw]): some ``wrap`` programs take it, no ``fully_shard`` one."""
+    drawn = _drawn(3, 100, FULLY_SHARD_FEATURES)
+    by_api = {api: {p.config.saves_in_iteration for p in drawn if p.config.api == api}
+              for api in ("wrap", "fully_shard")}
+    assert by_api == {"wrap": {True, False}, "fully_shard": {False}}, by_api
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -136,6 +145,7 @@ def test_an_int_reshard_after_forward_is_drawn_only_where_declared() -> None:
         (lambda: Config(world_size=2, api="fully_shard", strategy="NO_SHARD"), "takes no strategy"),
         (lambda: Config(world_size=4, api="fully_shard", reshard_after_forward=4), "proper factor"),
         (lambda: Config(world_size=2, reshard_after_forward=False), "the strategy decides it"),
+        (lambda: Config(world_size=2, api="fully_shard", saves_in_iteration=True), "or saves_in_iteration"),
         (lambda: Program(Config(world_size=2), (GradSync(),)), r"needs Config\(api='fully_shard'\)"),
         (lambda: Program(Config(world_size=2, api="fully_shard"), (Reshard(unit="blocks.0"),)), "no sharded module"),
         (lambda: Unshard(batch=3), r"Unshard\(batch=3\)"),

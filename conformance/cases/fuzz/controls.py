@@ -73,7 +73,7 @@ from conformance.contract.optional import (
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "shard_config"]
+__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "shard_config", "user_buffers"]
 
 #: A capability -> the :data:`~conformance.cases.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
 _FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
@@ -132,6 +132,16 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor's ``full_tensor()`` (collective), a plain tensor as it is."""
     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return full.detach().clone()
+
+
+def user_buffers(model: nn.Module, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model``'s buffers, whole, keyed as the unwrapped model names them (a wrapper's attribute starts
+    with an underscore, no name of the fuzz model does), in the dtype and on the device of ``like``'s
+    buffer of that name: their values are compared, at that dtype's tolerance."""
+    named = {".".join(part for part in name.split(".") if not part.startswith("_")): full_value(buf)
+             for name, buf in model.named_buffers()}
+    return {name: buf.to(dtype=like[name].dtype, device=like[name].device) if name in like else buf
+            for name, buf in named.items()}
 
 
 def _cloned(tree: Any) -> Any:

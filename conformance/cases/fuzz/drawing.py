@@ -95,7 +95,7 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
         # without a policy the cast_inputs draw is free (see [Note: options from an unused draw])
         ignore = cast_inputs and config.policy is None and "ignored_modules" in features
         return replace(config, policy=_unused_draw_options(config.policy, raf, optimizer, features),
-                       ignored=config.ignorable() if ignore else ())
+                       ignored=config.ignorable() if ignore else (), saves_in_iteration=raf == 2)
     # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
     config = replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
                      reshard_after_forward=_reshard_after_forward(raf, world_size, features))
@@ -113,8 +113,10 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     ``wrap`` program draws ``reshard_after_forward`` (``True``, ``False``, ``2``)
     and uses it only under ``fully_shard``, so policy options added later are read
     off that draw instead of drawing: ``False`` keeps low-precision gradients (the
-    first choice, ``True``, where it shrinks to, leaves it off; ``2`` is still
-    free for another option). ``keep_low_precision_grads`` only with SGD:
+    first choice, ``True``, where it shrinks to, leaves it off), and ``2`` takes
+    state dicts inside each training iteration (``Config.saves_in_iteration``,
+    set by the caller: it is no policy option, and holds without a policy).
+    ``keep_low_precision_grads`` only with SGD:
     torch's Adam rejects float32 parameters with low-precision gradients, and
     torch documents the option for "a custom optimizer that supports running in
     low precision". Likewise ``cast_inputs`` is drawn for every program and read only under a policy

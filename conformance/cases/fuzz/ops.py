@@ -80,7 +80,10 @@ class Config:
     modules in programs]). ``api``: the paths
     (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
-    choose, and the original parameters are what the module holds)."""
+    choose, and the original parameters are what the module holds). ``saves_in_iteration`` (``wrap``
+    only): each :class:`Train` takes a state dict between its forward and its backward, as a
+    checkpointing callback inside the loop would: a full one in the first, a sharded one in the next, and
+    so on."""
 
     world_size: int
     model: ModelSpec = ModelSpec()
@@ -97,6 +100,7 @@ class Config:
     api: str = "wrap"
     reshard_after_forward: bool | int = True
     ignored: tuple[str, ...] = ()
+    saves_in_iteration: bool = False
 
     def __post_init__(self) -> None:
         wrappable = self.model.wrappable()
@@ -139,10 +143,11 @@ class Config:
             if raf is not True:
                 raise ValueError(f"Config(api='wrap', reshard_after_forward={raf!r}): the strategy decides it")
             return
-        plain = dict(strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False)
+        plain = dict(strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False,
+                     saves_in_iteration=False)
         if any(getattr(self, name) != value for name, value in plain.items()):
-            raise ValueError(f"Config(api='fully_shard') takes no strategy, policy, offload or use_orig_params "
-                             f"(it keeps the original parameters): leave them at {plain}")
+            raise ValueError(f"Config(api='fully_shard') takes no strategy, policy, offload, use_orig_params "
+                             f"(it keeps the original parameters) or saves_in_iteration: leave them at {plain}")
         if not isinstance(raf, bool) and not (1 < raf < self.world_size and self.world_size % raf == 0):
             raise ValueError(f"Config(reshard_after_forward={raf!r}): an int must be a proper factor of the "
                              f"world size {self.world_size}")

@@ -51,8 +51,8 @@ from fixtures.parity import assert_close_named, named_grads
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "attempt", "check_example",
-           "make_optimizer", "run_example", "wrap_plan", "zeros_for_none"]
+__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state", "attempt",
+           "check_example", "make_optimizer", "run_example", "wrap_plan", "zeros_for_none"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
 #: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
@@ -195,6 +195,37 @@ def assert_no_grads_outside_the_loss(units: Sequence[UnitInfo], grads: dict[str,
         if any(present):
             raise AssertionError(f"unit {fqns[unit.fqn]!r} took no part in a loss (its {len(owned)} parameters have "
                                  f"no gradient locally), yet shows gradients {present}: a zero gradient is not None")
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    return lambda message: prefix + message
+
+
+def _common_dtype(got: Any, want: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both values as CPU tensors of the dtype they promote to, so they are compared at that dtype's default
+    tolerance (a float32 moment at float32's, not float64's; an int step count exactly)."""
+    got_t, want_t = torch.as_tensor(got).cpu(), torch.as_tensor(want).cpu()
+    dtype = torch.promote_types(got_t.dtype, want_t.dtype)
+    return got_t.to(dtype), want_t.to(dtype)
+
+
+def assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    """Per-parameter optimizer state equal; a parameter with state on one side only must have all-zero
+    tensors there (see [Note: stateful invariant] in :mod:`conformance.cases.fuzz.stateful`), whatever its
+    step count."""
+    for name in sorted(set(got) | set(want)):
+        if name in got and name in want:
+            for key in sorted(set(got[name]) | set(want[name])):
+                if key not in got[name] or key not in want[name]:
+                    raise AssertionError(f"optim[{name}]: {key!r} on one side only")
+                got_value, want_value = _common_dtype(got[name][key], want[name][key])
+                torch.testing.assert_close(got_value, want_value, msg=_prefixed(f"optim[{name}][{key}]: "))
+            continue
+        one = got.get(name, want.get(name, {}))
+        nonzero = [k for k, v in one.items() if k != "step" and isinstance(v, torch.Tensor) and bool(v.any())]
+        if nonzero:
+            side = "wrapped model" if name in got else "shadow"
+            raise AssertionError(f"optim[{name}]: only the {side} has state, and its {nonzero} are not zero")
 
 
 def zeros_for_none(

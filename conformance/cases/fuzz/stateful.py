@@ -6,10 +6,12 @@ observe against the shadow ([Note: the shadow model] in
 :mod:`conformance.cases.fuzz.shadow`): the outputs and loss of a forward (this
 rank's batch), and, whenever no loss is pending (between iterations, where a
 user reads them), the full parameters, the full gradients (where the adapter
-exposes them), and that every original parameter is still registered with
-``use_orig_params``; a full save is compared with the shadow's model and
-optimizer state. A unit none of whose parameters has a gradient in the shadow
-shows none either (``assert_no_grads_outside_the_loss`` in
+exposes them), the values of the model's buffers (``named_buffers()``, also
+before the first operation: a ``buffer_dtype`` changes them at the first
+forward, not at wrapping), and that every original parameter is still
+registered with ``use_orig_params``; a full save is compared with the shadow's
+model and optimizer state. A unit none of whose parameters has a gradient in the
+shadow shows none either (``assert_no_grads_outside_the_loss`` in
 :mod:`conformance.cases.fuzz.runner`). Tolerances are ``torch.testing.assert_close``'s defaults for
 the dtype (under a mixed-precision policy, outputs, losses and gradients in
 the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import Controls, full_value, shard_config
+from conformance.cases.fuzz.controls import Controls, full_value, shard_config, user_buffers
 from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES
@@ -61,6 +63,7 @@ from conformance.cases.fuzz.runner import (
     agree,
     assert_dtypes,
     assert_no_grads_outside_the_loss,
+    assert_optim_state,
     attempt,
     make_optimizer,
     zeros_for_none,
@@ -101,6 +104,7 @@ class _Machine:
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
     mismatch: str | None = None
     ignored: dict[str, nn.Module] = field(default_factory=dict)  # the user's ignored modules, by path
+    trains: int = 0  # Train operations run (see _save_in_iteration)
 
     def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
@@ -174,8 +178,23 @@ class _Machine:
 
     def train_iteration(self, op: Train) -> None:
         self.forward(Forward(batch=op.batch))
+        if self.config.saves_in_iteration:
+            self._save_in_iteration()
         self.backward(Backward())
         self.step(Step())
+        self.trains += 1
+
+    def _save_in_iteration(self) -> None:
+        """``Config.saves_in_iteration``: a full state dict (compared with the shadow's) in a program's first
+        ``Train``, a sharded one in the second, and so on (a full one reshards the units, so a sharded one after
+        it would find none still gathered from the forward); kept nowhere: a ``Load`` loads the last ``Save``."""
+        sharded = self.trains % 2 == 1
+        if ("sharded save" if sharded else "full save") in self.missing:
+            return
+        if sharded:
+            self.impl.sharded_state_dict(self.model)
+        else:
+            self._compare_saved(_tensors(self.impl.full_state_dict(self.model)), None)
 
     def zero_grad(self, op: ZeroGrad) -> None:
         if self._unsynced():
@@ -224,7 +243,7 @@ class _Machine:
         self.compare("full model state dict", assert_close_named, _clean(state), self.shadow.local.state_dict(),
                      what="state_dict")
         if optim is not None:
-            self.compare("full optimizer state dict", _assert_optim_state, _clean(optim),
+            self.compare("full optimizer state dict", assert_optim_state, _clean(optim),
                          self.shadow.optim_state_by_name())
 
     def load(self, _op: Load) -> None:
@@ -244,7 +263,13 @@ class _Machine:
             self.impl.load_optim_state_dict(self.model, self.optim, copy.deepcopy(optim), sharded=sharded)
         self.shadow.load()
 
+    def check_buffers(self) -> None:
+        """The wrapped model's buffers hold the shadow's values (see [Note: stateful invariant])."""
+        want = {name: buf.detach() for name, buf in self.shadow.local.named_buffers()}
+        self.compare("buffers", assert_close_named, user_buffers(self.model, want), want, what="buffers")
+
     def check_state(self) -> None:
+        self.check_buffers()
         local = self.shadow.local
         if self.config.orig_params:  # the original parameters stay registered on the module
             got, want = len(list(self.model.parameters())), len(list(local.parameters()))
@@ -295,36 +320,6 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def _prefixed(prefix: str) -> Callable[[str], str]:
-    return lambda message: prefix + message
-
-
-def _common_dtype(got: Any, want: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both values as CPU tensors of the dtype they promote to, so they are compared at that dtype's default
-    tolerance (a float32 moment at float32's, not float64's; an int step count exactly)."""
-    got_t, want_t = torch.as_tensor(got).cpu(), torch.as_tensor(want).cpu()
-    dtype = torch.promote_types(got_t.dtype, want_t.dtype)
-    return got_t.to(dtype), want_t.to(dtype)
-
-
-def _assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
-    """Per-parameter optimizer state equal; a parameter with state on one side only must have all-zero
-    tensors there (see [Note: stateful invariant]), whatever its step count."""
-    for name in sorted(set(got) | set(want)):
-        if name in got and name in want:
-            for key in sorted(set(got[name]) | set(want[name])):
-                if key not in got[name] or key not in want[name]:
-                    raise AssertionError(f"optim[{name}]: {key!r} on one side only")
-                got_value, want_value = _common_dtype(got[name][key], want[name][key])
-                torch.testing.assert_close(got_value, want_value, msg=_prefixed(f"optim[{name}][{key}]: "))
-            continue
-        one = got.get(name, want.get(name, {}))
-        nonzero = [k for k, v in one.items() if k != "step" and isinstance(v, torch.Tensor) and bool(v.any())]
-        if nonzero:
-            side = "wrapped model" if name in got else "shadow"
-            raise AssertionError(f"optim[{name}]: only the {side} has state, and its {nonzero} are not zero")
-
-
 def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
     built = build(config, ctx.device)
@@ -346,6 +341,9 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     failure = agree(ctx, failure)
     if failure is not None:
         return failure
+    failure = agree(ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
+    if failure is not None:
+        return f"before any operation, {failure}"
     for index, op in enumerate(program.ops):
         raised = attempt("raised", machine.apply, op)[1]
         failure = agree(ctx, raised or machine.mismatch)
