@@ -164,8 +164,11 @@ def _stateful_timeout_s(settings: CaseSettings) -> float:
 def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
     result = stateful_fuzz(ctx, impl, settings)
     if result.failing is not None:
+        # the policy on the first line: a row's reason is that line, and a finding may hinge on it
+        policy = result.failing.config.policy
+        under = "" if policy is None else f", policy={policy}"
         raise AssertionError(
-            f"stateful fuzzer (seed {settings.fuzz_seed}): {result.message}\n"
+            f"stateful fuzzer (seed {settings.fuzz_seed}{under}): {result.message}\n"
             f"minimal reproducer after {result.runs} runs:\n{render_program(result.failing, result.message or '')}"
         )
     missing = missing_operations(impl, ctx.mode)
