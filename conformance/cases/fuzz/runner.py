@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 __all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state", "attempt",
-           "check_example", "make_optimizer", "run_example", "wrap_plan", "zeros_for_none"]
+           "check_example", "make_optimizer", "run_example", "unwrapped_name", "wrap_plan",
+           "zeros_for_none"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
 #: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
@@ -169,6 +170,11 @@ def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
         raise AssertionError(f"the wrapped model has {len(got)} parameters, the local model {len(want)}")
 
 
+def unwrapped_name(name: str) -> str:
+    """``name`` without the activation-checkpoint wrapper this fuzzer may put in (the shadow has none)."""
+    return ".".join(part for part in name.split(".") if part != "_checkpoint_wrapped_module")
+
+
 def assert_no_grads_outside_the_loss(units: Sequence[UnitInfo], grads: dict[str, torch.Tensor | None] | None,
                                      local: nn.Module) -> None:
     """A unit none of whose parameters has a gradient in ``local`` shows the user none either.
@@ -178,11 +184,9 @@ def assert_no_grads_outside_the_loss(units: Sequence[UnitInfo], grads: dict[str,
     ``grads`` (the full gradients, by the local model's names) where the adapter exposes them, else
     the unit's own local gradients (a flat parameter's, which its optimizer steps). A flat parameter
     cannot tell None from zero for some parameters of a unit whose others are used, so only whole
-    units are judged (never the root: it holds the head). The activation-checkpoint wrapper this
-    fuzzer may put in is left out of unit names.
+    units are judged (never the root: it holds the head). Unit names are :func:`unwrapped_name`'s.
     """
-    fqns = {unit.fqn: ".".join(part for part in unit.fqn.split(".") if part != "_checkpoint_wrapped_module")
-            for unit in units}
+    fqns = {unit.fqn: unwrapped_name(unit.fqn) for unit in units}
     named = dict(local.named_parameters())
     owner = {name: max((f for f in fqns.values() if f and name.startswith(f + ".")), key=len, default="")
              for name in named}

@@ -25,7 +25,6 @@ agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -66,6 +65,7 @@ from conformance.cases.fuzz.runner import (
     assert_optim_state,
     attempt,
     make_optimizer,
+    unwrapped_name,
     zeros_for_none,
 )
 from conformance.cases.fuzz.shadow import Output, Shadow, batch_of, build, loss_for
@@ -80,12 +80,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MAIN_JOB_PROGRAMS", "budget", "check_program", "run_program", "stateful_fuzz"]
 
-_CHECKPOINT_PREFIX = re.compile(r"_checkpoint_wrapped_module\.")
-
-
 def _clean(named: dict[str, Any]) -> dict[str, Any]:
     """Names without the activation-checkpoint wrapper this fuzzer put in (the shadow has none)."""
-    return {_CHECKPOINT_PREFIX.sub("", name): value for name, value in named.items()}
+    return {unwrapped_name(name): value for name, value in named.items()}
 
 
 @dataclass
