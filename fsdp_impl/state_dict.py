@@ -158,6 +158,7 @@ def summon_full_params(
             for slot, grad in zip(handle.slots, grads, strict=True):
                 _restore_grad(slot.param, grad)
             _restore_grad(handle.flat_param, unit.saved_flat_grad)
+            unit.saved_flat_grad = None  # not held past the block (a stale shard-sized gradient)
             unit.training_state = TrainingState.IDLE
 
 

@@ -37,8 +37,10 @@ from conformance.cases.fuzz.controls import Controls, full_value, shard_config, 
 from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES
+from conformance.cases.fuzz.held import Held
 from conformance.cases.fuzz.ops import (
     BATCHES,
+    CONTROL_OPS,
     Backward,
     Config,
     Forward,
@@ -96,6 +98,7 @@ class _Machine:
     optim: torch.optim.Optimizer
     shadow: Shadow
     missing: dict[str, str]
+    held: Held
     controls: Controls | None = None  # a fully_shard program's ([Note: fully_shard programs])
     pending: torch.Tensor | None = None
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
@@ -121,6 +124,8 @@ class _Machine:
             ReshardAfterBackward: lambda op: self._controls().reshard_after_backward(op),
             Prefetch: lambda op: self._controls().prefetch(op, self.config),
         }
+        if isinstance(op, CONTROL_OPS):
+            self.held.stop()
         handlers[type(op)](op)
         if self.pending is None:
             self.check_state()
@@ -155,6 +160,8 @@ class _Machine:
         value = self._forward(op.batch, grad=op.grad, loss=op.loss)
         if op.grad:
             self.pending = value if self.pending is None else self.pending + value
+        elif self.pending is None:
+            self.held.forwarded()
 
     def backward(self, _op: Backward) -> None:
         if self.pending is not None:
@@ -162,6 +169,7 @@ class _Machine:
             self.pending = None
             if self.controls is not None:
                 self.controls.after_backward()
+            self.held.synchronised()
         self.shadow.backward(sync=self.controls is None or self.controls.sync)
 
     def step(self, _op: Step) -> None:
@@ -211,6 +219,7 @@ class _Machine:
         self.shadow.backward(sync=False)
         self._forward((op.batch + 1) % BATCHES, grad=True, loss="all").backward()
         self.shadow.backward()
+        self.held.synchronised()
 
     def save(self, op: Save) -> None:
         if self.controls is not None:
@@ -249,7 +258,9 @@ class _Machine:
         state, optim, sharded = self.saved
         if not sharded and "full load" in self.missing and self.controls is None:
             return
-        self.pending = None  # an abandoned iteration
+        if self.pending is not None:  # an abandoned iteration
+            self.pending = None
+            self.held.forwarded()
         if self.controls is not None:
             self.controls.before_update(self.config)
             self.controls.load(self.optim, (state, optim))
@@ -266,6 +277,8 @@ class _Machine:
         self.compare("buffers", assert_close_named, user_buffers(self.model, want), want, what="buffers")
 
     def check_state(self) -> None:
+        buffers = sum(buf.nbytes for buf in self.shadow.local.buffers())
+        self.compare("memory held", self.held.check, self.optim, buffers, self.shadow, self.saved)
         self.check_buffers()
         local = self.shadow.local
         if self.config.orig_params:  # the original parameters stay registered on the module
@@ -317,7 +330,7 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
+def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
     built = build(config, ctx.device)
     ignored = {path: built.get_submodule(path) for path in config.ignored}
@@ -326,26 +339,30 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config) -> _Machine:
         controls: Controls | None = Controls.of(impl, model, _clean)
     else:
         model, controls = wrap_config(ctx, impl, built, config), None
-    return _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
-                    missing_operations(impl, ctx.mode), controls, ignored=ignored)
+    machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
+                       missing_operations(impl, ctx.mode), held, controls, ignored=ignored)
+    held.wrapped(shadow.local, shadow)
+    return machine
 
 
 def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
     """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    machine, failure = attempt("wrap", _setup, ctx, impl, program.config)
-    failure = agree(ctx, failure)
-    if failure is not None:
-        return failure
-    failure = agree(ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
-    if failure is not None:
-        return f"before any operation, {failure}"
-    for index, op in enumerate(program.ops):
-        raised = attempt("raised", machine.apply, op)[1]
-        failure = agree(ctx, raised or machine.mismatch)
+    held = Held(program.config)
+    with held.tracker:  # [Note: memory held between iterations]
+        machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
+        failure = agree(ctx, failure)
         if failure is not None:
-            return f"op {index} ({op}), {failure}"
+            return failure
+        failure = agree(ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
+        if failure is not None:
+            return f"before any operation, {failure}"
+        for index, op in enumerate(program.ops):
+            raised = attempt("raised", machine.apply, op)[1]
+            failure = agree(ctx, raised or machine.mismatch)
+            if failure is not None:
+                return f"op {index} ({op}), {failure}"
     return None
 
 

@@ -1,0 +1,223 @@
+"""What a rank's sharded model holds between operations: memory, counted as the storages the rank created.
+
+[Note: memory held between iterations]
+Sharding is for memory, so a stateful program also checks the bytes a rank
+holds wherever a user could look, after every operation that leaves no loss
+pending. After an iteration's backward has synchronised gradients (a
+:class:`~conformance.cases.fuzz.ops.Train`, a ``Backward`` that had a loss
+pending, a ``NoSync`` pair), every implementation torch documents has freed what
+it gathered for the iteration: each unit's unsharded parameters (resharded after
+backward, the root included) and its unsharded gradient (reduced to its shard).
+What may be held is the sharded state: parameters, gradients and optimizer
+state, each no larger than the parameters' shards. So the rank's bytes must stay
+within
+
+    ``(2 + K) * S + 8 * N + 2 * B + G``
+
+where ``S`` is the bytes of its sharded parameters, ``K`` the optimizer's copies
+of a parameter (SGD's momentum: 1; Adam's two moments: 2), ``N`` the parameters
+the optimizer holds (a step count each, a 4-byte tensor in Adam); ``K`` and ``N``
+are 0 while the optimizer holds no state (before its first step); ``B`` the
+model's buffers (kept, perhaps also cast). ``G`` is 0 after such a backward;
+after a forward no backward followed (one without gradients, or one a load
+abandoned) it is what torch lets a forward leave gathered
+(:func:`kept_after_forward`): the root's parameters, every unit's where the
+strategy does not reshard after forward, and the smaller shards of an int
+``reshard_after_forward``. Other operations leave ``G`` as it was.
+
+``S`` is what the rank holds right after wrapping (the implementation's own
+layout and padding), but never more than :func:`shard_bound` (every parameter's
+shard padded both ways a torch FSDP pads: to a multiple of the shard count along
+dim 0, or flattened per unit with each parameter aligned to 16 bytes) nor less
+than the parameters over the shard count. An implementation that keeps a unit
+gathered, or a unit's unsharded gradient, after backward holds a whole unit more
+than that.
+
+Bytes are counted by :class:`fixtures.memory.StorageTracker` ([Note: storage
+accounting]), active on the rank's own thread from before wrapping to the
+program's end: what an implementation allocates on a thread of its own (an
+asynchronous collective's worker) is not seen, so the count can only be low.
+What the shadow model and the program's saved state dicts hold is not the
+implementation's and is left out (every storage reachable from them). Programs
+using FSDP2's per-module controls are not checked from their first control on:
+an explicit ``unshard``, ``reshard_after_backward=False`` or gradient sync turned
+off keeps unsharded state between operations on purpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from conformance.cases.fuzz.ops import NODE, Config
+from fixtures.memory import StorageTracker, storages_of
+
+__all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound"]
+
+#: A parameter's copies in the optimizer's state (its step count aside).
+COPIES = {"sgd": 1, "adam": 2}
+_STEP_BYTES = 8  # an optimizer's per-parameter step count, at most (Adam's: a float32 tensor)
+RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the strategies that reshard a unit after its forward
+_ALIGN = 16  # bytes a flat parameter aligns each original parameter to (torch FSDP1 with use_orig_params)
+
+
+def _shards(config: Config) -> int:
+    """How many ranks share a parameter: the world, a node of a hybrid strategy, or one without sharding."""
+    if config.api == "fully_shard":
+        return config.world_size
+    if config.strategy == "NO_SHARD":
+        return 1
+    return NODE if config.hybrid else config.world_size
+
+
+def _unit_of(name: str, config: Config) -> str:
+    """The unit (a wrapped path, else the root ``""``) or the ignored path that holds parameter ``name``."""
+    owners = [path for path in (*config.wrap, *config.ignored) if name.startswith(path + ".")]
+    return max(owners, key=len, default="")
+
+
+def _units(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
+    units: dict[str, list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        units.setdefault(_unit_of(name, config), []).append(param)
+    return units
+
+
+def _padded(params: list[nn.Parameter], shards: int) -> int:
+    """Bytes of one of ``shards`` shards of ``params`` (one unit's), padded the larger of the note's two ways."""
+    size = params[0].element_size()
+    per_param = sum(math.ceil(_dim0(p) / shards) * (p.numel() // _dim0(p)) for p in params)
+    flat = math.ceil(sum(p.numel() + _ALIGN // size for p in params) / shards)
+    return max(per_param, flat) * size
+
+
+def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
+    """(least, most) bytes of one rank's parameter shards for ``model`` (unsharded, the shadow's) under
+    ``config``: the parameters over the shard count, and the larger of the two paddings in the note;
+    ignored parameters count whole."""
+    least = most = 0
+    for unit, params in _units(model, config).items():
+        size = params[0].element_size()
+        if unit in config.ignored:
+            whole = sum(p.numel() for p in params) * size
+            least, most = least + whole, most + whole
+        else:
+            least += math.ceil(sum(p.numel() for p in params) / _shards(config)) * size
+            most += _padded(params, _shards(config))
+    return least, most
+
+
+def kept_after_forward(model: nn.Module, config: Config) -> int:
+    """Bytes of unsharded parameters a forward may leave gathered ([Note: memory held between
+    iterations]): the root's (torch's FSDP1 and FSDP2 keep it for the backward that usually follows);
+    every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``);
+    under an int ``reshard_after_forward`` each other unit's shards over that many ranks too."""
+    if _shards(config) == 1:
+        return 0
+    raf = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
+    kept = 0
+    for unit, params in _units(model, config).items():
+        if unit in config.ignored:
+            continue
+        if unit == "" or raf is False:
+            kept += _padded(params, 1)
+        elif not isinstance(raf, bool):
+            kept += _padded(params, raf)
+    return kept
+
+
+def _dim0(param: torch.Tensor) -> int:
+    return param.shape[0] if param.dim() and param.shape[0] else 1
+
+
+def _tensors_in(value: Any, seen: set[int], out: list[torch.Tensor]) -> None:
+    """Every tensor reachable from ``value`` through containers, dataclasses, modules (and their
+    parameters' gradients), optimizers' state and sharded tensors' local shards."""
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        shards = getattr(value, "local_shards", None)  # a ShardedTensor (FSDP1's sharded state dicts)
+        if callable(shards):  # has no storage of its own
+            children: list[Any] = [shard.tensor for shard in shards()]
+        else:
+            out.append(value)
+            children = [value.grad]
+    elif isinstance(value, nn.Module):
+        children = [*value.state_dict(keep_vars=True).values(), *(p.grad for p in value.parameters())]
+    elif isinstance(value, torch.optim.Optimizer):
+        children = list(value.state.values())
+    elif isinstance(value, dict):
+        children = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        children = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    else:
+        return
+    for child in children:
+        _tensors_in(child, seen, out)
+
+
+@dataclass
+class Held:
+    """The memory check of one program on this rank ([Note: memory held between iterations])."""
+
+    config: Config
+    tracker: StorageTracker = field(default_factory=lambda: StorageTracker(peak=False))
+    shard: int = 0  # S of the note, fixed by :meth:`wrapped`
+    kept: int = 0  # what a forward may leave gathered (:func:`kept_after_forward`), fixed by :meth:`wrapped`
+    gathered: int | None = 0  # unsharded bytes that may be held now; None: no longer checked
+    since: str = "wrapping"  # what set ``gathered``
+
+    def held(self, *others: Any) -> int:
+        """Bytes this rank's storages hold, less those reachable from ``others`` (the shadow, saved state)."""
+        tensors: list[torch.Tensor] = []
+        for other in others:
+            _tensors_in(other, set(), tensors)
+        theirs = storages_of(tensors)
+        return sum(s.nbytes() for key, s in self.tracker.live().items() if key not in theirs)
+
+    def wrapped(self, shadow_model: nn.Module, *others: Any) -> None:
+        """Fix ``S`` from what the rank holds now, just after wrapping (see the note)."""
+        least, most = shard_bound(shadow_model, self.config)
+        self.shard = min(max(self.held(*others), least), most)
+        self.kept = kept_after_forward(shadow_model, self.config)
+
+    def synchronised(self) -> None:
+        """A backward that reduced gradients ran: every unit is resharded."""
+        if self.gathered is not None:
+            self.gathered, self.since = 0, "a synchronising backward"
+
+    def forwarded(self) -> None:
+        """A forward ran and no backward follows (without gradients, or abandoned by a load)."""
+        if self.gathered is not None:
+            self.gathered, self.since = self.kept, "a forward with no backward"
+
+    def stop(self) -> None:
+        """No more checks in this program (it used a per-module control)."""
+        self.gathered = None
+
+    def check(self, optim: torch.optim.Optimizer, buffers: int, *others: Any) -> None:
+        """The rank holds no more than the note's bound; ``buffers``: the model's buffer bytes."""
+        if self.gathered is None:
+            return
+        params = sum(len(group["params"]) for group in optim.param_groups) if optim.state else 0
+        copies = COPIES[self.config.optimizer] if optim.state else 0  # none before the first step
+        bound = (2 + copies) * self.shard + _STEP_BYTES * params + 2 * buffers + self.gathered
+        held = self.held(*others)
+        if held > bound:
+            gc.collect()  # what only a reference cycle keeps alive is garbage, not held
+            held = self.held(*others)
+        if held > bound:
+            raise AssertionError(
+                f"since {self.since} this rank holds {held} B, more than {bound} B: (2 + {copies} optimizer copies) "
+                f"x {self.shard} B of sharded parameters + {params} step counts + twice {buffers} B of buffers "
+                f"+ {self.gathered} B a forward may leave gathered ({held - bound} B over: a unit kept gathered, "
+                f"or an unsharded gradient kept)")

@@ -1,0 +1,89 @@
+"""The stateful fuzzer's memory check ([Note: memory held between iterations] in conformance/cases/fuzz/held.py)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.cases.fuzz.example import Block, ModelSpec
+from conformance.cases.fuzz.held import Held, kept_after_forward, shard_bound
+from conformance.cases.fuzz.ops import Config, Forward, Program, Train
+from conformance.cases.fuzz.shadow import build
+from conformance.contract.adapter import FSDPAdapter
+from conformance.selftest.mutants import KeepFullGradients, NeverReshard
+from harness import RankContext, run
+
+#: Two units and the root: blocks.0 has 40 parameters (two 4x4 linears with biases), blocks.1 and the root's
+#: head 20 each, all float32.
+_FULLY_SHARD = Config(world_size=4, model=ModelSpec(width=4, blocks=(Block(layers=("linear", "linear")), Block())),
+                      wrap=("blocks.0", "blocks.1"), api="fully_shard", reshard_after_forward=2)
+
+
+def test_shard_and_forward_bounds_follow_the_layout() -> None:
+    """Least: parameters over the shard count. Most: the larger padding per unit; blocks.0 at four shards pads
+    per parameter to 10 elements and flat (16 bytes of alignment each) to (40 + 16) / 4 = 14."""
+    model = build(_FULLY_SHARD, torch.device("cpu"))
+    assert shard_bound(model, _FULLY_SHARD) == ((10 + 5 + 5) * 4, (14 + 7 + 7) * 4)
+    # the root whole (20 + 8 aligned), each other unit over reshard_after_forward=2 ranks: (40 + 16) / 2, 28 / 2
+    assert kept_after_forward(model, _FULLY_SHARD) == (28 + 28 + 14) * 4
+    wrapped = replace(_FULLY_SHARD, api="wrap", reshard_after_forward=True)
+    assert kept_after_forward(model, wrapped) == 28 * 4  # FULL_SHARD reshards all but the root
+    assert kept_after_forward(model, replace(wrapped, strategy="SHARD_GRAD_OP")) == (28 + 56 + 28) * 4
+    assert shard_bound(model, replace(wrapped, strategy="NO_SHARD")) == (80 * 4, (56 + 28 + 28) * 4)
+    assert kept_after_forward(model, replace(wrapped, strategy="NO_SHARD")) == 0
+    assert shard_bound(model, replace(wrapped, strategy="HYBRID_SHARD"))[0] == (20 + 10 + 10) * 4  # a node of 2
+
+
+def test_a_storage_kept_past_a_backward_is_reported() -> None:
+    """The check counts what the rank created and still holds, less what the others named hold."""
+    held = Held(replace(_FULLY_SHARD, world_size=1, api="wrap", reshard_after_forward=True))
+    model = build(held.config, torch.device("cpu"))  # 80 parameters, all on the one rank
+    optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)  # no state: no copies counted
+    with held.tracker:
+        params = torch.zeros(80)  # the sharded parameters
+        held.wrapped(model)
+        grads, shadow = torch.zeros(80), torch.zeros(1000)
+        held.synchronised()
+        held.check(optim, 0, shadow)  # parameters and gradients: within (2 + 0) * S
+        kept = torch.zeros(4)
+        with pytest.raises(AssertionError, match=r"since a synchronising backward this rank holds 656 B, more than "
+                                                 r"640 B: \(2 \+ 0 optimizer copies\) x 320 B .* \(16 B over"):
+            held.check(optim, 0, shadow)
+        held.stop()
+        held.check(optim, 0, shadow)  # no longer checked
+    del params, grads, kept
+
+
+def _verdicts(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -> list[str | None]:
+    from conformance.cases.fuzz.stateful import check_program
+
+    return [check_program(ctx, impl, program) for program in drawn]
+
+
+_TRAIN = Program(Config(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(inner=("linear",)))),
+                        wrap=("blocks.1",), use_orig_params=True), (Train(), Train()))
+_INT = Program(_FULLY_SHARD, (Forward(grad=False), Train(), Forward(grad=False)))
+
+
+@pytest.mark.parametrize(("impl", "program"), [(ReferenceAdapter(), _TRAIN), (ReferenceAdapter(), _INT),
+                                               (TorchFSDP2Adapter(), _INT)],
+                         ids=["reference-train", "reference-int", "torch-fsdp2-int"])
+def test_what_torch_and_the_reference_hold_passes(impl: FSDPAdapter, program: Program) -> None:
+    """Training twice with the original parameters (the reference once kept a stale gradient across
+    ``summon_full_params``), and forwards without backward under an int ``reshard_after_forward``."""
+    got = run(_verdicts, world_size=program.config.world_size, mode="thread", timeout_s=240, args=(impl, (program,)))
+    assert got[0] == [None]
+
+
+@pytest.mark.parametrize("mutant", [NeverReshard(), KeepFullGradients()], ids=["never-reshard", "keep-full-gradients"])
+def test_memory_mutants_fail_the_check(mutant: FSDPAdapter) -> None:
+    """Each memory mutant holds a unit's worth more than the bound after the first iteration (in fresh rank
+    processes: a mutant's patches stay where it ran)."""
+    got = run(_verdicts, world_size=2, mode="process", timeout_s=240, isolated=True, args=(mutant, (_TRAIN,)))[0][0]
+    assert got is not None, "the mutant passed"
+    assert re.search("op 0 .* memory held: since a synchronising backward this rank holds", got), got
