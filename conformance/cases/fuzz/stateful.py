@@ -12,7 +12,8 @@ forward, not at wrapping), and that every original parameter is still
 registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
-:mod:`conformance.cases.fuzz.runner`). Tolerances are ``torch.testing.assert_close``'s defaults for
+:mod:`conformance.cases.fuzz.runner`), and the rank holds no more memory than sharding allows
+([Note: memory held between iterations] in :mod:`conformance.cases.fuzz.held`). Tolerances are ``torch.testing.assert_close``'s defaults for
 the dtype (under a mixed-precision policy, outputs, losses and gradients in
 the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
