@@ -32,6 +32,7 @@ from conformance.cases.fuzz.ops import (
     ReshardAfterBackward,
     Save,
     Step,
+    Train,
     Unshard,
     ZeroGrad,
 )
@@ -41,7 +42,7 @@ from conformance.cases.fuzz.wrapping import assert_ignored_kept, missing_operati
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
-from conformance.selftest.mutants import NoGradDivide, UnshardWithoutGather
+from conformance.selftest.mutants import MetaInitNotFollowed, NoGradDivide, UnshardWithoutGather
 from harness import RankContext, run
 from harness.rank_mode import RankMode
 
@@ -128,6 +129,15 @@ def test_state_dicts_inside_iterations_are_drawn_for_wrap_programs_only() -> Non
     assert by_api == {"wrap": {True, False}, "fully_shard": {False}}, by_api
 
 
+def test_meta_init_is_drawn_for_fully_shard_programs_only() -> None:
+    """``meta_init`` is read off a ``fully_shard`` program's unused ``use_orig_params`` draw ([Note: options from
+    an unused draw]), and only where the adapter declares it."""
+    drawn = _drawn(3, 100, FULLY_SHARD_FEATURES)
+    by_api = {api: {p.config.meta_init for p in drawn if p.config.api == api} for api in ("wrap", "fully_shard")}
+    assert by_api == {"wrap": {False}, "fully_shard": {True, False}}, by_api
+    assert not any(p.config.meta_init for p in _drawn(3, 100, FULLY_SHARD_FEATURES - {"meta_init"}))
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -144,7 +154,8 @@ def test_state_dicts_inside_iterations_are_drawn_for_wrap_programs_only() -> Non
         (lambda: Config(world_size=2, api="fsdp3"), "Config.api='fsdp3'"),
         (lambda: Config(world_size=2, api="fully_shard", strategy="NO_SHARD"), "takes no strategy"),
         (lambda: Config(world_size=4, api="fully_shard", reshard_after_forward=4), "proper factor"),
-        (lambda: Config(world_size=2, reshard_after_forward=False), "the strategy decides it"),
+        (lambda: Config(world_size=2, reshard_after_forward=False), "the strategy decides resharding"),
+        (lambda: Config(world_size=2, meta_init=True), "meta_init is fully_shard's"),
         (lambda: Config(world_size=2, api="fully_shard", saves_in_iteration=True), "or saves_in_iteration"),
         (lambda: Program(Config(world_size=2), (GradSync(),)), r"needs Config\(api='fully_shard'\)"),
         (lambda: Program(Config(world_size=2, api="fully_shard"), (Reshard(unit="blocks.0"),)), "no sharded module"),
@@ -334,3 +345,20 @@ def test_an_ignored_module_that_lost_its_parameters_is_reported() -> None:
     with pytest.raises(AssertionError, match=r"ignored module '0' holds parameters \{'bias': \(2,\)\}, the shadow's "
                                              r"\{'weight': \(2, 2\), 'bias': \(2,\)\}"):
         assert_ignored_kept({"0": flat}, local)
+
+
+_TIED = ModelSpec(vocab=5, tie_head=True, blocks=(Block(("linear", "scale")), Block(("linear", "linear"), tie=True)))
+_META = Program(Config(world_size=2, model=_TIED, wrap=("blocks.0", "blocks.1"), api="fully_shard", meta_init=True,
+                       checkpoint=("blocks.1",)), (Train(), Save(), Train(), Load(), Train()))
+
+
+@pytest.mark.parametrize("impl", [ReferenceAdapter(), TorchFSDP2Adapter(), MetaInitNotFollowed()],
+                         ids=["reference", "torch-fsdp2", "mutant-meta-init-not-followed"])
+def test_a_model_built_on_meta_trains_as_the_shadow(impl: FSDPAdapter) -> None:
+    """Tied weights, buffers and a checkpointed unit, built on meta, sharded, materialized and filled: torch's
+    FSDP2 and the reference train it as the shadow; a reference that does not follow ``to_empty`` fails."""
+    got = run(check_programs, world_size=2, mode="process", timeout_s=240, isolated=True, args=(impl, (_META,)))[0][0]
+    if isinstance(impl, MetaInitNotFollowed):
+        assert got is not None and got.startswith("op 0 (Train(batch=0))"), got
+    else:
+        assert got is None, got

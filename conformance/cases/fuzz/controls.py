@@ -43,11 +43,13 @@ unsharded ones, the reference keeps the DTensors), so that is not read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import distribute_tensor
 from torch.utils._pytree import tree_map
 
 from conformance.cases.fuzz.ops import (
@@ -73,12 +75,13 @@ from conformance.contract.optional import (
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "shard_config", "user_buffers"]
+__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "materialize", "shard_config",
+           "user_buffers"]
 
 #: A capability -> the :data:`~conformance.cases.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
 _FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
                Capability.FULLY_SHARD_CONTROLS: "fully_shard_controls",
-               Capability.EXPLICIT_PREFETCH: "explicit_prefetch"}
+               Capability.EXPLICIT_PREFETCH: "explicit_prefetch", Capability.META_INIT: "meta_init"}
 
 
 def fully_shard_features(impl: FSDPAdapter) -> frozenset[str]:
@@ -100,6 +103,8 @@ def fully_shard_requires(program: Program) -> list[Capability]:
         needs.append(Capability.FULLY_SHARD_CONTROLS)
     if any(isinstance(op, Prefetch) for op in program.ops):
         needs.append(Capability.EXPLICIT_PREFETCH)
+    if config.meta_init:
+        needs.append(Capability.META_INIT)
     return needs
 
 
@@ -117,6 +122,20 @@ def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: 
     for path in sorted(config.wrap, key=lambda p: p.count("."), reverse=True):
         fully_shard(impl, _at(model, path), mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
     return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, values: nn.Module, clean: Callable[[str], str]) -> None:
+    """``Config.meta_init``: ``model`` (built on the meta device, then sharded) gets storage on ``device``
+    (``to_empty``), then every parameter and buffer is filled from ``values`` (the shadow's, unsharded; names
+    through ``clean``), a DTensor with this rank's piece of the full tensor."""
+    model.to_empty(device=device)
+    full = {**dict(values.named_parameters()), **dict(values.named_buffers())}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        value = full[clean(name)].detach()
+        if hasattr(tensor, "device_mesh"):
+            value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+        tensor.copy_(value)
 
 
 def _at(model: nn.Module, path: str) -> nn.Module:

@@ -98,7 +98,8 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
                        ignored=config.ignorable() if ignore else (), saves_in_iteration=raf == 2)
     # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
     config = replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
-                     reshard_after_forward=_reshard_after_forward(raf, world_size, features))
+                     reshard_after_forward=_reshard_after_forward(raf, world_size, features),
+                     meta_init=config.use_orig_params and "meta_init" in features)
     return replace(config, ignored=config.ignorable() if cast_inputs and "ignored_modules" in features else ())
 
 
@@ -121,7 +122,8 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     torch documents the option for "a custom optimizer that supports running in
     low precision". Likewise ``cast_inputs`` is drawn for every program and read only under a policy
     (which a ``fully_shard`` program never has); without one, ``True`` ignores what
-    :meth:`Config.ignorable` allows.
+    :meth:`Config.ignorable` allows. A ``fully_shard`` program keeps the original parameters whatever
+    ``use_orig_params`` drew: there ``True`` builds the model on the meta device (``Config.meta_init``).
     """
     if policy is None:
         return None

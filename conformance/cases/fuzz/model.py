@@ -107,7 +107,11 @@ class FuzzModel(nn.Module):
 
 
 def build_model(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> FuzzModel:
-    """The model, initialised from ``seed``, in ``dtype`` on ``device``."""
+    """The model, initialised from ``seed``, in ``dtype`` on ``device``; on the meta device it is built there
+    (no storage, nothing initialised; moving a built model there would untie its tied weights)."""
+    if device.type == "meta":
+        with device:
+            return FuzzModel(spec).to(dtype=dtype)
     model = FuzzModel(spec)
     seeded_init_(model, seed)
     return model.to(device=device, dtype=dtype)

@@ -52,7 +52,7 @@ APIS = ("wrap", "fully_shard")
 #: What a ``fully_shard`` program may draw, each where the adapter declares it: the API itself, an int
 #: ``reshard_after_forward``, the per-module controls, explicit prefetch lists.
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
-                                  "explicit_prefetch"})
+                                  "explicit_prefetch", "meta_init"})
 #: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.wrapping.features_of`).
 FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
                       "keep_low_precision_grads", "ignored_modules"}) | FULLY_SHARD_FEATURES
@@ -83,7 +83,9 @@ class Config:
     choose, and the original parameters are what the module holds). ``saves_in_iteration`` (``wrap``
     only): each :class:`Train` takes a state dict between its forward and its backward, as a
     checkpointing callback inside the loop would: a full one in the first, a sharded one in the next, and
-    so on."""
+    so on. ``meta_init`` (``fully_shard`` only): the model is built on the meta device, sharded, then
+    materialized with ``to_empty`` and filled with the shadow's values, as a user initializes a model too
+    large for one device."""
 
     world_size: int
     model: ModelSpec = ModelSpec()
@@ -101,6 +103,7 @@ class Config:
     reshard_after_forward: bool | int = True
     ignored: tuple[str, ...] = ()
     saves_in_iteration: bool = False
+    meta_init: bool = False
 
     def __post_init__(self) -> None:
         wrappable = self.model.wrappable()
@@ -140,8 +143,9 @@ class Config:
             raise ValueError(f"Config.api={self.api!r}; expected one of {APIS}")
         raf = self.reshard_after_forward
         if self.api == "wrap":
-            if raf is not True:
-                raise ValueError(f"Config(api='wrap', reshard_after_forward={raf!r}): the strategy decides it")
+            if raf is not True or self.meta_init:
+                raise ValueError(f"Config(api='wrap', reshard_after_forward={raf!r}, meta_init={self.meta_init}): "
+                                 "the strategy decides resharding, and meta_init is fully_shard's")
             return
         plain = dict(strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False,
                      saves_in_iteration=False)

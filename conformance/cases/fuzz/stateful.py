@@ -13,9 +13,9 @@ registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
 :mod:`conformance.cases.fuzz.runner`), and the rank holds no more memory than sharding allows
-([Note: memory held between iterations] in :mod:`conformance.cases.fuzz.held`). Tolerances are ``torch.testing.assert_close``'s defaults for
-the dtype (under a mixed-precision policy, outputs, losses and gradients in
-the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
+([Note: memory held between iterations] in :mod:`conformance.cases.fuzz.held`). Tolerances are
+``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
+losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
 :mod:`conformance.cases.fuzz.runner`), and so are missing optimizer state and
 all-zero state: a flat parameter steps the unused parameters it holds with
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import Controls, full_value, shard_config, user_buffers
+from conformance.cases.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES
@@ -333,10 +333,12 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
-    built = build(config, ctx.device)
+    built = build(config, torch.device("meta") if config.meta_init else ctx.device)
     ignored = {path: built.get_submodule(path) for path in config.ignored}
     if config.api == "fully_shard":
         model = shard_config(ctx, impl, built, config)
+        if config.meta_init:
+            materialize(model, ctx.device, shadow.local, unwrapped_name)
         controls: Controls | None = Controls.of(impl, model, _clean)
     else:
         model, controls = wrap_config(ctx, impl, built, config), None
