@@ -58,7 +58,7 @@ import torch.nn as nn
 from conformance.cases.fuzz.ops import NODE, Config
 from fixtures.memory import StorageTracker, storages_of
 
-__all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound"]
+__all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound", "units_of"]
 
 #: A parameter's copies in the optimizer's state (its step count aside).
 COPIES = {"sgd": 1, "adam": 2}
@@ -82,7 +82,8 @@ def _unit_of(name: str, config: Config) -> str:
     return max(owners, key=len, default="")
 
 
-def _units(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
+def units_of(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
+    """``model``'s parameters (the shadow's, unsharded) by the unit, or ignored path, that holds them."""
     units: dict[str, list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         units.setdefault(_unit_of(name, config), []).append(param)
@@ -102,7 +103,7 @@ def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
     ``config``: the parameters over the shard count, and the larger of the two paddings in the note;
     ignored parameters count whole."""
     least = most = 0
-    for unit, params in _units(model, config).items():
+    for unit, params in units_of(model, config).items():
         size = params[0].element_size()
         if unit in config.ignored:
             whole = sum(p.numel() for p in params) * size
@@ -122,7 +123,7 @@ def kept_after_forward(model: nn.Module, config: Config) -> int:
         return 0
     raf = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
     kept = 0
-    for unit, params in _units(model, config).items():
+    for unit, params in units_of(model, config).items():
         if unit in config.ignored:
             continue
         if unit == "" or raf is False:

@@ -51,9 +51,9 @@ from fixtures.parity import assert_close_named, named_grads
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state", "attempt",
-           "check_example", "make_optimizer", "run_example", "unwrapped_name", "wrap_plan",
-           "zeros_for_none"]
+__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state",
+           "assert_same_dtypes", "attempt", "check_example", "make_optimizer", "run_example", "unwrapped_name",
+           "wrap_plan", "zeros_for_none"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
 #: Adam's ``eps``. With torch's 1e-8 a gradient at rounding-noise level (1e-9: a LayerNorm over two
@@ -62,6 +62,17 @@ _LR = {"sgd": 0.05, "adam": 0.01}
 #: (the reference, torch FSDP1 and FSDP2 alike, at four ranks); at 1e-3 such noise moves a parameter
 #: by 1e-8, while real gradients (1e-2 and up) still take Adam's normalised steps.
 ADAM_EPS = 1e-3
+
+
+def assert_same_dtypes(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]) -> None:
+    """Every gradient both sides have is in the same dtype (``keep_low_precision_grads`` leaves them low)."""
+    differ = {}
+    for name, grad in got.items():
+        other = want.get(name)
+        if grad is not None and other is not None and grad.dtype != other.dtype:
+            differ[name] = (grad.dtype, other.dtype)
+    if differ:
+        raise AssertionError(f"gradient dtypes (wrapped, shadow) differ: {differ}")
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:

@@ -38,6 +38,7 @@ from conformance.cases.fuzz.controls import Controls, full_value, materialize, s
 from conformance.cases.fuzz.drawing import programs
 from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES
+from conformance.cases.fuzz.gathers import Gathers
 from conformance.cases.fuzz.held import Held
 from conformance.cases.fuzz.ops import (
     BATCHES,
@@ -66,6 +67,7 @@ from conformance.cases.fuzz.runner import (
     assert_dtypes,
     assert_no_grads_outside_the_loss,
     assert_optim_state,
+    assert_same_dtypes,
     attempt,
     make_optimizer,
     unwrapped_name,
@@ -100,6 +102,7 @@ class _Machine:
     shadow: Shadow
     missing: dict[str, str]
     held: Held
+    gathers: Gathers
     controls: Controls | None = None  # a fully_shard program's ([Note: fully_shard programs])
     pending: torch.Tensor | None = None
     saved: tuple[dict[str, Any], dict[str, Any] | None, bool] | None = None
@@ -127,6 +130,7 @@ class _Machine:
         }
         if isinstance(op, CONTROL_OPS):
             self.held.stop()
+            self.gathers.stop()
         handlers[type(op)](op)
         if self.pending is None:
             self.check_state()
@@ -159,14 +163,20 @@ class _Machine:
 
     def forward(self, op: Forward) -> None:
         value = self._forward(op.batch, grad=op.grad, loss=op.loss)
-        if op.grad:
-            self.pending = value if self.pending is None else self.pending + value
-        elif self.pending is None:
+        if self.pending is not None:
+            self.gathers.disturbed()
+        elif not op.grad:
             self.held.forwarded()
+        if op.grad:
+            if self.pending is None:
+                self.gathers.started()
+            self.pending = value if self.pending is None else self.pending + value
 
     def backward(self, _op: Backward) -> None:
         if self.pending is not None:
-            self.pending.backward()
+            with self.gathers.backward():
+                self.pending.backward()
+            self.compare("all-gathers in backward", self.gathers.check)
             self.pending = None
             if self.controls is not None:
                 self.controls.after_backward()
@@ -195,6 +205,7 @@ class _Machine:
         ``Train``, a sharded one in the second, and so on (a full one reshards the units, so a sharded one after
         it would find none still gathered from the forward); kept nowhere: a ``Load`` loads the last ``Save``."""
         sharded = self.trains % 2 == 1
+        self.gathers.disturbed()
         if ("sharded save" if sharded else "full save") in self.missing:
             return
         if sharded:
@@ -301,7 +312,7 @@ class _Machine:
             want_grads = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
             policy = self.config.policy
             if policy is not None and policy.keep_low_precision_grads:
-                self.compare("grad dtypes", _assert_same_dtypes, got_grads, want_grads)
+                self.compare("grad dtypes", assert_same_dtypes, got_grads, want_grads)
             self.compare("grads", assert_close_named,
                          in_compute_dtype(zeros_for_none(got_grads, want_grads), policy),
                          in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
@@ -309,17 +320,6 @@ class _Machine:
 
 def _fail(message: str) -> None:
     raise AssertionError(message)
-
-
-def _assert_same_dtypes(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]) -> None:
-    """Every gradient both sides have is in the same dtype (``keep_low_precision_grads`` leaves them low)."""
-    differ = {}
-    for name, grad in got.items():
-        other = want.get(name)
-        if grad is not None and other is not None and grad.dtype != other.dtype:
-            differ[name] = (grad.dtype, other.dtype)
-    if differ:
-        raise AssertionError(f"gradient dtypes (wrapped, shadow) differ: {differ}")
 
 
 def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:
@@ -343,7 +343,8 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _
     else:
         model, controls = wrap_config(ctx, impl, built, config), None
     machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
-                       missing_operations(impl, ctx.mode), held, controls, ignored=ignored)
+                       missing_operations(impl, ctx.mode), held, Gathers(config, shadow.local), controls,
+                       ignored=ignored)
     held.wrapped(shadow.local, shadow)
     return machine
 

@@ -1,0 +1,125 @@
+"""All-gathers a backward issues: what resharding after forward promises about communication.
+
+[Note: all-gathers in backward]
+Where parameters are resharded after forward decides what backward must gather
+again, and torch documents it: ``SHARD_GRAD_OP`` (and its hybrid form) and
+``fully_shard(reshard_after_forward=False)`` keep the unsharded parameters from
+forward to backward ("no all-gather in backward", the point of ZeRO-2), and an int
+``reshard_after_forward`` keeps each unit sharded over that many ranks, from
+which backward gathers it again. So, recording the collectives a rank issues
+during a backward (``harness.recorder``, the same layer the cases read), a
+program checks that
+
+- keeping strategies issue no all-gather in backward;
+- under an int ``reshard_after_forward`` every all-gather in backward is over a
+  group of that many ranks, and there is one where a unit below the root with a
+  trainable parameter takes part in the loss (its backward needs its parameters).
+
+Only a backward whose pending loss came from one forward with gradients and
+nothing else is judged: a forward without gradients, a state dict taken or a
+per-module control used in between may legitimately reshard what backward then
+gathers, and so may a second forward (torch's FSDP2 reshards a unit after its
+backward through the first forward's graph and gathers it again for the second's).
+Collectives are recorded only for programs with such a promise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from conformance.cases.fuzz.held import units_of
+from conformance.cases.fuzz.ops import Config
+from harness.recorder import Call, describe, patch_collectives
+
+__all__ = ["Gathers", "promise"]
+
+_GATHERS = ("all_gather_into_tensor", "all_gather")
+KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward
+
+
+def promise(config: Config) -> str | int | None:
+    """``"none"``: backward gathers nothing; an int: it gathers over groups of that many ranks; ``None``: no
+    promise this note checks (resharding strategies, one rank)."""
+    if config.world_size == 1:
+        return None
+    if config.api == "fully_shard":
+        raf = config.reshard_after_forward
+        return "none" if raf is False else None if raf is True else raf
+    return "none" if config.strategy in KEEPING else None
+
+
+def _needs_gather(model: nn.Module, config: Config) -> bool:
+    """Whether a unit below the root with a trainable parameter takes part in the loss (not the unused block)."""
+    return any(unit and not unit.startswith("unused") and any(p.requires_grad for p in params)
+               for unit, params in units_of(model, config).items() if unit not in config.ignored)
+
+
+@dataclass
+class Gathers:
+    """The check of one program on this rank ([Note: all-gathers in backward])."""
+
+    config: Config
+    model: nn.Module  # the shadow's, unsharded
+    expected: str | int | None = None
+    clean: bool = False  # the pending loss came from one forward with gradients alone
+    calls: list[Call] | None = None  # the all-gathers of the last judged backward, until checked
+
+    def __post_init__(self) -> None:
+        self.expected = promise(self.config)
+
+    def started(self) -> None:
+        """A forward with gradients began a pending loss (see the note)."""
+        self.clean = True
+
+    def disturbed(self) -> None:
+        """Something between forward and backward may reshard (see the note)."""
+        self.clean = False
+
+    def stop(self) -> None:
+        """No more checks in this program (it used a per-module control)."""
+        self.expected = None
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """Record the block's all-gathers where this backward is judged (for :meth:`check`)."""
+        judged, self.clean = self.expected is not None and self.clean, False
+        if not judged:
+            yield
+            return
+        calls: list[Call] = []
+
+        def recorded(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if op in _GATHERS:
+                calls.append(describe(op, fn, args, kwargs))
+            return fn(*args, **kwargs)
+
+        with patch_collectives(recorded, barrier=False):  # rank processes and thread hosts keep them installed
+            yield
+        self.calls = calls
+
+    def check(self) -> None:
+        """The all-gathers of the last judged backward keep the promise (see the note); then forget them."""
+        calls, self.calls = self.calls, None
+        if calls is None:
+            return
+        sizes = [len(call.group_ranks) for call in calls]
+        if self.expected == "none" and sizes:
+            raise AssertionError(f"backward issued all-gathers over groups of {sizes} ranks, though "
+                                 f"{self._setting()} keeps the unsharded parameters from forward to backward")
+        if isinstance(self.expected, int):
+            other = [size for size in sizes if size != self.expected]
+            if other or (not sizes and _needs_gather(self.model, self.config)):
+                raise AssertionError(
+                    f"backward issued all-gathers over groups of {sizes} ranks, though reshard_after_forward="
+                    f"{self.expected} keeps each unit sharded over {self.expected} ranks after forward, from which a "
+                    "unit taking part in the loss is gathered again")
+
+    def _setting(self) -> str:
+        if self.config.api == "fully_shard":
+            return "reshard_after_forward=False"
+        return self.config.strategy

@@ -1,0 +1,64 @@
+"""The stateful fuzzer's check of backward's all-gathers ([Note: all-gathers in backward] in fuzz/gathers.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.cases.fuzz.example import Block, ModelSpec
+from conformance.cases.fuzz.gathers import promise
+from conformance.cases.fuzz.ops import Backward, Config, Forward, Program, Train
+from conformance.contract.adapter import FSDPAdapter
+from conformance.selftest.mutants import ReshardIntAsFalse, Zero2AsHybridShard
+from harness import RankContext, run
+
+_MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()), unused=True)
+_UNITS = ("blocks.0", "blocks.1", "unused")
+#: A plain iteration, then one whose loss sums two forwards (not judged: see the note), then one more.
+_OPS = (Train(), Forward(), Forward(batch=1), Backward(), Train(batch=2))
+_INT = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, api="fully_shard", reshard_after_forward=2,
+                      checkpoint=("blocks.1",)), _OPS)
+_KEEP = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, api="fully_shard", reshard_after_forward=False), _OPS)
+_ZERO2 = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, strategy="_HYBRID_SHARD_ZERO2"), _OPS)
+_SGO = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, strategy="SHARD_GRAD_OP", use_orig_params=True,
+                      checkpoint=("blocks.0",)), _OPS)
+
+
+def test_what_resharding_promises() -> None:
+    assert promise(_INT.config) == 2 and promise(_KEEP.config) == "none" and promise(_ZERO2.config) == "none"
+    assert promise(Config(world_size=2, api="fully_shard")) is None  # resharding: backward gathers what it needs
+    assert promise(Config(world_size=1, strategy="SHARD_GRAD_OP")) is None  # nothing to gather on one rank
+    assert promise(Config(world_size=2, strategy="FULL_SHARD")) is None
+
+
+def _verdicts(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
+    from conformance.cases.fuzz.stateful import check_program
+
+    return check_program(ctx, impl, program)
+
+
+@pytest.mark.parametrize(("impl", "program"), [
+    (ReferenceAdapter(), _INT), (TorchFSDP2Adapter(), _INT), (ReferenceAdapter(), _KEEP), (TorchFSDP2Adapter(), _KEEP),
+    (ReferenceAdapter(), _ZERO2), (ReferenceAdapter(), _SGO), (TorchFSDP1Adapter(), _SGO),
+], ids=["reference-int", "torch-fsdp2-int", "reference-keep", "torch-fsdp2-keep", "reference-zero2", "reference-sgo",
+        "torch-fsdp1-sgo"])
+def test_the_reference_and_torch_keep_the_promise(impl: FSDPAdapter, program: Program) -> None:
+    got = run(_verdicts, world_size=program.config.world_size, mode="process", timeout_s=240, args=(impl, program))
+    assert got[0] is None, got[0]
+
+
+@pytest.mark.parametrize(("mutant", "program", "message"), [
+    (ReshardIntAsFalse(), _INT, r"groups of \[\] ranks, though reshard_after_forward=2 keeps"),
+    (Zero2AsHybridShard(), _ZERO2, r"groups of \[2, 2\] ranks, though _HYBRID_SHARD_ZERO2 keeps the unsharded"),
+], ids=["reshard-int-as-false", "zero2-as-hybrid-shard"])
+def test_mutants_that_gather_otherwise_fail(mutant: FSDPAdapter, program: Program, message: str) -> None:
+    """Same values, other communication: only the all-gathers show it (fresh rank processes: a mutant's patches
+    stay where it ran)."""
+    got = run(_verdicts, world_size=program.config.world_size, mode="process", timeout_s=240, isolated=True,
+              args=(mutant, program))[0]
+    assert got is not None and got.startswith("op 0 (Train(batch=0)), rank 0: all-gathers in backward:"), got
+    assert re.search(message, got), got
