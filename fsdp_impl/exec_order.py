@@ -99,15 +99,16 @@ class ExecOrderData(Generic[U]):
             self.warn_status = _Warn.WARNED
 
     def next_forward(self, unit: U) -> U | None:
-        """The unit recorded after ``unit`` in forward (prefetch target)."""
-        return self._neighbour(unit, +1)
+        """The unit recorded after ``unit`` in forward (prefetch target), from the second iteration on."""
+        return None if self.is_first_iter else self._neighbour(unit, +1)
 
     def next_backward(self, unit: U) -> U | None:
-        """The unit recorded before ``unit`` in forward, i.e. next in backward."""
+        """The unit recorded before ``unit`` in forward, i.e. next in backward; in the first iteration too,
+        whose forward has recorded it by then (as torch's FSDP1 prefetches in its first backward)."""
         return self._neighbour(unit, -1)
 
     def _neighbour(self, unit: U, step: int) -> U | None:
-        if self.is_first_iter or unit not in self.forward_order:
+        if unit not in self.forward_order:
             return None
         index = self.forward_order.index(unit) + step
         return self.forward_order[index] if 0 <= index < len(self.forward_order) else None

@@ -1,4 +1,4 @@
-"""All-gathers a backward issues: what resharding after forward promises about communication.
+"""The collectives a backward issues: what resharding after forward and backward prefetch promise.
 
 [Note: all-gathers in backward]
 Where parameters are resharded after forward decides what backward must gather
@@ -13,14 +13,22 @@ program checks that
 - keeping strategies issue no all-gather in backward;
 - under an int ``reshard_after_forward`` every all-gather in backward is over a
   group of that many ranks, and there is one where a unit below the root with a
-  trainable parameter takes part in the loss (its backward needs its parameters).
+  trainable parameter takes part in the loss (its backward needs its parameters);
+- backward prefetches, which is the default of both APIs (FSDP1's
+  ``backward_prefetch=BACKWARD_PRE``, which the contract's ``WrapSpec`` keeps unless
+  told otherwise, and FSDP2's implicit prefetch of the next module in reverse
+  post-forward order): where backward issues two or more all-gathers, the second
+  comes before the first reduce-scatter (the next unit was gathered before this
+  unit's gradient was reduced; without prefetch each unit's all-gather waits for
+  the previous unit's reduction to be issued).
 
 Only a backward whose pending loss came from one forward with gradients and
 nothing else is judged: a forward without gradients, a state dict taken or a
 per-module control used in between may legitimately reshard what backward then
 gathers, and so may a second forward (torch's FSDP2 reshards a unit after its
 backward through the first forward's graph and gathers it again for the second's).
-Collectives are recorded only for programs with such a promise.
+Collectives are recorded on more than one rank only, and not from a program's
+first per-module control on.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from harness.recorder import Call, describe, patch_collectives
 __all__ = ["Gathers", "promise"]
 
 _GATHERS = ("all_gather_into_tensor", "all_gather")
+_REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
 KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward
 
 
@@ -69,6 +78,8 @@ class Gathers:
     clean: bool = False  # the pending loss came from one forward with gradients alone
     calls: list[Call] | None = None  # the all-gathers of the last judged backward, until checked
 
+    judged: bool = True  # False once a per-module control was used
+
     def __post_init__(self) -> None:
         self.expected = promise(self.config)
 
@@ -82,19 +93,19 @@ class Gathers:
 
     def stop(self) -> None:
         """No more checks in this program (it used a per-module control)."""
-        self.expected = None
+        self.judged = False
 
     @contextmanager
     def backward(self) -> Iterator[None]:
         """Record the block's all-gathers where this backward is judged (for :meth:`check`)."""
-        judged, self.clean = self.expected is not None and self.clean, False
+        judged, self.clean = self.judged and self.clean and self.config.world_size > 1, False
         if not judged:
             yield
             return
         calls: list[Call] = []
 
         def recorded(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if op in _GATHERS:
+            if op in _GATHERS + _REDUCTIONS:
                 calls.append(describe(op, fn, args, kwargs))
             return fn(*args, **kwargs)
 
@@ -107,7 +118,8 @@ class Gathers:
         calls, self.calls = self.calls, None
         if calls is None:
             return
-        sizes = [len(call.group_ranks) for call in calls]
+        _check_prefetch(calls)
+        sizes = [len(call.group_ranks) for call in calls if call.op in _GATHERS]
         if self.expected == "none" and sizes:
             raise AssertionError(f"backward issued all-gathers over groups of {sizes} ranks, though "
                                  f"{self._setting()} keeps the unsharded parameters from forward to backward")
@@ -123,3 +135,12 @@ class Gathers:
         if self.config.api == "fully_shard":
             return "reshard_after_forward=False"
         return self.config.strategy
+
+
+def _check_prefetch(calls: list[Call]) -> None:
+    """Backward prefetch (see the note): of two or more all-gathers, the second precedes the first reduce-scatter."""
+    order = ["all-gather" if call.op in _GATHERS else "reduce-scatter" for call in calls]
+    gathers = [index for index, op in enumerate(order) if op == "all-gather"]
+    if len(gathers) >= 2 and "reduce-scatter" in order and order.index("reduce-scatter") < gathers[1]:
+        raise AssertionError(f"backward issued {', '.join(order)}: the second all-gather only after the first "
+                             "reduce-scatter, so nothing was prefetched (backward prefetch is the default)")

@@ -49,14 +49,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 
 from conformance.cases.fuzz.ops import NODE, Config
 from fixtures.memory import StorageTracker, storages_of
+
+T = TypeVar("T")
 
 __all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound", "units_of"]
 
@@ -176,6 +179,15 @@ class Held:
     kept: int = 0  # what a forward may leave gathered (:func:`kept_after_forward`), fixed by :meth:`wrapped`
     gathered: int | None = 0  # unsharded bytes that may be held now; None: no longer checked
     since: str = "wrapping"  # what set ``gathered``
+
+    def untracked(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` with no storage it creates counted: the harness's own collectives (a threaded group
+        keeps their tensors until its next collective)."""
+        self.tracker.paused = True
+        try:
+            return fn(*args)
+        finally:
+            self.tracker.paused = False
 
     def held(self, *others: Any) -> int:
         """Bytes this rank's storages hold, less those reachable from ``others`` (the shadow, saved state)."""

@@ -356,15 +356,15 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     held = Held(program.config)
     with held.tracker:  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
-        failure = agree(ctx, failure)
+        failure = held.untracked(agree, ctx, failure)
         if failure is not None:
             return failure
-        failure = agree(ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
+        failure = held.untracked(agree, ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
         if failure is not None:
             return f"before any operation, {failure}"
         for index, op in enumerate(program.ops):
             raised = attempt("raised", machine.apply, op)[1]
-            failure = agree(ctx, raised or machine.mismatch)
+            failure = held.untracked(agree, ctx, raised or machine.mismatch)
             if failure is not None:
                 return f"op {index} ({op}), {failure}"
     return None
