@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from conformance.cases._rank_helpers import env_on_all_ranks
-from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import NO_SHARD_SWITCH, AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
 from fixtures.misc_models import RankInitModel
 from fixtures.models import (
@@ -101,9 +101,6 @@ def test_unsupported_container_warning(ctx: RankContext, impl: FSDPAdapter, cont
     assert any(issubclass(w.category, UserWarning) and re.search(CONTAINER_WARNING, str(w.message)) for w in caught), (
         f"rank {ctx.rank}: no UserWarning matching {CONTAINER_WARNING!r}; got {[str(w.message) for w in caught]}"
     )
-
-
-NO_SHARD_SWITCH = "FSDP is switching to use `NO_SHARD` instead of"
 
 
 @case("construction/world_size_1_no_shard_warning", world_size=1, requires=[Capability.WORLD_SIZE_1_SWITCH])

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "NO_SHARD_SWITCH",
     "DEPRECATED_CAPABILITIES",
     "Capability",
     "STRATEGIES",
@@ -50,6 +51,10 @@ PROTOCOL_VERSION = 2
 #: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+#: How the warning of :attr:`Capability.WORLD_SIZE_1_SWITCH` starts.
+NO_SHARD_SWITCH = "FSDP is switching to use `NO_SHARD` instead of"
 
 
 class Capability(str, enum.Enum):
@@ -94,6 +99,8 @@ class Capability(str, enum.Enum):
     DEVICE_MESH = "device_mesh"
     """Accepts ``WrapSpec.device_mesh`` (a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid)."""
     WORLD_SIZE_1_SWITCH = "world_size_1_no_shard_switch"
+    """At world size 1 a sharded strategy (explicit or the default) warns, with a ``UserWarning`` starting
+    :data:`NO_SHARD_SWITCH`, that it runs ``NO_SHARD`` instead (as torch's FSDP1)."""
     CONTAINER_WARNING = "container_warning"
     HOMOGENEOUS_ATTRIBUTES = "homogeneous_attributes"
     UNSAFE_SETATTR = "unsafe_setattr"

@@ -42,7 +42,7 @@ from conformance.cases.fuzz.wrapping import assert_ignored_kept, missing_operati
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
-from conformance.selftest.mutants import MetaInitNotFollowed, NoGradDivide, UnshardWithoutGather
+from conformance.selftest.mutants import MetaInitNotFollowed, NoGradDivide, Silent, UnshardWithoutGather
 from harness import RankContext, run
 from harness.rank_mode import RankMode
 
@@ -362,3 +362,16 @@ def test_a_model_built_on_meta_trains_as_the_shadow(impl: FSDPAdapter) -> None:
         assert got is not None and got.startswith("op 0 (Train(batch=0))"), got
     else:
         assert got is None, got
+
+
+_ONE_RANK = Program(Config(world_size=1, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0",)), (Train(),))
+
+
+@pytest.mark.parametrize("impl", [ReferenceAdapter(), Silent()], ids=["reference", "mutant-silent"])
+def test_wrapping_on_one_rank_warns_of_the_switch_where_declared(impl: FSDPAdapter) -> None:
+    """``Capability.WORLD_SIZE_1_SWITCH``: a ``wrap`` program at world size 1 must see the NO_SHARD warning."""
+    got = run(check_programs, world_size=1, mode="process", timeout_s=120, isolated=True, args=(impl, (_ONE_RANK,)))
+    if isinstance(impl, Silent):
+        assert got[0][0] is not None and "did not warn 'FSDP is switching to use `NO_SHARD`" in got[0][0], got[0]
+    else:
+        assert got[0] == [None]

@@ -26,7 +26,7 @@ from conformance.cases.fuzz.controls import fully_shard_features, fully_shard_re
 from conformance.cases.fuzz.example import source
 from conformance.cases.fuzz.ops import HYBRID_OF, NODE, Config, Program
 from conformance.cases.fuzz.precision import mixed_precision_spec, precision_features, required
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import NO_SHARD_SWITCH, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.optional import activation_checkpoint_wrapper
 from fixtures.meshes import hybrid_groups
@@ -64,7 +64,8 @@ def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
 
 def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
     """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
-    unit), then wrap the root; a hybrid strategy with this rank's group tuple ([Note: hybrid programs])."""
+    unit), then wrap the root; a hybrid strategy with this rank's group tuple ([Note: hybrid programs]). At world
+    size 1 the root's wrap must warn of the switch to ``NO_SHARD`` where the adapter declares it."""
     groups: Any = hybrid_groups(ctx, NODE) if config.hybrid else None
     spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, process_group=groups,
                     mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload)
@@ -75,7 +76,14 @@ def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: C
         child = getattr(parent, name)
         wrapped = activation_checkpoint_wrapper(impl, child, offload=False) if checkpoint else impl.wrap(child, spec)
         setattr(parent, name, wrapped)
-    return impl.wrap(model, replace(spec, ignored_modules=tuple(model.get_submodule(p) for p in config.ignored)))
+    with ctx.catch_warnings() as caught:
+        root = impl.wrap(model, replace(spec, ignored_modules=tuple(model.get_submodule(p) for p in config.ignored)))
+    switched = [w for w in caught if str(w.message).startswith(NO_SHARD_SWITCH)]
+    if ctx.world_size == 1 and config.strategy != "NO_SHARD" and Capability.WORLD_SIZE_1_SWITCH in impl.capabilities \
+            and not switched:
+        raise AssertionError(f"wrapping at world size 1 with {config.strategy} did not warn {NO_SHARD_SWITCH!r}..., "
+                             "as the adapter declares (Capability.WORLD_SIZE_1_SWITCH)")
+    return root
 
 
 def assert_ignored_kept(ignored: dict[str, nn.Module], local: nn.Module) -> None:
