@@ -180,14 +180,14 @@ class Held:
     gathered: int | None = 0  # unsharded bytes that may be held now; None: no longer checked
     since: str = "wrapping"  # what set ``gathered``
 
-    def untracked(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` with no storage it creates counted: the harness's own collectives (a threaded group
-        keeps their tensors until its next collective)."""
-        self.tracker.paused = True
+    def untracked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` with no storage it creates counted: the fuzzer's own work (its comparisons,
+        and the verdict collectives, whose tensors a threaded group keeps until its next collective)."""
+        paused, self.tracker.paused = self.tracker.paused, True
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
-            self.tracker.paused = False
+            self.tracker.paused = paused
 
     def held(self, *others: Any) -> int:
         """Bytes this rank's storages hold, less those reachable from ``others`` (the shadow, saved state)."""

@@ -113,7 +113,7 @@ class _Machine:
     def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
         try:
-            check(*args, **kwargs)
+            self.held.untracked(check, *args, **kwargs)  # the fuzzer's own tensors are not held memory
         except AssertionError as exc:
             if self.mismatch is None:
                 self.mismatch = f"{label}: {' | '.join(str(exc).strip().splitlines()[:6])}"
@@ -133,7 +133,7 @@ class _Machine:
             self.gathers.stop()
         handlers[type(op)](op)
         if self.pending is None:
-            self.check_state()
+            self.held.untracked(self.check_state)
 
     def _forward(self, batch: int, *, grad: bool, loss: str) -> torch.Tensor:
         with nullcontext() if grad else torch.no_grad():
