@@ -76,7 +76,7 @@ _INT = Program(_FULLY_SHARD, (Forward(grad=False), Train(), Forward(grad=False))
 def test_what_torch_and_the_reference_hold_passes(impl: FSDPAdapter, program: Program) -> None:
     """Training twice with the original parameters (the reference once kept a stale gradient across
     ``summon_full_params``), and forwards without backward under an int ``reshard_after_forward``."""
-    got = run(_verdicts, world_size=program.config.world_size, mode="thread", timeout_s=240, args=(impl, (program,)))
+    got = run(_verdicts, world_size=program.config.world_size, mode="process", timeout_s=240, args=(impl, (program,)))
     assert got[0] == [None]
 
 

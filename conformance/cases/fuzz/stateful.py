@@ -79,6 +79,7 @@ from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
 from conformance.contract.optional import full_grads, no_sync
 from fixtures.parity import assert_close_named
+from harness.rank_mode import RankMode
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -353,7 +354,7 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    held = Held(program.config)
+    held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.tracker:  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
         failure = held.untracked(agree, ctx, failure)
