@@ -16,7 +16,14 @@ import torch
 import torch.nn as nn
 
 from conformance.cases._rank_helpers import env_on_all_ranks
-from conformance.contract.adapter import NO_SHARD_SWITCH, AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import (
+    NO_SHARD_SWITCH,
+    OPTIM_IN_BACKWARD_ERROR,
+    AutoWrap,
+    Capability,
+    FSDPAdapter,
+    WrapSpec,
+)
 from conformance.contract.case import case
 from fixtures.misc_models import RankInitModel
 from fixtures.models import (
@@ -56,7 +63,7 @@ def test_optim_in_backward_requires_orig_params(ctx: RankContext, impl: FSDPAdap
         register_hook=False,
     )
     inp = torch.randn((2, 2), generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
-    with pytest.raises(RuntimeError, match="only supported with use_orig_params=True"):
+    with pytest.raises(RuntimeError, match=OPTIM_IN_BACKWARD_ERROR):
         model(inp, inp)
 
 

@@ -47,7 +47,14 @@ from conformance.cases._hybrid_helpers import (
     split_units,
 )
 from conformance.cases._rank_helpers import env_on_all_ranks
-from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import (
+    INVALID_PG_ERROR,
+    MANUAL_WRAP_ERROR,
+    AutoWrap,
+    Capability,
+    FSDPAdapter,
+    WrapSpec,
+)
 from conformance.contract.case import case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from fixtures.baselines import cached
@@ -67,8 +74,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NODE", "WORLD", "Setup", "build_hybrid_transformer", "fwd_bwd"]  # the trace golden's imports
 
-MANUAL_WRAP_ERROR = "requires explicit specification of process group or device_mesh."
-INVALID_PG_ERROR = "Expected process_group to be passed in"
 STEPS = 5  # training steps of parity_with_fsdp
 
 

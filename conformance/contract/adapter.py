@@ -33,6 +33,9 @@ import torch.nn as nn
 __all__ = [
     "PROTOCOL_VERSION",
     "NO_SHARD_SWITCH",
+    "MANUAL_WRAP_ERROR",
+    "INVALID_PG_ERROR",
+    "OPTIM_IN_BACKWARD_ERROR",
     "DEPRECATED_CAPABILITIES",
     "Capability",
     "STRATEGIES",
@@ -55,6 +58,12 @@ HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 #: How the warning of :attr:`Capability.WORLD_SIZE_1_SWITCH` starts.
 NO_SHARD_SWITCH = "FSDP is switching to use `NO_SHARD` instead of"
+#: The ValueError of :attr:`Capability.HYBRID_MANUAL_WRAP_CHECK` (a hybrid wrap given neither groups nor a mesh).
+MANUAL_WRAP_ERROR = "requires explicit specification of process group or device_mesh."
+#: How the ValueError of :attr:`Capability.HYBRID_PG_VALIDATION` (one group for a hybrid strategy) starts.
+INVALID_PG_ERROR = "Expected process_group to be passed in"
+#: The RuntimeError of :attr:`Capability.OPTIM_IN_BACKWARD_CHECK` (optimizer-in-backward on flat parameters).
+OPTIM_IN_BACKWARD_ERROR = "only supported with use_orig_params=True"
 
 
 class Capability(str, enum.Enum):

@@ -53,6 +53,7 @@ import dataclasses
 import gc
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -184,16 +185,21 @@ class Held:
     since: str = "wrapping"  # what set ``gathered``
     threads: bool = False  # thread ranks: not checked (see the note)
     outside: int = 0  # depth of :meth:`untracked` blocks
+    tracking: bool = True  # whether the program runs inside the tracker (:meth:`watching`)
 
     def __post_init__(self) -> None:
         if self.threads and self.config.world_size > 1:
-            self.gathered = None
+            self.gathered, self.tracking = None, False
+
+    def watching(self) -> AbstractContextManager[Any]:
+        """The tracker where the program is checked; else nothing (tracking costs a dispatch mode per op)."""
+        return self.tracker if self.tracking else nullcontext()
 
     def untracked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` outside the tracker (popped, not only paused: torch 2.14 aborts in a
         functional collective run under a Python dispatch mode): the fuzzer's own work, its comparisons and
         its verdict collectives."""
-        if self.outside:
+        if self.outside or not self.tracking:
             return fn(*args, **kwargs)
         self.tracker.__exit__(None, None, None)
         self.outside += 1

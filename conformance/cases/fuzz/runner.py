@@ -51,7 +51,7 @@ from fixtures.parity import assert_close_named, named_grads
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["ADAM_EPS", "agree", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state",
+__all__ = ["ADAM_EPS", "agree", "fail", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state",
            "assert_same_dtypes", "attempt", "check_example", "make_optimizer", "run_example", "unwrapped_name",
            "wrap_plan", "zeros_for_none"]
 
@@ -278,6 +278,11 @@ def attempt(what: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | N
     except Exception as exc:  # noqa: BLE001 - any exception is this rank's verdict (see the module note)
         text = str(exc).strip().splitlines()
         return None, f"{what}: {type(exc).__name__}: {' | '.join(text[:6])}"
+
+
+def fail(message: str) -> None:
+    """Raise ``AssertionError(message)`` (a check with its verdict already made, for ``compare``)."""
+    raise AssertionError(message)
 
 
 def agree(ctx: RankContext, failure: str | None) -> str | None:

@@ -62,6 +62,7 @@ from conformance.cases.fuzz.ops import (
     ZeroGrad,
 )
 from conformance.cases.fuzz.precision import as_compared, in_compute_dtype, wrapped_input
+from conformance.cases.fuzz.refusals import check_refusals
 from conformance.cases.fuzz.runner import (
     agree,
     assert_dtypes,
@@ -69,6 +70,7 @@ from conformance.cases.fuzz.runner import (
     assert_optim_state,
     assert_same_dtypes,
     attempt,
+    fail,
     make_optimizer,
     unwrapped_name,
     zeros_for_none,
@@ -297,7 +299,7 @@ class _Machine:
         if self.config.orig_params:  # the original parameters stay registered on the module
             got, want = len(list(self.model.parameters())), len(list(local.parameters()))
             if got != want:
-                self.compare("parameters registered", _fail, f"the wrapped model has {got}, the shadow {want}")
+                self.compare("parameters registered", fail, f"the wrapped model has {got}, the shadow {want}")
         if self.controls is not None:
             params = self.controls.full_params()
             grads = None if self.controls.unsynced else self.controls.full_grads()
@@ -317,10 +319,6 @@ class _Machine:
             self.compare("grads", assert_close_named,
                          in_compute_dtype(zeros_for_none(got_grads, want_grads), policy),
                          in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
-
-
-def _fail(message: str) -> None:
-    raise AssertionError(message)
 
 
 def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:
@@ -354,8 +352,10 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
+    if (failure := agree(ctx, attempt("refusal", check_refusals, ctx, impl, program.config)[1])) is not None:
+        return f"before wrapping, {failure}"  # [Note: refused neighbours]
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
-    with held.tracker:  # [Note: memory held between iterations]
+    with held.watching():  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
         failure = held.untracked(agree, ctx, failure)
         if failure is not None:

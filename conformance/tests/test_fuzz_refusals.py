@@ -1,0 +1,70 @@
+"""The refused neighbours of a stateful program's configuration ([Note: refused neighbours] in fuzz/refusals.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from conformance.cases.fuzz.example import Block, ModelSpec
+from conformance.cases.fuzz.ops import Config, Program, Train
+from conformance.cases.fuzz.refusals import _refused, check_refusals
+from conformance.contract.adapter import FSDPAdapter
+from conformance.selftest.mutants import LenientHybridGroups, MisuseUnchecked, NoOptimInBackwardCheck
+from harness import RankContext, run
+
+_MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()))
+_HYBRID = Config(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")
+_FLAT = Config(world_size=2, model=_MODEL, wrap=("blocks.0",))
+_SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
+
+
+def _refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
+    try:
+        check_refusals(ctx, impl, config)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("impl", "config"), [
+    (ReferenceAdapter(), _HYBRID), (TorchFSDP1Adapter(), _HYBRID), (ReferenceAdapter(), _FLAT),
+    (TorchFSDP1Adapter(), _FLAT), (ReferenceAdapter(), _SHARDED), (TorchFSDP2Adapter(), _SHARDED),
+], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
+        "torch-fsdp2-fully-shard"])
+def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config) -> None:
+    got = run(_refusals, world_size=config.world_size, mode="thread", timeout_s=120, args=(impl, config))
+    assert got == [None] * config.world_size, got
+
+
+@pytest.mark.parametrize(("mutant", "config", "message"), [
+    (LenientHybridGroups(), _HYBRID, "HYBRID_SHARD without groups, a mesh or a policy was accepted"),
+    (NoOptimInBackwardCheck(), _FLAT, "an optimizer in backward with flat parameters was accepted"),
+    (MisuseUnchecked(), _SHARDED, r"fully_shard on the model's blocks \(an nn.ModuleList\) was accepted"),
+], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked"])
+def test_mutants_that_accept_misuse_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
+    """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
+    a mutant's patches stay where it ran)."""
+    from conformance.cases.fuzz.stateful import check_program
+
+    got = run(check_program, world_size=config.world_size, mode="process", timeout_s=240, isolated=True,
+              args=(mutant, Program(config, (Train(),))))
+    assert all(text == got[0] for text in got), got
+    assert got[0] is not None and got[0].startswith("before wrapping, rank 0: refusal: AssertionError: "), got[0]
+    assert re.search(message, got[0]), got[0]
+
+
+def test_a_refusal_must_raise_the_documented_error() -> None:
+    def raises(exc: Exception) -> None:
+        raise exc
+
+    _refused("x", ValueError, "needs a group", lambda: raises(ValueError("it needs a group here")))
+    with pytest.raises(AssertionError, match=r"x raised ValueError\('other'\), not one saying 'needs a group'"):
+        _refused("x", ValueError, "needs a group", lambda: raises(ValueError("other")))
+    with pytest.raises(AssertionError, match=r"x raised TypeError\('bad'\), not ValueError"):
+        _refused("x", ValueError, "", lambda: raises(TypeError("bad")))
+    with pytest.raises(AssertionError, match="x was accepted: the contract refuses it"):
+        _refused("x", ValueError, "", lambda: None)
