@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from harness.observe import CollectiveMode, bind, group_ranks, op_info, reduce_op_name, tensors_in
+from harness.observe import CollectiveMode, bind, group_name, group_ranks, op_info, reduce_op_name, tensors_in
 
 __all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "Observer", "describe", "intercepting", "observe_thread",
            "observing", "patch_collectives", "record"]
@@ -90,7 +90,7 @@ class Interceptor(Protocol):
 
 @dataclass(frozen=True)
 class Call:
-    """One collective as the issuing rank saw it (``layer`` and ``rank`` are not rendered)."""
+    """One collective as the issuing rank saw it (``layer``, ``rank`` and ``group_name`` are not rendered)."""
 
     op: str
     group_ranks: tuple[int, ...]
@@ -102,6 +102,8 @@ class Call:
     layer: str = "torch.distributed"
     #: The issuing rank (global).
     rank: int = -1
+    #: The group's c10d name: which group object, where ``group_ranks`` cannot tell two of the same ranks apart.
+    group_name: str = ""
 
 
 @dataclass
@@ -343,7 +345,8 @@ def describe(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         tensors = tensors_in(bound.get(_INPUT_PARAM.get(fn.__name__, "")))
     size = sum(t.numel() * t.element_size() for t in tensors)
     red = None if reduce_op is None else reduce_op_name(reduce_op)
-    return Call(op, group_ranks(group), size, _dtype(tensors), red, asynchronous, layer, dist.get_rank())
+    return Call(op, group_ranks(group), size, _dtype(tensors), red, asynchronous, layer, dist.get_rank(),
+                group_name(group))
 
 
 @contextmanager

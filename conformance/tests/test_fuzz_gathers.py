@@ -13,7 +13,7 @@ from conformance.cases.fuzz.example import Block, ModelSpec
 from conformance.cases.fuzz.gathers import promise
 from conformance.cases.fuzz.ops import Backward, Config, Forward, Program, Train
 from conformance.contract.adapter import FSDPAdapter
-from conformance.selftest.mutants import NoBackwardPrefetch, ReshardIntAsFalse, Zero2AsHybridShard
+from conformance.selftest.mutants import NoBackwardPrefetch, RegroupsGivenGroups, ReshardIntAsFalse, Zero2AsHybridShard
 from harness import RankContext, run
 
 _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()), unused=True)
@@ -24,6 +24,7 @@ _INT = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, api="fully_shard"
                       checkpoint=("blocks.1",)), _OPS)
 _KEEP = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, api="fully_shard", reshard_after_forward=False), _OPS)
 _ZERO2 = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, strategy="_HYBRID_SHARD_ZERO2"), _OPS)
+_HYBRID = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, strategy="HYBRID_SHARD", use_orig_params=True), _OPS)
 _FULL = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, checkpoint=("blocks.1",)), _OPS)
 _SGO = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, strategy="SHARD_GRAD_OP", use_orig_params=True,
                       checkpoint=("blocks.0",)), _OPS)
@@ -44,9 +45,11 @@ def _verdicts(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | No
 
 @pytest.mark.parametrize(("impl", "program"), [
     (ReferenceAdapter(), _INT), (TorchFSDP2Adapter(), _INT), (ReferenceAdapter(), _KEEP), (TorchFSDP2Adapter(), _KEEP),
-    (ReferenceAdapter(), _ZERO2), (ReferenceAdapter(), _SGO), (TorchFSDP1Adapter(), _SGO),
+    (ReferenceAdapter(), _ZERO2), (TorchFSDP1Adapter(), _ZERO2), (ReferenceAdapter(), _HYBRID),
+    (TorchFSDP1Adapter(), _HYBRID), (ReferenceAdapter(), _SGO), (TorchFSDP1Adapter(), _SGO),
     (ReferenceAdapter(), _FULL), (TorchFSDP1Adapter(), _FULL), (TorchFSDP2Adapter(), _FULL),
-], ids=["reference-int", "torch-fsdp2-int", "reference-keep", "torch-fsdp2-keep", "reference-zero2", "reference-sgo",
+], ids=["reference-int", "torch-fsdp2-int", "reference-keep", "torch-fsdp2-keep", "reference-zero2",
+        "torch-fsdp1-zero2", "reference-hybrid", "torch-fsdp1-hybrid", "reference-sgo",
         "torch-fsdp1-sgo", "reference-full", "torch-fsdp1-full", "torch-fsdp2-full"])
 def test_the_reference_and_torch_keep_the_promise(impl: FSDPAdapter, program: Program) -> None:
     got = run(_verdicts, world_size=program.config.world_size, mode="process", timeout_s=240, args=(impl, program))
@@ -57,7 +60,8 @@ def test_the_reference_and_torch_keep_the_promise(impl: FSDPAdapter, program: Pr
     (ReshardIntAsFalse(), _INT, r"groups of \[\] ranks, though reshard_after_forward=2 keeps"),
     (Zero2AsHybridShard(), _ZERO2, r"groups of \[2, 2\] ranks, though _HYBRID_SHARD_ZERO2 keeps the unsharded"),
     (NoBackwardPrefetch(), _FULL, r"all-gather, reduce-scatter, all-gather, .*: the second all-gather only after"),
-], ids=["reshard-int-as-false", "zero2-as-hybrid-shard", "no-backward-prefetch"])
+    (RegroupsGivenGroups(), _HYBRID, r"over groups .* \(ranks \[0, 1\]\), not the shard group object given"),
+], ids=["reshard-int-as-false", "zero2-as-hybrid-shard", "no-backward-prefetch", "regroups-given-groups"])
 def test_mutants_that_gather_otherwise_fail(mutant: FSDPAdapter, program: Program, message: str) -> None:
     """Same values, other communication: only the all-gathers show it (fresh rank processes: a mutant's patches
     stay where it ran)."""

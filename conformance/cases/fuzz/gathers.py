@@ -20,7 +20,11 @@ program checks that
   post-forward order): where backward issues two or more all-gathers, the second
   comes before the first reduce-scatter (the next unit was gathered before this
   unit's gradient was reduced; without prefetch each unit's all-gather waits for
-  the previous unit's reduction to be issued).
+  the previous unit's reduction to be issued);
+- a hybrid program ([Note: hybrid programs] in :mod:`conformance.cases.fuzz.wrapping`)
+  gathers and reduce-scatters over the very shard group object it was given
+  (told apart by its c10d name from a new group of the same ranks, which would
+  lose what the user built the group with: its backend, options, timeout).
 
 Only a backward whose pending loss came from one forward with gradients and
 nothing else is judged: a forward without gradients, a state dict taken or a
@@ -42,6 +46,7 @@ import torch.nn as nn
 
 from conformance.cases.fuzz.held import units_of
 from conformance.cases.fuzz.ops import Config
+from harness.observe import group_name
 from harness.recorder import Call, describe, patch_collectives
 
 __all__ = ["Gathers", "promise"]
@@ -76,8 +81,8 @@ class Gathers:
     model: nn.Module  # the shadow's, unsharded
     expected: str | int | None = None
     clean: bool = False  # the pending loss came from one forward with gradients alone
-    calls: list[Call] | None = None  # the all-gathers of the last judged backward, until checked
-
+    shard_group: Any = None  # the shard group a hybrid program was given
+    calls: list[Call] | None = None  # the all-gathers and reduce-scatters of the last judged backward, until checked
     judged: bool = True  # False once a per-module control was used
 
     def __post_init__(self) -> None:
@@ -119,6 +124,8 @@ class Gathers:
         if calls is None:
             return
         _check_prefetch(calls)
+        if self.shard_group is not None:
+            _check_given_group(calls, group_name(self.shard_group))
         sizes = [len(call.group_ranks) for call in calls if call.op in _GATHERS]
         if self.expected == "none" and sizes:
             raise AssertionError(f"backward issued all-gathers over groups of {sizes} ranks, though "
@@ -135,6 +142,15 @@ class Gathers:
         if self.config.api == "fully_shard":
             return "reshard_after_forward=False"
         return self.config.strategy
+
+
+def _check_given_group(calls: list[Call], given: str) -> None:
+    """Every collective was over the shard group given (see the note)."""
+    other = sorted({f"{call.group_name} (ranks {list(call.group_ranks)})" for call in calls
+                    if call.group_name != given})
+    if other:
+        raise AssertionError(f"backward issued collectives over groups {', '.join(other)}, not the shard group object "
+                             f"given ({given}): a group of the same ranks made anew is not the user's")
 
 
 def _check_prefetch(calls: list[Call]) -> None:

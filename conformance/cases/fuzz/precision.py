@@ -46,7 +46,7 @@ from fixtures.precision import average_grads, low_precision_copy
 
 __all__ = [
     "dtype_of", "mixed_precision_spec", "required", "precision_features", "precision_note", "low_precision_model",
-    "local_backward", "as_compared", "in_compute_dtype", "model_input", "wrapped_input",
+    "local_backward", "as_compared", "compared_outputs", "in_compute_dtype", "model_input", "wrapped_input",
 ]
 
 
@@ -149,6 +149,12 @@ def as_compared(tensor: torch.Tensor, policy: Policy | None) -> torch.Tensor:
     """``tensor`` cast to the param dtype under a policy, so that comparing it uses that dtype's
     default tolerances (see the module note); unchanged without one."""
     return tensor if policy is None else tensor.to(dtype_of(policy.param_dtype))
+
+
+def compared_outputs(output: torch.Tensor | tuple[torch.Tensor, ...], policy: Policy | None) -> dict[str, torch.Tensor]:
+    """A forward's outputs by position, each :func:`as_compared` (detached)."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    return {str(i): as_compared(o.detach(), policy) for i, o in enumerate(outputs)}
 
 
 def in_compute_dtype(

@@ -36,9 +36,10 @@ import torch
 import torch.nn as nn
 
 from conformance.cases.fuzz.model import FuzzModel, build_model
-from conformance.cases.fuzz.ops import NODE, Config
+from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.precision import dtype_of
 from conformance.cases.fuzz.shadow import batch_of
+from conformance.cases.fuzz.wrapping import given_groups
 from conformance.contract.adapter import (
     INVALID_PG_ERROR,
     MANUAL_WRAP_ERROR,
@@ -49,7 +50,6 @@ from conformance.contract.adapter import (
     WrapSpec,
 )
 from conformance.contract.optional import fully_shard
-from fixtures.meshes import hybrid_groups
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -89,7 +89,7 @@ def _forward_with_optimizer_in_backward(ctx: RankContext, impl: FSDPAdapter, mod
                                         config: Config) -> Any:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
-    groups = hybrid_groups(ctx, NODE) if config.hybrid else None
+    groups = given_groups(ctx, config)
     with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
         wrapped = impl.wrap(model, WrapSpec(strategy=config.strategy, use_orig_params=False, process_group=groups))
     _apply_optimizer_in_backward(torch.optim.SGD, wrapped.parameters(), {"lr": 0.1}, register_hook=False)

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ADAM_EPS", "agree", "fail", "assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state",
            "assert_same_dtypes", "attempt", "check_example", "make_optimizer", "run_example", "unwrapped_name",
+           "unwrapped_names",
            "wrap_plan", "zeros_for_none"]
 
 _LR = {"sgd": 0.05, "adam": 0.01}
@@ -184,6 +185,11 @@ def _assert_same_count(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 def unwrapped_name(name: str) -> str:
     """``name`` without the activation-checkpoint wrapper this fuzzer may put in (the shadow has none)."""
     return ".".join(part for part in name.split(".") if part != "_checkpoint_wrapped_module")
+
+
+def unwrapped_names(named: dict[str, Any]) -> dict[str, Any]:
+    """``named`` with :func:`unwrapped_name` names."""
+    return {unwrapped_name(name): value for name, value in named.items()}
 
 
 def assert_no_grads_outside_the_loss(units: Sequence[UnitInfo], grads: dict[str, torch.Tensor | None] | None,

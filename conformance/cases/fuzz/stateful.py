@@ -61,7 +61,7 @@ from conformance.cases.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.cases.fuzz.precision import as_compared, in_compute_dtype, wrapped_input
+from conformance.cases.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
 from conformance.cases.fuzz.refusals import check_refusals
 from conformance.cases.fuzz.runner import (
     agree,
@@ -73,10 +73,17 @@ from conformance.cases.fuzz.runner import (
     fail,
     make_optimizer,
     unwrapped_name,
+    unwrapped_names,
     zeros_for_none,
 )
-from conformance.cases.fuzz.shadow import Output, Shadow, batch_of, build, loss_for
-from conformance.cases.fuzz.wrapping import assert_ignored_kept, features_of, missing_operations, wrap_config
+from conformance.cases.fuzz.shadow import Shadow, batch_of, build, loss_for
+from conformance.cases.fuzz.wrapping import (
+    assert_ignored_kept,
+    features_of,
+    given_groups,
+    missing_operations,
+    wrap_config,
+)
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
 from conformance.contract.optional import full_grads, no_sync
@@ -87,11 +94,6 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 __all__ = ["MAIN_JOB_PROGRAMS", "budget", "check_program", "run_program", "stateful_fuzz"]
-
-def _clean(named: dict[str, Any]) -> dict[str, Any]:
-    """Names without the activation-checkpoint wrapper this fuzzer put in (the shadow has none)."""
-    return {unwrapped_name(name): value for name, value in named.items()}
-
 
 @dataclass
 class _Machine:
@@ -146,7 +148,8 @@ class _Machine:
         policy = self.config.policy
         if policy is not None:
             self.compare("output dtype", assert_dtypes, output, policy.param_dtype)
-        self.compare("outputs", assert_close_named, _outputs(output, policy), _outputs(want, policy), what="output")
+        self.compare("outputs", assert_close_named, compared_outputs(output, policy), compared_outputs(want, policy),
+                     what="output")
         value = loss_for(output, loss)
         self.compare("loss", torch.testing.assert_close, as_compared(value.detach(), policy),
                      as_compared(want_loss, policy))
@@ -261,10 +264,10 @@ class _Machine:
                                 None if optim is None else controls.full_optim_state(optim))
 
     def _compare_saved(self, state: dict[str, torch.Tensor], optim: dict[str, Any] | None) -> None:
-        self.compare("full model state dict", assert_close_named, _clean(state), self.shadow.local.state_dict(),
-                     what="state_dict")
+        self.compare("full model state dict", assert_close_named, unwrapped_names(state),
+                     self.shadow.local.state_dict(), what="state_dict")
         if optim is not None:
-            self.compare("full optimizer state dict", assert_optim_state, _clean(optim),
+            self.compare("full optimizer state dict", assert_optim_state, unwrapped_names(optim),
                          self.shadow.optim_state_by_name())
 
     def load(self, _op: Load) -> None:
@@ -304,11 +307,11 @@ class _Machine:
             params = self.controls.full_params()
             grads = None if self.controls.unsynced else self.controls.full_grads()
         else:
-            params, grads = _clean(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
+            params, grads = unwrapped_names(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
         self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
                      what="params")
         self.compare("ignored modules", assert_ignored_kept, self.ignored, local)
-        got_grads = None if grads is None else _clean(grads)
+        got_grads = None if grads is None else unwrapped_names(grads)
         self.compare("no gradient outside the loss", assert_no_grads_outside_the_loss, self.impl.units(self.model),
                      got_grads, local)
         if got_grads is not None:  # None: not exposed for this wrap; parameters still compared
@@ -321,11 +324,6 @@ class _Machine:
                          in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
 
 
-def _outputs(output: Output, policy: Any) -> dict[str, torch.Tensor]:
-    outputs = output if isinstance(output, tuple) else (output,)
-    return {str(i): as_compared(o.detach(), policy) for i, o in enumerate(outputs)}
-
-
 def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
@@ -333,17 +331,18 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
     built = build(config, torch.device("meta") if config.meta_init else ctx.device)
-    ignored = {path: built.get_submodule(path) for path in config.ignored}
+    ignored, groups = {path: built.get_submodule(path) for path in config.ignored}, None
     if config.api == "fully_shard":
         model = shard_config(ctx, impl, built, config)
         if config.meta_init:
             materialize(model, ctx.device, shadow.local, unwrapped_name)
-        controls: Controls | None = Controls.of(impl, model, _clean)
+        controls: Controls | None = Controls.of(impl, model, unwrapped_names)
     else:
-        model, controls = wrap_config(ctx, impl, built, config), None
+        groups = given_groups(ctx, config)
+        model, controls = wrap_config(ctx, impl, built, config, groups), None
     machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
-                       missing_operations(impl, ctx.mode), held, Gathers(config, shadow.local), controls,
-                       ignored=ignored)
+                       missing_operations(impl, ctx.mode), held,
+                       Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored)
     held.wrapped(shadow.local, shadow)
     return machine
 

@@ -36,7 +36,8 @@ from harness.rank_mode import RankMode
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["assert_ignored_kept", "features_of", "missing_operations", "wrap_config", "render_program"]
+__all__ = ["assert_ignored_kept", "features_of", "given_groups", "missing_operations", "wrap_config",
+           "render_program"]
 
 
 def features_of(impl: FSDPAdapter) -> frozenset[str]:
@@ -62,11 +63,16 @@ def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
     return {op: reason for op, reason in reasons.items() if reason is not None}
 
 
-def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
+def given_groups(ctx: RankContext, config: Config) -> tuple[Any, Any] | None:
+    """The ``(shard, replicate)`` groups of a hybrid program ([Note: hybrid programs]), made anew; else ``None``."""
+    return hybrid_groups(ctx, NODE) if config.hybrid else None
+
+
+def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config,
+                groups: tuple[Any, Any] | None) -> nn.Module:
     """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
-    unit), then wrap the root; a hybrid strategy with this rank's group tuple ([Note: hybrid programs]). At world
+    unit), then wrap the root; a hybrid strategy with ``groups`` (:func:`given_groups`). At world
     size 1 the root's wrap must warn of the switch to ``NO_SHARD`` where the adapter declares it."""
-    groups: Any = hybrid_groups(ctx, NODE) if config.hybrid else None
     spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, process_group=groups,
                     mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload)
     actions = [(p.count("."), 1, p) for p in config.checkpoint] + [(p.count("."), 0, p) for p in config.wrap]
