@@ -36,6 +36,9 @@ __all__ = [
     "MANUAL_WRAP_ERROR",
     "INVALID_PG_ERROR",
     "OPTIM_IN_BACKWARD_ERROR",
+    "ORDER_CHANGED",
+    "ORDER_ERROR",
+    "ORDER_WARNING",
     "DEPRECATED_CAPABILITIES",
     "Capability",
     "STRATEGIES",
@@ -64,6 +67,13 @@ MANUAL_WRAP_ERROR = "requires explicit specification of process group or device_
 INVALID_PG_ERROR = "Expected process_group to be passed in"
 #: The RuntimeError of :attr:`Capability.OPTIM_IN_BACKWARD_CHECK` (optimizer-in-backward on flat parameters).
 OPTIM_IN_BACKWARD_ERROR = "only supported with use_orig_params=True"
+#: How :attr:`Capability.EXEC_ORDER_VALIDATION`'s messages start: the RuntimeError of a first forward whose
+#: unit order differs across ranks, and every order warning (the one of a later change: :data:`ORDER_CHANGED`).
+ORDER_ERROR = "Forward order differs across ranks"
+ORDER_WARNING = "Forward order differs"
+#: The warning to a rank whose forward order changed after the first iteration (``.format(rank=...)``).
+ORDER_CHANGED = ("Forward order differs from that of the first iteration on rank {rank}. "
+                 "Collectives are unchecked and may give incorrect results or hang")
 
 
 class Capability(str, enum.Enum):

@@ -13,12 +13,20 @@ from conformance.cases.fuzz.example import Block, ModelSpec
 from conformance.cases.fuzz.ops import Config, Program, Train
 from conformance.cases.fuzz.refusals import _refused, check_refusals
 from conformance.contract.adapter import FSDPAdapter
-from conformance.selftest.mutants import LenientHybridGroups, MisuseUnchecked, NoOptimInBackwardCheck
+from conformance.selftest.mutants import (
+    ChecksEvalForwards,
+    LenientHybridGroups,
+    MisuseUnchecked,
+    NoExecOrderCheck,
+    NoOptimInBackwardCheck,
+    WarnsEveryIteration,
+)
 from harness import RankContext, run
 
 _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()))
 _HYBRID = Config(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")
 _FLAT = Config(world_size=2, model=_MODEL, wrap=("blocks.0",))
+_ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
 _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
 
 
@@ -33,10 +41,12 @@ def _refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None
 @pytest.mark.parametrize(("impl", "config"), [
     (ReferenceAdapter(), _HYBRID), (TorchFSDP1Adapter(), _HYBRID), (ReferenceAdapter(), _FLAT),
     (TorchFSDP1Adapter(), _FLAT), (ReferenceAdapter(), _SHARDED), (TorchFSDP2Adapter(), _SHARDED),
+    (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED),
 ], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
-        "torch-fsdp2-fully-shard"])
-def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config) -> None:
-    got = run(_refusals, world_size=config.world_size, mode="thread", timeout_s=120, args=(impl, config))
+        "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order"])
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
+    got = run(_refusals, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))
     assert got == [None] * config.world_size, got
 
 
@@ -44,7 +54,12 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config) -> No
     (LenientHybridGroups(), _HYBRID, "HYBRID_SHARD without groups, a mesh or a policy was accepted"),
     (NoOptimInBackwardCheck(), _FLAT, "an optimizer in backward with flat parameters was accepted"),
     (MisuseUnchecked(), _SHARDED, r"fully_shard on the model's blocks \(an nn.ModuleList\) was accepted"),
-], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked"])
+    (NoExecOrderCheck(), _ORDERED, "a first forward whose unit order differs across ranks was accepted"),
+    (ChecksEvalForwards(), _ORDERED, r"with the same unit order on every rank, an eval forward between iterations: "
+                                     r"warned \[.Forward order differs from that of the first iteration"),
+    (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
+], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
+        "checks-eval-forwards", "warns-every-iteration"])
 def test_mutants_that_accept_misuse_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""
@@ -53,7 +68,7 @@ def test_mutants_that_accept_misuse_fail_before_wrapping(mutant: FSDPAdapter, co
     got = run(check_program, world_size=config.world_size, mode="process", timeout_s=240, isolated=True,
               args=(mutant, Program(config, (Train(),))))
     assert all(text == got[0] for text in got), got
-    assert got[0] is not None and got[0].startswith("before wrapping, rank 0: refusal: AssertionError: "), got[0]
+    assert got[0] is not None and got[0].startswith("before wrapping, rank "), got[0]
     assert re.search(message, got[0]), got[0]
 
 

@@ -5,7 +5,8 @@ A program's configuration has invalid neighbours, calls one argument away from
 it that the contract says must raise. Before its first operation every program
 makes the ones its configuration has, each on a fresh copy of its model (a
 refused call may leave a module half-made, so the program's own model is not
-used), and each must raise the documented error on every rank:
+used), and each must raise the documented error on every rank (or warn, where
+the contract lets training go on):
 
 * a hybrid ``wrap`` program ([Note: hybrid programs] in
   :mod:`conformance.cases.fuzz.wrapping`): its strategy given neither groups nor
@@ -17,14 +18,20 @@ used), and each must raise the documented error on every rank:
   forward (:attr:`Capability.OPTIM_IN_BACKWARD_CHECK`);
 * a ``fully_shard`` program: ``fully_shard`` on the model's ``blocks`` (an
   ``nn.ModuleList``, which has no forward a hook could run: ``ValueError``), and
-  on the root a second time (any exception: torch and the reference differ).
+  on the root a second time (any exception: torch and the reference differ);
+* a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks, with
+  the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
+  rank but 0 running another unit than rank 0 does (of the same size). In the
+  first forward that is refused (``RuntimeError``); after a first iteration it
+  is warned of, once, on each rank that changed and on no other, and an eval
+  forward between iterations in the same order warns nobody.
 
 No draw decides them (a draw would move every seed: [Note: options from an
 unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
-``construction/optim_in_backward_requires_orig_params`` and
-``fully_shard_api/misuse`` check the same contract on their own models.
+``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``
+and the ``exec_order`` cases check the same contract on their own models.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.cases.fuzz.model import FuzzModel, build_model
+from conformance.cases.fuzz.example import Block
+from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.precision import dtype_of
 from conformance.cases.fuzz.shadow import batch_of
@@ -44,17 +53,24 @@ from conformance.contract.adapter import (
     INVALID_PG_ERROR,
     MANUAL_WRAP_ERROR,
     OPTIM_IN_BACKWARD_ERROR,
+    ORDER_CHANGED,
+    ORDER_ERROR,
+    ORDER_WARNING,
     AutoWrap,
     Capability,
     FSDPAdapter,
     WrapSpec,
 )
 from conformance.contract.optional import fully_shard
+from fixtures.seeding import generator, seeded_init_
 
 if TYPE_CHECKING:
     from harness import RankContext
 
 __all__ = ["check_refusals"]
+
+#: The strategies whose programs change their unit order (the ones the exec_order cases run).
+ORDER_CHECKED = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
 def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
@@ -64,6 +80,7 @@ def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
     def fresh() -> FuzzModel:
         return build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device)
 
+    caps = impl.capabilities
     if config.api == "fully_shard":
         mesh = ctx.device_mesh((ctx.world_size,))
         _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
@@ -72,7 +89,6 @@ def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
         _refused("fully_shard on a module already sharded", Exception, "",
                  lambda: fully_shard(impl, sharded, mesh=mesh))
         return
-    caps = impl.capabilities
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
         _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError, MANUAL_WRAP_ERROR,
                  lambda: impl.wrap(fresh(), WrapSpec(strategy=config.strategy)))
@@ -83,6 +99,75 @@ def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
     if not config.use_orig_params and {Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM} <= caps:
         _refused("an optimizer in backward with flat parameters", RuntimeError, OPTIM_IN_BACKWARD_ERROR,
                  lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config))
+    if config.world_size > 1 and config.strategy in ORDER_CHECKED and Capability.EXEC_ORDER_VALIDATION in caps:
+        level = dist.get_debug_level()
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before wrapping: an implementation may read it there
+        try:
+            _order_changes(ctx, impl, config)
+        finally:
+            ctx.barrier()  # thread ranks share the level
+            dist.set_debug_level(level)
+
+
+class _TwoPaths(nn.Module):
+    """Two blocks of one kind, of which a forward runs the first, or the second once ``switched``."""
+
+    def __init__(self, block: Block, width: int) -> None:
+        super().__init__()
+        self.first, self.second = FuzzBlock(block, width), FuzzBlock(block, width)
+        self.switched = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.second if self.switched else self.first)(x)
+
+
+def _order_changes(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+    """Ranks running their units in different orders (see the note): refused in the first forward; after it,
+    each rank that changed is warned once, and eval forwards with the same order warn nobody. The model is the
+    config's first block twice, each a unit, and ranks other than 0 run the second where rank 0 runs the first:
+    units of one size, so that every rank issues the same collectives (an implementation that does not check
+    pairs them silently; training goes on after the warning) and only the order check can tell."""
+    dtype, width = dtype_of(config.dtype), config.model.width
+    batch = torch.randn((BATCH, SEQ, width), generator=generator(config.seed * 8 + ctx.rank)).to(ctx.device, dtype)
+    model, user = _unit_per_block(ctx, impl, config)
+    user.switched = ctx.rank != 0
+    _refused("a first forward whose unit order differs across ranks", RuntimeError, ORDER_ERROR, lambda: model(batch))
+    model, user = _unit_per_block(ctx, impl, config)
+    with ctx.catch_warnings() as caught:
+        loss_of(model(batch)).backward()
+        with torch.no_grad():
+            model.eval()
+            model(batch)
+            model.train()
+        loss_of(model(batch)).backward()
+    _order_warnings(caught, "", "with the same unit order on every rank, an eval forward between iterations")
+    user.switched = ctx.rank != 0
+    with ctx.catch_warnings() as caught:
+        loss_of(model(batch)).backward()
+    _order_warnings(caught, ORDER_CHANGED.format(rank=ctx.rank) if ctx.rank else "",
+                    "in the first iteration after " + ("this rank" if ctx.rank else "other ranks") + " changed order")
+    with ctx.catch_warnings() as caught:
+        loss_of(model(batch)).backward()
+    _order_warnings(caught, "", "in the second iteration after a change of order (warned once already)")
+
+
+def _unit_per_block(ctx: RankContext, impl: FSDPAdapter, config: Config) -> tuple[nn.Module, _TwoPaths]:
+    """A fresh :class:`_TwoPaths` of the config's first block, each block a unit, wrapped; and the user's module."""
+    user = _TwoPaths(config.model.blocks[0], config.model.width)
+    seeded_init_(user, config.seed)
+    user.to(ctx.device, dtype_of(config.dtype))
+    spec = WrapSpec(strategy=config.strategy)
+    user.first, user.second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
+    return impl.wrap(user, spec), user
+
+
+def _order_warnings(caught: list[Any], expected: str, when: str) -> None:
+    """The order warnings ``caught`` are one starting ``expected``, or none where ``expected`` is empty."""
+    got = [str(w.message) for w in caught if str(w.message).startswith(ORDER_WARNING)]
+    if expected and not any(message.startswith(expected) for message in got):
+        raise AssertionError(f"{when}: no warning {expected!r}..., got {got}")
+    if len(got) > (1 if expected else 0):
+        raise AssertionError(f"{when}: warned {got}")
 
 
 def _forward_with_optimizer_in_backward(ctx: RankContext, impl: FSDPAdapter, model: nn.Module,
