@@ -40,6 +40,7 @@ from conformance.cases.fuzz.driver import FuzzSettings, Search, search
 from conformance.cases.fuzz.example import FUZZ_STRATEGIES
 from conformance.cases.fuzz.gathers import Gathers
 from conformance.cases.fuzz.held import Held
+from conformance.cases.fuzz.neighbours import check_neighbours
 from conformance.cases.fuzz.ops import (
     BATCHES,
     CONTROL_OPS,
@@ -62,7 +63,6 @@ from conformance.cases.fuzz.ops import (
     ZeroGrad,
 )
 from conformance.cases.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
-from conformance.cases.fuzz.refusals import check_refusals
 from conformance.cases.fuzz.runner import (
     agree,
     assert_dtypes,
@@ -351,8 +351,8 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    if (failure := agree(ctx, attempt("refusal", check_refusals, ctx, impl, program.config)[1])) is not None:
-        return f"before wrapping, {failure}"  # [Note: refused neighbours]
+    if (failure := agree(ctx, attempt("neighbour", check_neighbours, ctx, impl, program.config)[1])) is not None:
+        return f"before wrapping, {failure}"  # [Note: neighbours of a configuration]
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.watching():  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)

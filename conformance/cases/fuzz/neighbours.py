@@ -1,12 +1,12 @@
-"""What a stateful program's configuration must refuse: the misuses next to it.
+"""The neighbours of a stateful program's configuration: misuses it must refuse, options it must honour.
 
-[Note: refused neighbours]
-A program's configuration has invalid neighbours, calls one argument away from
-it that the contract says must raise. Before its first operation every program
-makes the ones its configuration has, each on a fresh copy of its model (a
-refused call may leave a module half-made, so the program's own model is not
-used), and each must raise the documented error on every rank (or warn, where
-the contract lets training go on):
+[Note: neighbours of a configuration]
+A program's configuration has neighbours, calls one argument away from it whose
+outcome the contract fixes: misuses that must raise (or warn, where the contract
+lets training go on) and construction options that must take effect. Before its
+first operation every program makes the ones its configuration has, each on a
+fresh copy of its model (a refused call may leave a module half-made, so the
+program's own model is not used), and each must behave so on every rank:
 
 * a hybrid ``wrap`` program ([Note: hybrid programs] in
   :mod:`conformance.cases.fuzz.wrapping`): its strategy given neither groups nor
@@ -24,14 +24,20 @@ the contract lets training go on):
   rank but 0 running another unit than rank 0 does (of the same size). In the
   first forward that is refused (``RuntimeError``); after a first iteration it
   is warned of, once, on each rank that changed and on no other, and an eval
-  forward between iterations in the same order warns nobody.
+  forward between iterations in the same order warns nobody;
+* a ``wrap`` program that is not hybrid: its strategy and parameter exposure with
+  an auto-wrap policy naming the model's block class make every block, nested
+  ones included, a unit, or a module holding units (a per-parameter design).
+  (``sync_module_states`` is left to its cases: torch's FSDP1 refuses it for a
+  CPU module, which would end every such program on CPU.)
 
 No draw decides them (a draw would move every seed: [Note: options from an
 unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
-``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``
-and the ``exec_order`` cases check the same contract on their own models.
+``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
+``placement/device_id_auto_wrap`` and the
+``exec_order`` cases check the same contract on their own models.
 """
 
 from __future__ import annotations
@@ -67,15 +73,15 @@ from fixtures.seeding import generator, seeded_init_
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["check_refusals"]
+__all__ = ["check_neighbours"]
 
 #: The strategies whose programs change their unit order (the ones the exec_order cases run).
 ORDER_CHECKED = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
-def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
-    """Make each refused neighbour of ``config`` ([Note: refused neighbours]); raise ``AssertionError``
-    naming the first one ``impl`` accepted or refused with another error."""
+def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+    """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); raise ``AssertionError``
+    naming the first one ``impl`` got wrong."""
 
     def fresh() -> FuzzModel:
         return build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device)
@@ -99,6 +105,8 @@ def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
     if not config.use_orig_params and {Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM} <= caps:
         _refused("an optimizer in backward with flat parameters", RuntimeError, OPTIM_IN_BACKWARD_ERROR,
                  lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config))
+    if not config.hybrid:
+        _auto_wrap(ctx, impl, fresh(), config)
     if config.world_size > 1 and config.strategy in ORDER_CHECKED and Capability.EXEC_ORDER_VALIDATION in caps:
         level = dist.get_debug_level()
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before wrapping: an implementation may read it there
@@ -107,6 +115,19 @@ def check_refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
         finally:
             ctx.barrier()  # thread ranks share the level
             dist.set_debug_level(level)
+
+
+def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """An auto-wrap policy naming the block class makes every block a unit (see the note)."""
+    blocks = [name for name, module in model.named_modules() if isinstance(module, FuzzBlock)]
+    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, auto_wrap=AutoWrap((FuzzBlock,)))
+    with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
+        wrapped = impl.wrap(model, spec)
+    units = [unit.fqn for unit in impl.units(wrapped)]
+    bare = [name for name in blocks if not any(fqn == name or fqn.startswith(name + ".") for fqn in units)]
+    if bare:
+        raise AssertionError(f"an auto-wrap policy naming {FuzzBlock.__name__} left blocks {bare} without a unit "
+                             f"(units: {units})")
 
 
 class _TwoPaths(nn.Module):

@@ -1,4 +1,5 @@
-"""The refused neighbours of a stateful program's configuration ([Note: refused neighbours] in fuzz/refusals.py)."""
+"""The neighbours of a stateful program's configuration ([Note: neighbours of a configuration] in
+fuzz/neighbours.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.cases.fuzz.example import Block, ModelSpec
+from conformance.cases.fuzz.neighbours import _refused, check_neighbours
 from conformance.cases.fuzz.ops import Config, Program, Train
-from conformance.cases.fuzz.refusals import _refused, check_refusals
 from conformance.contract.adapter import FSDPAdapter
 from conformance.selftest.mutants import (
+    AutoWrapChildrenOnly,
     ChecksEvalForwards,
     LenientHybridGroups,
     MisuseUnchecked,
@@ -30,9 +32,9 @@ _ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig
 _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
 
 
-def _refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
+def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
     try:
-        check_refusals(ctx, impl, config)
+        check_neighbours(ctx, impl, config)
     except AssertionError as exc:
         return str(exc)
     return None
@@ -46,7 +48,7 @@ def _refusals(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None
         "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order"])
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
-    got = run(_refusals, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))
+    got = run(_neighbours, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))
     assert got == [None] * config.world_size, got
 
 
@@ -57,9 +59,10 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     (NoExecOrderCheck(), _ORDERED, "a first forward whose unit order differs across ranks was accepted"),
     (ChecksEvalForwards(), _ORDERED, r"with the same unit order on every rank, an eval forward between iterations: "
                                      r"warned \[.Forward order differs from that of the first iteration"),
+    (AutoWrapChildrenOnly(), _FLAT, r"an auto-wrap policy naming FuzzBlock left blocks \['blocks.0', 'blocks.1'\]"),
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
-        "checks-eval-forwards", "warns-every-iteration"])
+        "checks-eval-forwards", "auto-wrap-children-only", "warns-every-iteration"])
 def test_mutants_that_accept_misuse_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""
