@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import (
+    FULL_PRECISION_IN_EVAL,
     NO_SHARD_SWITCH,
     OPTIM_IN_BACKWARD_ERROR,
     AutoWrap,
@@ -80,7 +81,7 @@ def test_homogeneous_attributes(ctx: RankContext, impl: FSDPAdapter, attr: str) 
     model = NestedModel(seed=0).to(ctx.device)
     if attr == "_use_full_prec_in_eval":
         model.module[1] = impl.wrap(model.module[1], WrapSpec())
-        with env_on_all_ranks(ctx, "FSDP_USE_FULL_PREC_IN_EVAL", "1"):
+        with env_on_all_ranks(ctx, FULL_PRECISION_IN_EVAL, "1"):
             fsdp = impl.wrap(model, WrapSpec())
     else:
         field = attr.lstrip("_")

@@ -27,7 +27,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
+from conformance.contract.adapter import (
+    FULL_PRECISION_IN_EVAL,
+    AutoWrap,
+    Capability,
+    FSDPAdapter,
+    MixedPrecisionSpec,
+    WrapSpec,
+)
 from conformance.contract.case import case
 from conformance.contract.optional import full_grads
 from fixtures.parity import assert_close_named
@@ -205,7 +212,7 @@ def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) ->
     _train(ctx, _pair(ctx, impl, mp, "FULL_SHARD"))
 
 
-@case("mixed_precision/full_precision_in_eval", world_size=WORLD, env={"FSDP_USE_FULL_PREC_IN_EVAL": "1"},
+@case("mixed_precision/full_precision_in_eval", world_size=WORLD, env={FULL_PRECISION_IN_EVAL: "1"},
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.MP_FULL_PRECISION_IN_EVAL])
 def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
     """In eval, a unit gathers and computes in full precision (buffers too) on a float32 batch and

@@ -36,6 +36,7 @@ __all__ = [
     "MANUAL_WRAP_ERROR",
     "INVALID_PG_ERROR",
     "OPTIM_IN_BACKWARD_ERROR",
+    "FULL_PRECISION_IN_EVAL",
     "ORDER_CHANGED",
     "ORDER_ERROR",
     "ORDER_WARNING",
@@ -67,6 +68,8 @@ MANUAL_WRAP_ERROR = "requires explicit specification of process group or device_
 INVALID_PG_ERROR = "Expected process_group to be passed in"
 #: The RuntimeError of :attr:`Capability.OPTIM_IN_BACKWARD_CHECK` (optimizer-in-backward on flat parameters).
 OPTIM_IN_BACKWARD_ERROR = "only supported with use_orig_params=True"
+#: The environment variable of :attr:`Capability.MP_FULL_PRECISION_IN_EVAL` (``"1"`` at wrap time: on).
+FULL_PRECISION_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
 #: How :attr:`Capability.EXEC_ORDER_VALIDATION`'s messages start: the RuntimeError of a first forward whose
 #: unit order differs across ranks, and every order warning (the one of a later change: :data:`ORDER_CHANGED`).
 ORDER_ERROR = "Forward order differs across ranks"

@@ -10,13 +10,14 @@ import pytest
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.cases.fuzz.example import Block, ModelSpec
+from conformance.cases.fuzz.example import Block, ModelSpec, Policy
 from conformance.cases.fuzz.neighbours import _refused, check_neighbours
 from conformance.cases.fuzz.ops import Config, Program, Train
 from conformance.contract.adapter import FSDPAdapter
 from conformance.selftest.mutants import (
     AutoWrapChildrenOnly,
     ChecksEvalForwards,
+    EvalInLowPrecision,
     LenientHybridGroups,
     MisuseUnchecked,
     NoExecOrderCheck,
@@ -28,6 +29,7 @@ from harness import RankContext, run
 _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()))
 _HYBRID = Config(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")
 _FLAT = Config(world_size=2, model=_MODEL, wrap=("blocks.0",))
+_MIXED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), policy=Policy(reduce_dtype="float32", cast_inputs=True))
 _ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
 _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
 
@@ -43,9 +45,10 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | No
 @pytest.mark.parametrize(("impl", "config"), [
     (ReferenceAdapter(), _HYBRID), (TorchFSDP1Adapter(), _HYBRID), (ReferenceAdapter(), _FLAT),
     (TorchFSDP1Adapter(), _FLAT), (ReferenceAdapter(), _SHARDED), (TorchFSDP2Adapter(), _SHARDED),
-    (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED),
+    (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED), (ReferenceAdapter(), _MIXED),
+    (TorchFSDP1Adapter(), _MIXED),
 ], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
-        "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order"])
+        "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order", "reference-mixed", "torch-fsdp1-mixed"])
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
     got = run(_neighbours, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))
@@ -60,9 +63,10 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     (ChecksEvalForwards(), _ORDERED, r"with the same unit order on every rank, an eval forward between iterations: "
                                      r"warned \[.Forward order differs from that of the first iteration"),
     (AutoWrapChildrenOnly(), _FLAT, r"an auto-wrap policy naming FuzzBlock left blocks \['blocks.0', 'blocks.1'\]"),
+    (EvalInLowPrecision(), _MIXED, r"an eval forward returned \['torch.bfloat16'\]: eval computes in full precision"),
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
-        "checks-eval-forwards", "auto-wrap-children-only", "warns-every-iteration"])
+        "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "warns-every-iteration"])
 def test_mutants_that_accept_misuse_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""

@@ -29,14 +29,18 @@ program's own model is not used), and each must behave so on every rank:
   an auto-wrap policy naming the model's block class make every block, nested
   ones included, a unit, or a module holding units (a per-parameter design).
   (``sync_module_states`` is left to its cases: torch's FSDP1 refuses it for a
-  CPU module, which would end every such program on CPU.)
+  CPU module, which would end every such program on CPU.);
+* a ``wrap`` program with a mixed-precision policy, not hybrid
+  (:attr:`Capability.MP_FULL_PRECISION_IN_EVAL`): the model wrapped with its
+  policy under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes an eval forward in
+  full precision (float32 outputs).
 
 No draw decides them (a draw would move every seed: [Note: options from an
 unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
 ``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
-``placement/device_id_auto_wrap`` and the
+``placement/device_id_auto_wrap``, ``mixed_precision/full_precision_in_eval`` and the
 ``exec_order`` cases check the same contract on their own models.
 """
 
@@ -49,13 +53,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.precision import dtype_of
+from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import given_groups
 from conformance.contract.adapter import (
+    FULL_PRECISION_IN_EVAL,
     INVALID_PG_ERROR,
     MANUAL_WRAP_ERROR,
     OPTIM_IN_BACKWARD_ERROR,
@@ -107,14 +113,32 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> Non
                  lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config))
     if not config.hybrid:
         _auto_wrap(ctx, impl, fresh(), config)
+    if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
+                                                           Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
+        with env_on_all_ranks(ctx, FULL_PRECISION_IN_EVAL, "1"), ctx.catch_warnings():
+            wrapped = impl.wrap(fresh(), WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
+                                                  mixed_precision=mixed_precision_spec(config.policy)))
+        _evaluates_in_full_precision(ctx, wrapped, config)
     if config.world_size > 1 and config.strategy in ORDER_CHECKED and Capability.EXEC_ORDER_VALIDATION in caps:
         level = dist.get_debug_level()
+        ctx.barrier()  # thread ranks share the level: every rank is done with what came before
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before wrapping: an implementation may read it there
         try:
             _order_changes(ctx, impl, config)
         finally:
             ctx.barrier()  # thread ranks share the level
             dist.set_debug_level(level)
+
+
+def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: Config) -> None:
+    """An eval forward of a model wrapped under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes in full precision."""
+    wrapped.eval()
+    with torch.no_grad():
+        output = wrapped(batch_of(config, 0, ctx.rank, ctx.device))
+    dtypes = sorted({str(o.dtype) for o in (output if isinstance(output, tuple) else (output,))})
+    if dtypes != [str(torch.float32)]:
+        raise AssertionError(f"wrapped with {FULL_PRECISION_IN_EVAL}=1 and a mixed-precision policy, an eval forward "
+                             f"returned {dtypes}: eval computes in full precision")
 
 
 def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
