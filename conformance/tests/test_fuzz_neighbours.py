@@ -67,7 +67,7 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
         "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "warns-every-iteration"])
-def test_mutants_that_accept_misuse_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
+def test_mutants_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""
     from conformance.cases.fuzz.stateful import check_program

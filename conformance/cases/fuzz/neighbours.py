@@ -92,7 +92,6 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> Non
     def fresh() -> FuzzModel:
         return build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device)
 
-    caps = impl.capabilities
     if config.api == "fully_shard":
         mesh = ctx.device_mesh((ctx.world_size,))
         _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
@@ -101,16 +100,8 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> Non
         _refused("fully_shard on a module already sharded", Exception, "",
                  lambda: fully_shard(impl, sharded, mesh=mesh))
         return
-    if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
-        _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError, MANUAL_WRAP_ERROR,
-                 lambda: impl.wrap(fresh(), WrapSpec(strategy=config.strategy)))
-    if config.hybrid and config.strategy == "HYBRID_SHARD" and Capability.HYBRID_PG_VALIDATION in caps:
-        one_group = WrapSpec(strategy="HYBRID_SHARD", auto_wrap=AutoWrap((nn.Linear,)), process_group=ctx.group)
-        _refused("HYBRID_SHARD given one process group", ValueError, INVALID_PG_ERROR,
-                 lambda: impl.wrap(fresh(), one_group))
-    if not config.use_orig_params and {Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM} <= caps:
-        _refused("an optimizer in backward with flat parameters", RuntimeError, OPTIM_IN_BACKWARD_ERROR,
-                 lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config))
+    _misuses(ctx, impl, fresh, config)
+    caps = impl.capabilities
     if not config.hybrid:
         _auto_wrap(ctx, impl, fresh(), config)
     if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
@@ -128,6 +119,21 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> Non
         finally:
             ctx.barrier()  # thread ranks share the level
             dist.set_debug_level(level)
+
+
+def _misuses(ctx: RankContext, impl: FSDPAdapter, fresh: Callable[[], FuzzModel], config: Config) -> None:
+    """The ``wrap`` misuses next to ``config`` that must be refused (see the note)."""
+    caps = impl.capabilities
+    if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
+        _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError, MANUAL_WRAP_ERROR,
+                 lambda: impl.wrap(fresh(), WrapSpec(strategy=config.strategy)))
+    if config.hybrid and config.strategy == "HYBRID_SHARD" and Capability.HYBRID_PG_VALIDATION in caps:
+        one_group = WrapSpec(strategy="HYBRID_SHARD", auto_wrap=AutoWrap((nn.Linear,)), process_group=ctx.group)
+        _refused("HYBRID_SHARD given one process group", ValueError, INVALID_PG_ERROR,
+                 lambda: impl.wrap(fresh(), one_group))
+    if not config.use_orig_params and {Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM} <= caps:
+        _refused("an optimizer in backward with flat parameters", RuntimeError, OPTIM_IN_BACKWARD_ERROR,
+                 lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config))
 
 
 def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: Config) -> None:
