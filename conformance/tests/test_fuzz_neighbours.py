@@ -35,11 +35,7 @@ _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_sha
 
 
 def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
-    try:
-        check_neighbours(ctx, impl, config)
-    except AssertionError as exc:
-        return str(exc)
-    return None
+    return check_neighbours(ctx, impl, config)
 
 
 @pytest.mark.parametrize(("impl", "config"), [

@@ -58,6 +58,7 @@ from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec
+from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import given_groups
 from conformance.contract.adapter import (
@@ -85,55 +86,77 @@ __all__ = ["check_neighbours"]
 ORDER_CHECKED = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
-def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
-    """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); raise ``AssertionError``
-    naming the first one ``impl`` got wrong."""
+def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
+    """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); the first one ``impl`` got
+    wrong, the same text on every rank, or ``None``. Ranks agree after each neighbour, and a neighbour raises
+    only after its last collective ([Note: fuzz verdicts agree across ranks] in
+    :mod:`conformance.cases.fuzz.runner`)."""
+    for step in _neighbours(ctx, impl, config):
+        failure = agree(ctx, attempt("neighbour", step)[1])
+        if failure is not None:
+            return failure
+    return None
+
+
+def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[Callable[[], None]]:
+    """The neighbours ``config`` has where ``impl`` declares what they need, each a call that raises
+    ``AssertionError`` naming what ``impl`` got wrong."""
 
     def fresh() -> FuzzModel:
         return build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device)
 
+    caps = impl.capabilities
     if config.api == "fully_shard":
-        mesh = ctx.device_mesh((ctx.world_size,))
-        _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
-                 lambda: fully_shard(impl, fresh().blocks, mesh=mesh))
-        sharded = fully_shard(impl, fresh(), mesh=mesh)
-        _refused("fully_shard on a module already sharded", Exception, "",
-                 lambda: fully_shard(impl, sharded, mesh=mesh))
-        return
-    _misuses(ctx, impl, fresh, config)
-    caps = impl.capabilities
-    if not config.hybrid:
-        _auto_wrap(ctx, impl, fresh(), config)
-    if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
-                                                           Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
-        with env_on_all_ranks(ctx, FULL_PRECISION_IN_EVAL, "1"), ctx.catch_warnings():
-            wrapped = impl.wrap(fresh(), WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
-                                                  mixed_precision=mixed_precision_spec(config.policy)))
-        _evaluates_in_full_precision(ctx, wrapped, config)
-    if config.world_size > 1 and config.strategy in ORDER_CHECKED and Capability.EXEC_ORDER_VALIDATION in caps:
-        level = dist.get_debug_level()
-        ctx.barrier()  # thread ranks share the level: every rank is done with what came before
-        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before wrapping: an implementation may read it there
-        try:
-            _order_changes(ctx, impl, config)
-        finally:
-            ctx.barrier()  # thread ranks share the level
-            dist.set_debug_level(level)
-
-
-def _misuses(ctx: RankContext, impl: FSDPAdapter, fresh: Callable[[], FuzzModel], config: Config) -> None:
-    """The ``wrap`` misuses next to ``config`` that must be refused (see the note)."""
-    caps = impl.capabilities
+        return [lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
+                                 lambda: fully_shard(impl, fresh().blocks, mesh=ctx.device_mesh((ctx.world_size,)))),
+                lambda: _shard_twice(ctx, impl, fresh())]
+    steps: list[Callable[[], None]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
-        _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError, MANUAL_WRAP_ERROR,
-                 lambda: impl.wrap(fresh(), WrapSpec(strategy=config.strategy)))
+        bare = WrapSpec(strategy=config.strategy)
+        steps.append(lambda: _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError,
+                                      MANUAL_WRAP_ERROR, lambda: impl.wrap(fresh(), bare)))
     if config.hybrid and config.strategy == "HYBRID_SHARD" and Capability.HYBRID_PG_VALIDATION in caps:
         one_group = WrapSpec(strategy="HYBRID_SHARD", auto_wrap=AutoWrap((nn.Linear,)), process_group=ctx.group)
-        _refused("HYBRID_SHARD given one process group", ValueError, INVALID_PG_ERROR,
-                 lambda: impl.wrap(fresh(), one_group))
+        steps.append(lambda: _refused("HYBRID_SHARD given one process group", ValueError, INVALID_PG_ERROR,
+                                      lambda: impl.wrap(fresh(), one_group)))
     if not config.use_orig_params and {Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM} <= caps:
-        _refused("an optimizer in backward with flat parameters", RuntimeError, OPTIM_IN_BACKWARD_ERROR,
-                 lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config))
+        steps.append(lambda: _refused("an optimizer in backward with flat parameters", RuntimeError,
+                                      OPTIM_IN_BACKWARD_ERROR,
+                                      lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config)))
+    if not config.hybrid:
+        steps.append(lambda: _auto_wrap(ctx, impl, fresh(), config))
+    if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
+                                                           Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
+        steps.append(lambda: _full_precision_in_eval(ctx, impl, fresh(), config))
+    if config.world_size > 1 and config.strategy in ORDER_CHECKED and Capability.EXEC_ORDER_VALIDATION in caps:
+        steps.append(lambda: _at_debug_detail(ctx, lambda: _order_changes(ctx, impl, config)))
+    return steps
+
+
+def _shard_twice(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel) -> None:
+    mesh = ctx.device_mesh((ctx.world_size,))
+    sharded = fully_shard(impl, model, mesh=mesh)
+    _refused("fully_shard on a module already sharded", Exception, "", lambda: fully_shard(impl, sharded, mesh=mesh))
+
+
+def _at_debug_detail(ctx: RankContext, call: Callable[[], None]) -> None:
+    """``call()`` at debug level DETAIL, set before it wraps (an implementation may read it there)."""
+    level = dist.get_debug_level()
+    ctx.barrier()  # thread ranks share the level: every rank is done with what came before
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        call()
+    finally:
+        ctx.barrier()
+        dist.set_debug_level(level)
+
+
+def _full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """Wrapped with its policy under ``FSDP_USE_FULL_PREC_IN_EVAL=1``, an eval forward computes in full precision."""
+    with env_on_all_ranks(ctx, FULL_PRECISION_IN_EVAL, "1"), ctx.catch_warnings():
+        wrapped = impl.wrap(model, WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
+                                            mixed_precision=mixed_precision_spec(config.policy)))
+    _evaluates_in_full_precision(ctx, wrapped, config)
 
 
 def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: Config) -> None:
@@ -184,22 +207,23 @@ def _order_changes(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
     user.switched = ctx.rank != 0
     _refused("a first forward whose unit order differs across ranks", RuntimeError, ORDER_ERROR, lambda: model(batch))
     model, user = _unit_per_block(ctx, impl, config)
-    with ctx.catch_warnings() as caught:
+    with ctx.catch_warnings() as same:
         loss_of(model(batch)).backward()
         with torch.no_grad():
             model.eval()
             model(batch)
             model.train()
         loss_of(model(batch)).backward()
-    _order_warnings(caught, "", "with the same unit order on every rank, an eval forward between iterations")
     user.switched = ctx.rank != 0
-    with ctx.catch_warnings() as caught:
+    with ctx.catch_warnings() as changed:
         loss_of(model(batch)).backward()
-    _order_warnings(caught, ORDER_CHANGED.format(rank=ctx.rank) if ctx.rank else "",
+    with ctx.catch_warnings() as after:
+        loss_of(model(batch)).backward()
+    # judged after the last collective, so that no rank leaves the others waiting in one
+    _order_warnings(same, "", "with the same unit order on every rank, an eval forward between iterations")
+    _order_warnings(changed, ORDER_CHANGED.format(rank=ctx.rank) if ctx.rank else "",
                     "in the first iteration after " + ("this rank" if ctx.rank else "other ranks") + " changed order")
-    with ctx.catch_warnings() as caught:
-        loss_of(model(batch)).backward()
-    _order_warnings(caught, "", "in the second iteration after a change of order (warned once already)")
+    _order_warnings(after, "", "in the second iteration after a change of order (warned once already)")
 
 
 def _unit_per_block(ctx: RankContext, impl: FSDPAdapter, config: Config) -> tuple[nn.Module, _TwoPaths]:

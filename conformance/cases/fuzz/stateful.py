@@ -351,7 +351,7 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
     """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    if (failure := agree(ctx, attempt("neighbour", check_neighbours, ctx, impl, program.config)[1])) is not None:
+    if (failure := check_neighbours(ctx, impl, program.config)) is not None:
         return f"before wrapping, {failure}"  # [Note: neighbours of a configuration]
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.watching():  # [Note: memory held between iterations]
