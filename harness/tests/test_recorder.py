@@ -92,3 +92,21 @@ def test_require_names_what_was_not_seen() -> None:
     with pytest.raises(AssertionError, match=r"^backward: no all_reduce/reduce_scatter_tensor was observed, so no "
                                              r"collective of this implementation can be checked .*1 other call"):
         trace.require({"all_reduce", "reduce_scatter_tensor"}, "backward")
+
+
+def _names(ctx: harness.RankContext) -> list[bool]:
+    first, second = ctx.new_group([0, 1]), ctx.new_group([0, 1])
+    with ctx.record_collectives() as trace:
+        dist.all_reduce(torch.ones(1), group=first)
+        dist.all_reduce(torch.ones(1), group=second)
+        dist.all_reduce(torch.ones(1))
+    one, two, world = trace.calls
+    return [one.group_ranks == two.group_ranks, one.group_name == first.group_name,
+            two.group_name == second.group_name, one.group_name != two.group_name,
+            world.group_name == dist.group.WORLD.group_name]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_calls_tell_two_groups_of_the_same_ranks_apart(mode: str) -> None:
+    """Each call carries its group's c10d name: two groups made with the same ranks differ by it."""
+    assert harness.run(_names, world_size=2, mode=mode) == [[True] * 5] * 2
