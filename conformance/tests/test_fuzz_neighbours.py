@@ -31,6 +31,8 @@ _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()))
 _HYBRID = Config(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")
 _FLAT = Config(world_size=2, model=_MODEL, wrap=("blocks.0",))
 _MIXED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), policy=Policy(reduce_dtype="float32", cast_inputs=True))
+#: A first block of buffers only: its units gather nothing, so no order is checked (nothing to refuse).
+_BUFFERS_ONLY = Config(world_size=2, model=ModelSpec(blocks=(Block(("scale",)),)))
 _ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
 _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
 
@@ -43,9 +45,10 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | No
     (ReferenceAdapter(), _HYBRID), (TorchFSDP1Adapter(), _HYBRID), (ReferenceAdapter(), _FLAT),
     (TorchFSDP1Adapter(), _FLAT), (ReferenceAdapter(), _SHARDED), (TorchFSDP2Adapter(), _SHARDED),
     (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED), (ReferenceAdapter(), _MIXED),
-    (TorchFSDP1Adapter(), _MIXED),
+    (TorchFSDP1Adapter(), _MIXED), (ReferenceAdapter(), _BUFFERS_ONLY),
 ], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
-        "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order", "reference-mixed", "torch-fsdp1-mixed"])
+        "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order", "reference-mixed", "torch-fsdp1-mixed",
+        "reference-buffers-only"])
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
     got = run(_neighbours, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))

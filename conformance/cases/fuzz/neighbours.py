@@ -19,15 +19,16 @@ program's own model is not used), and each must behave so on every rank:
 * a ``fully_shard`` program: ``fully_shard`` on the model's ``blocks`` (an
   ``nn.ModuleList``, which has no forward a hook could run: ``ValueError``), and
   on the root a second time (any exception: torch and the reference differ);
-* a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks, with
-  the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
+* a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks whose
+  first block holds parameters, with the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
   rank but 0 running another unit than rank 0 does (of the same size). In the
   first forward that is refused (``RuntimeError``); after a first iteration it
   is warned of, once, on each rank that changed and on no other, and an eval
   forward between iterations in the same order warns nobody;
 * a ``wrap`` program that is not hybrid: its strategy and parameter exposure with
-  an auto-wrap policy naming the model's block class make every block, nested
-  ones included, a unit, or a module holding units (a per-parameter design).
+  an auto-wrap policy naming the model's block class make every block that holds
+  parameters, nested ones included, a unit, or a module holding units (a
+  per-parameter design).
   (``sync_module_states`` is left to its cases: torch's FSDP1 refuses it for a
   CPU module, which would end every such program on CPU.);
 * a ``wrap`` program with a mixed-precision policy, not hybrid
@@ -128,9 +129,16 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[Cal
     if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
                                                            Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
         steps.append(lambda: _full_precision_in_eval(ctx, impl, fresh(), config))
-    if config.world_size > 1 and config.strategy in ORDER_CHECKED and Capability.EXEC_ORDER_VALIDATION in caps:
+    if config.world_size > 1 and config.strategy in ORDER_CHECKED and _holds_parameters(config.model.blocks[0]) \
+            and Capability.EXEC_ORDER_VALIDATION in caps:
         steps.append(lambda: _at_debug_detail(ctx, lambda: _order_changes(ctx, impl, config)))
     return steps
+
+
+def _holds_parameters(block: Block) -> bool:
+    """Whether a block has a layer with parameters (a ``scale`` holds a buffer only): a unit without parameters
+    gathers nothing, so its order is not checked."""
+    return any(kind != "scale" for kind in (*block.layers, *block.inner))
 
 
 def _shard_twice(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel) -> None:
@@ -172,7 +180,8 @@ def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: C
 
 def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
     """An auto-wrap policy naming the block class makes every block a unit (see the note)."""
-    blocks = [name for name, module in model.named_modules() if isinstance(module, FuzzBlock)]
+    blocks = [name for name, module in model.named_modules()
+              if isinstance(module, FuzzBlock) and any(True for _ in module.parameters())]  # a unit needs some
     spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, auto_wrap=AutoWrap((FuzzBlock,)))
     with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
         wrapped = impl.wrap(model, spec)
