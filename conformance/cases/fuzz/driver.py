@@ -161,7 +161,8 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
     result: Search | None = None
     keep_hypothesis_out_of_cwd()
     try:
-        found = find(drawn, fails, settings=options, random=random.Random(config.seed))
+        with _draws_from_the_seed_alone():
+            found = find(drawn, fails, settings=options, random=random.Random(config.seed))
         result = Search(runs=runs, counted=tally, failing=found, message=failures[found])
     except NoSuchExample:
         result = Search(runs=runs, counted=tally)
@@ -179,6 +180,40 @@ def search(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
         if ctx.rank == 0:
             return _drive(ctx, impl, drawn, check, budget, config, counted)
         return _follow(ctx, impl, check)
+
+
+class _NoConstants:
+    """Hypothesis's pool of constants collected from local source, empty."""
+
+    def set_for_type(self, _choice_type: str) -> tuple[()]:
+        return ()
+
+
+@contextlib.contextmanager
+def _draws_from_the_seed_alone() -> Iterator[None]:
+    """Hypothesis without the constants it collects from local modules, while a fuzzer draws.
+
+    [Note: draws from the seed alone]
+    Recent hypothesis versions now and then draw a constant found in the source
+    of the local modules imported so far, and cache that pool per process. A
+    seed's examples then depend on what the drawing process has imported: a rank
+    process of the pool that ran another adapter's or a mutant's case draws other
+    programs than a fresh one (``fuzz_alone`` saw a mutant's row draw a program
+    the reference's row never ran). While a fuzzer draws, that pool is empty (and
+    the cache of it cleared), so a seed draws the same examples in every process.
+    The hook is private to hypothesis; a version without it has no local constants."""
+    from hypothesis.internal.conjecture import providers
+
+    saved = getattr(providers, "_get_local_constants", None), getattr(providers, "CONSTANTS_CACHE", None)
+    if None in saved:
+        yield
+        return
+    providers._get_local_constants = lambda: _NoConstants()  # type: ignore[assignment]
+    providers.CONSTANTS_CACHE = type(saved[1])(1024)  # type: ignore[call-arg]
+    try:
+        yield
+    finally:
+        providers._get_local_constants, providers.CONSTANTS_CACHE = saved  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
