@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import random
 from collections.abc import Collection
 from typing import Any
@@ -10,11 +11,19 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import strategies as st
 
 import conformance.cases.fuzz.example as example_mod
 import conformance.cases.test_fuzz as fuzz_cases
 from conformance.adapters.reference import ReferenceAdapter
-from conformance.cases.fuzz.driver import FuzzResult, FuzzSettings, fuzz, keep_hypothesis_out_of_cwd, render_case
+from conformance.cases.fuzz.driver import (
+    FuzzResult,
+    FuzzSettings,
+    _draws_from_the_seed_alone,
+    fuzz,
+    keep_hypothesis_out_of_cwd,
+    render_case,
+)
 from conformance.cases.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
 from conformance.cases.fuzz.model import build_model, loss_of, make_batch
 from conformance.cases.fuzz.precision import precision_note
@@ -172,3 +181,36 @@ def test_a_policy_mismatch_shrinks_to_a_reproducer_with_the_policy() -> None:
     assert "requires=[Capability.MIXED_PRECISION])" in case_text, case_text
     assert "run_example(ctx, impl, Example(world_size=1, policy=Policy()))" in case_text, case_text
     exec(compile(case_text, "<reproducer>", "exec"), dict(vars(fuzz_cases)))  # its names resolve there
+
+
+def _integers_drawn(seed: int) -> list[int]:
+    seen: list[int] = []
+
+    def record(value: int) -> bool:
+        seen.append(value)
+        return False
+
+    options = settings(max_examples=300, database=None, phases=(Phase.generate,))
+    with _draws_from_the_seed_alone(), pytest.raises(Exception, match="No examples found"):
+        find(st.integers(0, 2**16), record, settings=options, random=random.Random(seed))
+    return seen
+
+
+def test_a_seed_draws_the_same_whatever_the_process_imported(tmp_path: Any, monkeypatch: Any) -> None:
+    """[Note: draws from the seed alone]: a local module full of constants, which hypothesis would mix into its
+    draws, imported between two draws of one seed (each with hypothesis's cache of constants as a fresh process
+    has it), changes nothing while the fuzzers draw."""
+    from hypothesis.internal.conjecture import providers
+
+    def fresh_cache() -> None:
+        monkeypatch.setattr(providers, "CONSTANTS_CACHE", type(providers.CONSTANTS_CACHE)(1024))
+
+    fresh_cache()
+    before = _integers_drawn(7)
+    constants = ", ".join(str(value) for value in range(20_001, 20_401, 3))
+    (tmp_path / "fuzz_constants_probe.py").write_text(f"VALUES = [{constants}]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("fuzz_constants_probe")
+    assert 20_001 in providers._get_local_constants().set_for_type("integer"), "hypothesis ignores the probe"
+    fresh_cache()
+    assert _integers_drawn(7) == before
