@@ -16,16 +16,9 @@ import torch
 import torch.nn as nn
 
 from conformance.cases._rank_helpers import env_on_all_ranks
-from conformance.contract.adapter import (
-    FULL_PRECISION_IN_EVAL,
-    NO_SHARD_SWITCH,
-    OPTIM_IN_BACKWARD_ERROR,
-    AutoWrap,
-    Capability,
-    FSDPAdapter,
-    WrapSpec,
-)
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.messages import FULL_PRECISION_IN_EVAL, NO_SHARD_SWITCH, OPTIM_IN_BACKWARD_ERROR
 from fixtures.misc_models import RankInitModel
 from fixtures.models import (
     MLP,

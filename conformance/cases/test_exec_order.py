@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.contract.adapter import ORDER_CHANGED, ORDER_ERROR, ORDER_WARNING, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.messages import ORDER_CHANGED, ORDER_ERROR, ORDER_WARNING
 from conformance.contract.optional import wrapped_module
 from fixtures.models import ExecOrderModel
 from fixtures.seeding import generator, rank_seed

@@ -47,16 +47,10 @@ from conformance.cases._hybrid_helpers import (
     split_units,
 )
 from conformance.cases._rank_helpers import env_on_all_ranks
-from conformance.contract.adapter import (
-    INVALID_PG_ERROR,
-    MANUAL_WRAP_ERROR,
-    AutoWrap,
-    Capability,
-    FSDPAdapter,
-    WrapSpec,
-)
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
 from conformance.contract.exposures import parameter_exposures, under_exposure
+from conformance.contract.messages import INVALID_PG_ERROR, MANUAL_WRAP_ERROR
 from fixtures.baselines import cached
 from fixtures.models import ThreeLinear, TiedTransformer
 from fixtures.optimizers import OPTIMIZERS, make_optim

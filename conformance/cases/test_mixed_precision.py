@@ -27,15 +27,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import (
-    FULL_PRECISION_IN_EVAL,
-    AutoWrap,
-    Capability,
-    FSDPAdapter,
-    MixedPrecisionSpec,
-    WrapSpec,
-)
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.messages import FULL_PRECISION_IN_EVAL
 from conformance.contract.optional import full_grads
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss

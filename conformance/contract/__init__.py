@@ -6,6 +6,7 @@ self-test; it needs only torch and the harness.
 
 - :mod:`~conformance.contract.adapter`: the :class:`FSDPAdapter` protocol,
   :class:`Capability`, :class:`WrapSpec` and the other values a case hands an adapter;
+- :mod:`~conformance.contract.messages`: the errors, warnings and environment variables cases match;
 - :mod:`~conformance.contract.optional`: the optional adapter methods and their defaults;
 - :mod:`~conformance.contract.case`: ``@case`` and :class:`CaseSpec`, :class:`NotApplicable`;
 - :mod:`~conformance.contract.rows`: row ids and the patterns that name rows;

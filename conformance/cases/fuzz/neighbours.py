@@ -62,7 +62,8 @@ from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec
 from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import given_groups
-from conformance.contract.adapter import (
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.messages import (
     FULL_PRECISION_IN_EVAL,
     INVALID_PG_ERROR,
     MANUAL_WRAP_ERROR,
@@ -70,10 +71,6 @@ from conformance.contract.adapter import (
     ORDER_CHANGED,
     ORDER_ERROR,
     ORDER_WARNING,
-    AutoWrap,
-    Capability,
-    FSDPAdapter,
-    WrapSpec,
 )
 from conformance.contract.optional import fully_shard
 from fixtures.seeding import generator, seeded_init_

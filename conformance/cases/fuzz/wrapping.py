@@ -26,8 +26,9 @@ from conformance.cases.fuzz.controls import fully_shard_features, fully_shard_re
 from conformance.cases.fuzz.example import source
 from conformance.cases.fuzz.ops import HYBRID_OF, NODE, Config, Program
 from conformance.cases.fuzz.precision import mixed_precision_spec, precision_features, required
-from conformance.contract.adapter import NO_SHARD_SWITCH, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
+from conformance.contract.messages import NO_SHARD_SWITCH
 from conformance.contract.optional import activation_checkpoint_wrapper
 from fixtures.meshes import hybrid_groups
 from fixtures.parity import assert_close_named
