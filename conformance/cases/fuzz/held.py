@@ -185,11 +185,15 @@ class Held:
     since: str = "wrapping"  # what set ``gathered``
     threads: bool = False  # thread ranks: not checked (see the note)
     outside: int = 0  # depth of :meth:`untracked` blocks
-    tracking: bool = True  # whether the program runs inside the tracker (:meth:`watching`)
 
     def __post_init__(self) -> None:
-        if self.threads and self.config.world_size > 1:
-            self.gathered, self.tracking = None, False
+        if not self.tracking:
+            self.gathered = None
+
+    @property
+    def tracking(self) -> bool:
+        """Whether the program runs inside the tracker (:meth:`watching`): not on several thread ranks."""
+        return not (self.threads and self.config.world_size > 1)
 
     def watching(self) -> AbstractContextManager[Any]:
         """The tracker where the program is checked; else nothing (tracking costs a dispatch mode per op)."""
