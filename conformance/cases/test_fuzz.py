@@ -343,3 +343,17 @@ def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Saving the model and Adam's state before the first step changes nothing: the first training
     iteration after it leaves the parameters the shadow's."""
     run_program(ctx, impl, Program(config=Config(world_size=2, optimizer="adam"), ops=(Save(), Train())))
+
+
+# Written by hand as the smallest program with a reentrant block ([Note: reentrant blocks] in
+# conformance.cases.fuzz.drawing) that needs the root's parameters after the nested backward: torch-fsdp1 with a
+# sharded strategy frees the root's unsharded parameters when the nested backward delivers its piece of the root's
+# gradient, and the outer backward through blocks.0 then reads freed storage
+# (docs/findings/fsdp1-reentrant-checkpoint-frees-unit.md).
+@case("fuzz/repro_972f9ad8", world_size=2)
+def test_repro_972f9ad8(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A block of the root unit checkpointing itself reentrantly, after a block whose backward needs the root's
+    parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""
+    run_program(ctx, impl, Program(config=Config(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(),
+                                                                                               Block(reentrant=True)))),
+                                   ops=(Train(),)))

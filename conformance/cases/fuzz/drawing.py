@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from conformance.cases.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, Policy, models, policies
+from conformance.cases.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, ModelSpec, Policy, models, policies
 from conformance.cases.fuzz.ops import (
     APIS,
     BATCHES,
@@ -94,8 +94,9 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     if api != "fully_shard" or "fully_shard" not in features:
         # without a policy the cast_inputs draw is free (see [Note: options from an unused draw])
         ignore = cast_inputs and config.policy is None and "ignored_modules" in features
-        return replace(config, policy=_unused_draw_options(config.policy, raf, optimizer, features),
-                       ignored=config.ignorable() if ignore else (), saves_in_iteration=raf == 2)
+        return replace(config, model=_reentrant_blocks(config), ignored=config.ignorable() if ignore else (),
+                       policy=_unused_draw_options(config.policy, raf, optimizer, features),
+                       saves_in_iteration=raf == 2)
     # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
     config = replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
                      reshard_after_forward=_reshard_after_forward(raf, world_size, features),
@@ -129,6 +130,33 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
         return None
     keep_low = raf is False and optimizer == "sgd" and "keep_low_precision_grads" in features
     return replace(policy, keep_low_precision_grads=keep_low) if keep_low else policy
+
+
+def _reentrant_blocks(config: Config) -> ModelSpec:
+    """The model of a ``wrap`` program, its blocks outside the checkpoint wrapper checkpointing themselves
+    reentrantly where its seed is odd.
+
+    [Note: reentrant blocks]
+    A reentrant checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``)
+    recomputes its part of the forward in a backward of its own, nested in the
+    user's: the parameters it used get their gradient there, the rest of their
+    unit's in the outer backward, so a unit receives its gradient in pieces, and
+    must keep its parameters gathered for the outer backward after the nested
+    one is done. The model's own code checkpoints (no FSDP API does), so only
+    ``wrap`` programs have it: torch's ``fully_shard`` is used with the
+    non-reentrant checkpoint wrapper, which its blocks draw anyway. Which blocks
+    is read off the parity of the program's model seed, so that no draw moves
+    ([Note: options from an unused draw]): an odd seed makes every block outside
+    the checkpoint wrapper reentrant. A block recomputes only where its input
+    needs a gradient (a reentrant checkpoint gives its parameters none otherwise),
+    which the shadow's blocks decide alike ([Note: the shadow model] in
+    :mod:`conformance.cases.fuzz.shadow`).
+    """
+    if config.seed % 2 == 0:
+        return config.model
+    blocks = tuple(replace(block, reentrant=f"blocks.{i}" not in config.checkpoint)
+                   for i, block in enumerate(config.model.blocks))
+    return replace(config.model, blocks=blocks)
 
 
 def _strategy(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> str:

@@ -51,12 +51,17 @@ class Block:
     ``tie``: the block's second linear shares the first linear's weight (both
     are width x width); a tie never crosses a unit boundary, because only
     whole blocks are wrapped. ``inner``: layers of a nested block applied after
-    ``layers`` (empty: no nested block).
+    ``layers`` (empty: no nested block). ``reentrant``: the block's own forward
+    runs ``layers`` under ``torch.utils.checkpoint`` with ``use_reentrant=True``
+    when it computes gradients, as a user's model code checkpoints itself (only
+    the stateful fuzzer sets it: [Note: reentrant blocks] in
+    :mod:`conformance.cases.fuzz.drawing`).
     """
 
     layers: tuple[str, ...] = ("linear",)
     tie: bool = False
     inner: tuple[str, ...] = ()
+    reentrant: bool = False
 
     def __post_init__(self) -> None:
         bad = [kind for kind in (*self.layers, *self.inner) if kind not in LAYERS]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from conformance.cases.fuzz.example import Block, ModelSpec
 from fixtures.seeding import generator, seeded_init_
@@ -57,11 +58,12 @@ def _layer(kind: str, width: int) -> nn.Module:
 
 
 class FuzzBlock(nn.Module):
-    """``layers`` (tanh after each linear/conv), then the nested block ``inner`` if any."""
+    """``layers`` (tanh after each linear/conv), then the nested block ``inner`` if any; ``layers`` under a
+    reentrant checkpoint where the spec says so and the forward records a graph for the input."""
 
     def __init__(self, spec: Block, width: int) -> None:
         super().__init__()
-        self.kinds = spec.layers
+        self.kinds, self.reentrant = spec.layers, spec.reentrant
         self.layers = nn.ModuleList(_layer(kind, width) for kind in spec.layers)
         if spec.tie:
             first, second = [i for i, kind in enumerate(spec.layers) if kind == "linear"][:2]
@@ -69,11 +71,18 @@ class FuzzBlock(nn.Module):
         self.inner = FuzzBlock(Block(layers=spec.inner), width) if spec.inner else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant and torch.is_grad_enabled() and x.requires_grad:
+            x = checkpoint(self._layers, x, use_reentrant=True)
+        else:
+            x = self._layers(x)
+        return x if self.inner is None else self.inner(x)
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
         for kind, layer in zip(self.kinds, self.layers, strict=True):
             x = layer(x)
             if kind not in ("norm", "scale"):
                 x = torch.tanh(x)
-        return x if self.inner is None else self.inner(x)
+        return x
 
 
 class FuzzModel(nn.Module):

@@ -75,8 +75,8 @@ def hybrid_fits(world_size: int) -> bool:
 class Config:
     """What a program runs on. ``wrap``: module paths wrapped as units (then the root); ``checkpoint``:
     blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
-    their unit); ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths
-    given to the root as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored
+    their unit; a ``wrap`` program's other blocks may checkpoint themselves, ``Block.reentrant``);
+    ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths given to the root as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored
     modules in programs]). ``api``: the paths
     (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
@@ -133,6 +133,10 @@ class Config:
         if self.ignored and (self.policy is not None or not set(self.ignored) <= set(self.ignorable())):
             raise ValueError(f"Config(ignored={self.ignored}) needs no policy and paths among "
                              f"{self.ignorable()} (see [Note: ignored modules in programs])")
+        reentrant = [f"blocks.{i}" for i, block in enumerate(self.model.blocks) if block.reentrant]
+        if reentrant and (self.api != "wrap" or set(reentrant) & set(self.checkpoint)):
+            raise ValueError(f"Config(api={self.api!r}, checkpoint={self.checkpoint}): reentrant blocks {reentrant} "
+                             "are for wrap programs, outside the checkpoint wrapper ([Note: reentrant blocks])")
         if self.frozen and not self.orig_params and not set(self.frozen) <= set(self.wrap):
             raise ValueError(f"Config(frozen={self.frozen}) with flat parameters: a frozen path must be its own "
                              f"unit (wrap={self.wrap}); a flat parameter cannot mix frozen and trained parameters")

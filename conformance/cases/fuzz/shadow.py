@@ -2,9 +2,11 @@
 
 [Note: the shadow model]
 The shadow is the unwrapped model (same seed, same frozen parameters, no
-activation checkpointing: recomputation changes no value) with the same
-optimizer. It answers every operation of a program ([Note: stateful programs]
-in :mod:`conformance.cases.fuzz.ops`) the way data-parallel training on the
+checkpoint wrapper: recomputation changes no value; a block that checkpoints
+itself, [Note: reentrant blocks] in :mod:`conformance.cases.fuzz.drawing`, is
+the model's own code and does so here too) with the same optimizer. It
+answers every operation of a program ([Note: stateful programs] in
+:mod:`conformance.cases.fuzz.ops`) the way data-parallel training on the
 ranks must look to a user:
 
 * a forward on rank ``r`` gives the shadow's output on rank ``r``'s batch;
