@@ -76,8 +76,8 @@ class Config:
     """What a program runs on. ``wrap``: module paths wrapped as units (then the root); ``checkpoint``:
     blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
     their unit; a ``wrap`` program's other blocks may checkpoint themselves, ``Block.reentrant``);
-    ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths given to the root as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored
-    modules in programs]). ``api``: the paths
+    ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths given to the root
+    as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored modules in programs]). ``api``: the paths
     (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
     choose, and the original parameters are what the module holds). ``saves_in_iteration`` (``wrap``
