@@ -77,8 +77,8 @@ class Config:
     blocks whose activations are recomputed in backward (wrapped for activation checkpointing inside
     their unit; a ``wrap`` program's other blocks may checkpoint themselves, ``Block.reentrant``);
     ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths given to the root
-    as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored modules in programs]). ``api``: the paths
-    (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
+    as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored modules in programs]).
+    ``api``: the paths (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
     ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
     choose, and the original parameters are what the module holds). ``saves_in_iteration`` (``wrap``
     only): each :class:`Train` takes a state dict between its forward and its backward, as a
