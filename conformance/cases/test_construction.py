@@ -18,7 +18,12 @@ import torch.nn as nn
 from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
-from conformance.contract.messages import FULL_PRECISION_IN_EVAL, NO_SHARD_SWITCH, OPTIM_IN_BACKWARD_ERROR
+from conformance.contract.messages import (
+    FULL_PRECISION_IN_EVAL,
+    NO_SHARD_SWITCH,
+    OPTIM_IN_BACKWARD_ERROR,
+    UNSAFE_SETATTR,
+)
 from fixtures.misc_models import RankInitModel
 from fixtures.models import (
     MLP,
@@ -156,7 +161,7 @@ def test_unsafe_setattr(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bo
     inp = torch.randn((8, 5), generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
     # The variable is set for wrap and forward alike: the catalogue does not
     # say when an implementation reads it (torch reads it at wrap time).
-    with env_on_all_ranks(ctx, "FSDP_USE_UNSAFE_SETATTR", env_value):
+    with env_on_all_ranks(ctx, UNSAFE_SETATTR, env_value):
         fsdp = impl.wrap(inner, WrapSpec(use_orig_params=use_orig_params))
         inner.setattr_calls.clear()
         fsdp(inp)

@@ -13,6 +13,7 @@ __all__ = [
     "ORDER_CHANGED",
     "ORDER_ERROR",
     "ORDER_WARNING",
+    "UNSAFE_SETATTR",
 ]
 
 #: How the warning of :attr:`Capability.WORLD_SIZE_1_SWITCH` starts.
@@ -25,6 +26,8 @@ INVALID_PG_ERROR = "Expected process_group to be passed in"
 OPTIM_IN_BACKWARD_ERROR = "only supported with use_orig_params=True"
 #: The environment variable of :attr:`Capability.MP_FULL_PRECISION_IN_EVAL` (``"1"`` at wrap time: on).
 FULL_PRECISION_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
+#: The environment variable of :attr:`Capability.UNSAFE_SETATTR` (``"1"``: modules' ``__setattr__`` bypassed).
+UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 #: How :attr:`Capability.EXEC_ORDER_VALIDATION`'s messages start: the RuntimeError of a first forward whose
 #: unit order differs across ranks, and every order warning (the one of a later change: :data:`ORDER_CHANGED`).
 ORDER_ERROR = "Forward order differs across ranks"

@@ -23,6 +23,7 @@ from conformance.selftest.mutants import (
     NoExecOrderCheck,
     NoOptimInBackwardCheck,
     Silent,
+    UnsafeSetattrIgnored,
     WarnsEveryIteration,
 )
 from harness import RankContext, run
@@ -67,8 +68,11 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     # Rank 1 misses its warning mid-sequence while rank 0 has none to miss: judged after the last collective, no hang.
     (Silent(), _ORDERED, r"rank 1: .* in the first iteration after this rank changed order: no warning"),
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
+    (UnsafeSetattrIgnored(), _FLAT, r"under FSDP_USE_UNSAFE_SETATTR=1 a training iteration went through modules' "
+                                    r"__setattr__ overrides, setting \['Linear.bias', 'Linear.weight'\]"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
-        "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration"])
+        "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration",
+        "unsafe-setattr-ignored"])
 def test_mutants_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""

@@ -31,6 +31,11 @@ program's own model is not used), and each must behave so on every rank:
   per-parameter design).
   (``sync_module_states`` is left to its cases: torch's FSDP1 refuses it for a
   CPU module, which would end every such program on CPU.);
+* a ``wrap`` program (:attr:`Capability.UNSAFE_SETATTR`): its model, every layer
+  given a ``__setattr__`` override that records its calls, wrapped as the
+  program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, trains an iteration without
+  calling an override (torch: the variable makes FSDP bypass a module's
+  ``__setattr__``; an implementation that never calls one honours it too);
 * a ``wrap`` program with a mixed-precision policy, not hybrid
   (:attr:`Capability.MP_FULL_PRECISION_IN_EVAL`): the model wrapped with its
   policy under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes an eval forward in
@@ -41,7 +46,7 @@ unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
 ``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
-``placement/device_id_auto_wrap``, ``mixed_precision/full_precision_in_eval`` and the
+``placement/device_id_auto_wrap``, ``construction/unsafe_setattr``, ``mixed_precision/full_precision_in_eval`` and the
 ``exec_order`` cases check the same contract on their own models.
 """
 
@@ -58,10 +63,10 @@ from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec
+from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
-from conformance.cases.fuzz.wrapping import given_groups
+from conformance.cases.fuzz.wrapping import given_groups, wrap_config
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.messages import (
     FULL_PRECISION_IN_EVAL,
@@ -71,6 +76,7 @@ from conformance.contract.messages import (
     ORDER_CHANGED,
     ORDER_ERROR,
     ORDER_WARNING,
+    UNSAFE_SETATTR,
 )
 from conformance.contract.optional import fully_shard
 from fixtures.seeding import generator, seeded_init_
@@ -123,6 +129,8 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[Cal
                                       lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config)))
     if not config.hybrid:
         steps.append(lambda: _auto_wrap(ctx, impl, fresh(), config))
+    if Capability.UNSAFE_SETATTR in caps:
+        steps.append(lambda: _bypasses_setattr(ctx, impl, fresh(), config))
     if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
                                                            Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
         steps.append(lambda: _full_precision_in_eval(ctx, impl, fresh(), config))
@@ -173,6 +181,41 @@ def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: C
     if dtypes != [str(torch.float32)]:
         raise AssertionError(f"wrapped with {FULL_PRECISION_IN_EVAL}=1 and a mixed-precision policy, an eval forward "
                              f"returned {dtypes}: eval computes in full precision")
+
+
+def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """Wrapped as the program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, a training iteration calls no layer's
+    ``__setattr__`` override (the calls of the wrap itself are not counted)."""
+    layers = [module for module in model.modules() if any(True for _ in module.parameters(recurse=False))]
+    for layer in layers:
+        layer.__class__ = _recording(type(layer))
+        object.__setattr__(layer, "setattr_calls", [])
+    with env_on_all_ranks(ctx, UNSAFE_SETATTR, "1"):
+        wrapped = wrap_config(ctx, impl, model, config, given_groups(ctx, config))
+        for layer in layers:
+            layer.__dict__["setattr_calls"].clear()
+        loss_of(wrapped(wrapped_input(batch_of(config, 0, ctx.rank, ctx.device), config.policy))).backward()
+    calls = sorted({f"{type(layer).__name__}.{name}" for layer in layers for name in layer.__dict__["setattr_calls"]})
+    if calls:
+        raise AssertionError(f"under {UNSAFE_SETATTR}=1 a training iteration went through modules' __setattr__ "
+                             f"overrides, setting {calls}: the variable bypasses them")
+
+
+_RECORDING: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _recording(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with a ``__setattr__`` override appending each name set to the instance's ``setattr_calls``
+    (kept in ``__dict__``, so recording never recurses), as a user's module may override it."""
+    if cls not in _RECORDING:
+        def record(self: nn.Module, name: str, value: Any) -> None:
+            calls = self.__dict__.get("setattr_calls")
+            if calls is not None:
+                calls.append(name)
+            cls.__setattr__(self, name, value)
+
+        _RECORDING[cls] = type(cls.__name__, (cls,), {"__setattr__": record})
+    return _RECORDING[cls]
 
 
 def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
