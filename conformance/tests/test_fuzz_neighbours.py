@@ -68,7 +68,7 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     # Rank 1 misses its warning mid-sequence while rank 0 has none to miss: judged after the last collective, no hang.
     (Silent(), _ORDERED, r"rank 1: .* in the first iteration after this rank changed order: no warning"),
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
-    (UnsafeSetattrIgnored(), _FLAT, r"under FSDP_USE_UNSAFE_SETATTR=1 a training iteration went through modules' "
+    (UnsafeSetattrIgnored(), _FLAT, r"under FSDP_USE_UNSAFE_SETATTR=1 a forward went through modules' "
                                     r"__setattr__ overrides, setting \['Linear.bias', 'Linear.weight'\]"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
         "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
@@ -42,7 +43,14 @@ from conformance.cases.fuzz.wrapping import assert_ignored_kept, missing_operati
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
-from conformance.selftest.mutants import MetaInitNotFollowed, NoGradDivide, Silent, UnshardWithoutGather
+from conformance.selftest.mutants import (
+    FirstGradPieceOnly,
+    MetaInitNotFollowed,
+    NoGradDivide,
+    NoNestedBackwardGuard,
+    Silent,
+    UnshardWithoutGather,
+)
 from harness import RankContext, run
 from harness.rank_mode import RankMode
 
@@ -138,9 +146,27 @@ def test_meta_init_is_drawn_for_fully_shard_programs_only() -> None:
     assert not any(p.config.meta_init for p in _drawn(3, 100, FULLY_SHARD_FEATURES - {"meta_init"}))
 
 
+def test_reentrant_blocks_are_drawn_for_wrap_programs_with_an_odd_seed() -> None:
+    """[Note: reentrant blocks]: a ``wrap`` program with an odd model seed has every block outside the checkpoint
+    wrapper reentrant, one with an even seed none, and a ``fully_shard`` program none."""
+    drawn = _drawn(3, 100, FULLY_SHARD_FEATURES)
+    for program in drawn:
+        config = program.config
+        got = tuple(f"blocks.{i}" for i, block in enumerate(config.model.blocks) if block.reentrant)
+        odd_wrap = config.api == "wrap" and config.seed % 2
+        want = tuple(f"blocks.{i}" for i in range(len(config.model.blocks))
+                     if odd_wrap and f"blocks.{i}" not in config.checkpoint)
+        assert got == want, (config, got, want)
+    assert any(block.reentrant for p in drawn for block in p.config.model.blocks)
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
+        (lambda: Config(world_size=2, model=ModelSpec(blocks=(Block(reentrant=True),)), api="fully_shard"),
+         r"reentrant blocks \['blocks.0'\] are for wrap programs"),
+        (lambda: Config(world_size=2, model=ModelSpec(blocks=(Block(reentrant=True),)), checkpoint=("blocks.0",)),
+         "outside the checkpoint wrapper"),
         (lambda: Config(world_size=2, wrap=("blocks.3",)), r"Config.wrap names \['blocks.3'\]"),
         (lambda: Config(world_size=2, checkpoint=("blocks.0.inner",)), "Config.checkpoint names"),
         (lambda: Config(world_size=2, strategy="HYBRID_SHARD"), "strategy='HYBRID_SHARD'"),
@@ -296,6 +322,23 @@ def test_a_broken_control_is_found_and_shrunk() -> None:
     case_text = render_program(shrunk, result.message)
     assert "Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS" in case_text, case_text
     exec(compile(case_text, "<reproducer>", "exec"), dict(vars(stateful_cases)))  # its names resolve there
+
+
+@pytest.mark.parametrize(("mutant", "message"), [
+    (FirstGradPieceOnly(), r"op 0 \(Train\(batch=0\)\), rank 0: params: params\[embed.weight\]"),
+    (NoNestedBackwardGuard(), r"op 0 \(Train\(batch=0\)\), rank 0: raised: RuntimeError: setStorage"),
+], ids=["first-grad-piece-only", "no-nested-backward-guard"])
+def test_a_reentrant_block_needs_every_gradient_piece_and_the_parameters_after_it(mutant: Any, message: str) -> None:
+    """The smallest program with a reentrant block ([Note: reentrant blocks]) fails on a reference that reduces
+    only a unit's first gradient piece, and on one that reshards after a nested backward's piece (fresh rank
+    processes: a mutant's patches stay where it ran); the reference passes it in both rank modes."""
+    program = Program(Config(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))),
+                      (Train(),))
+    got = run(check_program, world_size=2, mode="process", timeout_s=120, isolated=True, args=(mutant, program))
+    assert got[0] is not None and re.match(message, got[0]), got
+    for mode in ("thread", "process"):
+        assert run(check_program, world_size=2, mode=mode, timeout_s=120,
+                   args=(ReferenceAdapter(), program)) == [None, None]
 
 
 def _unit(fqn: str, grads: list[Any]) -> UnitInfo:

@@ -33,7 +33,7 @@ program's own model is not used), and each must behave so on every rank:
   CPU module, which would end every such program on CPU.);
 * a ``wrap`` program (:attr:`Capability.UNSAFE_SETATTR`): its model, every layer
   given a ``__setattr__`` override that records its calls, wrapped as the
-  program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, trains an iteration without
+  program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, computes a forward without
   calling an override (torch: the variable makes FSDP bypass a module's
   ``__setattr__``; an implementation that never calls one honours it too);
 * a ``wrap`` program with a mixed-precision policy, not hybrid
@@ -95,15 +95,15 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str
     wrong, the same text on every rank, or ``None``. Ranks agree after each neighbour, and a neighbour raises
     only after its last collective ([Note: fuzz verdicts agree across ranks] in
     :mod:`conformance.cases.fuzz.runner`)."""
-    for step in _neighbours(ctx, impl, config):
-        failure = agree(ctx, attempt("neighbour", step)[1])
+    for name, step in _neighbours(ctx, impl, config):
+        failure = agree(ctx, attempt(f"neighbour ({name})", step)[1])
         if failure is not None:
             return failure
     return None
 
 
-def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[Callable[[], None]]:
-    """The neighbours ``config`` has where ``impl`` declares what they need, each a call that raises
+def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tuple[str, Callable[[], None]]]:
+    """The neighbours ``config`` has where ``impl`` declares what they need, each named, a call that raises
     ``AssertionError`` naming what ``impl`` got wrong."""
 
     def fresh() -> FuzzModel:
@@ -111,32 +111,34 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[Cal
 
     caps = impl.capabilities
     if config.api == "fully_shard":
-        return [lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
-                                 lambda: fully_shard(impl, fresh().blocks, mesh=ctx.device_mesh((ctx.world_size,)))),
-                lambda: _shard_twice(ctx, impl, fresh())]
-    steps: list[Callable[[], None]] = []
+        mesh = ctx.device_mesh((ctx.world_size,))
+        return [("misuse", lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
+                                            lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
+                ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
+    steps: list[tuple[str, Callable[[], None]]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
         bare = WrapSpec(strategy=config.strategy)
-        steps.append(lambda: _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError,
-                                      MANUAL_WRAP_ERROR, lambda: impl.wrap(fresh(), bare)))
+        steps.append(("misuse", lambda: _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError,
+                                                MANUAL_WRAP_ERROR, lambda: impl.wrap(fresh(), bare))))
     if config.hybrid and config.strategy == "HYBRID_SHARD" and Capability.HYBRID_PG_VALIDATION in caps:
         one_group = WrapSpec(strategy="HYBRID_SHARD", auto_wrap=AutoWrap((nn.Linear,)), process_group=ctx.group)
-        steps.append(lambda: _refused("HYBRID_SHARD given one process group", ValueError, INVALID_PG_ERROR,
-                                      lambda: impl.wrap(fresh(), one_group)))
+        steps.append(("misuse", lambda: _refused("HYBRID_SHARD given one process group", ValueError,
+                                                INVALID_PG_ERROR, lambda: impl.wrap(fresh(), one_group))))
     if not config.use_orig_params and {Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM} <= caps:
-        steps.append(lambda: _refused("an optimizer in backward with flat parameters", RuntimeError,
-                                      OPTIM_IN_BACKWARD_ERROR,
-                                      lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(), config)))
+        steps.append(("misuse", lambda: _refused("an optimizer in backward with flat parameters", RuntimeError,
+                                                OPTIM_IN_BACKWARD_ERROR,
+                                                lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(),
+                                                                                            config))))
     if not config.hybrid:
-        steps.append(lambda: _auto_wrap(ctx, impl, fresh(), config))
+        steps.append(("auto-wrap policy", lambda: _auto_wrap(ctx, impl, fresh(), config)))
     if Capability.UNSAFE_SETATTR in caps:
-        steps.append(lambda: _bypasses_setattr(ctx, impl, fresh(), config))
+        steps.append((f"{UNSAFE_SETATTR}=1", lambda: _bypasses_setattr(ctx, impl, fresh(), config)))
     if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
                                                            Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
-        steps.append(lambda: _full_precision_in_eval(ctx, impl, fresh(), config))
+        steps.append((f"{FULL_PRECISION_IN_EVAL}=1", lambda: _full_precision_in_eval(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in ORDER_CHECKED and _holds_parameters(config.model.blocks[0]) \
             and Capability.EXEC_ORDER_VALIDATION in caps:
-        steps.append(lambda: _at_debug_detail(ctx, lambda: _order_changes(ctx, impl, config)))
+        steps.append(("unit order", lambda: _at_debug_detail(ctx, lambda: _order_changes(ctx, impl, config))))
     return steps
 
 
@@ -184,7 +186,7 @@ def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: C
 
 
 def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
-    """Wrapped as the program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, a training iteration calls no layer's
+    """Wrapped as the program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, a forward with gradients calls no layer's
     ``__setattr__`` override (the calls of the wrap itself are not counted)."""
     layers = [module for module in model.modules() if any(True for _ in module.parameters(recurse=False))]
     for layer in layers:
@@ -194,10 +196,10 @@ def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
         wrapped = wrap_config(ctx, impl, model, config, given_groups(ctx, config))
         for layer in layers:
             layer.__dict__["setattr_calls"].clear()
-        loss_of(wrapped(wrapped_input(batch_of(config, 0, ctx.rank, ctx.device), config.policy))).backward()
+        wrapped(wrapped_input(batch_of(config, 0, ctx.rank, ctx.device), config.policy))
     calls = sorted({f"{type(layer).__name__}.{name}" for layer in layers for name in layer.__dict__["setattr_calls"]})
     if calls:
-        raise AssertionError(f"under {UNSAFE_SETATTR}=1 a training iteration went through modules' __setattr__ "
+        raise AssertionError(f"under {UNSAFE_SETATTR}=1 a forward went through modules' __setattr__ "
                              f"overrides, setting {calls}: the variable bypasses them")
 
 
