@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
@@ -22,6 +23,7 @@ from conformance.selftest.mutants import (
     MisuseUnchecked,
     NoExecOrderCheck,
     NoOptimInBackwardCheck,
+    PrefetchListReversed,
     Silent,
     UnsafeSetattrIgnored,
     WarnsEveryIteration,
@@ -36,6 +38,10 @@ _MIXED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), policy=Policy(re
 _BUFFERS_ONLY = Config(world_size=2, model=ModelSpec(blocks=(Block(("scale",)),)))
 _ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
 _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
+#: Four units whose all-gathers differ in size, so their order can be told ([Note: prefetch lists in order]).
+_PREFETCHED = Config(world_size=2, model=ModelSpec(width=4, vocab=7, blocks=(Block(("linear",)), Block(("conv3",)),
+                                                                             Block(("norm",)))),
+                     wrap=("blocks.0", "blocks.1", "blocks.2"), api="fully_shard")
 
 
 def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
@@ -46,10 +52,11 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | No
     (ReferenceAdapter(), _HYBRID), (TorchFSDP1Adapter(), _HYBRID), (ReferenceAdapter(), _FLAT),
     (TorchFSDP1Adapter(), _FLAT), (ReferenceAdapter(), _SHARDED), (TorchFSDP2Adapter(), _SHARDED),
     (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED), (ReferenceAdapter(), _MIXED),
-    (TorchFSDP1Adapter(), _MIXED), (ReferenceAdapter(), _BUFFERS_ONLY),
+    (TorchFSDP1Adapter(), _MIXED), (ReferenceAdapter(), _BUFFERS_ONLY), (ReferenceAdapter(), _PREFETCHED),
+    (TorchFSDP2Adapter(), _PREFETCHED),
 ], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
         "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order", "reference-mixed", "torch-fsdp1-mixed",
-        "reference-buffers-only"])
+        "reference-buffers-only", "reference-prefetch-lists", "torch-fsdp2-prefetch-lists"])
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
     got = run(_neighbours, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))
@@ -68,11 +75,13 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     # Rank 1 misses its warning mid-sequence while rank 0 has none to miss: judged after the last collective, no hang.
     (Silent(), _ORDERED, r"rank 1: .* in the first iteration after this rank changed order: no warning"),
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
+    (PrefetchListReversed(), _PREFETCHED, r"forward all-gathered the units in the order \['<root>', 'blocks.1', "
+                                          r"'blocks.0', 'blocks.2'\], not \['<root>', 'blocks.0', 'blocks.1', "),
     (UnsafeSetattrIgnored(), _FLAT, r"under FSDP_USE_UNSAFE_SETATTR=1 a forward went through modules' "
                                     r"__setattr__ overrides, setting \['Linear.bias', 'Linear.weight'\]"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
         "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration",
-        "unsafe-setattr-ignored"])
+        "prefetch-list-reversed", "unsafe-setattr-ignored"])
 def test_mutants_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""
@@ -96,3 +105,19 @@ def test_a_refusal_must_raise_the_documented_error() -> None:
         _refused("x", ValueError, "", lambda: raises(TypeError("bad")))
     with pytest.raises(AssertionError, match="x was accepted: the contract refuses it"):
         _refused("x", ValueError, "", lambda: None)
+
+
+def test_prefetch_order_is_judged_only_where_units_differ_in_size() -> None:
+    """Units are told by their all-gathers' sizes: two of one size leave the order unjudged, as do fewer than
+    three units (a list of two changes nothing there)."""
+    from conformance.cases.fuzz.model import build_model
+    from conformance.cases.fuzz.prefetching import _spans
+
+    def spans(config: Config) -> object:
+        return _spans(build_model(config.model, 0, torch.float32, torch.device("cpu")), config)
+
+    assert spans(_PREFETCHED) is not None
+    same = Config(world_size=2, model=ModelSpec(width=4, vocab=7, blocks=(Block(), Block(), Block(("norm",)))),
+                  wrap=("blocks.0", "blocks.1", "blocks.2"), api="fully_shard")
+    assert spans(same) is None
+    assert spans(Config(world_size=2, model=_PREFETCHED.model, wrap=("blocks.1",), api="fully_shard")) is None

@@ -65,7 +65,7 @@ from fixtures.memory import StorageTracker, storages_of
 
 T = TypeVar("T")
 
-__all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound", "units_of"]
+__all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound", "shard_sizes", "units_of"]
 
 #: A parameter's copies in the optimizer's state (its step count aside).
 COPIES = {"sgd": 1, "adam": 2}
@@ -99,10 +99,17 @@ def units_of(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
 
 def _padded(params: list[nn.Parameter], shards: int) -> int:
     """Bytes of one of ``shards`` shards of ``params`` (one unit's), padded the larger of the note's two ways."""
+    return max(shard_sizes(params, shards)[1:])
+
+
+def shard_sizes(params: list[nn.Parameter], shards: int) -> tuple[int, int, int]:
+    """Bytes of one of ``shards`` shards of one unit's ``params``: unpadded, and padded each of the note's two
+    ways (per parameter to a multiple of the shard count along dim 0; flattened, each parameter aligned)."""
     size = params[0].element_size()
+    unpadded = math.ceil(sum(p.numel() for p in params) / shards)
     per_param = sum(math.ceil(_dim0(p) / shards) * (p.numel() // _dim0(p)) for p in params)
     flat = math.ceil(sum(p.numel() + _ALIGN // size for p in params) / shards)
-    return max(per_param, flat) * size
+    return unpadded * size, per_param * size, flat * size
 
 
 def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
@@ -111,13 +118,11 @@ def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
     ignored parameters count whole."""
     least = most = 0
     for unit, params in units_of(model, config).items():
-        size = params[0].element_size()
         if unit in config.ignored:
-            whole = sum(p.numel() for p in params) * size
+            whole = sum(p.numel() for p in params) * params[0].element_size()
             least, most = least + whole, most + whole
         else:
-            least += math.ceil(sum(p.numel() for p in params) / _shards(config)) * size
-            most += _padded(params, _shards(config))
+            least, most = least + shard_sizes(params, _shards(config))[0], most + _padded(params, _shards(config))
     return least, most
 
 

@@ -19,6 +19,10 @@ program's own model is not used), and each must behave so on every rank:
 * a ``fully_shard`` program: ``fully_shard`` on the model's ``blocks`` (an
   ``nn.ModuleList``, which has no forward a hook could run: ``ValueError``), and
   on the root a second time (any exception: torch and the reference differ);
+* a ``fully_shard`` program on several ranks (:attr:`Capability.EXPLICIT_PREFETCH`):
+  every unit given the next two as its prefetch lists, each pass all-gathers the
+  units in order ([Note: prefetch lists in order] in
+  :mod:`conformance.cases.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks whose
   first block holds parameters, with the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
   rank but 0 running another unit than rank 0 does (of the same size). In the
@@ -46,7 +50,7 @@ unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
 ``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
-``placement/device_id_auto_wrap``, ``construction/unsafe_setattr``, ``mixed_precision/full_precision_in_eval`` and the
+``placement/device_id_auto_wrap``, ``construction/unsafe_setattr``, ``reshard/explicit_prefetch``, ``mixed_precision/full_precision_in_eval`` and the
 ``exec_order`` cases check the same contract on their own models.
 """
 
@@ -64,6 +68,7 @@ from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
+from conformance.cases.fuzz.prefetching import prefetches_in_order
 from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import given_groups, wrap_config
@@ -112,9 +117,12 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
     caps = impl.capabilities
     if config.api == "fully_shard":
         mesh = ctx.device_mesh((ctx.world_size,))
-        return [("misuse", lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
-                                            lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
-                ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
+        sharding = [("misuse", lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError,
+                                                "", lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
+                    ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
+        if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in caps:
+            sharding.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), fresh(), config)))
+        return sharding
     steps: list[tuple[str, Callable[[], None]]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
         bare = WrapSpec(strategy=config.strategy)
