@@ -50,8 +50,8 @@ unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
 ``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
-``placement/device_id_auto_wrap``, ``construction/unsafe_setattr``, ``reshard/explicit_prefetch``, ``mixed_precision/full_precision_in_eval`` and the
-``exec_order`` cases check the same contract on their own models.
+``placement/device_id_auto_wrap``, ``construction/unsafe_setattr``, ``reshard/explicit_prefetch``,
+``mixed_precision/full_precision_in_eval`` and the ``exec_order`` cases check the same contract on their own models.
 """
 
 from __future__ import annotations
