@@ -16,6 +16,7 @@ from conformance.cases.fuzz.neighbours import _refused, check_neighbours
 from conformance.cases.fuzz.ops import Config, Program, Train
 from conformance.contract.adapter import FSDPAdapter
 from conformance.selftest.mutants import (
+    AlwaysPrefetch,
     AutoWrapChildrenOnly,
     ChecksEvalForwards,
     EvalInLowPrecision,
@@ -42,6 +43,7 @@ _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_sha
 _PREFETCHED = Config(world_size=2, model=ModelSpec(width=4, vocab=7, blocks=(Block(("linear",)), Block(("conv3",)),
                                                                              Block(("norm",)))),
                      wrap=("blocks.0", "blocks.1", "blocks.2"), api="fully_shard")
+_UNPREFETCHED = Config(world_size=2, model=_PREFETCHED.model, wrap=_PREFETCHED.wrap)
 
 
 def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
@@ -53,10 +55,11 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | No
     (TorchFSDP1Adapter(), _FLAT), (ReferenceAdapter(), _SHARDED), (TorchFSDP2Adapter(), _SHARDED),
     (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED), (ReferenceAdapter(), _MIXED),
     (TorchFSDP1Adapter(), _MIXED), (ReferenceAdapter(), _BUFFERS_ONLY), (ReferenceAdapter(), _PREFETCHED),
-    (TorchFSDP2Adapter(), _PREFETCHED),
+    (TorchFSDP2Adapter(), _PREFETCHED), (ReferenceAdapter(), _UNPREFETCHED), (TorchFSDP1Adapter(), _UNPREFETCHED),
 ], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
         "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order", "reference-mixed", "torch-fsdp1-mixed",
-        "reference-buffers-only", "reference-prefetch-lists", "torch-fsdp2-prefetch-lists"])
+        "reference-buffers-only", "reference-prefetch-lists", "torch-fsdp2-prefetch-lists",
+        "reference-no-forward-prefetch", "torch-fsdp1-no-forward-prefetch"])
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
     got = run(_neighbours, world_size=config.world_size, mode=mode, timeout_s=120, args=(impl, config))
@@ -77,11 +80,13 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
     (WarnsEveryIteration(), _ORDERED, r"rank 1: .* in the second iteration after a change of order \(warned once"),
     (PrefetchListReversed(), _PREFETCHED, r"forward all-gathered the units in the order \['<root>', 'blocks.1', "
                                           r"'blocks.0', 'blocks.2'\], not \['<root>', 'blocks.0', 'blocks.1', "),
+    (AlwaysPrefetch(), _UNPREFETCHED, r"without forward prefetch, units \['blocks.0', 'blocks.1', 'blocks.2'\] were "
+                                      r"all-gathered before the forward of the unit before each began"),
     (UnsafeSetattrIgnored(), _FLAT, r"under FSDP_USE_UNSAFE_SETATTR=1 a forward went through modules' "
                                     r"__setattr__ overrides, setting \['Linear.bias', 'Linear.weight'\]"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
         "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration",
-        "prefetch-list-reversed", "unsafe-setattr-ignored"])
+        "prefetch-list-reversed", "always-prefetch", "unsafe-setattr-ignored"])
 def test_mutants_fail_before_wrapping(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The whole program fails before its wrap, on every rank, naming what was accepted (fresh rank processes:
     a mutant's patches stay where it ran)."""

@@ -23,6 +23,11 @@ program's own model is not used), and each must behave so on every rank:
   every unit given the next two as its prefetch lists, each pass all-gathers the
   units in order ([Note: prefetch lists in order] in
   :mod:`conformance.cases.fuzz.prefetching`);
+* a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks without
+  a policy: wrapped as it wraps, without forward prefetch (the default), a
+  second iteration's forward gathers each unit only once the forward of the
+  one before it began ([Note: no forward prefetch unless asked] in
+  :mod:`conformance.cases.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks whose
   first block holds parameters, with the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
   rank but 0 running another unit than rank 0 does (of the same size). In the
@@ -68,7 +73,7 @@ from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
-from conformance.cases.fuzz.prefetching import prefetches_in_order
+from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_in_order
 from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import given_groups, wrap_config
@@ -91,8 +96,9 @@ if TYPE_CHECKING:
 
 __all__ = ["check_neighbours"]
 
-#: The strategies whose programs change their unit order (the ones the exec_order cases run).
-ORDER_CHECKED = ("FULL_SHARD", "SHARD_GRAD_OP")
+#: The strategies sharding over the whole world: the order neighbour's (the ones the exec_order cases run), and the
+#: all-gathers the no-forward-prefetch neighbour tells apart.
+SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
 def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
@@ -144,7 +150,9 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
     if config.policy is not None and not config.hybrid and {Capability.MIXED_PRECISION,
                                                            Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
         steps.append((f"{FULL_PRECISION_IN_EVAL}=1", lambda: _full_precision_in_eval(ctx, impl, fresh(), config)))
-    if config.world_size > 1 and config.strategy in ORDER_CHECKED and _holds_parameters(config.model.blocks[0]) \
+    if config.world_size > 1 and config.strategy in SHARDED and config.policy is None:
+        steps.append(("no forward prefetch", lambda: fetches_when_used(ctx, impl, fresh(), fresh(), config)))
+    if config.world_size > 1 and config.strategy in SHARDED and _holds_parameters(config.model.blocks[0]) \
             and Capability.EXEC_ORDER_VALIDATION in caps:
         steps.append(("unit order", lambda: _at_debug_detail(ctx, lambda: _order_changes(ctx, impl, config))))
     return steps

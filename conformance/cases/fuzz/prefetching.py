@@ -21,25 +21,39 @@ another size (an implementation padding another way is not judged). Forward
 lists are emptied before the backward: a checkpointed block's recomputation is a
 forward inside backward, where the forward lists are not what is checked.
 ``reshard/explicit_prefetch`` checks the same contract on its own model.
+
+[Note: no forward prefetch unless asked]
+``forward_prefetch`` is off by default, and torch documents turning it on as
+what makes FSDP1 issue "the next forward-pass all-gather before the current
+forward computation": off, a unit's parameters are gathered when its forward
+comes, and a unit more is held at a time when it is on. A ``FULL_SHARD`` or
+``SHARD_GRAD_OP`` ``wrap`` program on several ranks, without a policy (whose
+param dtype would change the sizes), wraps a fresh copy of its model as it does,
+trains an iteration (torch's FSDP1 prefetches from the second, once it knows the
+order), and in the next forward every unit after the first is all-gathered only
+after the forward of the unit before it began (seen by a forward pre-hook on the
+user's module, which runs inside the unit, after its own all-gather). Units are
+told by size as above, judged where no two share one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conformance.cases.fuzz.controls import _at, shard_config
 from conformance.cases.fuzz.held import shard_sizes, units_of
 from conformance.cases.fuzz.model import FuzzModel, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.shadow import batch_of
+from conformance.cases.fuzz.wrapping import wrap_config
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.optional import set_modules_to_prefetch
-from harness.recorder import Call
+from harness.recorder import Call, describe, patch_collectives
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["prefetches_in_order"]
+__all__ = ["fetches_when_used", "prefetches_in_order"]
 
 _GATHERS = ("all_gather_into_tensor", "all_gather")
 _LISTED = 2  # units in each list
@@ -84,12 +98,18 @@ def _gathered(calls: list[Call], spans: dict[str, frozenset[int]], world: int) -
     """The units the whole-world all-gathers of ``calls`` gathered, each at its first, in issue order."""
     order: list[str] = []
     for call in calls:
-        if call.op not in _GATHERS or len(call.group_ranks) != world:
-            continue
-        unit = next((path for path, sizes in spans.items() if call.bytes in sizes), None)
-        if unit is not None and unit not in order:  # one of no unit's size gathers something else
+        unit = _unit_of(call, spans, world)
+        if unit is not None and unit not in order:
             order.append(unit)
     return order
+
+
+def _unit_of(call: Call, spans: dict[str, frozenset[int]], world: int) -> str | None:
+    """The unit a whole-world all-gather gathered, told by its size; ``None`` for another collective or size
+    (one of no unit's size gathers something else)."""
+    if call.op not in _GATHERS or len(call.group_ranks) != world:
+        return None
+    return next((path for path, sizes in spans.items() if call.bytes in sizes), None)
 
 
 def _in_order(gathered: list[str], order: list[str], what: str) -> None:
@@ -99,3 +119,34 @@ def _in_order(gathered: list[str], order: list[str], what: str) -> None:
         names = [path or "<root>" for path in gathered]
         raise AssertionError(f"with prefetch lists of the next {_LISTED} units in {what} order, {what} all-gathered "
                              f"the units in the order {names}, not {[path or '<root>' for path in expected]}")
+
+
+def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, local: FuzzModel, config: Config) -> None:
+    """``model`` wrapped as ``config`` says (no forward prefetch): in a second iteration's forward each unit is
+    all-gathered after the forward of the one before it began ([Note: no forward prefetch unless asked])."""
+    spans = _spans(local, config)
+    if spans is None:
+        return
+    order, events = list(spans), []
+    for path in order:
+        model.get_submodule(path).register_forward_pre_hook(lambda *_, path=path: events.append(f"enter {path}"))
+    wrapped = wrap_config(ctx, impl, model, config, None)
+    batch = batch_of(config, 0, ctx.rank, ctx.device)
+    loss_of(wrapped(batch)).backward()
+
+    def recorded(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        unit = _unit_of(describe(op, fn, args, kwargs), spans, ctx.world_size)
+        if unit is not None:
+            events.append(f"gather {unit}")
+        return fn(*args, **kwargs)
+
+    events.clear()
+    with patch_collectives(recorded, barrier=False):
+        loss = loss_of(wrapped(batch))
+    loss.backward()
+    early = [path for before, path in zip(order, order[1:], strict=False)
+             if {f"gather {path}", f"enter {before}"} <= set(events)
+             and events.index(f"gather {path}") < events.index(f"enter {before}")]
+    if early:
+        raise AssertionError(f"without forward prefetch, units {early} were all-gathered before the forward of the "
+                             f"unit before each began (in order: {events}; the root is '')")
