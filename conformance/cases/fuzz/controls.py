@@ -75,8 +75,8 @@ from conformance.contract.optional import (
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "materialize", "shard_config",
-           "user_buffers"]
+__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "materialize", "module_at",
+           "shard_config", "user_buffers"]
 
 #: A capability -> the :data:`~conformance.cases.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
 _FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
@@ -118,9 +118,9 @@ def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: 
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, name, activation_checkpoint_wrapper(impl, getattr(parent, name), offload=False))
     raf = config.reshard_after_forward
-    ignored = frozenset(p for path in config.ignored for p in _at(model, path).parameters())
+    ignored = frozenset(p for path in config.ignored for p in module_at(model, path).parameters())
     for path in sorted(config.wrap, key=lambda p: p.count("."), reverse=True):
-        fully_shard(impl, _at(model, path), mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
+        fully_shard(impl, module_at(model, path), mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
     return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
 
 
@@ -138,7 +138,7 @@ def materialize(model: nn.Module, device: torch.device, values: nn.Module, clean
         tensor.copy_(value)
 
 
-def _at(model: nn.Module, path: str) -> nn.Module:
+def module_at(model: nn.Module, path: str) -> nn.Module:
     """The module at ``path`` (``""``: ``model``), looked up by attribute: a checkpoint wrapper passes
     its block's attributes through."""
     module = model
@@ -187,15 +187,15 @@ class Controls:
 
     def units(self, config: Config) -> list[nn.Module]:
         """The sharded modules in forward order (the root first)."""
-        return [_at(self.model, unit) for unit in config.units()]
+        return [module_at(self.model, unit) for unit in config.units()]
 
     def unshard(self, op: Unshard) -> None:
-        handle = unshard(self.impl, _at(self.model, op.unit), async_op=op.async_op)
+        handle = unshard(self.impl, module_at(self.model, op.unit), async_op=op.async_op)
         if handle is not None:
             handle.wait()
 
     def reshard(self, op: Reshard) -> None:
-        reshard(self.impl, _at(self.model, op.unit))
+        reshard(self.impl, module_at(self.model, op.unit))
 
     def grad_sync(self, op: GradSync) -> None:
         set_requires_gradient_sync(self.impl, self.model, op.on)

@@ -142,9 +142,10 @@ def _reentrant_blocks(config: Config) -> ModelSpec:
     user's: the parameters it used get their gradient there, the rest of their
     unit's in the outer backward, so a unit receives its gradient in pieces, and
     must keep its parameters gathered for the outer backward after the nested
-    one is done. The model's own code checkpoints (no FSDP API does), so only
-    ``wrap`` programs have it: torch's ``fully_shard`` is used with the
-    non-reentrant checkpoint wrapper, which its blocks draw anyway. Which blocks
+    one is done. The model's own code checkpoints (no FSDP API does). Only
+    ``wrap`` programs have it: for ``fully_shard`` the contract states nothing
+    about reentrant checkpointing (torch's FSDP2 documents none; its programs
+    draw the non-reentrant checkpoint wrapper). Which blocks
     is read off the parity of the program's model seed, so that no draw moves
     ([Note: options from an unused draw]): an odd seed makes every block outside
     the checkpoint wrapper reentrant. A block recomputes only where its input

@@ -49,9 +49,10 @@ from conformance.cases.fuzz.ops import Config
 from harness.observe import group_name
 from harness.recorder import Call, describe, patch_collectives
 
-__all__ = ["Gathers", "promise"]
+__all__ = ["GATHERS", "Gathers", "promise"]
 
-_GATHERS = ("all_gather_into_tensor", "all_gather")
+#: The ops a recorded all-gather is (``harness.recorder`` names them so).
+GATHERS = ("all_gather_into_tensor", "all_gather")
 _REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
 KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward
 
@@ -110,7 +111,7 @@ class Gathers:
         calls: list[Call] = []
 
         def recorded(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if op in _GATHERS + _REDUCTIONS:
+            if op in GATHERS + _REDUCTIONS:
                 calls.append(describe(op, fn, args, kwargs))
             return fn(*args, **kwargs)
 
@@ -126,7 +127,7 @@ class Gathers:
         _check_prefetch(calls)
         if self.shard_group is not None:
             _check_given_group(calls, group_name(self.shard_group))
-        sizes = [len(call.group_ranks) for call in calls if call.op in _GATHERS]
+        sizes = [len(call.group_ranks) for call in calls if call.op in GATHERS]
         if self.expected == "none" and sizes:
             raise AssertionError(f"backward issued all-gathers over groups of {sizes} ranks, though "
                                  f"{self._setting()} keeps the unsharded parameters from forward to backward")
@@ -155,7 +156,7 @@ def _check_given_group(calls: list[Call], given: str) -> None:
 
 def _check_prefetch(calls: list[Call]) -> None:
     """Backward prefetch (see the note): of two or more all-gathers, the second precedes the first reduce-scatter."""
-    order = ["all-gather" if call.op in _GATHERS else "reduce-scatter" for call in calls]
+    order = ["all-gather" if call.op in GATHERS else "reduce-scatter" for call in calls]
     gathers = [index for index, op in enumerate(order) if op == "all-gather"]
     if len(gathers) >= 2 and "reduce-scatter" in order and order.index("reduce-scatter") < gathers[1]:
         raise AssertionError(f"backward issued {', '.join(order)}: the second all-gather only after the first "

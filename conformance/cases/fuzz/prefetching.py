@@ -32,15 +32,16 @@ param dtype would change the sizes), wraps a fresh copy of its model as it does,
 trains an iteration (torch's FSDP1 prefetches from the second, once it knows the
 order), and in the next forward every unit after the first is all-gathered only
 after the forward of the unit before it began (seen by a forward pre-hook on the
-user's module, which runs inside the unit, after its own all-gather). Units are
-told by size as above, judged where no two share one.
+user's module, registered before wrapping). Units are told by size as above,
+judged where no two share one.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from conformance.cases.fuzz.controls import _at, shard_config
+from conformance.cases.fuzz.controls import module_at, shard_config
+from conformance.cases.fuzz.gathers import GATHERS
 from conformance.cases.fuzz.held import shard_sizes, units_of
 from conformance.cases.fuzz.model import FuzzModel, loss_of
 from conformance.cases.fuzz.ops import Config
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 
 __all__ = ["fetches_when_used", "prefetches_in_order"]
 
-_GATHERS = ("all_gather_into_tensor", "all_gather")
 _LISTED = 2  # units in each list
 
 
@@ -69,7 +69,7 @@ def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, l
     sharded = shard_config(ctx, impl, model, config)
     forward = list(spans)
     backward = forward[:1] + forward[:0:-1]
-    modules = {path: _at(sharded, path) for path in forward}
+    modules = {path: module_at(sharded, path) for path in forward}
     for index, path in enumerate(forward):
         set_modules_to_prefetch(impl, modules[path], forward=[modules[p] for p in forward[index + 1:][:_LISTED]])
     with ctx.record_collectives() as forward_calls:
@@ -107,7 +107,7 @@ def _gathered(calls: list[Call], spans: dict[str, frozenset[int]], world: int) -
 def _unit_of(call: Call, spans: dict[str, frozenset[int]], world: int) -> str | None:
     """The unit a whole-world all-gather gathered, told by its size; ``None`` for another collective or size
     (one of no unit's size gathers something else)."""
-    if call.op not in _GATHERS or len(call.group_ranks) != world:
+    if call.op not in GATHERS or len(call.group_ranks) != world:
         return None
     return next((path for path, sizes in spans.items() if call.bytes in sizes), None)
 
