@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,10 @@ from fixtures.meshes import hybrid_grid, hybrid_groups
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["cpu_groups", "cpu_world_group", "cuda_device", "env_on_all_ranks", "hybrid_cpu_groups"]
+__all__ = ["cpu_groups", "cpu_world_group", "cuda_device", "env_on_all_ranks", "hybrid_cpu_groups",
+           "setting_on_all_ranks"]
+
+T = TypeVar("T")
 
 
 def _default_backend_moves_cpu() -> bool:
@@ -76,26 +79,35 @@ def cuda_device(ctx: RankContext) -> torch.device:
 
 
 @contextlib.contextmanager
-def env_on_all_ranks(ctx: RankContext, name: str, value: str | None) -> Iterator[None]:
-    """Set (``None``: unset) an environment variable identically on every rank, then restore it.
+def setting_on_all_ranks(ctx: RankContext, get: Callable[[], T], put: Callable[[T], None], value: T) -> Iterator[None]:
+    """Put a process-wide setting (read by ``get``, written by ``put``) at ``value`` identically on every rank,
+    then put back what it was.
 
-    Under thread ranks the ranks share one ``os.environ``, so the barriers make
-    every rank see the new value before any rank proceeds, and the old value
-    come back only after every rank has finished with it.
+    Under thread ranks the ranks share the process, so each reads the old value
+    before any rank writes, the barriers make every rank see the new value before
+    any rank proceeds, and the old value comes back only after every rank has
+    finished with it.
     """
-    old = os.environ.get(name)
+    old = get()
     ctx.barrier()
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+    put(value)
     ctx.barrier()
     try:
         yield
     finally:
         ctx.barrier()
-        if old is None:
+        put(old)
+        ctx.barrier()
+
+
+def env_on_all_ranks(ctx: RankContext, name: str, value: str | None) -> contextlib.AbstractContextManager[None]:
+    """Set (``None``: unset) an environment variable identically on every rank, then restore it
+    (:func:`setting_on_all_ranks`)."""
+
+    def put(new: str | None) -> None:
+        if new is None:
             os.environ.pop(name, None)
         else:
-            os.environ[name] = old
-        ctx.barrier()
+            os.environ[name] = new
+
+    return setting_on_all_ranks(ctx, lambda: os.environ.get(name), put, value)

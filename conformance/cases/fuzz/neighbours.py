@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.cases._rank_helpers import env_on_all_ranks
+from conformance.cases._rank_helpers import env_on_all_ranks, setting_on_all_ranks
 from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
@@ -154,7 +154,7 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
         steps.append(("no forward prefetch", lambda: fetches_when_used(ctx, impl, fresh(), fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and _holds_parameters(config.model.blocks[0]) \
             and Capability.EXEC_ORDER_VALIDATION in caps:
-        steps.append(("unit order", lambda: _at_debug_detail(ctx, lambda: _order_changes(ctx, impl, config))))
+        steps.append(("unit order", lambda: _at_debug_detail(ctx, impl, config)))
     return steps
 
 
@@ -170,16 +170,10 @@ def _shard_twice(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel) -> None:
     _refused("fully_shard on a module already sharded", Exception, "", lambda: fully_shard(impl, sharded, mesh=mesh))
 
 
-def _at_debug_detail(ctx: RankContext, call: Callable[[], None]) -> None:
-    """``call()`` at debug level DETAIL, set before it wraps (an implementation may read it there)."""
-    level = dist.get_debug_level()
-    ctx.barrier()  # thread ranks share the level: every rank is done with what came before
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    try:
-        call()
-    finally:
-        ctx.barrier()
-        dist.set_debug_level(level)
+def _at_debug_detail(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+    """:func:`_order_changes` at debug level DETAIL, set before it wraps (an implementation may read it there)."""
+    with setting_on_all_ranks(ctx, dist.get_debug_level, dist.set_debug_level, dist.DebugLevel.DETAIL):
+        _order_changes(ctx, impl, config)
 
 
 def _full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
@@ -187,11 +181,6 @@ def _full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter, model: FuzzMode
     with env_on_all_ranks(ctx, FULL_PRECISION_IN_EVAL, "1"), ctx.catch_warnings():
         wrapped = impl.wrap(model, WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
                                             mixed_precision=mixed_precision_spec(config.policy)))
-    _evaluates_in_full_precision(ctx, wrapped, config)
-
-
-def _evaluates_in_full_precision(ctx: RankContext, wrapped: nn.Module, config: Config) -> None:
-    """An eval forward of a model wrapped under ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes in full precision."""
     wrapped.eval()
     with torch.no_grad():
         output = wrapped(batch_of(config, 0, ctx.rank, ctx.device))
