@@ -29,8 +29,10 @@ __all__ = [
 Fn = Callable[..., Any]
 
 #: A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
+#: And the stateful fuzzer's smallest program with a reentrant block ([Note: reentrant blocks]).
 _REENTRANT_CHECKPOINT = Expect(
-    "checkpoint_submodule", "thread", ("checkpoint/checkpoint_submodule[use_reentrant=True]",),
+    "checkpoint_submodule or repro_972f9ad8", "thread",
+    ("checkpoint/checkpoint_submodule[use_reentrant=True]", "fuzz/repro_972f9ad8"),
 )
 
 
