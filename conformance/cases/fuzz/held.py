@@ -122,7 +122,8 @@ def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
             whole = sum(p.numel() for p in params) * params[0].element_size()
             least, most = least + whole, most + whole
         else:
-            least, most = least + shard_sizes(params, _shards(config))[0], most + _padded(params, _shards(config))
+            unpadded, *padded = shard_sizes(params, _shards(config))
+            least, most = least + unpadded, most + max(padded)
     return least, most
 
 

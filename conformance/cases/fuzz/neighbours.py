@@ -89,6 +89,7 @@ from conformance.contract.messages import (
     UNSAFE_SETATTR,
 )
 from conformance.contract.optional import fully_shard
+from fixtures.models import record_setattr
 from fixtures.seeding import generator, seeded_init_
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
                                                 "", lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
                     ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
         if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in caps:
-            sharding.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), fresh(), config)))
+            sharding.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
         return sharding
     steps: list[tuple[str, Callable[[], None]]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
@@ -151,7 +152,7 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
                                                            Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
         steps.append((f"{FULL_PRECISION_IN_EVAL}=1", lambda: _full_precision_in_eval(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and config.policy is None:
-        steps.append(("no forward prefetch", lambda: fetches_when_used(ctx, impl, fresh(), fresh(), config)))
+        steps.append(("no forward prefetch", lambda: fetches_when_used(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and _holds_parameters(config.model.blocks[0]) \
             and Capability.EXEC_ORDER_VALIDATION in caps:
         steps.append(("unit order", lambda: _at_debug_detail(ctx, impl, config)))
@@ -194,35 +195,16 @@ def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
     """Wrapped as the program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, a forward with gradients calls no layer's
     ``__setattr__`` override (the calls of the wrap itself are not counted)."""
     layers = [module for module in model.modules() if any(True for _ in module.parameters(recurse=False))]
-    for layer in layers:
-        layer.__class__ = _recording(type(layer))
-        object.__setattr__(layer, "setattr_calls", [])
+    recorded = {layer: record_setattr(layer) for layer in layers}
     with env_on_all_ranks(ctx, UNSAFE_SETATTR, "1"):
         wrapped = wrap_config(ctx, impl, model, config, given_groups(ctx, config))
-        for layer in layers:
-            layer.__dict__["setattr_calls"].clear()
+        for calls in recorded.values():
+            calls.clear()
         wrapped(wrapped_input(batch_of(config, 0, ctx.rank, ctx.device), config.policy))
-    calls = sorted({f"{type(layer).__name__}.{name}" for layer in layers for name in layer.__dict__["setattr_calls"]})
-    if calls:
+    names = sorted({f"{type(layer).__name__}.{name}" for layer, calls in recorded.items() for name in calls})
+    if names:
         raise AssertionError(f"under {UNSAFE_SETATTR}=1 a forward went through modules' __setattr__ "
-                             f"overrides, setting {calls}: the variable bypasses them")
-
-
-_RECORDING: dict[type[nn.Module], type[nn.Module]] = {}
-
-
-def _recording(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with a ``__setattr__`` override appending each name set to the instance's ``setattr_calls``
-    (kept in ``__dict__``, so recording never recurses), as a user's module may override it."""
-    if cls not in _RECORDING:
-        def record(self: nn.Module, name: str, value: Any) -> None:
-            calls = self.__dict__.get("setattr_calls")
-            if calls is not None:
-                calls.append(name)
-            cls.__setattr__(self, name, value)
-
-        _RECORDING[cls] = type(cls.__name__, (cls,), {"__setattr__": record})
-    return _RECORDING[cls]
+                             f"overrides, setting {names}: the variable bypasses them")
 
 
 def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:

@@ -59,11 +59,10 @@ __all__ = ["fetches_when_used", "prefetches_in_order"]
 _LISTED = 2  # units in each list
 
 
-def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, local: FuzzModel,
-                        config: Config) -> None:
-    """``model`` (a fresh copy; ``local``, another, unsharded) sharded as ``config`` says, with every unit's
-    prefetch lists the next two units: each pass all-gathers the units in order (see the note)."""
-    spans = _spans(local, config)
+def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """``model`` (a fresh copy) sharded as ``config`` says, with every unit's prefetch lists the next two units:
+    each pass all-gathers the units in order (see the note)."""
+    spans = _spans(model, config)
     if spans is None:
         return
     sharded = shard_config(ctx, impl, model, config)
@@ -83,10 +82,10 @@ def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, l
     _in_order(_gathered(backward_calls.calls, spans, ctx.world_size), backward, "backward")
 
 
-def _spans(local: FuzzModel, config: Config) -> dict[str, frozenset[int]] | None:
-    """Each unit with parameters, in forward order -> the bytes a rank may send to its all-gather; ``None``
-    where two units may send as many (see the note)."""
-    units = units_of(local, config)
+def _spans(model: FuzzModel, config: Config) -> dict[str, frozenset[int]] | None:
+    """Each unit of ``model`` (not sharded yet) with parameters, in forward order -> the bytes a rank may send to
+    its all-gather; ``None`` where two units may send as many (see the note)."""
+    units = units_of(model, config)
     spans = {path: frozenset(shard_sizes(units[path], config.world_size)) for path in config.units() if path in units}
     sizes = [size for candidates in spans.values() for size in candidates]
     if len(spans) <= _LISTED or len(sizes) != len(set(sizes)):
@@ -121,10 +120,11 @@ def _in_order(gathered: list[str], order: list[str], what: str) -> None:
                              f"the units in the order {names}, not {[path or '<root>' for path in expected]}")
 
 
-def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, local: FuzzModel, config: Config) -> None:
-    """``model`` wrapped as ``config`` says (no forward prefetch): in a second iteration's forward each unit is
-    all-gathered after the forward of the one before it began ([Note: no forward prefetch unless asked])."""
-    spans = _spans(local, config)
+def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """``model`` (a fresh copy) wrapped as ``config`` says (no forward prefetch): in a second iteration's forward
+    each unit is all-gathered after the forward of the one before it began ([Note: no forward prefetch unless
+    asked])."""
+    spans = _spans(model, config)
     if spans is None:
         return
     order, events = list(spans), []
@@ -135,7 +135,7 @@ def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, loc
     loss_of(wrapped(batch)).backward()
 
     def recorded(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        unit = _unit_of(describe(op, fn, args, kwargs), spans, ctx.world_size)
+        unit = _unit_of(describe(op, fn, args, kwargs), spans, ctx.world_size) if op in GATHERS else None
         if unit is not None:
             events.append(f"gather {unit}")
         return fn(*args, **kwargs)
