@@ -215,12 +215,20 @@ def managed_tensors(
 def check_not_shared_with_nested(
     root: nn.Module, params: list[tuple[str, nn.Module, str, nn.Parameter]]
 ) -> None:
-    """Reject a parameter of this unit that a nested unit under ``root`` already flattened."""
+    """Reject a parameter of this unit that a nested unit under ``root`` already flattened, and one that two
+    nested units flattened each (siblings wrapped one after the other: the second flattens what the first
+    left of it, this rank's shard, and the ranks' units no longer match)."""
     nested: dict[int, str] = {}
     for fqn, sub in root.named_modules():
         state = unit_state(sub)
-        if state is not None and state.handle is not None:
-            nested.update({id(slot.param): f"{fqn}.{slot.fqn}" for slot in state.handle.slots})
+        for slot in [] if state is None or state.handle is None else state.handle.slots:
+            name = f"{fqn}.{slot.fqn}"
+            if id(slot.param) in nested:
+                raise ValueError(
+                    f"parameter {name!r} is shared with parameter {nested[id(slot.param)]!r} of another nested "
+                    "unit; shared parameters must belong to one unit (wrap their common ancestor instead)"
+                )
+            nested[id(slot.param)] = name
     for fqn, _, _, param in params:
         if id(param) in nested:
             raise ValueError(

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from conformance.cases.fuzz.driver import FuzzSettings, fuzz, render_case
 from conformance.cases.fuzz.example import Block, Example, ModelSpec, Policy
+from conformance.cases.fuzz.neighbours import NEIGHBOURS_USE
 from conformance.cases.fuzz.ops import (
     FEATURES,
     Backward,
@@ -62,7 +63,8 @@ from conformance.cases.fuzz.ops import (
 )
 from conformance.cases.fuzz.precision import precision_note
 from conformance.cases.fuzz.runner import run_example
-from conformance.cases.fuzz.stateful import budget, run_program, stateful_fuzz
+from conformance.cases.fuzz.searching import budget, stateful_fuzz
+from conformance.cases.fuzz.stateful import run_program
 from conformance.cases.fuzz.wrapping import features_of, missing_operations, render_program
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings, case
@@ -182,11 +184,12 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
     )
 
 
-#: What the stateful fuzzer draws only where the adapter declares it (wrapping.features_of).
+#: What the stateful fuzzer draws only where the adapter declares it (wrapping.features_of), and what its neighbours
+#: wrap with.
 _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD,
                    Capability.HYBRID_VIA_PG_TUPLE, Capability.MP_CAST_FORWARD_INPUTS,
                    Capability.FULLY_SHARD, Capability.RESHARD_AFTER_FORWARD_INT, Capability.FULLY_SHARD_CONTROLS,
-                   Capability.EXPLICIT_PREFETCH, Capability.MP_KEEP_LOW_PRECISION_GRADS, Capability.IGNORED_MODULES)
+                   Capability.EXPLICIT_PREFETCH, Capability.IGNORED_MODULES, *NEIGHBOURS_USE)
 
 
 @case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN)
@@ -220,7 +223,8 @@ CONTROLS_PROGRAM = Program(
 
 
 @case("fuzz/fully_shard_controls", world_size=2,
-      requires=[Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS, Capability.EXPLICIT_PREFETCH])
+      requires=[Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS, Capability.EXPLICIT_PREFETCH],
+      uses=NEIGHBOURS_USE)
 def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
     """On a ``fully_shard``-ed model, explicit prefetch, ``unshard()`` (also asynchronous), ``reshard()``
     mid-iteration, ``set_reshard_after_backward(False)`` and a backward without gradient sync change no value:
@@ -233,7 +237,8 @@ def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world sizes 2 and 4; simplified by hand to one rank and one
 # scale layer) in torch-fsdp1: with buffer_dtype=bfloat16 a full state dict taken before any forward holds the
 # buffers rounded to bfloat16 (docs/findings/fsdp1-buffer-dtype-rounds-saved-buffers.md).
-@case("fuzz/repro_6ec378a7", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
+@case("fuzz/repro_6ec378a7", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE],
+      uses=NEIGHBOURS_USE)
 def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict taken right after wrapping, before any forward,
     holds the buffers at their full-precision values, as the shadow model's."""
@@ -244,7 +249,7 @@ def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp1: a no_grad forward between
 # backward and the optimizer step leaves the root's pre-step parameters unsharded, and the next forward and
 # summon_full_params use them (docs/findings/fsdp1-no-grad-forward-before-step-stale-params.md).
-@case("fuzz/repro_438854a6", world_size=2)
+@case("fuzz/repro_438854a6", world_size=2, uses=NEIGHBOURS_USE)
 def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A ``no_grad`` forward between backward and the optimizer step does not keep the pre-step
     parameters: after the step the full parameters and the next forward equal the shadow's."""
@@ -255,7 +260,7 @@ def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp2: with reshard_after_forward=False
 # a no_grad forward after backward leaves the unsharded parameters registered, without gradients, and the next
 # forward after a step uses the pre-step values (docs/findings/fsdp2-no-grad-forward-unsharded-params.md).
-@case("fuzz/repro_3ff502a0", world_size=2, strategies=("SHARD_GRAD_OP",))
+@case("fuzz/repro_3ff502a0", world_size=2, strategies=("SHARD_GRAD_OP",), uses=NEIGHBOURS_USE)
 def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With SHARD_GRAD_OP (``reshard_after_forward=False``), a ``no_grad`` forward after backward keeps
     the gradients the user sees and the next forward uses the stepped parameters, as the shadow's."""
@@ -266,7 +271,7 @@ def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 4; the same program on two ranks) in torch-fsdp2:
 # a full optimizer state dict saved before the first step cannot be loaded (set_optimizer_state_dict raises
 # "Expected device to be set") (docs/findings/fsdp2-full-optim-load-before-first-step.md).
-@case("fuzz/repro_49d9e993", world_size=2, requires=[Capability.FULL_STATE_DICT])
+@case("fuzz/repro_49d9e993", world_size=2, requires=[Capability.FULL_STATE_DICT], uses=NEIGHBOURS_USE)
 def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
     the state then equals the shadow's."""
@@ -276,7 +281,8 @@ def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seeds 0-3, 40 programs, world size 2; shrunk by hand to one unit and no optimizer
 # save) in the reference: a full state dict between forward and backward left the units gathering in full
 # precision, and backward raised (setStorage: "storage of size 0"). torch-fsdp1 and torch-fsdp2 pass.
-@case("fuzz/repro_445b0205", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT])
+@case("fuzz/repro_445b0205", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT],
+      uses=NEIGHBOURS_USE)
 def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under a bfloat16 policy, a full state dict taken between forward and backward holds the shadow's
     values, and the backward that follows runs and gives the shadow's gradients."""
@@ -288,7 +294,8 @@ def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
 # layer) in the reference: a full state dict after a forward held the buffers of an activation-checkpointed block
 # in the buffer dtype (bfloat16), not in the dtype they were built in. torch-fsdp1 passes.
 @case("fuzz/repro_5e69d8c9", world_size=1,
-      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT])
+      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT],
+      uses=NEIGHBOURS_USE)
 def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict after a forward holds the buffers of an
     activation-checkpointed block in float32, the dtype they were built in (as the shadow's)."""
@@ -301,7 +308,7 @@ def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
 # a sharded state dict between forward and backward left a flat-parameter unit's modules without their parameter
 # attributes, and the recomputation of a checkpointed block in backward raised ("'Linear' object has no attribute
 # 'weight'"). torch-fsdp1 passes.
-@case("fuzz/repro_ff3cd83a", world_size=2, requires=[Capability.SHARDED_STATE_DICT])
+@case("fuzz/repro_ff3cd83a", world_size=2, requires=[Capability.SHARDED_STATE_DICT], uses=NEIGHBOURS_USE)
 def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A sharded state dict taken between forward and backward leaves the backward that follows (recomputing
     an activation-checkpointed block) running, with the shadow's gradients."""
@@ -313,7 +320,8 @@ def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # implementation, the reference included: it reduced the backward inside no_sync and the next one separately and
 # added the results in float32, where each rank's sum is rounded to the param dtype before the one reduction
 # ([Note: unsynced accumulation dtype] in conformance/cases/fuzz/shadow.py).
-@case("fuzz/repro_27b1c63e", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC])
+@case("fuzz/repro_27b1c63e", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
+      uses=NEIGHBOURS_USE)
 def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and reduction, a backward inside ``no_sync`` and the next one: the gradient is their
     sum rounded to bfloat16 and reduced once, and the parameters after the step equal the shadow's."""
@@ -324,7 +332,8 @@ def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Written from the program above with reduce_dtype=float32 on two ranks: torch-fsdp2 (whose no_sync is
 # set_requires_gradient_sync(False)) keeps the unsynced gradient in float32, where FSDP1's no_sync keeps it in
 # bfloat16 (docs/findings/fsdp2-no-sync-accumulates-in-reduce-dtype.md).
-@case("fuzz/repro_c8d7309a", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC])
+@case("fuzz/repro_c8d7309a", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
+      uses=NEIGHBOURS_USE)
 def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and a float32 reduction, a backward inside ``no_sync`` and the next one: each rank's
     sum is kept in bfloat16 (FSDP1's ``no_sync``) and reduced once in float32; gradients and parameters after the
@@ -338,7 +347,8 @@ def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # shrunk by hand to the default configuration on two ranks) in torch-fsdp2: taking the optimizer state dict before
 # the first step runs a step on zero gradients, which counts for Adam, so the first real step is its second
 # (docs/findings/fsdp2-optim-save-before-first-step-steps-adam.md).
-@case("fuzz/repro_c34640a2", world_size=2, requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT])
+@case("fuzz/repro_c34640a2", world_size=2, requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT],
+      uses=NEIGHBOURS_USE)
 def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Saving the model and Adam's state before the first step changes nothing: the first training
     iteration after it leaves the parameters the shadow's."""
@@ -350,7 +360,7 @@ def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
 # sharded strategy frees the root's unsharded parameters when the nested backward delivers its piece of the root's
 # gradient, and the outer backward through blocks.0 then reads freed storage
 # (docs/findings/fsdp1-reentrant-checkpoint-frees-unit.md).
-@case("fuzz/repro_972f9ad8", world_size=2)
+@case("fuzz/repro_972f9ad8", world_size=2, uses=NEIGHBOURS_USE)
 def test_repro_972f9ad8(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A block of the root unit checkpointing itself reentrantly, after a block whose backward needs the root's
     parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""

@@ -38,7 +38,8 @@ from conformance.cases.fuzz.ops import (
     ZeroGrad,
 )
 from conformance.cases.fuzz.runner import assert_no_grads_outside_the_loss
-from conformance.cases.fuzz.stateful import budget, check_program, stateful_fuzz
+from conformance.cases.fuzz.searching import budget, stateful_fuzz
+from conformance.cases.fuzz.stateful import check_program
 from conformance.cases.fuzz.wrapping import assert_ignored_kept, missing_operations, render_program
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings

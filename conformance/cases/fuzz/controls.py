@@ -28,6 +28,10 @@ reads, so the shadow ([Note: the shadow model]) does nothing for them:
   ones, FSDP1's ``no_sync`` the local sum), and neither is what the optimizer or
   ``zero_grad`` would do with them, so gradients are not compared and ``Step``
   and ``ZeroGrad`` do nothing on either side until a synchronizing backward.
+  A program that would end with gradients kept so ends as its user's loop must:
+  after its last operation, ``GradSync(on=True)`` and a ``Train``, whose
+  synchronizing backward reduces what was kept (else a kept gradient that is
+  lost, or reduced twice, would never be compared).
 
 ``NoSync`` (the adapter's ``no_sync``, defined on the root ``wrap`` returns) does
 nothing on a ``fully_shard``-ed model; ``GradSync`` is its counterpart there.

@@ -90,6 +90,7 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
         cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
         seed=draw(st.integers(min_value=0, max_value=2**16)),
     )
+    config = replace(config, model=_units_first_when_recomputed(config))
     api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
     if api != "fully_shard" or "fully_shard" not in features:
         # without a policy the cast_inputs draw is free (see [Note: options from an unused draw])
@@ -157,6 +158,28 @@ def _reentrant_blocks(config: Config) -> ModelSpec:
         return config.model
     blocks = tuple(replace(block, reentrant=f"blocks.{i}" not in config.checkpoint)
                    for i, block in enumerate(config.model.blocks))
+    return replace(config.model, blocks=blocks)
+
+
+def _units_first_when_recomputed(config: Config) -> ModelSpec:
+    """The config's model, each checkpointed block whose nested block is a unit running that unit first.
+
+    [Note: units recomputed first]
+    A block in the checkpoint wrapper is computed again in backward, and a unit
+    inside it with it: the unit's forward runs inside backward and must gather
+    its parameters again, for a strategy that freed them after forward. Where the
+    unit ends the block, the backward of its outputs (the pre-backward of the unit)
+    comes first and gathers them anyway; where it begins the block, the block is
+    recomputed (at its first saved activation needed) before that. So a
+    checkpointed block whose nested block is one of the program's units runs the
+    nested block first (``Block.inner_first``), the model's own code, which the
+    shadow runs alike. The wrap plan decides, so no draw moves ([Note: options
+    from an unused draw]). ``checkpoint/checkpoint_fsdp_wrapping`` checks the same
+    on its own model.
+    """
+    first = {f"blocks.{i}" for i in range(len(config.model.blocks))
+             if f"blocks.{i}" in config.checkpoint and f"blocks.{i}.inner" in config.wrap}
+    blocks = tuple(replace(block, inner_first=f"blocks.{i}" in first) for i, block in enumerate(config.model.blocks))
     return replace(config.model, blocks=blocks)
 
 

@@ -55,13 +55,16 @@ class Block:
     runs ``layers`` under ``torch.utils.checkpoint`` with ``use_reentrant=True``
     when it computes gradients, as a user's model code checkpoints itself (only
     the stateful fuzzer sets it: [Note: reentrant blocks] in
-    :mod:`conformance.cases.fuzz.drawing`).
+    :mod:`conformance.cases.fuzz.drawing`). ``inner_first``: the nested block
+    runs before ``layers`` (only the stateful fuzzer sets it: [Note: units
+    recomputed first] there).
     """
 
     layers: tuple[str, ...] = ("linear",)
     tie: bool = False
     inner: tuple[str, ...] = ()
     reentrant: bool = False
+    inner_first: bool = False
 
     def __post_init__(self) -> None:
         bad = [kind for kind in (*self.layers, *self.inner) if kind not in LAYERS]
@@ -69,6 +72,8 @@ class Block:
             raise ValueError(f"Block layers must be a non-empty tuple from {LAYERS}, got {self.layers} / {self.inner}")
         if self.tie and self.layers.count("linear") < 2:
             raise ValueError(f"Block(tie=True) needs two linears, got layers={self.layers}")
+        if self.inner_first and not self.inner:
+            raise ValueError("Block(inner_first=True) needs a nested block, got inner=()")
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,11 @@ from conformance.cases.fuzz.ops import Config
 from harness.observe import group_name
 from harness.recorder import Call, describe, patch_collectives
 
-__all__ = ["GATHERS", "Gathers", "promise"]
+__all__ = ["GATHERS", "REDUCTIONS", "Gathers", "assert_backward_prefetched", "promise"]
 
 #: The ops a recorded all-gather is (``harness.recorder`` names them so).
 GATHERS = ("all_gather_into_tensor", "all_gather")
-_REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
+REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
 KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward
 
 
@@ -111,7 +111,7 @@ class Gathers:
         calls: list[Call] = []
 
         def recorded(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if op in GATHERS + _REDUCTIONS:
+            if op in GATHERS + REDUCTIONS:
                 calls.append(describe(op, fn, args, kwargs))
             return fn(*args, **kwargs)
 
@@ -124,7 +124,7 @@ class Gathers:
         calls, self.calls = self.calls, None
         if calls is None:
             return
-        _check_prefetch(calls)
+        assert_backward_prefetched(calls)
         if self.shard_group is not None:
             _check_given_group(calls, group_name(self.shard_group))
         sizes = [len(call.group_ranks) for call in calls if call.op in GATHERS]
@@ -154,7 +154,7 @@ def _check_given_group(calls: list[Call], given: str) -> None:
                              f"given ({given}): a group of the same ranks made anew is not the user's")
 
 
-def _check_prefetch(calls: list[Call]) -> None:
+def assert_backward_prefetched(calls: list[Call]) -> None:
     """Backward prefetch (see the note): of two or more all-gathers, the second precedes the first reduce-scatter."""
     order = ["all-gather" if call.op in GATHERS else "reduce-scatter" for call in calls]
     gathers = [index for index, op in enumerate(order) if op == "all-gather"]

@@ -58,12 +58,13 @@ def _layer(kind: str, width: int) -> nn.Module:
 
 
 class FuzzBlock(nn.Module):
-    """``layers`` (tanh after each linear/conv), then the nested block ``inner`` if any; ``layers`` under a
-    reentrant checkpoint where the spec says so and the forward records a graph for the input."""
+    """``layers`` (tanh after each linear/conv), then the nested block ``inner`` if any (before them where the spec
+    says ``inner_first``); ``layers`` under a reentrant checkpoint where the spec says so and the forward records a
+    graph for their input."""
 
     def __init__(self, spec: Block, width: int) -> None:
         super().__init__()
-        self.kinds, self.reentrant = spec.layers, spec.reentrant
+        self.kinds, self.reentrant, self.inner_first = spec.layers, spec.reentrant, spec.inner_first
         self.layers = nn.ModuleList(_layer(kind, width) for kind in spec.layers)
         if spec.tie:
             first, second = [i for i, kind in enumerate(spec.layers) if kind == "linear"][:2]
@@ -71,11 +72,13 @@ class FuzzBlock(nn.Module):
         self.inner = FuzzBlock(Block(layers=spec.inner), width) if spec.inner else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inner is not None and self.inner_first:
+            x = self.inner(x)
         if self.reentrant and torch.is_grad_enabled() and x.requires_grad:
             x = checkpoint(self._layers, x, use_reentrant=True)
         else:
             x = self._layers(x)
-        return x if self.inner is None else self.inner(x)
+        return x if self.inner is None or self.inner_first else self.inner(x)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:
         for kind, layer in zip(self.kinds, self.layers, strict=True):

@@ -3,16 +3,21 @@
 [Note: neighbours of a configuration]
 A program's configuration has neighbours, calls one argument away from it whose
 outcome the contract fixes: misuses that must raise (or warn, where the contract
-lets training go on) and construction options that must take effect. Before its
-first operation every program makes the ones its configuration has, each on a
-fresh copy of its model (a refused call may leave a module half-made, so the
-program's own model is not used), and each must behave so on every rank:
+lets training go on) and construction options that must take effect. After its
+last operation a program that passed makes the ones its configuration has (so
+that what the program itself shows is judged first, also on an implementation
+that gets a neighbour wrong), each on a fresh copy of its model (a refused call
+may leave a module half-made, so the program's own model is not used), and each
+must behave so on every rank:
 
 * a hybrid ``wrap`` program ([Note: hybrid programs] in
   :mod:`conformance.cases.fuzz.wrapping`): its strategy given neither groups nor
   a mesh and no auto-wrap policy (:attr:`Capability.HYBRID_MANUAL_WRAP_CHECK`),
   and ``HYBRID_SHARD`` given the world's one group with a policy
   (:attr:`Capability.HYBRID_PG_VALIDATION`);
+* a ``HYBRID_SHARD`` program: wrapped as it wraps but with its keeping form
+  ``_HYBRID_SHARD_ZERO2``, a backward keeps that strategy's promise (no
+  all-gather: [Note: all-gathers in backward] in :mod:`conformance.cases.fuzz.gathers`);
 * a ``wrap`` program with flat parameters (``use_orig_params=False``): an
   optimizer-in-backward on the wrapped model's parameters, refused at its first
   forward (:attr:`Capability.OPTIM_IN_BACKWARD_CHECK`);
@@ -24,9 +29,9 @@ program's own model is not used), and each must behave so on every rank:
   units in order ([Note: prefetch lists in order] in
   :mod:`conformance.cases.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks without
-  a policy: wrapped as it wraps, without forward prefetch (the default), a
-  second iteration's forward gathers each unit only once the forward of the
-  one before it began ([Note: no forward prefetch unless asked] in
+  a policy: wrapped as it wraps, with prefetch as by default, a second
+  iteration's forward gathers each unit only once the forward of the one
+  before it began, and its backward prefetches ([Note: prefetch as by default] in
   :mod:`conformance.cases.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks whose
   first block holds parameters, with the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
@@ -37,9 +42,11 @@ program's own model is not used), and each must behave so on every rank:
 * a ``wrap`` program that is not hybrid: its strategy and parameter exposure with
   an auto-wrap policy naming the model's block class make every block that holds
   parameters, nested ones included, a unit, or a module holding units (a
-  per-parameter design).
-  (``sync_module_states`` is left to its cases: torch's FSDP1 refuses it for a
-  CPU module, which would end every such program on CPU.);
+  per-parameter design);
+* every program that is not hybrid: a weight tied across two units refused or
+  kept; a ``wrap`` one also ``sync_module_states`` and, with a policy,
+  ``keep_low_precision_grads`` taking effect ([Note: options a neighbour sets]
+  in :mod:`conformance.cases.fuzz.options`);
 * a ``wrap`` program (:attr:`Capability.UNSAFE_SETATTR`): its model, every layer
   given a ``__setattr__`` override that records its calls, wrapped as the
   program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, computes a forward without
@@ -56,12 +63,15 @@ programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
 ``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
 ``placement/device_id_auto_wrap``, ``construction/unsafe_setattr``, ``reshard/explicit_prefetch``,
-``mixed_precision/full_precision_in_eval`` and the ``exec_order`` cases check the same contract on their own models.
+``mixed_precision/full_precision_in_eval``, ``construction/same_model_across_ranks``,
+``mixed_precision/keep_low_precision_grads``, ``param_kinds/shared`` and the ``exec_order`` cases check the same
+contract on their own models.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,8 +80,10 @@ import torch.nn as nn
 
 from conformance.cases._rank_helpers import env_on_all_ranks, setting_on_all_ranks
 from conformance.cases.fuzz.example import Block
+from conformance.cases.fuzz.gathers import Gathers
 from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
 from conformance.cases.fuzz.ops import Config
+from conformance.cases.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_in_order
 from conformance.cases.fuzz.runner import agree, attempt
@@ -95,8 +107,11 @@ from fixtures.seeding import generator, seeded_init_
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["check_neighbours"]
+__all__ = ["NEIGHBOURS_USE", "check_neighbours"]
 
+#: What a neighbour wraps with where the adapter declares it, beyond what programs draw: a row running programs
+#: declares these among its ``uses`` (else the declared-capability check refuses the wrap).
+NEIGHBOURS_USE = (Capability.SYNC_MODULE_STATES, Capability.MP_KEEP_LOW_PRECISION_GRADS)
 #: The strategies sharding over the whole world: the order neighbour's (the ones the exec_order cases run), and the
 #: all-gathers the no-forward-prefetch neighbour tells apart.
 SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
@@ -129,12 +144,14 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
                     ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
         if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in caps:
             sharding.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
-        return sharding
+        return [*sharding, ("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config))]
     steps: list[tuple[str, Callable[[], None]]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
         bare = WrapSpec(strategy=config.strategy)
         steps.append(("misuse", lambda: _refused(f"{config.strategy} without groups, a mesh or a policy", ValueError,
                                                 MANUAL_WRAP_ERROR, lambda: impl.wrap(fresh(), bare))))
+    if config.strategy == "HYBRID_SHARD":
+        steps.append(("keeping form", lambda: _keeping_form(ctx, impl, fresh(), config)))
     if config.hybrid and config.strategy == "HYBRID_SHARD" and Capability.HYBRID_PG_VALIDATION in caps:
         one_group = WrapSpec(strategy="HYBRID_SHARD", auto_wrap=AutoWrap((nn.Linear,)), process_group=ctx.group)
         steps.append(("misuse", lambda: _refused("HYBRID_SHARD given one process group", ValueError,
@@ -152,11 +169,41 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
                                                            Capability.MP_FULL_PRECISION_IN_EVAL} <= caps:
         steps.append((f"{FULL_PRECISION_IN_EVAL}=1", lambda: _full_precision_in_eval(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and config.policy is None:
-        steps.append(("no forward prefetch", lambda: fetches_when_used(ctx, impl, fresh(), config)))
+        steps.append(("prefetch defaults", lambda: fetches_when_used(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and _holds_parameters(config.model.blocks[0]) \
             and Capability.EXEC_ORDER_VALIDATION in caps:
         steps.append(("unit order", lambda: _at_debug_detail(ctx, impl, config)))
+    return steps + ([] if config.hybrid else _options(ctx, impl, config, fresh))
+
+
+def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
+             fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
+    """The neighbours of a ``wrap`` program that is not hybrid setting an option it did not draw ([Note: options a
+    neighbour sets] in :mod:`conformance.cases.fuzz.options`)."""
+    caps = impl.capabilities
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config))]
+    if Capability.SYNC_MODULE_STATES in caps:
+        steps.append(("sync_module_states", lambda: syncs_module_states(ctx, impl, config)))
+    if config.policy is not None and {Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps:
+        steps.append(("keep_low_precision_grads", lambda: keeps_low_precision_grads(ctx, impl, fresh(), config)))
     return steps
+
+
+def _keeping_form(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """The program wrapped with ``_HYBRID_SHARD_ZERO2`` for its ``HYBRID_SHARD``: its backward keeps the promise of a
+    strategy that keeps the unsharded parameters ([Note: all-gathers in backward] in
+    :mod:`conformance.cases.fuzz.gathers`)."""
+    keeping = replace(config, strategy="_HYBRID_SHARD_ZERO2")
+    groups = given_groups(ctx, keeping)
+    gathers = Gathers(keeping, build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device),
+                      shard_group=groups and groups[0])
+    wrapped = wrap_config(ctx, impl, model, keeping, groups)
+    loss = loss_of(wrapped(wrapped_input(batch_of(config, 0, ctx.rank, ctx.device), config.policy)))
+    gathers.started()
+    with gathers.backward():
+        loss.backward()
+    gathers.check()
 
 
 def _holds_parameters(block: Block) -> bool:

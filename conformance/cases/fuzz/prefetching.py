@@ -22,18 +22,24 @@ lists are emptied before the backward: a checkpointed block's recomputation is a
 forward inside backward, where the forward lists are not what is checked.
 ``reshard/explicit_prefetch`` checks the same contract on its own model.
 
-[Note: no forward prefetch unless asked]
+[Note: prefetch as by default]
 ``forward_prefetch`` is off by default, and torch documents turning it on as
 what makes FSDP1 issue "the next forward-pass all-gather before the current
 forward computation": off, a unit's parameters are gathered when its forward
-comes, and a unit more is held at a time when it is on. A ``FULL_SHARD`` or
-``SHARD_GRAD_OP`` ``wrap`` program on several ranks, without a policy (whose
-param dtype would change the sizes), wraps a fresh copy of its model as it does,
-trains an iteration (torch's FSDP1 prefetches from the second, once it knows the
-order), and in the next forward every unit after the first is all-gathered only
-after the forward of the unit before it began (seen by a forward pre-hook on the
-user's module, registered before wrapping). Units are told by size as above,
-judged where no two share one.
+comes, and a unit more is held at a time when it is on. Backward prefetch is on
+by default (``BACKWARD_PRE``, [Note: all-gathers in backward] in
+:mod:`conformance.cases.fuzz.gathers`). A ``FULL_SHARD`` or ``SHARD_GRAD_OP``
+``wrap`` program on several ranks, without a policy (whose param dtype would
+change the sizes), wraps a fresh copy of its model as it does, trains an
+iteration (torch's FSDP1 prefetches from the second, once it knows the order),
+and in the next forward every unit after the first is all-gathered only after
+the forward of the unit before it began (seen by a forward pre-hook on the
+user's module, registered before wrapping; units are told by size as above,
+judged where no two share one); in the backward after it, of two or more
+all-gathers the second comes before the first reduce-scatter, as the program's
+own backwards must show. The copy has no frozen parameters (a frozen unit
+gathers in backward and reduces nothing), so where the program freezes units
+this is judged where the program's backwards are not.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conformance.cases.fuzz.controls import module_at, shard_config
-from conformance.cases.fuzz.gathers import GATHERS
+from conformance.cases.fuzz.gathers import GATHERS, REDUCTIONS, assert_backward_prefetched
 from conformance.cases.fuzz.held import shard_sizes, units_of
 from conformance.cases.fuzz.model import FuzzModel, loss_of
 from conformance.cases.fuzz.ops import Config
@@ -121,12 +127,10 @@ def _in_order(gathered: list[str], order: list[str], what: str) -> None:
 
 
 def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
-    """``model`` (a fresh copy) wrapped as ``config`` says (no forward prefetch): in a second iteration's forward
-    each unit is all-gathered after the forward of the one before it began ([Note: no forward prefetch unless
-    asked])."""
-    spans = _spans(model, config)
-    if spans is None:
-        return
+    """``model`` (a fresh copy) wrapped as ``config`` says (prefetch as by default): in a second iteration's forward
+    each unit is all-gathered after the forward of the one before it began, and its backward prefetches
+    ([Note: prefetch as by default])."""
+    spans = _spans(model, config) or {}
     order, events = list(spans), []
     for path in order:
         model.get_submodule(path).register_forward_pre_hook(lambda *_, path=path: events.append(f"enter {path}"))
@@ -143,7 +147,9 @@ def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
     events.clear()
     with patch_collectives(recorded, barrier=False):
         loss = loss_of(wrapped(batch))
-    loss.backward()
+    with ctx.record_collectives() as backward:
+        loss.backward()
+    assert_backward_prefetched([call for call in backward.calls if call.op in GATHERS + REDUCTIONS])
     early = [path for before, path in zip(order, order[1:], strict=False)
              if {f"gather {path}", f"enter {before}"} <= set(events)
              and events.index(f"gather {path}") < events.index(f"enter {before}")]

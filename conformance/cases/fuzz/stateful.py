@@ -35,9 +35,6 @@ import torch
 import torch.nn as nn
 
 from conformance.cases.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
-from conformance.cases.fuzz.drawing import programs
-from conformance.cases.fuzz.driver import FuzzSettings, Search, search
-from conformance.cases.fuzz.example import FUZZ_STRATEGIES
 from conformance.cases.fuzz.gathers import Gathers
 from conformance.cases.fuzz.held import Held
 from conformance.cases.fuzz.neighbours import check_neighbours
@@ -77,15 +74,8 @@ from conformance.cases.fuzz.runner import (
     zeros_for_none,
 )
 from conformance.cases.fuzz.shadow import Shadow, batch_of, build, loss_for
-from conformance.cases.fuzz.wrapping import (
-    assert_ignored_kept,
-    features_of,
-    given_groups,
-    missing_operations,
-    wrap_config,
-)
+from conformance.cases.fuzz.wrapping import assert_ignored_kept, given_groups, missing_operations, wrap_config
 from conformance.contract.adapter import FSDPAdapter
-from conformance.contract.case import CaseSettings
 from conformance.contract.optional import full_grads, no_sync
 from fixtures.parity import assert_close_named
 from harness.rank_mode import RankMode
@@ -93,7 +83,7 @@ from harness.rank_mode import RankMode
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_PROGRAMS", "budget", "check_program", "run_program", "stateful_fuzz"]
+__all__ = ["check_program", "run_program"]
 
 @dataclass
 class _Machine:
@@ -162,6 +152,11 @@ class _Machine:
     def _unsynced(self) -> bool:
         """Gradients kept unreduced (see [Note: fully_shard programs]): the optimizer waits."""
         return self.controls is not None and self.controls.unsynced
+
+    def closing(self) -> tuple[Op, ...]:
+        """What ends the program as its user's loop ends: where gradients are kept unreduced, sync turned back
+        on and a training iteration (see [Note: fully_shard programs]); else nothing."""
+        return (GradSync(on=True), Train()) if self._unsynced() else ()
 
     def unshard(self, op: Unshard) -> None:
         self._controls().unshard(op)
@@ -347,12 +342,19 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _
     return machine
 
 
-def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
-    """Run ``program`` on ``impl`` and on the shadow; the first failure (the same on every rank) or ``None``."""
+def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program, *, neighbours: bool = True) -> str | None:
+    """Run ``program`` on ``impl`` and on the shadow, then (unless told not to) its configuration's neighbours; the
+    first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    if (failure := check_neighbours(ctx, impl, program.config)) is not None:
-        return f"before wrapping, {failure}"  # [Note: neighbours of a configuration]
+    failure = _check_operations(ctx, impl, program)
+    if failure is None and neighbours and (failure := check_neighbours(ctx, impl, program.config)) is not None:
+        return f"after its operations, {failure}"  # [Note: neighbours of a configuration]
+    return failure
+
+
+def _check_operations(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
+    """Wrap as ``program`` says and run its operations, then the closing ones; the first failure or ``None``."""
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.watching():  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
@@ -362,11 +364,12 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str 
         failure = held.untracked(agree, ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
         if failure is not None:
             return f"before any operation, {failure}"
-        for index, op in enumerate(program.ops):
-            raised = attempt("raised", machine.apply, op)[1]
-            failure = held.untracked(agree, ctx, raised or machine.mismatch)
-            if failure is not None:
-                return f"op {index} ({op}), {failure}"
+        for label, ops in (("op", program.ops), ("closing op", None)):
+            for index, op in enumerate(machine.closing() if ops is None else ops):  # closing: after the ops
+                raised = attempt("raised", machine.apply, op)[1]
+                failure = held.untracked(agree, ctx, raised or machine.mismatch)
+                if failure is not None:
+                    return f"{label} {index} ({op}), {failure}"
     return None
 
 
@@ -375,23 +378,3 @@ def run_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> None:
     failure = check_program(ctx, impl, program)
     if failure is not None:
         raise AssertionError(f"{impl.name} differs from the shadow model: {failure}")
-
-
-#: Programs per world size in the main job (see docs/PERFORMANCE.md for what they cost).
-MAIN_JOB_PROGRAMS = {1: 5, 2: 5, 4: 2}
-
-
-def budget(settings: CaseSettings, world_size: int) -> int:
-    """Programs to draw at ``world_size``: ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``),
-    else the main job's."""
-    given = settings.fuzz_stateful_examples
-    return given if given is not None else MAIN_JOB_PROGRAMS.get(world_size, 1)
-
-
-def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Search:
-    """Draw, run and shrink programs on every rank (collective; every rank returns rank 0's result)."""
-    strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
-    drawn = programs(ctx.world_size, strategies, features_of(impl))
-    config = FuzzSettings(seed=settings.fuzz_seed, verbose=settings.fuzz_verbose)
-    return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
-                  counted=lambda program: len(program.ops))
