@@ -57,8 +57,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpInfo", "OPS", "WAIT", "CollectiveMode", "bind", "op_info", "group_name", "group_ranks", "tensors_in",
-           "reduce_op_name"]
+__all__ = ["OpInfo", "OPS", "WAIT", "CollectiveMode", "bind", "op_info", "group_name", "group_ranks", "process_group",
+           "tensors_in", "reduce_op_name"]
 
 #: The functional collectives' wait; not a collective, but the comm worker must see it.
 WAIT = "_c10d_functional::wait_tensor"
@@ -148,7 +148,7 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _process_group(group: Any) -> Any:
+def process_group(group: Any) -> Any:
     """The ProcessGroup given as itself, its boxed script object, its name, or ``None`` (the default group)."""
     if group is None:
         return c10d._get_default_group()
@@ -161,13 +161,13 @@ def _process_group(group: Any) -> Any:
 
 def group_ranks(group: Any) -> tuple[int, ...]:
     """Global ranks of a group given as a ProcessGroup, its boxed script object, a name, or ``None``."""
-    return tuple(dist.get_process_group_ranks(_process_group(group)))
+    return tuple(dist.get_process_group_ranks(process_group(group)))
 
 
 def group_name(group: Any) -> str:
     """The name c10d registered a group under (each ``new_group`` its own, so two groups of the same ranks
     differ), from the forms :func:`group_ranks` takes."""
-    return group if isinstance(group, str) else str(_process_group(group).group_name)
+    return group if isinstance(group, str) else str(process_group(group).group_name)
 
 
 def reduce_op_name(reduce_op: Any) -> str:

@@ -51,7 +51,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from harness.observe import CollectiveMode, bind, group_name, group_ranks, op_info, reduce_op_name, tensors_in
+from harness.observe import (
+    CollectiveMode,
+    bind,
+    group_name,
+    group_ranks,
+    op_info,
+    process_group,
+    reduce_op_name,
+    tensors_in,
+)
 
 __all__ = ["CANONICAL", "Call", "Trace", "Interceptor", "Observer", "describe", "intercepting", "observe_thread",
            "observing", "patch_collectives", "record"]
@@ -345,8 +354,9 @@ def describe(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         tensors = tensors_in(bound.get(_INPUT_PARAM.get(fn.__name__, "")))
     size = sum(t.numel() * t.element_size() for t in tensors)
     red = None if reduce_op is None else reduce_op_name(reduce_op)
-    return Call(op, group_ranks(group), size, _dtype(tensors), red, asynchronous, layer, dist.get_rank(),
-                group_name(group))
+    resolved = process_group(group)  # once: both read the same group
+    return Call(op, group_ranks(resolved), size, _dtype(tensors), red, asynchronous, layer, dist.get_rank(),
+                group_name(resolved))
 
 
 @contextmanager
