@@ -29,9 +29,9 @@ must behave so on every rank:
   units in order ([Note: prefetch lists in order] in
   :mod:`conformance.cases.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks without
-  a policy: wrapped as it wraps, with prefetch as by default, a second
-  iteration's forward gathers each unit only once the forward of the one
-  before it began, and its backward prefetches ([Note: prefetch as by default] in
+  a policy: wrapped as it wraps, a second iteration's forward gathers each unit
+  only once the forward of the one before it began; and a ``FULL_SHARD`` one,
+  each block a unit: its backward prefetches ([Note: prefetch as by default] in
   :mod:`conformance.cases.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks whose
   first block holds parameters, with the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
@@ -85,7 +85,7 @@ from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
-from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_in_order
+from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
 from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import given_groups, wrap_config
@@ -170,6 +170,8 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
         steps.append((f"{FULL_PRECISION_IN_EVAL}=1", lambda: _full_precision_in_eval(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and config.policy is None:
         steps.append(("prefetch defaults", lambda: fetches_when_used(ctx, impl, fresh(), config)))
+    if config.world_size > 1 and config.strategy == "FULL_SHARD":
+        steps.append(("backward prefetch", lambda: prefetches_backward(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy in SHARDED and _holds_parameters(config.model.blocks[0]) \
             and Capability.EXEC_ORDER_VALIDATION in caps:
         steps.append(("unit order", lambda: _at_debug_detail(ctx, impl, config)))

@@ -35,11 +35,17 @@ iteration (torch's FSDP1 prefetches from the second, once it knows the order),
 and in the next forward every unit after the first is all-gathered only after
 the forward of the unit before it began (seen by a forward pre-hook on the
 user's module, registered before wrapping; units are told by size as above,
-judged where no two share one); in the backward after it, of two or more
-all-gathers the second comes before the first reduce-scatter, as the program's
-own backwards must show. The copy has no frozen parameters (a frozen unit
-gathers in backward and reduces nothing), so where the program freezes units
-this is judged where the program's backwards are not.
+judged where no two share one). A ``FULL_SHARD`` ``wrap`` program on several
+ranks whose model has two blocks or more holding parameters wraps another fresh
+copy with each such block a unit under the root (the program's strategy and
+exposure, no policy), trains an iteration, and in the next backward, of two or
+more all-gathers the second must come before the first reduce-scatter, as the
+program's own backwards must show ([Note: all-gathers in backward] in
+:mod:`conformance.cases.fuzz.gathers`). That check needs sibling units, which a
+program's own plan may lack: a unit nested at the end of another starts its
+backward with it, so both are gathered before either reduces, prefetch or not;
+and a frozen unit gathers and reduces nothing. So the copy has its own plan and
+nothing frozen.
 """
 
 from __future__ import annotations
@@ -53,14 +59,14 @@ from conformance.cases.fuzz.model import FuzzModel, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import wrap_config
-from conformance.contract.adapter import FSDPAdapter
+from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import set_modules_to_prefetch
 from harness.recorder import Call, describe, patch_collectives
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["fetches_when_used", "prefetches_in_order"]
+__all__ = ["fetches_when_used", "prefetches_backward", "prefetches_in_order"]
 
 _LISTED = 2  # units in each list
 
@@ -127,9 +133,8 @@ def _in_order(gathered: list[str], order: list[str], what: str) -> None:
 
 
 def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
-    """``model`` (a fresh copy) wrapped as ``config`` says (prefetch as by default): in a second iteration's forward
-    each unit is all-gathered after the forward of the one before it began, and its backward prefetches
-    ([Note: prefetch as by default])."""
+    """``model`` (a fresh copy) wrapped as ``config`` says (no forward prefetch): in a second iteration's forward
+    each unit is all-gathered after the forward of the one before it began ([Note: prefetch as by default])."""
     spans = _spans(model, config) or {}
     order, events = list(spans), []
     for path in order:
@@ -147,12 +152,28 @@ def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
     events.clear()
     with patch_collectives(recorded, barrier=False):
         loss = loss_of(wrapped(batch))
-    with ctx.record_collectives() as backward:
-        loss.backward()
-    assert_backward_prefetched([call for call in backward.calls if call.op in GATHERS + REDUCTIONS])
+    loss.backward()
     early = [path for before, path in zip(order, order[1:], strict=False)
              if {f"gather {path}", f"enter {before}"} <= set(events)
              and events.index(f"gather {path}") < events.index(f"enter {before}")]
     if early:
         raise AssertionError(f"without forward prefetch, units {early} were all-gathered before the forward of the "
                              f"unit before each began (in order: {events}; the root is '')")
+
+
+def prefetches_backward(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+    """``model`` (a fresh copy), every block holding parameters a unit under the root with the program's strategy and
+    exposure: a second iteration's backward prefetches ([Note: prefetch as by default])."""
+    blocks = [index for index, block in enumerate(model.blocks) if any(True for _ in block.parameters())]
+    if len(blocks) < 2:
+        return
+    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params)
+    for index in blocks:
+        model.blocks[index] = impl.wrap(model.blocks[index], spec)
+    wrapped = impl.wrap(model, spec)
+    batch = batch_of(config, 0, ctx.rank, ctx.device)
+    loss_of(wrapped(batch)).backward()
+    loss = loss_of(wrapped(batch))
+    with ctx.record_collectives() as backward:
+        loss.backward()
+    assert_backward_prefetched([call for call in backward.calls if call.op in GATHERS + REDUCTIONS])
