@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from conformance.cases.fuzz.example import Block, ModelSpec
 from fixtures.seeding import generator, seeded_init_
 
-__all__ = ["FuzzBlock", "FuzzModel", "build_model", "make_batch", "loss_of"]
+__all__ = ["FuzzBlock", "FuzzModel", "build_model", "dense_batch", "make_batch", "loss_of"]
 
 #: Batch and sequence sizes of every input (small: the fuzzer runs many examples).
 BATCH, SEQ = 2, 3
@@ -131,10 +131,14 @@ def build_model(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.de
 
 def make_batch(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One input batch from ``seed``: token ids, or dense activations in ``dtype``."""
-    gen = generator(seed)
     if spec.vocab:
-        return torch.randint(0, spec.vocab, (BATCH, SEQ), generator=gen).to(device)
-    return torch.randn((BATCH, SEQ, spec.width), generator=gen).to(device=device, dtype=dtype)
+        return torch.randint(0, spec.vocab, (BATCH, SEQ), generator=generator(seed)).to(device)
+    return dense_batch(spec.width, seed, dtype, device)
+
+
+def dense_batch(width: int, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One batch of dense ``(BATCH, SEQ, width)`` activations from ``seed``, in ``dtype``."""
+    return torch.randn((BATCH, SEQ, width), generator=generator(seed)).to(device=device, dtype=dtype)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

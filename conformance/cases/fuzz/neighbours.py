@@ -81,7 +81,7 @@ import torch.nn as nn
 from conformance.cases._rank_helpers import env_on_all_ranks, setting_on_all_ranks
 from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.gathers import Gathers
-from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
+from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
@@ -102,7 +102,7 @@ from conformance.contract.messages import (
 )
 from conformance.contract.optional import fully_shard
 from fixtures.models import record_setattr
-from fixtures.seeding import generator, seeded_init_
+from fixtures.seeding import seeded_init_
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -289,7 +289,7 @@ def _order_changes(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
     units of one size, so that every rank issues the same collectives (an implementation that does not check
     pairs them silently; training goes on after the warning) and only the order check can tell."""
     dtype, width = dtype_of(config.dtype), config.model.width
-    batch = torch.randn((BATCH, SEQ, width), generator=generator(config.seed * 8 + ctx.rank)).to(ctx.device, dtype)
+    batch = dense_batch(width, config.seed * 8 + ctx.rank, dtype, ctx.device)
     model, user = _unit_per_block(ctx, impl, config)
     user.switched = ctx.rank != 0
     _refused("a first forward whose unit order differs across ranks", RuntimeError, ORDER_ERROR, lambda: model(batch))

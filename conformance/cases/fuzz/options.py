@@ -37,14 +37,14 @@ import torch.nn as nn
 
 from conformance.cases.fuzz.controls import full_value
 from conformance.cases.fuzz.example import Block
-from conformance.cases.fuzz.model import BATCH, SEQ, FuzzBlock, FuzzModel, build_model, loss_of
+from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.cases.fuzz.runner import unwrapped_names
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
-from fixtures.seeding import generator, seeded_init_
+from fixtures.seeding import seeded_init_
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -104,7 +104,7 @@ def keeps_or_refuses_tie(ctx: RankContext, impl: FSDPAdapter, config: Config) ->
     """A weight tied across two units is refused on every rank, or kept one through an iteration (see the note)."""
     dtype, width = dtype_of(config.dtype), config.model.width
     user = _TiedAcrossUnits(width, config.seed).to(ctx.device, dtype)
-    batch = torch.randn((BATCH, SEQ, width), generator=generator(config.seed * 8 + ctx.rank)).to(ctx.device, dtype)
+    batch = dense_batch(width, config.seed * 8 + ctx.rank, dtype, ctx.device)
     try:
         values = _trained_tie(ctx, impl, user, batch, config)
         refused = None

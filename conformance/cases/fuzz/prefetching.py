@@ -135,7 +135,9 @@ def _in_order(gathered: list[str], order: list[str], what: str) -> None:
 def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
     """``model`` (a fresh copy) wrapped as ``config`` says (no forward prefetch): in a second iteration's forward
     each unit is all-gathered after the forward of the one before it began ([Note: prefetch as by default])."""
-    spans = _spans(model, config) or {}
+    spans = _spans(model, config)
+    if spans is None:
+        return
     order, events = list(spans), []
     for path in order:
         model.get_submodule(path).register_forward_pre_hook(lambda *_, path=path: events.append(f"enter {path}"))

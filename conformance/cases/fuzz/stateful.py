@@ -364,12 +364,17 @@ def _check_operations(ctx: RankContext, impl: FSDPAdapter, program: Program) -> 
         failure = held.untracked(agree, ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
         if failure is not None:
             return f"before any operation, {failure}"
-        for label, ops in (("op", program.ops), ("closing op", None)):
-            for index, op in enumerate(machine.closing() if ops is None else ops):  # closing: after the ops
-                raised = attempt("raised", machine.apply, op)[1]
-                failure = held.untracked(agree, ctx, raised or machine.mismatch)
-                if failure is not None:
-                    return f"{label} {index} ({op}), {failure}"
+        failure = _apply_all(ctx, machine, "op", program.ops)
+        return failure or _apply_all(ctx, machine, "closing op", machine.closing())  # closing: after the ops
+
+
+def _apply_all(ctx: RankContext, machine: _Machine, label: str, ops: tuple[Op, ...]) -> str | None:
+    """Apply ``ops`` in turn; the first failure (the same on every rank), named by ``label`` and index, or ``None``."""
+    for index, op in enumerate(ops):
+        raised = attempt("raised", machine.apply, op)[1]
+        failure = machine.held.untracked(agree, ctx, raised or machine.mismatch)
+        if failure is not None:
+            return f"{label} {index} ({op}), {failure}"
     return None
 
 
