@@ -28,6 +28,7 @@ from conformance.selftest.mutants import (
     NoExecOrderCheck,
     NoOptimInBackwardCheck,
     NoPrefetch,
+    NoSyncKeepsGradInReduceDtype,
     NoSyncModuleStates,
     PrefetchListReversed,
     SharedAcrossUnitsAccepted,
@@ -119,11 +120,14 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
                                     r"over groups of \[2\] ranks, though _HYBRID_SHARD_ZERO2 keeps the unsharded"),
     (SharedAcrossUnitsUnchecked(), _SHARDED, r"a weight tied across two units was accepted and trained as two "
                                              r"parameters: after a step first.layers.0.weight and second.layers.0"),
+    (NoSyncKeepsGradInReduceDtype(), _MIXED, r"neighbour \(no_sync in the param dtype\): .* left a gradient other "
+                                             r"than the mean over ranks of each rank's sum kept in bfloat16 .* "
+                                             r"Greatest relative difference: 0.25"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
         "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration",
         "prefetch-list-reversed", "always-prefetch", "unsafe-setattr-ignored", "no-backward-prefetch", "no-prefetch",
         "no-sync-module-states", "low-precision-grads-upcast", "zero2-as-hybrid-shard",
-        "shared-across-units-unchecked"])
+        "shared-across-units-unchecked", "no-sync-keeps-grad-in-reduce-dtype"])
 def test_mutants_fail_a_neighbour(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The program itself passes, then fails in a neighbour, on every rank, naming what was accepted (fresh rank
     processes: a mutant's patches stay where it ran)."""

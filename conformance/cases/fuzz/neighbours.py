@@ -45,8 +45,9 @@ must behave so on every rank:
   per-parameter design);
 * every program that is not hybrid: a weight tied across two units refused or
   kept; a ``wrap`` one also ``sync_module_states`` and, with a policy,
-  ``keep_low_precision_grads`` taking effect ([Note: options a neighbour sets]
-  in :mod:`conformance.cases.fuzz.options`);
+  ``keep_low_precision_grads`` taking effect and ``no_sync()`` keeping its sums
+  in the param dtype ([Note: options a neighbour sets] in
+  :mod:`conformance.cases.fuzz.options`);
 * a ``wrap`` program (:attr:`Capability.UNSAFE_SETATTR`): its model, every layer
   given a ``__setattr__`` override that records its calls, wrapped as the
   program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, computes a forward without
@@ -83,7 +84,12 @@ from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.gathers import Gathers
 from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
 from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
+from conformance.cases.fuzz.options import (
+    keeps_low_precision_grads,
+    keeps_or_refuses_tie,
+    keeps_unsynced_in_param_dtype,
+    syncs_module_states,
+)
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
 from conformance.cases.fuzz.runner import agree, attempt
@@ -189,6 +195,8 @@ def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
         steps.append(("sync_module_states", lambda: syncs_module_states(ctx, impl, config)))
     if config.policy is not None and {Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps:
         steps.append(("keep_low_precision_grads", lambda: keeps_low_precision_grads(ctx, impl, fresh(), config)))
+    if config.policy is not None and {Capability.MIXED_PRECISION, Capability.NO_SYNC} <= caps:
+        steps.append(("no_sync in the param dtype", lambda: keeps_unsynced_in_param_dtype(ctx, impl, config)))
     return steps
 
 
