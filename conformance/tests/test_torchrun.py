@@ -21,18 +21,23 @@ def _torchrun() -> str:
 
 
 def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
+    # The report alone in its folder; the job runs elsewhere, where pytest's plugins may leave their own files
+    # (pytest-benchmark's .benchmarks).
+    reports, work = tmp_path / "reports", tmp_path / "work"
+    reports.mkdir()
+    work.mkdir()
+    report = reports / "report.json"
     cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--rank-mode", "launched",
            "--impl", "reference", "-k", "exec_order", "--json", str(report)]
     # CPU rows: on a GPU machine the job hides CUDA, as the README says.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(report.read_text())["rows"]
     assert len(rows) == 8 and {r["outcome"] for r in rows} == {"pass"}
     assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {2}
     assert proc.stdout.count("conformance matrix") == 1, "only rank 0 prints the matrix"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+    assert sorted(p.name for p in reports.iterdir()) == ["report.json"]
 
 
 def test_launched_mode_outside_a_job_explains_itself(monkeypatch: pytest.MonkeyPatch) -> None:

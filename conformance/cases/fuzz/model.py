@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from conformance.cases.fuzz.example import Block, ModelSpec
 from fixtures.seeding import generator, seeded_init_
 
-__all__ = ["FuzzBlock", "FuzzModel", "build_model", "dense_batch", "make_batch", "loss_of"]
+__all__ = ["FuzzBlock", "FuzzModel", "build_model", "dense_batch", "holds_parameters", "make_batch", "loss_of"]
 
 #: Batch and sequence sizes of every input (small: the fuzzer runs many examples).
 BATCH, SEQ = 2, 3
@@ -116,6 +116,12 @@ class FuzzModel(nn.Module):
             assert aux is not None
             return out, aux
         return out
+
+
+def holds_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter (a block of ``scale`` layers holds buffers only): a unit of it would
+    gather nothing."""
+    return any(True for _ in module.parameters())
 
 
 def build_model(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> FuzzModel:

@@ -82,7 +82,7 @@ import torch.nn as nn
 from conformance.cases._rank_helpers import env_on_all_ranks, setting_on_all_ranks
 from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.gathers import Gathers
-from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
+from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.options import (
     keeps_low_precision_grads,
@@ -142,15 +142,30 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
     def fresh() -> FuzzModel:
         return build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device)
 
+    steps = (_of_fully_shard if config.api == "fully_shard" else _of_wrap)(ctx, impl, config, fresh)
+    if config.hybrid:
+        return steps
+    steps.append(("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config)))
+    return steps + (_options(ctx, impl, config, fresh) if config.api == "wrap" else [])
+
+
+def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: Config,
+                    fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
+    """The neighbours of a ``fully_shard`` program's API."""
+    mesh = ctx.device_mesh((ctx.world_size,))
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("misuse", lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
+                                    lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
+        ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
+    if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in impl.capabilities:
+        steps.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
+    return steps
+
+
+def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: Config,
+             fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
+    """The neighbours of a ``wrap`` program's strategy, parameter exposure and policy."""
     caps = impl.capabilities
-    if config.api == "fully_shard":
-        mesh = ctx.device_mesh((ctx.world_size,))
-        sharding = [("misuse", lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError,
-                                                "", lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
-                    ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
-        if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in caps:
-            sharding.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
-        return [*sharding, ("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config))]
     steps: list[tuple[str, Callable[[], None]]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
         bare = WrapSpec(strategy=config.strategy)
@@ -178,10 +193,10 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
         steps.append(("prefetch defaults", lambda: fetches_when_used(ctx, impl, fresh(), config)))
     if config.world_size > 1 and config.strategy == "FULL_SHARD":
         steps.append(("backward prefetch", lambda: prefetches_backward(ctx, impl, fresh(), config)))
-    if config.world_size > 1 and config.strategy in SHARDED and _holds_parameters(config.model.blocks[0]) \
-            and Capability.EXEC_ORDER_VALIDATION in caps:
+    if config.world_size > 1 and config.strategy in SHARDED and Capability.EXEC_ORDER_VALIDATION in caps \
+            and holds_parameters(FuzzBlock(config.model.blocks[0], config.model.width)):
         steps.append(("unit order", lambda: _at_debug_detail(ctx, impl, config)))
-    return steps + ([] if config.hybrid else _options(ctx, impl, config, fresh))
+    return steps
 
 
 def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
@@ -189,8 +204,7 @@ def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
     """The neighbours of a ``wrap`` program that is not hybrid setting an option it did not draw ([Note: options a
     neighbour sets] in :mod:`conformance.cases.fuzz.options`)."""
     caps = impl.capabilities
-    steps: list[tuple[str, Callable[[], None]]] = [
-        ("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config))]
+    steps: list[tuple[str, Callable[[], None]]] = []
     if Capability.SYNC_MODULE_STATES in caps:
         steps.append(("sync_module_states", lambda: syncs_module_states(ctx, impl, config)))
     if config.policy is not None and {Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps:
@@ -215,11 +229,6 @@ def _keeping_form(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config:
         loss.backward()
     gathers.check()
 
-
-def _holds_parameters(block: Block) -> bool:
-    """Whether a block has a layer with parameters (a ``scale`` holds a buffer only): a unit without parameters
-    gathers nothing, so its order is not checked."""
-    return any(kind != "scale" for kind in (*block.layers, *block.inner))
 
 
 def _shard_twice(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel) -> None:
@@ -267,7 +276,7 @@ def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
 def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
     """An auto-wrap policy naming the block class makes every block a unit (see the note)."""
     blocks = [name for name, module in model.named_modules()
-              if isinstance(module, FuzzBlock) and any(True for _ in module.parameters())]  # a unit needs some
+              if isinstance(module, FuzzBlock) and holds_parameters(module)]
     spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, auto_wrap=AutoWrap((FuzzBlock,)))
     with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
         wrapped = impl.wrap(model, spec)

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 from conformance.cases.fuzz.controls import module_at, shard_config
 from conformance.cases.fuzz.gathers import GATHERS, REDUCTIONS, assert_backward_prefetched
 from conformance.cases.fuzz.held import shard_sizes, units_of
-from conformance.cases.fuzz.model import FuzzModel, loss_of
+from conformance.cases.fuzz.model import FuzzModel, holds_parameters, loss_of
 from conformance.cases.fuzz.ops import Config
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.cases.fuzz.wrapping import wrap_config
@@ -166,7 +166,7 @@ def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
 def prefetches_backward(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
     """``model`` (a fresh copy), every block holding parameters a unit under the root with the program's strategy and
     exposure: a second iteration's backward prefetches ([Note: prefetch as by default])."""
-    blocks = [index for index, block in enumerate(model.blocks) if any(True for _ in block.parameters())]
+    blocks = [index for index, block in enumerate(model.blocks) if holds_parameters(block)]
     if len(blocks) < 2:
         return
     spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params)
