@@ -9,6 +9,8 @@ from typing import Any, cast
 
 import torch.nn as nn
 
+from conformance.contract.adapter import MixedPrecisionSpec
+
 __all__ = ["FullyShardMethods"]
 
 
@@ -18,6 +20,10 @@ class FullyShardMethods:
     def _fully_shard_fn(self) -> Callable[..., nn.Module]:
         raise NotImplementedError
 
+    def _mp_policy_cls(self) -> Callable[..., Any]:
+        """The implementation's ``MixedPrecisionPolicy``."""
+        raise NotImplementedError
+
     def fully_shard(
         self,
         module: nn.Module,
@@ -25,10 +31,16 @@ class FullyShardMethods:
         mesh: Any,
         reshard_after_forward: bool | int,
         ignored_params: frozenset[nn.Parameter],
+        mixed_precision: MixedPrecisionSpec | None = None,
     ) -> nn.Module:
-        """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``."""
+        """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``, with
+        ``mp_policy`` from ``mixed_precision`` where given (its FSDP2 fields)."""
+        policy = {} if mixed_precision is None else {"mp_policy": self._mp_policy_cls()(
+            param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype,
+            cast_forward_inputs=mixed_precision.cast_forward_inputs)}
         return self._fully_shard_fn()(
-            module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(ignored_params) or None
+            module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(ignored_params) or None,
+            **policy,
         )
 
     def set_modules_to_prefetch(

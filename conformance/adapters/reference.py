@@ -55,6 +55,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.THREAD_RANKS,
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
+            Capability.FULLY_SHARD_MIXED_PRECISION,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.META_INIT,
@@ -71,6 +72,11 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
         import fsdp_impl
 
         return fsdp_impl.fully_shard
+
+    def _mp_policy_cls(self) -> Callable[..., Any]:
+        import fsdp_impl
+
+        return fsdp_impl.MixedPrecisionPolicy
 
     def _wrap_api(self) -> ModuleType:
         import fsdp_impl.wrap

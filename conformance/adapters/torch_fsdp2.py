@@ -68,6 +68,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.MP_CAST_FORWARD_INPUTS,
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
+            Capability.FULLY_SHARD_MIXED_PRECISION,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.META_INIT,
@@ -185,6 +186,11 @@ class TorchFSDP2Adapter(FullyShardMethods):
         from torch.distributed.fsdp import fully_shard
 
         return cast(Callable[..., nn.Module], fully_shard)
+
+    def _mp_policy_cls(self) -> Callable[..., Any]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return cast(Callable[..., Any], MixedPrecisionPolicy)
 
     def wrapped_module(self, model: nn.Module) -> nn.Module:
         """``fully_shard`` shards in place: the model is the user's module."""

@@ -189,7 +189,8 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
 _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD,
                    Capability.HYBRID_VIA_PG_TUPLE, Capability.MP_CAST_FORWARD_INPUTS,
                    Capability.FULLY_SHARD, Capability.RESHARD_AFTER_FORWARD_INT, Capability.FULLY_SHARD_CONTROLS,
-                   Capability.EXPLICIT_PREFETCH, Capability.IGNORED_MODULES, *NEIGHBOURS_USE)
+                   Capability.EXPLICIT_PREFETCH, Capability.IGNORED_MODULES, Capability.FULLY_SHARD_MIXED_PRECISION,
+                   *NEIGHBOURS_USE)
 
 
 @case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN)

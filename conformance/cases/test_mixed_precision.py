@@ -1,5 +1,5 @@
 """mixed_precision: param / reduce / buffer dtypes, low-precision gradients, full precision in eval,
-the root's cast of its inputs.
+the root's cast of its inputs, the dtype gradients kept without sync add up in.
 
 Each case trains :class:`~fixtures.precision.ScaledMLP` (units: ``lin1``,
 ``lin2``, the root with the buffer) on two ranks with SGD, next to
@@ -20,6 +20,7 @@ tests.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.cases.fuzz.example import ModelSpec, Policy
+from conformance.cases.fuzz.ops import Config
+from conformance.cases.fuzz.unsynced import keeps_unsynced_sums
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
 from conformance.contract.case import case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
@@ -234,3 +238,21 @@ def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
     pair.model.train()
     output = pair.model(x.to(torch.bfloat16))
     assert output.dtype == torch.bfloat16, "back in train mode the output should be bfloat16 again"
+
+
+def _unsynced_requires(params: Mapping[str, Any]) -> list[Capability]:
+    if params.get("api") == "fully_shard":
+        return [Capability.FULLY_SHARD, Capability.FULLY_SHARD_MIXED_PRECISION, Capability.FULLY_SHARD_CONTROLS]
+    return [Capability.MIXED_PRECISION, Capability.NO_SYNC]
+
+
+@case("mixed_precision/unsynced_sums", world_size=WORLD, requires=_unsynced_requires)
+@pytest.mark.parametrize(("api", "param_dtype"), [("wrap", "bfloat16"), ("wrap", "float16"),
+                                                  ("fully_shard", "bfloat16")])
+def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtype: str) -> None:
+    """Reducing in float32, a backward without gradient sync (``no_sync()``; ``set_requires_gradient_sync``
+    under ``fully_shard``) and the next one leave each rank's sum kept in the dtype the API documents: the
+    param dtype for ``no_sync()``, ``reduce_dtype`` for FSDP2 ([Note: unsynced sums made to show] in
+    conformance/cases/fuzz/unsynced.py)."""
+    keeps_unsynced_sums(ctx, impl, Config(world_size=WORLD, model=ModelSpec(width=4), api=api,
+                                          policy=Policy(param_dtype=param_dtype, reduce_dtype="float32")))

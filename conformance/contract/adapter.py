@@ -143,6 +143,12 @@ class Capability(str, enum.Enum):
     values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool. As torch's
     ``fully_shard``, each call groups the module's own parameters (those no nested call took) into one
     all-gather per unshard, which ``reshard/*`` reads to tell units apart."""
+    FULLY_SHARD_MIXED_PRECISION = "fully_shard_mixed_precision"
+    """``fully_shard(..., mixed_precision=spec)`` takes a :class:`MixedPrecisionSpec` of ``param_dtype``,
+    ``reduce_dtype`` and ``cast_forward_inputs`` (FSDP2's ``MixedPrecisionPolicy``; ``buffer_dtype`` and
+    ``keep_low_precision_grads`` are FSDP1's and are never given): the module computes in ``param_dtype``,
+    reduces in ``reduce_dtype`` (``None``: ``param_dtype``) and, with gradient sync off, accumulates in
+    ``reduce_dtype`` as torch documents; gradients reach the optimizer in the parameters' dtype."""
     RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
     """``fully_shard(..., reshard_after_forward=k)`` with ``k`` a factor of the mesh size: after forward
     each rank keeps its share for an all-gather over ``k`` ranks in backward."""

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
+from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability, MixedPrecisionSpec
 
 __all__ = [
     "CAPABILITY_METHODS",
@@ -209,19 +209,24 @@ def fully_shard(
     mesh: Any,
     reshard_after_forward: bool | int = True,
     ignored_params: Iterable[nn.Parameter] = (),
+    mixed_precision: MixedPrecisionSpec | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
     ``fully_shard``; call it bottom-up, the root last) and return the module.
 
     Optional part of the contract (:attr:`Capability.FULLY_SHARD`): the adapter defines
     ``fully_shard(module, *, mesh, reshard_after_forward, ignored_params)``. ``ignored_params`` stay
-    unsharded and unreduced. Raises :class:`FullyShardUnsupported` when the adapter has no such method.
+    unsharded and unreduced. ``mixed_precision`` is passed on only when given (an adapter declaring
+    :attr:`Capability.FULLY_SHARD_MIXED_PRECISION` takes it as a keyword), so an adapter without mixed
+    precision keeps its signature. Raises :class:`FullyShardUnsupported` when the adapter has no such method.
     """
     method = getattr(adapter, "fully_shard", None)
     if method is None:
         raise FullyShardUnsupported(f"{adapter.name} has no fully_shard (per-module sharding)")
+    policy = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
     return method(  # type: ignore[no-any-return]
-        module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozenset(ignored_params)
+        module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozenset(ignored_params),
+        **policy,
     )
 
 

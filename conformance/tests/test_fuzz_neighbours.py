@@ -120,9 +120,9 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
                                     r"over groups of \[2\] ranks, though _HYBRID_SHARD_ZERO2 keeps the unsharded"),
     (SharedAcrossUnitsUnchecked(), _SHARDED, r"a weight tied across two units was accepted and trained as two "
                                              r"parameters: after a step first.layers.0.weight and second.layers.0"),
-    (NoSyncKeepsGradInReduceDtype(), _MIXED, r"neighbour \(no_sync in the param dtype\): .* left a gradient other "
-                                             r"than the mean over ranks of each rank's sum kept in bfloat16 .* "
-                                             r"Greatest relative difference: 0.25"),
+    (NoSyncKeepsGradInReduceDtype(), _MIXED, r"neighbour \(unsynced sums\): .* left a gradient other than the "
+                                             r"mean over ranks of each rank's sum kept in bfloat16 .* Greatest "
+                                             r"relative difference: 0.25"),
 ], ids=["lenient-hybrid-groups", "no-optim-in-backward-check", "shard-args-unchecked", "no-exec-order-check",
         "checks-eval-forwards", "auto-wrap-children-only", "eval-in-low-precision", "silent", "warns-every-iteration",
         "prefetch-list-reversed", "always-prefetch", "unsafe-setattr-ignored", "no-backward-prefetch", "no-prefetch",

@@ -46,6 +46,7 @@ from conformance.contract.case import CaseSettings
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
 from conformance.selftest.mutants import (
     FirstGradPieceOnly,
+    GradSyncKeepsGradInParamDtype,
     MetaInitNotFollowed,
     NoGradDivide,
     NoNestedBackwardGuard,
@@ -406,6 +407,29 @@ def test_a_model_built_on_meta_trains_as_the_shadow(impl: FSDPAdapter) -> None:
         assert got is not None and got.startswith("op 0 (Train(batch=0))"), got
     else:
         assert got is None, got
+
+
+_SHARDED_LOW = Program(Config(world_size=2, model=ModelSpec(blocks=(Block(), Block(("linear", "scale")))),
+                              wrap=("blocks.0",), api="fully_shard", policy=Policy(reduce_dtype="float32")),
+                       (Train(), GradSync(on=False), Train(), GradSync(on=True), Train(), Save(), Train(), Load(),
+                        Train()))
+
+
+@pytest.mark.parametrize("impl", [ReferenceAdapter(), TorchFSDP2Adapter(), GradSyncKeepsGradInParamDtype()],
+                         ids=["reference", "torch-fsdp2", "mutant-grad-sync-keeps-grad-in-param-dtype"])
+def test_a_sharded_model_under_fsdp2s_policy_trains_as_the_shadow(impl: FSDPAdapter) -> None:
+    """A ``fully_shard`` program with a policy (bfloat16 compute, float32 reduction), gradient sync off and on
+    between iterations: torch's FSDP2 and the reference train it as the shadow; a reference keeping the unsynced
+    sums in the param dtype passes the program (the dtype moves them under the tolerance) and fails its
+    neighbour, which makes the sums show."""
+    got = run(check_program, world_size=2, mode="process", timeout_s=240, isolated=True, args=(impl, _SHARDED_LOW))
+    assert all(text == got[0] for text in got), got
+    if isinstance(impl, GradSyncKeepsGradInParamDtype):
+        assert got[0] is not None and got[0].startswith("after its operations, rank 0: neighbour (unsynced sums)"), \
+            got[0]
+        assert "each rank's sum kept in float32 (FSDP2's MixedPrecisionPolicy" in got[0], got[0]
+    else:
+        assert got[0] is None, got[0]
 
 
 _ONE_RANK = Program(Config(world_size=1, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0",)), (Train(),))

@@ -65,6 +65,8 @@ from conformance.cases.fuzz.ops import (
     ReshardAfterBackward,
     Unshard,
 )
+from conformance.cases.fuzz.precision import mixed_precision_spec
+from conformance.cases.fuzz.runner import unwrapped_names
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.optional import (
     activation_checkpoint_wrapper,
@@ -79,13 +81,14 @@ from conformance.contract.optional import (
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_value", "materialize", "module_at",
-           "shard_config", "user_buffers"]
+__all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_params_of", "full_value", "materialize",
+           "module_at", "shard_config", "user_buffers"]
 
 #: A capability -> the :data:`~conformance.cases.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
 _FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
                Capability.FULLY_SHARD_CONTROLS: "fully_shard_controls",
-               Capability.EXPLICIT_PREFETCH: "explicit_prefetch", Capability.META_INIT: "meta_init"}
+               Capability.EXPLICIT_PREFETCH: "explicit_prefetch", Capability.META_INIT: "meta_init",
+               Capability.FULLY_SHARD_MIXED_PRECISION: "fully_shard_mixed_precision"}
 
 
 def fully_shard_features(impl: FSDPAdapter) -> frozenset[str]:
@@ -109,13 +112,15 @@ def fully_shard_requires(program: Program) -> list[Capability]:
         needs.append(Capability.EXPLICIT_PREFETCH)
     if config.meta_init:
         needs.append(Capability.META_INIT)
+    if config.policy is not None:
+        needs.append(Capability.FULLY_SHARD_MIXED_PRECISION)
     return needs
 
 
 def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
     """Checkpoint the config's blocks, then ``fully_shard`` its paths deepest first (a checkpointed block
     inside its wrapper), then the root, over a 1-D mesh of the world, each ignoring the parameters of the
-    config's ignored modules."""
+    config's ignored modules and given the config's policy."""
     mesh = ctx.device_mesh((ctx.world_size,))
     for path in sorted(config.checkpoint, key=lambda p: p.count("."), reverse=True):
         parent_path, _, name = path.rpartition(".")
@@ -123,9 +128,12 @@ def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: 
         setattr(parent, name, activation_checkpoint_wrapper(impl, getattr(parent, name), offload=False))
     raf = config.reshard_after_forward
     ignored = frozenset(p for path in config.ignored for p in module_at(model, path).parameters())
+    policy = mixed_precision_spec(config.policy)
     for path in sorted(config.wrap, key=lambda p: p.count("."), reverse=True):
-        fully_shard(impl, module_at(model, path), mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
-    return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf, ignored_params=ignored)
+        fully_shard(impl, module_at(model, path), mesh=mesh, reshard_after_forward=raf, ignored_params=ignored,
+                    mixed_precision=policy)
+    return fully_shard(impl, model, mesh=mesh, reshard_after_forward=raf, ignored_params=ignored,
+                       mixed_precision=policy)
 
 
 @torch.no_grad()
@@ -155,6 +163,14 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor's ``full_tensor()`` (collective), a plain tensor as it is."""
     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return full.detach().clone()
+
+
+def full_params_of(impl: FSDPAdapter, model: nn.Module, api: str) -> dict[str, torch.Tensor]:
+    """The full values of ``model``'s parameters by the unwrapped model's names (collective): a
+    ``fully_shard``-ed model's gathered from its DTensors, a wrapped one's through the adapter."""
+    if api == "fully_shard":
+        return unwrapped_names({name: full_value(param) for name, param in model.named_parameters()})
+    return unwrapped_names(impl.full_params(model))
 
 
 def user_buffers(model: nn.Module, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -98,11 +98,21 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
         return replace(config, model=_reentrant_blocks(config), ignored=config.ignorable() if ignore else (),
                        policy=_unused_draw_options(config.policy, raf, optimizer, features),
                        saves_in_iteration=raf == 2)
-    # fully_shard has no strategy, policy or offload to express, and keeps the original parameters
-    config = replace(config, strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False, api=api,
+    # fully_shard has no strategy or offload to express, and keeps the original parameters
+    config = replace(config, strategy="FULL_SHARD", use_orig_params=False, cpu_offload=False, api=api,
+                     policy=_fully_shard_policy(config.policy, features),
                      reshard_after_forward=_reshard_after_forward(raf, world_size, features),
                      meta_init=config.use_orig_params and "meta_init" in features)
-    return replace(config, ignored=config.ignorable() if cast_inputs and "ignored_modules" in features else ())
+    ignore = cast_inputs and config.policy is None and "ignored_modules" in features
+    return replace(config, ignored=config.ignorable() if ignore else ())
+
+
+def _fully_shard_policy(policy: Policy | None, features: Collection[str]) -> Policy | None:
+    """A ``fully_shard`` program's policy: the one drawn, in FSDP2's terms (no ``buffer_dtype``; forward inputs
+    cast, ``MixedPrecisionPolicy``'s default, where the adapter casts them), where the adapter takes one."""
+    if policy is None or "fully_shard_mixed_precision" not in features:
+        return None
+    return replace(policy, buffer_dtype=None, cast_inputs="cast_forward_inputs" in features)
 
 
 def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
@@ -122,10 +132,11 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     ``keep_low_precision_grads`` only with SGD:
     torch's Adam rejects float32 parameters with low-precision gradients, and
     torch documents the option for "a custom optimizer that supports running in
-    low precision". Likewise ``cast_inputs`` is drawn for every program and read only under a policy
-    (which a ``fully_shard`` program never has); without one, ``True`` ignores what
-    :meth:`Config.ignorable` allows. A ``fully_shard`` program keeps the original parameters whatever
-    ``use_orig_params`` drew: there ``True`` builds the model on the meta device (``Config.meta_init``).
+    low precision". Likewise ``cast_inputs`` is drawn for every program and read only under a ``wrap``
+    program's policy; without a policy, ``True`` ignores what :meth:`Config.ignorable` allows (a
+    ``fully_shard`` program's policy casts its inputs, FSDP2's default). A ``fully_shard`` program keeps
+    the original parameters whatever ``use_orig_params`` drew: there ``True`` builds the model on the meta
+    device (``Config.meta_init``).
     """
     if policy is None:
         return None

@@ -45,9 +45,12 @@ must behave so on every rank:
   per-parameter design);
 * every program that is not hybrid: a weight tied across two units refused or
   kept; a ``wrap`` one also ``sync_module_states`` and, with a policy,
-  ``keep_low_precision_grads`` taking effect and ``no_sync()`` keeping its sums
-  in the param dtype ([Note: options a neighbour sets] in
+  ``keep_low_precision_grads`` taking effect ([Note: options a neighbour sets] in
   :mod:`conformance.cases.fuzz.options`);
+* a program with a policy, ``wrap`` (not hybrid, :attr:`Capability.NO_SYNC`) or
+  ``fully_shard`` (:attr:`Capability.FULLY_SHARD_CONTROLS`): the sums kept without
+  gradient sync add up in the dtype its API documents ([Note: unsynced sums made
+  to show] in :mod:`conformance.cases.fuzz.unsynced`);
 * a ``wrap`` program (:attr:`Capability.UNSAFE_SETATTR`): its model, every layer
   given a ``__setattr__`` override that records its calls, wrapped as the
   program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, computes a forward without
@@ -84,16 +87,12 @@ from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.gathers import Gathers
 from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
 from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.options import (
-    keeps_low_precision_grads,
-    keeps_or_refuses_tie,
-    keeps_unsynced_in_param_dtype,
-    syncs_module_states,
-)
+from conformance.cases.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
 from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
 from conformance.cases.fuzz.runner import agree, attempt
 from conformance.cases.fuzz.shadow import batch_of
+from conformance.cases.fuzz.unsynced import keeps_unsynced_sums
 from conformance.cases.fuzz.wrapping import given_groups, wrap_config
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.messages import (
@@ -159,6 +158,8 @@ def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: Config,
         ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
     if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in impl.capabilities:
         steps.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
+    if config.policy is not None and Capability.FULLY_SHARD_CONTROLS in impl.capabilities:
+        steps.append(("unsynced sums", lambda: keeps_unsynced_sums(ctx, impl, config)))
     return steps
 
 
@@ -210,7 +211,7 @@ def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
     if config.policy is not None and {Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps:
         steps.append(("keep_low_precision_grads", lambda: keeps_low_precision_grads(ctx, impl, fresh(), config)))
     if config.policy is not None and {Capability.MIXED_PRECISION, Capability.NO_SYNC} <= caps:
-        steps.append(("no_sync in the param dtype", lambda: keeps_unsynced_in_param_dtype(ctx, impl, config)))
+        steps.append(("unsynced sums", lambda: keeps_unsynced_sums(ctx, impl, config)))
     return steps
 
 

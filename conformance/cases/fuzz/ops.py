@@ -50,9 +50,10 @@ __all__ = [
 #: How a program shards its model: the adapter's ``wrap`` per unit, or its ``fully_shard`` bottom-up.
 APIS = ("wrap", "fully_shard")
 #: What a ``fully_shard`` program may draw, each where the adapter declares it: the API itself, an int
-#: ``reshard_after_forward``, the per-module controls, explicit prefetch lists.
+#: ``reshard_after_forward``, the per-module controls, explicit prefetch lists, a meta-device model, a
+#: mixed-precision policy.
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
-                                  "explicit_prefetch", "meta_init"})
+                                  "explicit_prefetch", "meta_init", "fully_shard_mixed_precision"})
 #: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.wrapping.features_of`).
 FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
                       "keep_low_precision_grads", "ignored_modules"}) | FULLY_SHARD_FEATURES
@@ -79,8 +80,9 @@ class Config:
     ``frozen``: paths whose parameters have ``requires_grad=False``; ``ignored``: paths given to the root
     as ``ignored_modules`` (to ``fully_shard`` as ``ignored_params``: [Note: ignored modules in programs]).
     ``api``: the paths (then the root) are sharded by the adapter's ``wrap`` or, over a 1-D mesh of the world, by its
-    ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy, policy or offload to
-    choose, and the original parameters are what the module holds). ``saves_in_iteration`` (``wrap``
+    ``fully_shard`` with ``reshard_after_forward`` (then there is no strategy or offload to choose, the
+    original parameters are what the module holds, and a policy is FSDP2's: no ``buffer_dtype`` or
+    ``keep_low_precision_grads``, given to every ``fully_shard`` call). ``saves_in_iteration`` (``wrap``
     only): each :class:`Train` takes a state dict between its forward and its backward, as a
     checkpointing callback inside the loop would: a full one in the first, a sharded one in the next, and
     so on. ``meta_init`` (``fully_shard`` only): the model is built on the meta device, sharded, then
@@ -151,11 +153,13 @@ class Config:
                 raise ValueError(f"Config(api='wrap', reshard_after_forward={raf!r}, meta_init={self.meta_init}): "
                                  "the strategy decides resharding, and meta_init is fully_shard's")
             return
-        plain = dict(strategy="FULL_SHARD", use_orig_params=False, policy=None, cpu_offload=False,
-                     saves_in_iteration=False)
+        plain = dict(strategy="FULL_SHARD", use_orig_params=False, cpu_offload=False, saves_in_iteration=False)
         if any(getattr(self, name) != value for name, value in plain.items()):
-            raise ValueError(f"Config(api='fully_shard') takes no strategy, policy, offload, use_orig_params "
+            raise ValueError(f"Config(api='fully_shard') takes no strategy, offload, use_orig_params "
                              f"(it keeps the original parameters) or saves_in_iteration: leave them at {plain}")
+        if self.policy is not None and (self.policy.buffer_dtype is not None or self.policy.keep_low_precision_grads):
+            raise ValueError(f"Config(api='fully_shard', policy={self.policy}): buffer_dtype and "
+                             "keep_low_precision_grads are FSDP1's; FSDP2's MixedPrecisionPolicy has neither")
         if not isinstance(raf, bool) and not (1 < raf < self.world_size and self.world_size % raf == 0):
             raise ValueError(f"Config(reshard_after_forward={raf!r}): an int must be a proper factor of the "
                              f"world size {self.world_size}")

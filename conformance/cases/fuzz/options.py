@@ -1,7 +1,7 @@
 """Neighbours that set a construction option or a model the program has not: the options must take effect.
 
 [Note: options a neighbour sets]
-Four neighbours of a program's configuration ([Note: neighbours of a
+Three neighbours of a program's configuration ([Note: neighbours of a
 configuration] in :mod:`conformance.cases.fuzz.neighbours`) wrap a fresh model
 with an option the program did not draw, and check what the option promises:
 
@@ -18,9 +18,6 @@ with an option the program did not draw, and check what the option promises:
   then "keeps the gradients in the dtype used for gradient reduction". Reducing
   in the param dtype makes that dtype differ from the parameters', so an
   implementation upcasting anyway is seen;
-* the same programs (also :attr:`Capability.NO_SYNC`): a one-linear model wrapped
-  with the policy reducing in ``float32``, one backward inside ``no_sync()`` and
-  one after it, then an SGD step ([Note: no_sync sums made to show]);
 * every program that is not hybrid: two blocks of one linear each, the second's
   weight tied to the first's, each block a unit (the program's API, strategy and
   parameter exposure) under a root unit. The contract (``param_kinds/shared``,
@@ -28,21 +25,6 @@ with an option the program did not draw, and check what the option promises:
   any point until its first optimizer step ends, or keep the tie: after an
   iteration and an SGD step the two names hold one value. Untied, each name
   gets the gradient of its own use, and the two differ.
-
-[Note: no_sync sums made to show]
-The dtype a rank keeps its gradient in between a backward inside ``no_sync()``
-and the next one ([Note: unsynced accumulation dtype] in
-:mod:`conformance.cases.fuzz.shadow`) moves each rank's sum by at most half a
-unit in the last place of the param dtype: under that dtype's tolerance, so a
-program shows it only where the ranks' sums happen to nearly cancel in the
-reduction. This neighbour makes them cancel. A linear layer without bias under
-a sum loss gets its input as its weight's gradient, so each gradient is chosen:
-1 then 3/4 of the param dtype's epsilon on even ranks, -1 then 0 on odd ones.
-Each is exact in the param dtype and so is every product; only the sum
-1 + 3/4 eps is not: kept in the param dtype it rounds to 1 + eps, kept in
-float32 it stays. The reduction (float32) cancels the 1s, leaving eps/2 per pair
-of ranks where a float32 sum leaves 3/8 eps: a quarter of the value apart. At
-world size 1 nothing cancels and the neighbour cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -53,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import full_value
+from conformance.cases.fuzz.controls import full_params_of
 from conformance.cases.fuzz.example import Block
 from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
 from conformance.cases.fuzz.ops import Config
@@ -61,14 +43,13 @@ from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wra
 from conformance.cases.fuzz.runner import unwrapped_names
 from conformance.cases.fuzz.shadow import batch_of
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
-from conformance.contract.optional import fully_shard, no_sync
-from fixtures.precision import average_grads
+from conformance.contract.optional import fully_shard
 from fixtures.seeding import seeded_init_
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["keeps_low_precision_grads", "keeps_or_refuses_tie", "keeps_unsynced_in_param_dtype", "syncs_module_states"]
+__all__ = ["keeps_low_precision_grads", "keeps_or_refuses_tie", "syncs_module_states"]
 
 #: The tied weight's two names in :class:`_TiedAcrossUnits`.
 _TIED = ("first.layers.0.weight", "second.layers.0.weight")
@@ -104,45 +85,6 @@ def keeps_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, model: FuzzMo
     if dtypes and dtypes != [want]:
         raise AssertionError(f"with keep_low_precision_grads=True and reduction in the param dtype {want}, the "
                              f"optimizer's gradients are {dtypes}: they stay in the dtype of the reduction")
-
-
-def keeps_unsynced_in_param_dtype(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
-    """Wrapped with its policy reducing in ``float32``, a backward inside ``no_sync()`` and the next one leave each
-    rank's sum of their gradients rounded to the param dtype and reduced once ([Note: no_sync sums made to show])."""
-    assert config.policy is not None
-    policy = replace(config.policy, reduce_dtype="float32", keep_low_precision_grads=False)
-    low, dtype = dtype_of(policy.param_dtype), dtype_of(config.dtype)
-    user = nn.Linear(config.model.width, 1, bias=False, device=ctx.device, dtype=dtype)
-    nn.init.zeros_(user.weight)
-    with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
-        wrapped = impl.wrap(user, WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
-                                           mixed_precision=mixed_precision_spec(policy)))
-    optim = torch.optim.SGD(wrapped.parameters(), lr=1.0)
-    inside, after = _unsynced_inputs(ctx.rank, config.model.width, low, ctx.device)
-    with no_sync(impl, wrapped):
-        wrapped(inside).float().sum().backward()
-    wrapped(after).float().sum().backward()
-    optim.step()
-    got = unwrapped_names(impl.full_params(wrapped))["weight"].to(low)
-    kept = [{"weight": torch.add(*_unsynced_inputs(rank, config.model.width, low, ctx.device))}
-            for rank in range(ctx.world_size)]
-    want = -average_grads(kept, torch.float32)["weight"].to(low)  # SGD at lr 1 from zero: minus the gradient
-    try:  # in the param dtype the gradient was computed in, at torch's default tolerance for it
-        torch.testing.assert_close(got, want)
-    except AssertionError as exc:
-        raise AssertionError(
-            f"with param_dtype={policy.param_dtype} and reduce_dtype=float32, a backward inside no_sync() and the "
-            f"next one left a gradient other than the mean over ranks of each rank's sum kept in "
-            f"{policy.param_dtype} (no_sync() accumulates in the parameters the backward computes with; "
-            f"reduce_dtype is the reduction's only): {exc}") from None
-
-
-def _unsynced_inputs(rank: int, width: int, low: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Rank ``rank``'s inputs (one row each, in ``low``) to the backward inside ``no_sync()`` and the one after
-    it: with a sum loss they are the weight's gradients ([Note: no_sync sums made to show])."""
-    eps = torch.finfo(low).eps
-    first, second = (-1.0, 0.0) if rank % 2 else (1.0, 0.75 * eps)
-    return tuple(torch.full((1, width), value, dtype=low, device=device) for value in (first, second))
 
 
 class _TiedAcrossUnits(nn.Module):
@@ -194,8 +136,5 @@ def _trained_tie(ctx: RankContext, impl: FSDPAdapter, user: _TiedAcrossUnits, ba
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of(model(batch)).backward()
     optim.step()
-    if config.api == "fully_shard":
-        named = unwrapped_names({name: full_value(p) for name, p in model.named_parameters()})
-    else:
-        named = unwrapped_names(impl.full_params(model))
+    named = full_params_of(impl, model, config.api)
     return {name: named[name] for name in _TIED if name in named}

@@ -54,8 +54,8 @@ reduced sum (one rounding of each rank's sum). Each API says which:
 * ``fully_shard`` (``GradSync``, ``set_requires_gradient_sync(False)``): torch's
   ``MixedPrecisionPolicy`` documents that with gradient reduction disabled FSDP
   "will accumulate gradients using ``reduce_dtype``"; without one it is the
-  param dtype (the reduction's dtype too). Programs draw no policy for this API
-  yet (see ``Config``), so this stands for when they do.
+  param dtype (the reduction's dtype too). A ``fully_shard`` program's policy
+  is FSDP2's (``Config``: no ``buffer_dtype`` or ``keep_low_precision_grads``).
 
 Without a policy the gradients are float32 throughout and the shadow adds each
 backward's mean at once: summing before or after averaging differs only in the
@@ -77,7 +77,7 @@ from conformance.cases.fuzz.precision import dtype_of, low_precision_model, mixe
 from conformance.cases.fuzz.runner import make_optimizer
 from fixtures.precision import average_grads
 
-__all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for"]
+__all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for", "unsynced_dtype"]
 
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -99,6 +99,16 @@ def freeze(model: nn.Module, paths: tuple[str, ...]) -> None:
 def batch_of(config: Config, batch: int, rank: int, device: torch.device) -> torch.Tensor:
     """Rank ``rank``'s input number ``batch`` (the same on every rank that builds it)."""
     return make_batch(config.model, (config.seed * 16 + batch) * 8 + rank, dtype_of(config.dtype), device)
+
+
+def unsynced_dtype(config: Config) -> torch.dtype:
+    """The dtype each rank's unreduced gradient sum is kept in under ``config``'s policy ([Note: unsynced
+    accumulation dtype])."""
+    spec = mixed_precision_spec(config.policy)
+    assert spec is not None and spec.param_dtype is not None
+    if config.api == "fully_shard" and spec.reduce_dtype is not None:
+        return spec.reduce_dtype
+    return spec.param_dtype
 
 
 def loss_for(output: Output, loss: str) -> torch.Tensor:
@@ -187,21 +197,13 @@ class Shadow:
     def _accumulate(self, per_rank: list[dict[str, torch.Tensor]], sync: bool) -> None:
         """Add each rank's gradients to what it kept, in the kept dtype; reduce the sums if ``sync``."""
         kept = self.unsynced or [{} for _ in per_rank]
-        dtype = self._unsynced_dtype()
+        dtype = unsynced_dtype(self.config)
         for grads, new in zip(kept, per_rank, strict=True):
             for name, grad in new.items():
                 grads[name] = grads[name].add_(grad) if name in grads else grad.to(dtype)
         self.unsynced = [] if sync else kept
         if sync:
             self._add_reduced(kept)
-
-    def _unsynced_dtype(self) -> torch.dtype:
-        """The dtype each rank's unreduced gradient sum is kept in ([Note: unsynced accumulation dtype])."""
-        spec = mixed_precision_spec(self.config.policy)
-        assert spec is not None and spec.param_dtype is not None
-        if self.config.api == "fully_shard" and spec.reduce_dtype is not None:
-            return spec.reduce_dtype
-        return spec.param_dtype
 
     def _add_reduced(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
         spec = mixed_precision_spec(self.config.policy)

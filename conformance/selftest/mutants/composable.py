@@ -4,6 +4,7 @@ and shared parameters, meta-device materialization, and the DTensors a checkpoin
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
@@ -17,6 +18,7 @@ __all__ = [
     "MetaInitNotFollowed",
     "ShardsClaimReplicated",
     "MisuseUnchecked",
+    "GradSyncKeepsGradInParamDtype",
 ]
 
 Fn = Callable[..., Any]
@@ -139,3 +141,21 @@ class MisuseUnchecked(_Mutant):
     breaks = "refusing fully_shard misuse (a container without forward, a second application)"
     expect = Expect("fully_shard_api and container", "thread", ("fully_shard_api/misuse[kind=container]",))
     patches = (Patch.instead("fsdp_impl.composable:_check_module", lambda module: None),)
+
+
+def _kept_in_param_dtype(config: Fn) -> Fn:
+    def unit_config(*args: Any) -> Any:
+        # Gradients kept with sync off add up in param_dtype (FSDP1's no_sync), not in reduce_dtype.
+        return replace(config(*args), unsynced_in_reduce_dtype=False)
+
+    return unit_config
+
+
+class GradSyncKeepsGradInParamDtype(_Mutant):
+    """With gradient sync off, the gradient a ``fully_shard``-ed module keeps adds up in ``param_dtype`` rather
+    than in ``reduce_dtype``, which FSDP2's ``MixedPrecisionPolicy`` documents."""
+
+    name = "mutant-grad-sync-keeps-grad-in-param-dtype"
+    breaks = "accumulating gradients kept with gradient sync off in reduce_dtype"
+    expect = Expect("unsynced_sums", "thread", ("mixed_precision/unsynced_sums[api=fully_shard]",))
+    patches = (Patch("fsdp_impl.composable:_config", _kept_in_param_dtype),)
