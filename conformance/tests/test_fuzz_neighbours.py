@@ -4,6 +4,7 @@ fuzz/neighbours.py)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ _MIXED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), policy=Policy(re
 _BUFFERS_ONLY = Config(world_size=2, model=ModelSpec(blocks=(Block(("scale",)),)))
 _ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
 _SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
+_SHARDED_MIXED = replace(_SHARDED, policy=Policy(reduce_dtype="float32", cast_inputs=True))
 #: Four units whose all-gathers differ in size, so their order can be told ([Note: prefetch lists in order]).
 _PREFETCHED = Config(world_size=2, model=ModelSpec(width=4, vocab=7, blocks=(Block(("linear",)), Block(("conv3",)),
                                                                              Block(("norm",)))),
@@ -77,10 +79,12 @@ def _each_neighbour(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list
     (ReferenceAdapter(), _ORDERED), (TorchFSDP1Adapter(), _ORDERED), (ReferenceAdapter(), _MIXED),
     (TorchFSDP1Adapter(), _MIXED), (ReferenceAdapter(), _BUFFERS_ONLY), (ReferenceAdapter(), _PREFETCHED),
     (TorchFSDP2Adapter(), _PREFETCHED), (ReferenceAdapter(), _UNPREFETCHED), (TorchFSDP1Adapter(), _UNPREFETCHED),
+    (ReferenceAdapter(), _SHARDED_MIXED), (TorchFSDP2Adapter(), _SHARDED_MIXED),
 ], ids=["reference-hybrid", "torch-fsdp1-hybrid", "reference-flat", "torch-fsdp1-flat", "reference-fully-shard",
         "torch-fsdp2-fully-shard", "reference-order", "torch-fsdp1-order", "reference-mixed", "torch-fsdp1-mixed",
         "reference-buffers-only", "reference-prefetch-lists", "torch-fsdp2-prefetch-lists",
-        "reference-no-forward-prefetch", "torch-fsdp1-no-forward-prefetch"])
+        "reference-no-forward-prefetch", "torch-fsdp1-no-forward-prefetch", "reference-fully-shard-mixed",
+        "torch-fsdp2-fully-shard-mixed"])
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode: str) -> None:
     """Every neighbour passes, but for torch's FSDP1 failing one as its registered finding says."""
