@@ -47,12 +47,19 @@ def test_a_storage_kept_past_a_backward_is_reported() -> None:
     with held.tracker:
         params = torch.zeros(80)  # the sharded parameters
         held.wrapped(model)
-        grads, shadow = torch.zeros(80), torch.zeros(1000)
+        shadow = torch.zeros(1000)
+        held.check(optim, 0, shadow)  # parameters only: within (1 + 0 + 0) * S
+        grads = torch.zeros(80)
+        with pytest.raises(AssertionError, match=r"since wrapping this rank holds 640 B, more than 320 B: 320 B of "
+                                                 r"sharded parameters \+ \(0 gradients \+ 0 optimizer copies\) x "
+                                                 r"320 B .* \(320 B over"):
+            held.check(optim, 0, shadow)  # gradients before any backward
         held.synchronised()
-        held.check(optim, 0, shadow)  # parameters and gradients: within (2 + 0) * S
+        held.check(optim, 0, shadow)  # parameters and gradients: within (1 + 1 + 0) * S
         kept = torch.zeros(4)
         with pytest.raises(AssertionError, match=r"since a synchronising backward this rank holds 656 B, more than "
-                                                 r"640 B: \(2 \+ 0 optimizer copies\) x 320 B .* \(16 B over"):
+                                                 r"640 B: 320 B of sharded parameters \+ \(1 gradients \+ 0 "
+                                                 r"optimizer copies\) x 320 B .* \(16 B over"):
             held.check(optim, 0, shadow)
         held.stop()
         held.check(optim, 0, shadow)  # no longer checked

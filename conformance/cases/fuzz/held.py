@@ -12,9 +12,13 @@ What may be held is the sharded state: parameters, gradients and optimizer
 state, each no larger than the parameters' shards. So the rank's bytes must stay
 within
 
-    ``(2 + K) * S + 8 * N + 2 * B + G``
+    ``(1 + D + K) * S + 8 * N + 2 * B + G``
 
-where ``S`` is the bytes of its sharded parameters, ``K`` the optimizer's copies
+where ``S`` is the bytes of its sharded parameters, ``D`` 1 once a backward has
+run (its gradients' shards) and 0 before (when the first ``S`` is what the rank
+held right after wrapping where that is more, up to ``2 * S``: an
+implementation's own bookkeeping, which the gradients' share used to cover),
+``K`` the optimizer's copies
 of a parameter (SGD's momentum: 1; Adam's two moments: 2), ``N`` the parameters
 the optimizer holds (a step count each, a 4-byte tensor in Adam); ``K`` and ``N``
 are 0 while the optimizer holds no state (before its first step); ``B`` the
@@ -23,7 +27,8 @@ after a forward no backward followed (one without gradients, or one a load
 abandoned) it is what torch lets a forward leave gathered
 (:func:`kept_after_forward`): the root's parameters, every unit's where the
 strategy does not reshard after forward, and the smaller shards of an int
-``reshard_after_forward``. Other operations leave ``G`` as it was.
+``reshard_after_forward``, in the policy's param dtype where there is one (what
+they are gathered in). Other operations leave ``G`` as it was.
 
 ``S`` is what the rank holds right after wrapping (the implementation's own
 layout and padding), but never more than :func:`shard_bound` (every parameter's
@@ -61,6 +66,7 @@ import torch
 import torch.nn as nn
 
 from conformance.cases.fuzz.ops import NODE, Config
+from conformance.cases.fuzz.precision import dtype_of
 from fixtures.memory import StorageTracker, storages_of
 
 T = TypeVar("T")
@@ -97,15 +103,16 @@ def units_of(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
     return units
 
 
-def _padded(params: list[nn.Parameter], shards: int) -> int:
+def _padded(params: list[nn.Parameter], shards: int, size: int | None = None) -> int:
     """Bytes of one of ``shards`` shards of ``params`` (one unit's), padded the larger of the note's two ways."""
-    return max(shard_sizes(params, shards)[1:])
+    return max(shard_sizes(params, shards, size)[1:])
 
 
-def shard_sizes(params: list[nn.Parameter], shards: int) -> tuple[int, int, int]:
+def shard_sizes(params: list[nn.Parameter], shards: int, size: int | None = None) -> tuple[int, int, int]:
     """Bytes of one of ``shards`` shards of one unit's ``params``: unpadded, and padded each of the note's two
-    ways (per parameter to a multiple of the shard count along dim 0; flattened, each parameter aligned)."""
-    size = params[0].element_size()
+    ways (per parameter to a multiple of the shard count along dim 0; flattened, each parameter aligned), with
+    ``size`` bytes an element (``None``: the parameters' own)."""
+    size = size or params[0].element_size()
     unpadded = math.ceil(sum(p.numel() for p in params) / shards)
     per_param = sum(math.ceil(_dim0(p) / shards) * (p.numel() // _dim0(p)) for p in params)
     flat = math.ceil(sum(p.numel() + _ALIGN // size for p in params) / shards)
@@ -131,18 +138,20 @@ def kept_after_forward(model: nn.Module, config: Config) -> int:
     """Bytes of unsharded parameters a forward may leave gathered ([Note: memory held between
     iterations]): the root's (torch's FSDP1 and FSDP2 keep it for the backward that usually follows);
     every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``);
-    under an int ``reshard_after_forward`` each other unit's shards over that many ranks too."""
+    under an int ``reshard_after_forward`` each other unit's shards over that many ranks too. Under a policy
+    they are gathered in its param dtype."""
     if _shards(config) == 1:
         return 0
     raf = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
+    size = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
     kept = 0
     for unit, params in units_of(model, config).items():
         if unit in config.ignored:
             continue
         if unit == "" or raf is False:
-            kept += _padded(params, 1)
+            kept += _padded(params, 1, size)
         elif not isinstance(raf, bool):
-            kept += _padded(params, raf)
+            kept += _padded(params, raf, size)
     return kept
 
 
@@ -188,6 +197,8 @@ class Held:
     shard: int = 0  # S of the note, fixed by :meth:`wrapped`
     kept: int = 0  # what a forward may leave gathered (:func:`kept_after_forward`), fixed by :meth:`wrapped`
     gathered: int | None = 0  # unsharded bytes that may be held now; None: no longer checked
+    grads: bool = False  # whether a backward ran: before one there are no gradients to hold
+    at_wrap: int = 0  # what the rank held right after wrapping, S unclamped
     since: str = "wrapping"  # what set ``gathered``
     threads: bool = False  # thread ranks: not checked (see the note)
     outside: int = 0  # depth of :meth:`untracked` blocks
@@ -230,11 +241,13 @@ class Held:
     def wrapped(self, shadow_model: nn.Module, *others: Any) -> None:
         """Fix ``S`` from what the rank holds now, just after wrapping (see the note)."""
         least, most = shard_bound(shadow_model, self.config)
-        self.shard = min(max(self.held(*others), least), most)
+        self.at_wrap = self.held(*others)
+        self.shard = min(max(self.at_wrap, least), most)
         self.kept = kept_after_forward(shadow_model, self.config)
 
     def synchronised(self) -> None:
         """A backward that reduced gradients ran: every unit is resharded."""
+        self.grads = True
         if self.gathered is not None:
             self.gathered, self.since = 0, "a synchronising backward"
 
@@ -253,14 +266,16 @@ class Held:
             return
         params = sum(len(group["params"]) for group in optim.param_groups) if optim.state else 0
         copies = COPIES[self.config.optimizer] if optim.state else 0  # none before the first step
-        bound = (2 + copies) * self.shard + _STEP_BYTES * params + 2 * buffers + self.gathered
+        grads = int(self.grads)
+        first = self.shard if self.grads else min(max(self.shard, self.at_wrap), 2 * self.shard)  # the note on D
+        bound = first + (grads + copies) * self.shard + _STEP_BYTES * params + 2 * buffers + self.gathered
         held = self.held(*others)
         if held > bound:
             gc.collect()  # what only a reference cycle keeps alive is garbage, not held
             held = self.held(*others)
         if held > bound:
             raise AssertionError(
-                f"since {self.since} this rank holds {held} B, more than {bound} B: (2 + {copies} optimizer copies) "
-                f"x {self.shard} B of sharded parameters + {params} step counts + twice {buffers} B of buffers "
-                f"+ {self.gathered} B a forward may leave gathered ({held - bound} B over: a unit kept gathered, "
-                f"or an unsharded gradient kept)")
+                f"since {self.since} this rank holds {held} B, more than {bound} B: {first} B of sharded parameters "
+                f"+ ({grads} gradients + {copies} optimizer copies) x {self.shard} B + {params} step counts + twice "
+                f"{buffers} B of buffers + {self.gathered} B a forward may leave gathered ({held - bound} B over: "
+                f"a unit kept gathered, or an unsharded gradient kept)")

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["keeps_unsynced_sums"]
 
+#: The backward without gradient sync, in each API's terms.
+_WITHOUT_SYNC = {"wrap": "a backward inside no_sync()", "fully_shard": "a backward with gradient sync off"}
 #: What each API's documentation says of the dtype a kept gradient adds up in.
 _DOCUMENTED = {"wrap": "no_sync() accumulates in the parameters the backward computes with; reduce_dtype is the "
                        "reduction's only",
@@ -81,7 +83,7 @@ def keeps_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, config: Config) -> 
         torch.testing.assert_close(got, want)
     except AssertionError as exc:
         raise AssertionError(
-            f"with param_dtype={policy.param_dtype} and reduce_dtype=float32, a backward without gradient sync "
+            f"with param_dtype={policy.param_dtype} and reduce_dtype=float32, {_WITHOUT_SYNC[config.api]} "
             f"and the next one left a gradient other than the mean over ranks of each rank's sum kept in "
             f"{str(kept).removeprefix('torch.')} ({_DOCUMENTED[config.api]}): {exc}") from None
 
