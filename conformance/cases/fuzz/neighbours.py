@@ -117,6 +117,9 @@ __all__ = ["NEIGHBOURS_USE", "check_neighbours"]
 #: What a neighbour wraps with where the adapter declares it, beyond what programs draw: a row running programs
 #: declares these among its ``uses`` (else the declared-capability check refuses the wrap).
 NEIGHBOURS_USE = (Capability.SYNC_MODULE_STATES, Capability.MP_KEEP_LOW_PRECISION_GRADS)
+#: What the unsynced-sums neighbour needs under each API: its mixed precision and its backward without sync.
+_WITHOUT_SYNC = {"wrap": frozenset({Capability.MIXED_PRECISION, Capability.NO_SYNC}),
+                 "fully_shard": frozenset({Capability.FULLY_SHARD_MIXED_PRECISION, Capability.FULLY_SHARD_CONTROLS})}
 #: The strategies sharding over the whole world: the order neighbour's (the ones the exec_order cases run), and the
 #: all-gathers the no-forward-prefetch neighbour tells apart.
 SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
@@ -145,7 +148,10 @@ def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tup
     if config.hybrid:
         return steps
     steps.append(("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config)))
-    return steps + (_options(ctx, impl, config, fresh) if config.api == "wrap" else [])
+    steps += _options(ctx, impl, config, fresh) if config.api == "wrap" else []
+    if config.policy is not None and _WITHOUT_SYNC[config.api] <= impl.capabilities:
+        steps.append(("unsynced sums", lambda: keeps_unsynced_sums(ctx, impl, config)))
+    return steps
 
 
 def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: Config,
@@ -158,8 +164,6 @@ def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: Config,
         ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
     if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in impl.capabilities:
         steps.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
-    if config.policy is not None and Capability.FULLY_SHARD_CONTROLS in impl.capabilities:
-        steps.append(("unsynced sums", lambda: keeps_unsynced_sums(ctx, impl, config)))
     return steps
 
 
@@ -210,8 +214,6 @@ def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
         steps.append(("sync_module_states", lambda: syncs_module_states(ctx, impl, config)))
     if config.policy is not None and {Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps:
         steps.append(("keep_low_precision_grads", lambda: keeps_low_precision_grads(ctx, impl, fresh(), config)))
-    if config.policy is not None and {Capability.MIXED_PRECISION, Capability.NO_SYNC} <= caps:
-        steps.append(("unsynced sums", lambda: keeps_unsynced_sums(ctx, impl, config)))
     return steps
 
 
