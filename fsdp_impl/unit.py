@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -188,10 +190,24 @@ def _pre_forward(unit: UnitState, state: RootState, recompute: bool) -> None:
             handle.install_unsharded_views()
     else:
         handle.install_unsharded_views()
-    handle.register_post_accumulate_hook(functools.partial(_post_backward_hook, unit))
+    handle.register_post_accumulate_hook(_bound_weakly(_post_backward_hook, unit))
     if not recompute:
         recorded = state.exec_order.next_forward(unit) if unit.config.forward_prefetch else None
         _prefetch_next(unit, state, unit.controls.forward_prefetch, recorded)
+
+
+def _bound_weakly(hook: Callable[..., None], unit: UnitState) -> Callable[..., None]:
+    """``hook`` with ``unit`` first, holding it weakly: a tensor's hook keeps what it holds alive past the
+    cycle collector (the unsharded flat parameter is referenced from C++ by the views over it), so a
+    strong reference from the flat parameter to its unit kept the whole model, and its process groups
+    with their threads, alive after the user dropped it."""
+    ref = weakref.ref(unit)
+
+    def call(*args: Any) -> None:
+        target = ref()
+        if target is not None:
+            hook(target, *args)
+    return call
 
 
 def _post_forward(unit: UnitState, state: RootState, output: Any, recompute: bool) -> None:
@@ -199,7 +215,7 @@ def _post_forward(unit: UnitState, state: RootState, output: Any, recompute: boo
     if unit.handle is not None and not recompute:
         _reshard_after_forward(unit, grad_follows)
     if grad_follows:
-        hook = functools.partial(_pre_backward_hook, unit)
+        hook = _bound_weakly(_pre_backward_hook, unit)
         for tensor in _output_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(hook)

@@ -22,18 +22,32 @@
   storages created on this rank, at every op, outside collectives;
   [Note: storage accounting]), so the CPU measures what a GPU's allocator
   would hold for tensors.
+- ``dropped_model_freed``: a model trained for two steps, then dropped by its
+  user (model, optimizer, output, loss), is freed once Python's cycle collector
+  has run. Nothing the implementation registered (hooks on its tensors,
+  callbacks, registries) may keep it alive, with its parameters, gradients and
+  process groups: a training loop that builds a model per trial (a sweep, a
+  fuzzer, a notebook) would otherwise hold every earlier one, and each gloo
+  group keeps three threads until it is freed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import gc
+import weakref
+from collections.abc import Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
+from conformance.cases._fsdp2_helpers import mesh_over
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
+from conformance.contract.optional import fully_shard
 from conformance.contract.results import CaseReport
 from fixtures.memory import LinearStack, track_storages
 from fixtures.seeding import generator, rank_seed
@@ -88,3 +102,42 @@ def test_peak_per_rank(ctx: RankContext, impl: FSDPAdapter, use_orig_params: boo
     )
     return CaseReport(reason=f"peak {peak} B <= bound {terms['bound']} B",
                       metrics={"peak_bytes": peak, **{f"{k}_bytes": v for k, v in terms.items()}})
+
+
+def _dropped_requires(params: Mapping[str, Any]) -> list[Capability]:
+    return [Capability.FULLY_SHARD] if params.get("api") == "fully_shard" else []
+
+
+def _sharded(ctx: RankContext, impl: FSDPAdapter, model: LinearStack, api: str) -> nn.Module:
+    """``model``'s layers each a unit, then the root, by ``api``."""
+    if api == "wrap":
+        return impl.wrap(model, WrapSpec(auto_wrap=AutoWrap((nn.Linear,))))
+    mesh = mesh_over(ctx)
+    for layer in model.layers:
+        fully_shard(impl, layer, mesh=mesh)
+    return fully_shard(impl, model, mesh=mesh)
+
+
+@case("memory/dropped_model_freed", world_size=2, requires=_dropped_requires)
+@pytest.mark.parametrize("api", ["wrap", "fully_shard"])
+def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str) -> CaseReport:
+    """The user's module, sharded by ``api`` and trained two steps, is freed once the user has dropped the
+    model, its optimizer and its last output and the cycle collector has run (see the module docstring)."""
+    user = LinearStack(8, 3).to(ctx.device)
+    watched = weakref.ref(user)
+    model = _sharded(ctx, impl, user, api)
+    del user
+    optim = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    gen = generator(rank_seed(5, ctx.rank))
+    for _ in range(2):
+        _step(model, optim, torch.randn(BATCH, 8, generator=gen).to(ctx.device))
+    del model, optim
+    dist.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight
+    gc.collect()
+    kept = watched()
+    if kept is not None:
+        holders = sorted({type(r).__qualname__ for r in gc.get_referrers(kept) if not isinstance(r, FrameType)})
+        raise AssertionError(f"rank {ctx.rank}: the {api} model, dropped by its user after two training steps, is "
+                             f"still alive after gc.collect() (held by objects of types {holders}): its "
+                             "parameters, gradients and process groups are never freed")
+    return CaseReport(reason="freed after the user dropped it")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["NeverReshard", "KeepFullGradients"]
+__all__ = ["NeverReshard", "KeepFullGradients", "HooksHoldTheirUnit"]
 
 Fn = Callable[..., Any]
 
@@ -38,3 +39,14 @@ class KeepFullGradients(_Mutant):
     breaks = "freeing unsharded gradients after their reduction (memory)"
     expect = _PEAK
     patches = (Patch("fsdp_impl.unit:_issue_reduction", _keeping_full_grad),)
+
+
+class HooksHoldTheirUnit(_Mutant):
+    """Each unit's gradient hooks hold it strongly: the unsharded flat parameter's hook keeps the whole model
+    alive after the user drops it (a cycle through a tensor the collector cannot break)."""
+
+    name = "mutant-hooks-hold-their-unit"
+    breaks = "freeing a model its user dropped"
+    expect = Expect("dropped_model_freed", "thread", ("memory/dropped_model_freed[api=wrap]",
+                                                      "memory/dropped_model_freed[api=fully_shard]"))
+    patches = (Patch.instead("fsdp_impl.unit:_bound_weakly", functools.partial),)
