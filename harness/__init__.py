@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from harness.errors import InconsistentSkip, RankDied, RankError, RankFailure, RankRaised, RankTimedOut
     from harness.rank_mode import RankMode
     from harness.recorder import Call, Trace, patch_collectives
+    from harness.reset import groups_scope
     from harness.runner import run, shutdown_pools
 
 #: Public name -> the module that owns it. Imported on first use, so that importing a light module of
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "run": "harness.runner", "shutdown_pools": "harness.runner", "RankMode": "harness.rank_mode",
     "RankContext": "harness.context", "patch_collectives": "harness.recorder", "Call": "harness.recorder",
-    "Trace": "harness.recorder", **{name: "harness.errors" for name in (
+    "Trace": "harness.recorder", "groups_scope": "harness.reset", **{name: "harness.errors" for name in (
         "RankFailure", "RankRaised", "RankTimedOut", "RankDied", "RankError", "InconsistentSkip")},
 }
 
@@ -57,4 +58,5 @@ __all__ = [
     "patch_collectives",
     "Call",
     "Trace",
+    "groups_scope",
 ]

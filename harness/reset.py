@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["seed_everything", "case_scope", "process_global_scope", "clear_mesh_keyed_caches", "on_case_end"]
+__all__ = ["seed_everything", "case_scope", "groups_scope", "process_global_scope", "clear_mesh_keyed_caches",
+           "on_case_end"]
 
 #: Called, in registration order, at the end of every case scope ([Note: per-case reset]).
 _case_end: list[Callable[[], None]] = []
@@ -123,17 +124,32 @@ _MISSING = object()
 @contextmanager
 def case_scope(seed: int, env: Mapping[str, str] | None) -> Iterator[None]:
     """Everything :func:`process_global_scope` restores, plus seeds and new process groups."""
+    seed_everything(seed)
+    with process_global_scope(env), groups_scope():
+        yield
+
+
+@contextmanager
+def groups_scope() -> Iterator[None]:
+    """Destroy on leaving every process group made inside (and DTensor's caches of their meshes), after a
+    barrier when it is left normally; collective: every rank enters and leaves alike.
+
+    [Note: groups made per example]
+    Every gloo group keeps a loop thread and two worker threads until it is
+    destroyed. A case that makes groups for each of many examples (a fuzzer's
+    programs each wrap a model over a mesh or hybrid groups of their own) ran
+    350 threads per rank half a minute into a world-size-4 row, and the load
+    average of a 2-core box past 900; ranks then missed their timeouts. A case
+    scopes each example's groups with this, as the reset scopes a case's."""
     before = set(c10d._world.pg_map)
     groups_made = c10d._world.group_count
-    seed_everything(seed)
-    with process_global_scope(env):
-        try:
-            yield
-            if c10d._world.group_count != groups_made:
-                dist.barrier()  # see [Note: groups outlive their handshake]
-        finally:
-            clear_mesh_keyed_caches()
-            _destroy_new_groups(before)
+    try:
+        yield
+        if c10d._world.group_count != groups_made:
+            dist.barrier()  # see [Note: groups outlive their handshake]
+    finally:
+        clear_mesh_keyed_caches()
+        _destroy_new_groups(before)
 
 
 def clear_mesh_keyed_caches() -> None:

@@ -8,9 +8,12 @@ the earlier case's group is destroyed by the reset.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -98,3 +101,27 @@ def test_a_group_some_ranks_are_not_in_still_ends_the_case(mode: str) -> None:
     # waited at the barrier for ranks 2 and 3, which skipped it, until the timeout.
     assert harness.run(_group_of_two_in_four, world_size=4, mode=mode, timeout_s=60) == [2, 2, 0, 0]
     assert harness.run(_group_of_two_in_four, world_size=4, mode=mode, timeout_s=60) == [2, 2, 0, 0]
+
+
+def _groups_per_example(ctx: harness.RankContext) -> list[int]:
+    """Five "examples" that each make a hybrid-like pair of groups inside ``groups_scope``; the group count
+    and the process's threads after each."""
+    import os
+
+
+    seen = []
+    for _ in range(5):
+        with harness.groups_scope():
+            low, high = ctx.new_group([0, 1]), ctx.new_group([2, 3])
+            dist.all_reduce(torch.ones(1), group=low if ctx.rank < 2 else high)
+            del low, high
+        seen.append(len(c10d._world.pg_map) * 1000 + len(os.listdir(f"/proc/{os.getpid()}/task")))
+    return seen
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/<pid>/task (Linux)")
+def test_groups_made_per_example_are_freed_with_their_threads() -> None:
+    """[Note: groups made per example]: leaving the scope destroys its groups, and each gloo group's threads
+    go with it, so the fifth example leaves the rank as the first did."""
+    for seen in harness.run(_groups_per_example, world_size=4, mode="process"):
+        assert len(set(seen)) == 1 and seen[0] // 1000 == 1, f"groups*1000+threads after each example: {seen}"

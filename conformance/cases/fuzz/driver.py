@@ -52,6 +52,7 @@ from conformance.cases.fuzz.precision import precision_features, required
 from conformance.cases.fuzz.runner import check_example
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
+from harness import groups_scope
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -132,12 +133,18 @@ class Search:
     message: str | None = None
 
 
+def _checked(ctx: RankContext, impl: FSDPAdapter, check: Check, value: Any) -> str | None:
+    """``check`` of ``value``, the process groups it made destroyed afterwards ([Note: groups made per example])."""
+    with groups_scope():
+        return check(ctx, impl, value)
+
+
 def _follow(ctx: RankContext, impl: FSDPAdapter, check: Check) -> Search:
     while True:
         kind, payload = _broadcast(ctx, None)
         if kind == "stop":
             return payload
-        check(ctx, impl, payload)
+        _checked(ctx, impl, check, payload)
 
 
 def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, budget: int,
@@ -152,7 +159,7 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
         if config.verbose:
             print(f"fuzz example {runs}: {source(value)}", file=sys.stderr, flush=True)
         _broadcast(ctx, ("run", value))
-        failure = check(ctx, impl, value)
+        failure = _checked(ctx, impl, check, value)
         if failure is not None:
             failures[value] = failure
         return failure is not None
