@@ -98,10 +98,11 @@ def test_drawing_is_deterministic_and_varied() -> None:
 
 def test_unsupported_features_are_dropped_after_drawing() -> None:
     """Without a configuration feature the same seed draws the same operations on the config minus that
-    feature; without ``fully_shard`` no program uses it or its controls."""
+    feature (``fully_shard``'s features alone: no ``wrap`` policy, no offload); without ``fully_shard`` no program
+    uses it or its controls."""
     full, plain, bare = _drawn(3, 40), _drawn(3, 40, FULLY_SHARD_FEATURES), _drawn(3, 40, ())
     assert [p.ops for p in plain] == [p.ops for p in full]
-    assert not any(p.config.policy or p.config.cpu_offload for p in plain)
+    assert not any(p.config.policy and p.config.api == "wrap" or p.config.cpu_offload for p in plain)
     assert not any(p.config.api == "fully_shard" or p.config.policy or p.config.cpu_offload for p in bare)
     assert not any(isinstance(op, CONTROL_OPS) for p in bare for op in p.ops)
 
@@ -146,6 +147,21 @@ def test_meta_init_is_drawn_for_fully_shard_programs_only() -> None:
     by_api = {api: {p.config.meta_init for p in drawn if p.config.api == api} for api in ("wrap", "fully_shard")}
     assert by_api == {"wrap": {False}, "fully_shard": {True, False}}, by_api
     assert not any(p.config.meta_init for p in _drawn(3, 100, FULLY_SHARD_FEATURES - {"meta_init"}))
+
+
+def test_fsdp2s_policy_alone_is_drawn_for_fully_shard_programs_only() -> None:
+    """An adapter with ``fully_shard``'s mixed precision and no ``wrap`` one gets the same ``fully_shard`` policies
+    as one with both (inputs cast: the capability covers ``cast_forward_inputs``), no ``wrap`` policy, the same
+    programs otherwise, and reproducers asking for the capability it has alone."""
+    both, alone = _drawn(3, 100, ops_mod.FEATURES), _drawn(3, 100, FULLY_SHARD_FEATURES)
+    sharded = [(a.config.policy, b.config.policy)
+               for a, b in zip(both, alone, strict=True) if a.config.api == "fully_shard"]
+    assert any(policy for policy, _ in sharded) and all(a == b for a, b in sharded), sharded
+    assert all(policy.cast_inputs for policy, _ in sharded if policy), sharded
+    assert not any(p.config.policy for p in alone if p.config.api == "wrap")
+    assert [p.ops for p in both] == [p.ops for p in alone]
+    text = render_program(next(p for p in alone if p.config.policy), "found")
+    assert "Capability.FULLY_SHARD_MIXED_PRECISION" in text and "Capability.MIXED_PRECISION," not in text, text
 
 
 def test_reentrant_blocks_are_drawn_for_wrap_programs_with_an_odd_seed() -> None:

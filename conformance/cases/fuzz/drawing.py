@@ -78,7 +78,8 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     wrap = _subset(draw, model.wrappable())
     strategy, use_orig_params = _strategy(draw, world_size, strategies, features), draw(st.booleans())
     optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
-    policy, cast_inputs = draw(policies(model, world_size, features)), draw(st.booleans())
+    drawn_policy, cast_inputs = draw(policies(model, world_size, _policy_features(features))), draw(st.booleans())
+    policy = drawn_policy if "mixed_precision" in features else None  # fully_shard's alone: no wrap policy
     if policy is not None and cast_inputs and "cast_forward_inputs" in features:
         policy = replace(policy, cast_inputs=True)
     offload = draw(st.booleans())
@@ -100,19 +101,27 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
                        saves_in_iteration=raf == 2)
     # fully_shard has no strategy or offload to express, and keeps the original parameters
     config = replace(config, strategy="FULL_SHARD", use_orig_params=False, cpu_offload=False, api=api,
-                     policy=_fully_shard_policy(config.policy, features),
+                     policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
                      reshard_after_forward=_reshard_after_forward(raf, world_size, features),
                      meta_init=config.use_orig_params and "meta_init" in features)
     ignore = cast_inputs and config.policy is None and "ignored_modules" in features
     return replace(config, ignored=config.ignorable() if ignore else ())
 
 
+def _policy_features(features: Collection[str]) -> frozenset[str]:
+    """The precision features a policy is drawn with: a ``fully_shard`` policy needs no ``wrap`` mixed
+    precision (an FSDP2-only adapter may declare ``FULLY_SHARD_MIXED_PRECISION`` alone), so
+    with it a policy is drawn and kept for ``fully_shard`` programs only (every choice is drawn either way)."""
+    ours = frozenset(features)
+    return ours | {"mixed_precision"} if "fully_shard_mixed_precision" in ours else ours
+
+
 def _fully_shard_policy(policy: Policy | None, features: Collection[str]) -> Policy | None:
     """A ``fully_shard`` program's policy: the one drawn, in FSDP2's terms (no ``buffer_dtype``; forward inputs
-    cast, ``MixedPrecisionPolicy``'s default, where the adapter casts them), where the adapter takes one."""
+    cast, ``MixedPrecisionPolicy``'s default, which the capability covers), where the adapter takes one."""
     if policy is None or "fully_shard_mixed_precision" not in features:
         return None
-    return replace(policy, buffer_dtype=None, cast_inputs="cast_forward_inputs" in features)
+    return replace(policy, buffer_dtype=None, cast_inputs=True)
 
 
 def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,

@@ -105,8 +105,10 @@ def _without_sync(impl: FSDPAdapter, model: nn.Module, api: str) -> Iterator[Non
             yield
         return
     set_requires_gradient_sync(impl, model, False)
-    yield
-    set_requires_gradient_sync(impl, model, True)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(impl, model, True)
 
 
 def _inputs(rank: int, width: int, low: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,7 +113,8 @@ def render_program(program: Program, message: str) -> str:
     """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz.py``)."""
     digest = hashlib.sha1(repr(program).encode()).hexdigest()[:8]
     found = " ".join(message.split())[:300]
-    needs = [f"Capability.{cap.name}" for cap in required(program.config.policy)]
+    wrap_policy = program.config.policy if program.config.api == "wrap" else None  # fully_shard's: below
+    needs = [f"Capability.{cap.name}" for cap in required(wrap_policy)]
     needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
     needs += ["Capability.HYBRID_VIA_PG_TUPLE"] * program.config.hybrid
     needs += ["Capability.IGNORED_MODULES"] * bool(program.config.ignored)
