@@ -26,7 +26,8 @@ model's buffers (kept, perhaps also cast). ``G`` is 0 after such a backward;
 after a forward no backward followed (one without gradients, or one a load
 abandoned) it is what torch lets a forward leave gathered
 (:func:`kept_after_forward`): the root's parameters, every unit's where the
-strategy does not reshard after forward, and the smaller shards of an int
+strategy does not reshard after forward (gathered: the shard count times the
+padded shard, since a gather joins every rank's padding), and the smaller shards of an int
 ``reshard_after_forward``, in the policy's param dtype where there is one (what
 they are gathered in). Other operations leave ``G`` as it was.
 
@@ -137,10 +138,12 @@ def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
 def kept_after_forward(model: nn.Module, config: Config) -> int:
     """Bytes of unsharded parameters a forward may leave gathered ([Note: memory held between
     iterations]): the root's (torch's FSDP1 and FSDP2 keep it for the backward that usually follows);
-    every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``);
+    every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``), each
+    the shard count times its padded shard (a gather joins every rank's shard, padding included);
     under an int ``reshard_after_forward`` each other unit's shards over that many ranks too. Under a policy
     they are gathered in its param dtype."""
-    if _shards(config) == 1:
+    shards = _shards(config)
+    if shards == 1:
         return 0
     raf = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
     size = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
@@ -149,7 +152,7 @@ def kept_after_forward(model: nn.Module, config: Config) -> int:
         if unit in config.ignored:
             continue
         if unit == "" or raf is False:
-            kept += _padded(params, 1, size)
+            kept += shards * _padded(params, shards, size)  # gathered: every rank's padded shard
         elif not isinstance(raf, bool):
             kept += _padded(params, raf, size)
     return kept
