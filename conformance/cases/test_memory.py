@@ -108,36 +108,44 @@ def _dropped_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.FULLY_SHARD] if params.get("api") == "fully_shard" else []
 
 
-def _sharded(ctx: RankContext, impl: FSDPAdapter, model: LinearStack, api: str) -> nn.Module:
-    """``model``'s layers each a unit, then the root, by ``api``."""
+def _sharded(ctx: RankContext, impl: FSDPAdapter, model: LinearStack, api: str, units: str) -> nn.Module:
+    """``model`` sharded by ``api``: the root its one unit, or each layer a unit under it (``units``)."""
+    layers = model.layers if units == "per_layer" else []
     if api == "wrap":
-        return impl.wrap(model, WrapSpec(auto_wrap=AutoWrap((nn.Linear,))))
+        return impl.wrap(model, WrapSpec(auto_wrap=AutoWrap((nn.Linear,)) if layers else None))
     mesh = mesh_over(ctx)
-    for layer in model.layers:
+    for layer in layers:
         fully_shard(impl, layer, mesh=mesh)
     return fully_shard(impl, model, mesh=mesh)
 
 
 @case("memory/dropped_model_freed", world_size=2, requires=_dropped_requires)
 @pytest.mark.parametrize("api", ["wrap", "fully_shard"])
-def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str) -> CaseReport:
+@pytest.mark.parametrize("last", ["step", "forward"])
+@pytest.mark.parametrize("units", ["root", "per_layer"])
+def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str, last: str, units: str) -> CaseReport:
     """The user's module, sharded by ``api`` and trained two steps, is freed once the user has dropped the
-    model, its optimizer and its last output and the cycle collector has run (see the module docstring)."""
+    model, its optimizer and its last output and the cycle collector has run (see the module docstring);
+    ``last="forward"``: a forward with gradients came after the steps, and its backward never ran (an
+    exception between the two, an evaluation without ``no_grad``); ``units``: the root the one unit, or each
+    layer a unit under a root holding no parameters."""
     user = LinearStack(8, 3).to(ctx.device)
     watched = weakref.ref(user)
-    model = _sharded(ctx, impl, user, api)
+    model = _sharded(ctx, impl, user, api, units)
     del user
     optim = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     gen = generator(rank_seed(5, ctx.rank))
     for _ in range(2):
         _step(model, optim, torch.randn(BATCH, 8, generator=gen).to(ctx.device))
-    del model, optim
+    output = model(torch.randn(BATCH, 8, generator=gen).to(ctx.device)).sum() if last == "forward" else None
+    del model, optim, output
     dist.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight
     gc.collect()
     kept = watched()
     if kept is not None:
         holders = sorted({type(r).__qualname__ for r in gc.get_referrers(kept) if not isinstance(r, FrameType)})
-        raise AssertionError(f"rank {ctx.rank}: the {api} model, dropped by its user after two training steps, is "
+        after = "two training steps" if last == "step" else "two training steps and a forward with no backward"
+        raise AssertionError(f"rank {ctx.rank}: the {api} model, dropped by its user after {after}, is "
                              f"still alive after gc.collect() (held by objects of types {holders}): its "
                              "parameters, gradients and process groups are never freed")
     return CaseReport(reason="freed after the user dropped it")

@@ -58,10 +58,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -70,9 +72,12 @@ from conformance.cases.fuzz.ops import NODE, Config
 from conformance.cases.fuzz.precision import dtype_of
 from fixtures.memory import StorageTracker, storages_of
 
+if TYPE_CHECKING:
+    from harness import RankContext
+
 T = TypeVar("T")
 
-__all__ = ["COPIES", "Held", "kept_after_forward", "shard_bound", "shard_sizes", "units_of"]
+__all__ = ["COPIES", "Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "units_of"]
 
 #: A parameter's copies in the optimizer's state (its step count aside).
 COPIES = {"sgd": 1, "adam": 2}
@@ -282,3 +287,19 @@ class Held:
                 f"+ ({grads} gradients + {copies} optimizer copies) x {self.shard} B + {params} step counts + twice "
                 f"{buffers} B of buffers + {self.gathered} B a forward may leave gathered ({held - bound} B over: "
                 f"a unit kept gathered, or an unsharded gradient kept)")
+
+
+def left_alive(ctx: RankContext, model: weakref.ref[nn.Module]) -> str | None:
+    """Why the wrapped ``model``, dropped by the program's end, is still alive once the cycle collector has run
+    (``None``: freed). Collective: every rank first passes its collectives (under thread ranks a peer's
+    collective in flight may hold this rank's tensors). A model nothing frees keeps its parameters, gradients
+    and process groups (each gloo group three threads) for the rest of the process, as ``memory/dropped_model_freed``
+    checks for one model."""
+    ctx.barrier()
+    gc.collect()
+    kept = model()
+    if kept is None:
+        return None
+    holders = sorted({type(r).__qualname__ for r in gc.get_referrers(kept) if not isinstance(r, FrameType)})
+    return (f"memory held: the wrapped model, dropped at the program's end, is still alive after gc.collect() (held "
+            f"by objects of types {holders}): nothing frees its parameters, gradients or process groups")

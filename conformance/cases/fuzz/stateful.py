@@ -13,7 +13,8 @@ registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
 :mod:`conformance.cases.fuzz.runner`), and the rank holds no more memory than sharding allows
-([Note: memory held between iterations] in :mod:`conformance.cases.fuzz.held`). Tolerances are
+([Note: memory held between iterations] in :mod:`conformance.cases.fuzz.held`); when the program ends its
+user drops the model, which must then be freed (:func:`~conformance.cases.fuzz.held.left_alive`). Tolerances are
 ``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
 losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
@@ -26,6 +27,7 @@ agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ import torch.nn as nn
 
 from conformance.cases.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.cases.fuzz.gathers import Gathers
-from conformance.cases.fuzz.held import Held
+from conformance.cases.fuzz.held import Held, left_alive
 from conformance.cases.fuzz.neighbours import check_neighbours
 from conformance.cases.fuzz.ops import (
     BATCHES,
@@ -347,25 +349,29 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program, *, neig
     first failure (the same on every rank) or ``None``."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    failure = _check_operations(ctx, impl, program)
+    failure, model = _check_operations(ctx, impl, program)
+    failure = failure or agree(ctx, left_alive(ctx, model))  # the user's loop ends: the model is dropped
     if failure is None and neighbours and (failure := check_neighbours(ctx, impl, program.config)) is not None:
         return f"after its operations, {failure}"  # [Note: neighbours of a configuration]
     return failure
 
 
-def _check_operations(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
-    """Wrap as ``program`` says and run its operations, then the closing ones; the first failure or ``None``."""
+def _check_operations(ctx: RankContext, impl: FSDPAdapter,
+                      program: Program) -> tuple[str | None, weakref.ref[nn.Module]]:
+    """Wrap as ``program`` says and run its operations, then the closing ones; the first failure or ``None``,
+    and the wrapped model, held weakly (dead: it was never wrapped)."""
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.watching():  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
         failure = held.untracked(agree, ctx, failure)
         if failure is not None:
-            return failure
+            return failure, weakref.ref(nn.Module())
+        model = weakref.ref(machine.model)
         failure = held.untracked(agree, ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
         if failure is not None:
-            return f"before any operation, {failure}"
+            return f"before any operation, {failure}", model
         failure = _apply_all(ctx, machine, "op", program.ops)
-        return failure or _apply_all(ctx, machine, "closing op", machine.closing())  # closing: after the ops
+        return failure or _apply_all(ctx, machine, "closing op", machine.closing()), model  # closing: after the ops
 
 
 def _apply_all(ctx: RankContext, machine: _Machine, label: str, ops: tuple[Op, ...]) -> str | None:
