@@ -33,15 +33,12 @@
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Mapping
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import mesh_over
@@ -49,7 +46,7 @@ from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, Wrap
 from conformance.contract.case import case
 from conformance.contract.optional import fully_shard
 from conformance.contract.results import CaseReport
-from fixtures.memory import LinearStack, track_storages
+from fixtures.memory import LinearStack, kept_alive, track_storages
 from fixtures.seeding import generator, rank_seed
 
 if TYPE_CHECKING:
@@ -139,11 +136,9 @@ def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str, last
         _step(model, optim, torch.randn(BATCH, 8, generator=gen).to(ctx.device))
     output = model(torch.randn(BATCH, 8, generator=gen).to(ctx.device)).sum() if last == "forward" else None
     del model, optim, output
-    dist.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight
-    gc.collect()
-    kept = watched()
-    if kept is not None:
-        holders = sorted({type(r).__qualname__ for r in gc.get_referrers(kept) if not isinstance(r, FrameType)})
+    ctx.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight
+    holders = kept_alive(watched)
+    if holders is not None:
         after = "two training steps" if last == "step" else "two training steps and a forward with no backward"
         raise AssertionError(f"rank {ctx.rank}: the {api} model, dropped by its user after {after}, is "
                              f"still alive after gc.collect() (held by objects of types {holders}): its "

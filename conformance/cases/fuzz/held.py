@@ -62,7 +62,6 @@ import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -70,7 +69,7 @@ import torch.nn as nn
 
 from conformance.cases.fuzz.ops import NODE, Config
 from conformance.cases.fuzz.precision import dtype_of
-from fixtures.memory import StorageTracker, storages_of
+from fixtures.memory import StorageTracker, kept_alive, storages_of
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -291,15 +290,11 @@ class Held:
 
 def left_alive(ctx: RankContext, model: weakref.ref[nn.Module]) -> str | None:
     """Why the wrapped ``model``, dropped by the program's end, is still alive once the cycle collector has run
-    (``None``: freed). Collective: every rank first passes its collectives (under thread ranks a peer's
-    collective in flight may hold this rank's tensors). A model nothing frees keeps its parameters, gradients
-    and process groups (each gloo group three threads) for the rest of the process, as ``memory/dropped_model_freed``
-    checks for one model."""
+    (``None``: freed), as ``memory/dropped_model_freed`` checks for one model. Collective: every rank first
+    passes its collectives (under thread ranks a peer's collective in flight may hold this rank's tensors)."""
     ctx.barrier()
-    gc.collect()
-    kept = model()
-    if kept is None:
+    holders = kept_alive(model)
+    if holders is None:
         return None
-    holders = sorted({type(r).__qualname__ for r in gc.get_referrers(kept) if not isinstance(r, FrameType)})
     return (f"memory held: the wrapped model, dropped at the program's end, is still alive after gc.collect() (held "
             f"by objects of types {holders}): nothing frees its parameters, gradients or process groups")
