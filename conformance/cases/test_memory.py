@@ -137,10 +137,10 @@ def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str, last
     output = model(torch.randn(BATCH, 8, generator=gen).to(ctx.device)).sum() if last == "forward" else None
     del model, optim, output
     ctx.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight
-    holders = kept_alive(watched)
-    if holders is not None:
+    kept = kept_alive(watched)
+    if kept is not None:
         after = "two training steps" if last == "step" else "two training steps and a forward with no backward"
         raise AssertionError(f"rank {ctx.rank}: the {api} model, dropped by its user after {after}, is "
-                             f"still alive after gc.collect() (held by objects of types {holders}): its "
-                             "parameters, gradients and process groups are never freed")
+                             f"still alive after gc.collect(), {kept}: its parameters, gradients and process "
+                             "groups are never freed")
     return CaseReport(reason="freed after the user dropped it")

@@ -15,7 +15,7 @@ from conformance.cases.fuzz.held import Held, kept_after_forward, shard_bound
 from conformance.cases.fuzz.ops import Config, Forward, Program, Train
 from conformance.cases.fuzz.shadow import build
 from conformance.contract.adapter import FSDPAdapter
-from conformance.selftest.mutants import KeepFullGradients, NeverReshard
+from conformance.selftest.mutants import HooksHoldTheirUnit, KeepFullGradients, NeverReshard
 from harness import RankContext, run
 
 #: Two units and the root: blocks.0 has 40 parameters (two 4x4 linears with biases), blocks.1 and the root's
@@ -75,14 +75,20 @@ def _verdicts(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -
 _TRAIN = Program(Config(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(inner=("linear",)))),
                         wrap=("blocks.1",), use_orig_params=True), (Train(), Train()))
 _INT = Program(_FULLY_SHARD, (Forward(grad=False), Train(), Forward(grad=False)))
+#: One unit of 3 x 30 width-5 parameters kept gathered: 4 padded shards of 192 B, more than the parameters padded once.
+_GATHERED = Program(Config(world_size=4, model=ModelSpec(width=5, blocks=(Block(), Block(), Block())),
+                           api="fully_shard", reshard_after_forward=False), (Forward(grad=False),))
 
 
 @pytest.mark.parametrize(("impl", "program"), [(ReferenceAdapter(), _TRAIN), (ReferenceAdapter(), _INT),
-                                               (TorchFSDP2Adapter(), _INT)],
-                         ids=["reference-train", "reference-int", "torch-fsdp2-int"])
+                                               (TorchFSDP2Adapter(), _INT), (ReferenceAdapter(), _GATHERED),
+                                               (TorchFSDP2Adapter(), _GATHERED)],
+                         ids=["reference-train", "reference-int", "torch-fsdp2-int", "reference-gathered",
+                              "torch-fsdp2-gathered"])
 def test_what_torch_and_the_reference_hold_passes(impl: FSDPAdapter, program: Program) -> None:
     """Training twice with the original parameters (the reference once kept a stale gradient across
-    ``summon_full_params``), and forwards without backward under an int ``reshard_after_forward``."""
+    ``summon_full_params``), forwards without backward under an int ``reshard_after_forward``, and a unit
+    left gathered whose padded shards make more than its parameters (the gather buffer, padding included)."""
     got = run(_verdicts, world_size=program.config.world_size, mode="process", timeout_s=240, args=(impl, (program,)))
     assert got[0] == [None]
 
@@ -94,3 +100,12 @@ def test_memory_mutants_fail_the_check(mutant: FSDPAdapter) -> None:
     got = run(_verdicts, world_size=2, mode="process", timeout_s=240, isolated=True, args=(mutant, (_TRAIN,)))[0][0]
     assert got is not None, "the mutant passed"
     assert re.search("op 0 .* memory held: since a synchronising backward this rank holds", got), got
+
+
+def test_a_model_kept_alive_after_the_program_is_reported() -> None:
+    """A reference whose gradient hooks hold their unit strongly keeps every wrapped model alive: the program's
+    end names it (in fresh rank processes: a mutant's patches stay where it ran)."""
+    got = run(_verdicts, world_size=2, mode="process", timeout_s=240, isolated=True,
+              args=(HooksHoldTheirUnit(), (_TRAIN,)))[0][0]
+    assert got is not None and got.startswith("rank 0: memory held: the wrapped model, dropped at the program's end, "
+                                              "is still alive after gc.collect()"), got

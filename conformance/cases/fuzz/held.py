@@ -288,13 +288,14 @@ class Held:
                 f"a unit kept gathered, or an unsharded gradient kept)")
 
 
-def left_alive(ctx: RankContext, model: weakref.ref[nn.Module]) -> str | None:
-    """Why the wrapped ``model``, dropped by the program's end, is still alive once the cycle collector has run
-    (``None``: freed), as ``memory/dropped_model_freed`` checks for one model. Collective: every rank first
-    passes its collectives (under thread ranks a peer's collective in flight may hold this rank's tensors)."""
+def left_alive(ctx: RankContext, model: tuple[weakref.ref[nn.Module], ...]) -> str | None:
+    """Why the wrapped ``model`` (its modules, held weakly), dropped by the program's end, is still alive once
+    the cycle collector has run (``None``: freed), as ``memory/dropped_model_freed`` checks for one model.
+    Collective: every rank first passes its collectives (under thread ranks a peer's collective in flight may
+    hold this rank's tensors)."""
     ctx.barrier()
-    holders = kept_alive(model)
-    if holders is None:
+    kept = kept_alive(*model)
+    if kept is None:
         return None
-    return (f"memory held: the wrapped model, dropped at the program's end, is still alive after gc.collect() (held "
-            f"by objects of types {holders}): nothing frees its parameters, gradients or process groups")
+    return (f"memory held: the wrapped model, dropped at the program's end, is still alive after gc.collect(), "
+            f"{kept}: nothing frees its parameters, gradients or process groups")

@@ -357,16 +357,16 @@ def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program, *, neig
 
 
 def _check_operations(ctx: RankContext, impl: FSDPAdapter,
-                      program: Program) -> tuple[str | None, weakref.ref[nn.Module]]:
+                      program: Program) -> tuple[str | None, tuple[weakref.ref[nn.Module], ...]]:
     """Wrap as ``program`` says and run its operations, then the closing ones; the first failure or ``None``,
-    and the wrapped model, held weakly (dead: it was never wrapped)."""
+    and the wrapped model's modules, held weakly (none: it was never wrapped)."""
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.watching():  # [Note: memory held between iterations]
         machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
         failure = held.untracked(agree, ctx, failure)
         if failure is not None:
-            return failure, weakref.ref(nn.Module())
-        model = weakref.ref(machine.model)
+            return failure, ()
+        model = tuple(weakref.ref(module) for module in machine.model.modules())  # the user's modules among them
         failure = held.untracked(agree, ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
         if failure is not None:
             return f"before any operation, {failure}", model
