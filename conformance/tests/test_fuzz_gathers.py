@@ -53,7 +53,13 @@ def _verdicts(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | No
         "torch-fsdp1-zero2", "reference-hybrid", "torch-fsdp1-hybrid", "reference-sgo",
         "torch-fsdp1-sgo", "reference-full", "torch-fsdp1-full", "torch-fsdp2-full"])
 def test_the_reference_and_torch_keep_the_promise(impl: FSDPAdapter, program: Program) -> None:
+    """Every operation passes, the all-gathers included. torch-fsdp1 then fails the program's end on its
+    registered finding (docs/findings/fsdp1-abandoned-forward-keeps-model.md: the ``unused`` unit's forward
+    ran with gradients and its backward never did), which is checked only after every operation passed."""
     got = run(_verdicts, world_size=program.config.world_size, mode="process", timeout_s=240, args=(impl, program))
+    if isinstance(impl, TorchFSDP1Adapter) and got[0] is not None:
+        assert got[0].startswith("rank 0: memory held: the wrapped model, dropped at the program's end"), got[0]
+        return
     assert got[0] is None, got[0]
 
 
