@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 from dataclasses import replace
@@ -114,13 +115,21 @@ def test_a_model_kept_alive_after_the_program_is_reported() -> None:
 
 def _late_release(ctx: RankContext, release_after_s: float | None, settle_s: float) -> str | None:
     """A held check on each rank right after an all-gather whose output a stand-in for the backend's worker
-    thread still references: it lets go ``release_after_s`` after the caller dropped it (``None``: only after
-    the check, as an implementation that keeps it would). ``settle_s`` stands for :data:`SETTLE_S`."""
+    thread still references: it lets go ``release_after_s`` after the check's cycle collection has ended (so
+    the first count after it still sees the output; ``None``: only after the check, as an implementation that
+    keeps it would). ``settle_s`` stands for :data:`SETTLE_S`."""
     import fixtures.memory as memory
 
     held = Held(replace(_FULLY_SHARD, world_size=1, api="wrap", reshard_after_forward=True))
     model = build(held.config, torch.device("cpu"))  # 80 float32 parameters: S = 320 B
     optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    backend: list[torch.Tensor] = []  # the worker's reference
+    worker = threading.Timer(release_after_s or 0.0, backend.clear)
+
+    def after_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2 and release_after_s is not None and not worker.is_alive():
+            worker.start()
+
     saved, memory.SETTLE_S = memory.SETTLE_S, settle_s
     try:
         with held.tracker:
@@ -128,31 +137,30 @@ def _late_release(ctx: RankContext, release_after_s: float | None, settle_s: flo
             held.wrapped(model)
             output = torch.empty(80 * ctx.world_size)
             torch.distributed.all_gather_into_tensor(output, params)
-            backend = [output]  # the worker's reference
+            backend.append(output)
             del output  # the implementation is done with it
-            worker = threading.Timer(release_after_s, backend.clear) if release_after_s is not None else None
-            if worker is not None:
-                worker.start()
+            gc.callbacks.append(after_collection)
             try:
                 held.check(optim, 0)
                 return None
             except AssertionError as error:
                 return str(error)
-            finally:
-                if worker is not None:
-                    worker.join()
-                backend.clear()
     finally:
+        if after_collection in gc.callbacks:
+            gc.callbacks.remove(after_collection)
+        if worker.is_alive():
+            worker.join()
+        backend.clear()
         memory.SETTLE_S = saved
 
 
 @pytest.mark.parametrize(("release_after_s", "settle_s", "fails"),
-                         [(0.2, 30.0, False), (0.2, 0.0, True), (None, 0.3, True)],
+                         [(0.5, 30.0, False), (0.5, 0.0, True), (None, 0.3, True)],
                          ids=["released-late", "released-late-no-settling", "kept"])
 def test_a_collective_output_the_backend_releases_late_is_not_held(
         release_after_s: float | None, settle_s: float, fails: bool) -> None:
     """[Note: tensors a backend releases late]: a gathered buffer the implementation dropped, which the backend's
-    thread lets go 0.2 s later, is not held memory; without the settling (the negative control) the check
+    thread lets go 0.5 s after the check began to settle, is not held memory; without the settling (the negative control) the check
     fails on it, as ``fuzz/stateful_*`` programs of torch-fsdp2 did at random; one kept past the check fails."""
     got = run(_late_release, world_size=2, mode="process", timeout_s=120, args=(release_after_s, settle_s))
     for verdict in got:
