@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
-from harness._rank_main import Task, apply_placement, prepare_child, resolve_fn
+from harness._rank_main import Task, apply_placement, freeze_imports, prepare_child, resolve_fn
 from harness.rank_mode import RankMode
 
 __all__ = ["HostSetup", "ThreadTask", "host_main"]
@@ -115,6 +115,9 @@ def host_main(setup: HostSetup, conn: Connection) -> None:
     """Entry point of a thread host process."""
     prepare_child(setup.sys_path, setup.parent_pid, setup.crash_path, setup.stack_path)
     apply_placement(setup.placement)
+    import torch.distributed  # noqa: F401 - imported before the freeze, as a rank process has it
+
+    freeze_imports()  # [Note: frozen imports]
     while True:
         try:
             job = conn.recv()
