@@ -160,8 +160,9 @@ def _late_release(ctx: RankContext, release_after_s: float | None, settle_s: flo
 def test_a_collective_output_the_backend_releases_late_is_not_held(
         release_after_s: float | None, settle_s: float, fails: bool) -> None:
     """[Note: tensors a backend releases late]: a gathered buffer the implementation dropped, which the backend's
-    thread lets go 0.5 s after the check began to settle, is not held memory; without the settling (the negative control) the check
-    fails on it, as ``fuzz/stateful_*`` programs of torch-fsdp2 did at random; one kept past the check fails."""
+    thread lets go 0.5 s after the check began to settle, is not held memory; without the settling (the
+    negative control) the check fails on it, as ``fuzz/stateful_*`` programs of torch-fsdp2 did at random; one
+    kept past the check fails."""
     got = run(_late_release, world_size=2, mode="process", timeout_s=120, args=(release_after_s, settle_s))
     for verdict in got:
         if fails:
