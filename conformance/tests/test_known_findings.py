@@ -66,6 +66,10 @@ def _fsdp1() -> list[tuple[str, str, str, str]]:
         (FSDP1, "mixed_precision/keep_low_precision_grads[strategy=FULL_SHARD]",
          F + "fsdp1-keep-low-precision-grads.md",
          "rank 0 raised AssertionError: step 0: unit 'lin1' grads in {torch.bfloat16}, expected torch.float32"),
+        (FSDP1, "mixed_precision/keep_low_precision_grads[reduce_dtype=None,strategy=FULL_SHARD]",
+         F + "fsdp1-keep-low-precision-grads.md", "rank 0 raised RuntimeError: attempting to assign a gradient with "
+         "dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'. The gradient must match the tensor's grad_dtype "
+         "(defaults to the tensor's dtype)."),
         (FSDP1, "hybrid_meshes/replicas_match_baseline[shape=1x4,given=groups,strategy=HYBRID_SHARD]",
          F + "fsdp1-hybrid-shard-group-of-one.md",
          f"rank 0 raised AssertionError: rank 0 1x4 (groups, HYBRID_SHARD) step 0: full params vs baseline"
