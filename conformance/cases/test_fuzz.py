@@ -271,7 +271,8 @@ def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
 
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 4; the same program on two ranks) in torch-fsdp2:
 # a full optimizer state dict saved before the first step cannot be loaded (set_optimizer_state_dict raises
-# "Expected device to be set") (docs/findings/fsdp2-full-optim-load-before-first-step.md).
+# "Expected device to be set"); torch.distributed.checkpoint.state_dict's, documented
+# (docs/findings/dcp-full-optim-load-with-grads-before-first-step.md).
 @case("fuzz/repro_49d9e993", world_size=2, requires=[Capability.FULL_STATE_DICT], uses=NEIGHBOURS_USE)
 def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
@@ -347,7 +348,7 @@ def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 20 programs, world size 4, HYBRID_SHARD; the strategy does not matter, so
 # shrunk by hand to the default configuration on two ranks) in torch-fsdp2: taking the optimizer state dict before
 # the first step runs a step on zero gradients, which counts for Adam, so the first real step is its second
-# (docs/findings/fsdp2-optim-save-before-first-step-steps-adam.md).
+# (torch.distributed.checkpoint.state_dict's; docs/findings/dcp-optim-state-dict-steps-adam.md).
 @case("fuzz/repro_c34640a2", world_size=2, requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT],
       uses=NEIGHBOURS_USE)
 def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:

@@ -9,7 +9,14 @@ Findings come from three places, all in one format (a JSON list of
 :func:`conformance.contract.rows.row_matches` reads it, ``doc`` a path or URL; an
 optional ``"reason"``, a regular expression, limits the finding to failures
 whose reason it matches: a row that can fail for more than one cause, such as
-a fuzzer row, is explained only for the cause the write-up describes):
+a fuzzer row, is explained only for the cause the write-up describes; an
+optional ``"component"`` names the component at fault when it is not the
+implementation itself, e.g. ``"torch.distributed.checkpoint.state_dict"``; an
+optional ``"kind"`` is ``"bug"``, the default, or ``"documented"``: a
+limitation or design choice the implementation's own documentation states,
+which then needs ``"documentation"``, the citation (document, section or quote,
+version). A documented choice is still a FAIL of the case; the reason says
+it is documented and cites where):
 
 - this suite's own, :data:`BUILTIN_FILE`;
 - packages, under the :data:`ENTRY_POINT_GROUP` entry-point group: the entry
@@ -31,7 +38,8 @@ from typing import Any
 
 from conformance.contract.rows import parse_row_id, row_matches
 
-__all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "Finding", "annotate", "explaining", "known", "load_file"]
+__all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "KINDS", "Finding", "annotate", "explaining", "known",
+           "load_file"]
 
 BUILTIN_FILE = Path(__file__).with_name("known_findings.json")
 ENTRY_POINT_GROUP = "fsdp_conformance.findings"
@@ -39,7 +47,9 @@ ENV_VAR = "FSDP_CONFORMANCE_FINDINGS"
 
 
 _REQUIRED = frozenset({"impl", "rows", "doc"})
-_OPTIONAL = frozenset({"reason"})
+_OPTIONAL = frozenset({"reason", "component", "kind", "documentation"})
+#: ``kind``: an implementation's (or ``component``'s) bug, or a limitation its documentation states.
+KINDS = ("bug", "documented")
 
 
 @dataclass(frozen=True)
@@ -51,22 +61,48 @@ class Finding:
     rows: str
     doc: str
     reason: str | None = None
+    #: The component at fault when it is not ``impl`` itself (``None``: the implementation).
+    component: str | None = None
+    #: One of :data:`KINDS`.
+    kind: str = "bug"
+    #: For ``kind="documented"``: where the implementation documents the behaviour (document, section or
+    #: quote, version).
+    documentation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if (self.kind == "documented") != (self.documentation is not None):
+            raise ValueError("'documentation' (the citation) is given exactly when kind is 'documented', "
+                             f"got kind={self.kind!r}, documentation={self.documentation!r}")
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any], source: str) -> Finding:
         """Validate one entry; errors name ``source`` and the entry."""
         if not isinstance(entry, Mapping) or not _REQUIRED <= set(entry) <= _REQUIRED | _OPTIONAL:
             raise ValueError(f"{source}: a finding is {{'impl', 'rows', 'doc'}} and optionally 'reason', "
-                             f"got {entry!r}")
+                             f"'component', 'kind' and 'documentation', got {entry!r}")
         if not all(isinstance(v, str) and v for v in entry.values()):
-            raise ValueError(f"{source}: impl, rows, doc and reason must be non-empty strings, got {entry!r}")
+            raise ValueError(f"{source}: every field of a finding must be a non-empty string, got {entry!r}")
         parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
         if "reason" in entry:
             try:
                 re.compile(entry["reason"])
             except re.error as exc:
                 raise ValueError(f"{source}: reason {entry['reason']!r} is not a regular expression: {exc}") from None
-        return cls(entry["impl"], entry["rows"], entry["doc"], entry.get("reason"))
+        try:
+            return cls(entry["impl"], entry["rows"], entry["doc"], entry.get("reason"), entry.get("component"),
+                       entry.get("kind", "bug"), entry.get("documentation"))
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}: {entry!r}") from None
+
+    def label(self) -> str:
+        """How a reason it explains starts: ``known finding``, the component at fault, and for a documented
+        limitation the citation."""
+        at = f" in {self.component}" if self.component else ""
+        if self.kind == "documented":
+            return f"known finding{at}, documented limitation ({self.documentation}), see {self.doc}"
+        return f"known finding{at}, see {self.doc}"
 
     def explains(self, impl: str, case: str, reason: str) -> bool:
         """Whether this finding is the known cause of ``impl`` failing ``case`` with ``reason``."""
@@ -112,4 +148,4 @@ def annotate(impl: str, case: str, reason: str, finding: Finding | None = None) 
     """``reason``, prefixed with the finding's write-up when this failure is a known one
     (``finding`` when the caller already looked it up with :func:`explaining`)."""
     finding = finding or explaining(impl, case, reason)
-    return reason if finding is None else f"known finding, see {finding.doc}: {reason}"
+    return reason if finding is None else f"{finding.label()}: {reason}"

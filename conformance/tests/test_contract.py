@@ -135,7 +135,7 @@ def test_a_finding_with_a_reason_explains_only_that_cause(tmp_path: Path, monkey
     with pytest.raises(ValueError, match=r"reason '\(' is not a regular expression"):
         annotate("my-fsdp", "fuzz/parity_ws1", "boom")
     listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "fuzz/parity_ws1", "doc": "d.md", "why": "x"}]))
-    with pytest.raises(ValueError, match=r"optionally 'reason', got"):
+    with pytest.raises(ValueError, match=r"optionally 'reason', 'component', 'kind' and 'documentation', got"):
         annotate("my-fsdp", "fuzz/parity_ws1", "boom")
 
 
@@ -185,3 +185,20 @@ def test_an_adapter_missing_a_required_method_is_refused_naming_it(monkeypatch: 
     monkeypatch.setenv(registry.ENV_VAR, f"lacks-wrap={__name__}:LacksWrap")
     with pytest.raises(TypeError, match=r"'lacks-wrap' .* does not implement FSDPAdapter: missing units, wrap$"):
         registry.load("lacks-wrap")
+
+
+def test_a_documented_finding_cites_its_documentation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kind="documented"`` needs the citation, and the reason then says the behaviour is documented; a
+    ``component`` names the component at fault."""
+    listed = tmp_path / "mine.json"
+    entry = {"impl": "my-fsdp", "rows": "checkpoint/*", "doc": "d.md", "reason": "needs a GPU"}
+    listed.write_text(json.dumps([{**entry, "kind": "documented", "documentation": "my-fsdp 1.0, README: GPU only",
+                                   "component": "my-fsdp.offload"}]))
+    monkeypatch.setenv(ENV_VAR, str(listed))
+    assert annotate("my-fsdp", "checkpoint/x", "rank 0: needs a GPU") == (
+        "known finding in my-fsdp.offload, documented limitation (my-fsdp 1.0, README: GPU only), see d.md: "
+        "rank 0: needs a GPU")
+    for bad in ({**entry, "kind": "documented"}, {**entry, "documentation": "x"}, {**entry, "kind": "wontfix"}):
+        listed.write_text(json.dumps([bad]))
+        with pytest.raises(ValueError, match=r"mine\.json: (kind must be|'documentation')"):
+            annotate("my-fsdp", "checkpoint/x", "boom")

@@ -1,0 +1,305 @@
+"""The built-in known findings (conformance/runner/known_findings.json) label their own failures and nothing else.
+
+Each registration is fed the real reasons of the failures its write-up describes (as recorded in
+docs/CONFORMANCE.md's runs or a run of the row, or, where marked, built from the case's own message format) and
+must label them; every row it names is then fed failures of other causes (a crash, a mismatch of another kind,
+an error at another operation), which no registration may label.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.runner.findings import BUILTIN_FILE, Finding, annotate, explaining, load_file
+
+F = "docs/findings/"
+FSDP1, FSDP2, FAIRSCALE, TITAN = "torch-fsdp1", "torch-fsdp2", "fairscale-fsdp", "torchtitan-simple-fsdp"
+SYNC = ("rank 0 raised ValueError: The module has CPU parameters or buffers when `sync_module_states=True`, which "
+        "requires them to be on GPU. Please specify the `device_id` argument or move the module to GPU before passing "
+        "it to FSDP. (world_size=2, mode=process)")
+ACCEL = ("rank 0 raised RuntimeError: Cannot access accelerator device when none is available. "
+         "(world_size=2, mode=process)")
+NOT_CLOSE = "Tensor-likes are not close! |  | Mismatched elements: 4 / 4 (100.0%)"
+SHADOW = "rank 0 raised AssertionError: {impl} differs from the shadow model: op {op}, rank 0: {what}"
+STATEFUL = "rank 0 raised AssertionError: stateful fuzzer (seed 0{under}): op {op}, rank 0: {what}"
+POLICY = (", policy=Policy(param_dtype='bfloat16', reduce_dtype='float32', buffer_dtype=None, cast_inputs=False, "
+          "keep_low_precision_grads=False)")
+NEIGHBOUR = "rank 0 raised AssertionError: stateful fuzzer (seed 0{under}): neighbour ({name}): {what}"
+NO_SYNC_MEAN = ("with param_dtype=bfloat16 and reduce_dtype=float32, a backward inside no_sync() and the next one left "
+                "a gradient other than the mean over ranks of each rank's sum kept in bfloat16 (no_sync() accumulates "
+                "in the parameters the backward computes with; reduce_dtype is the reduction's only): "
+                "Tensor-likes are not close!")
+GRADS_2X = ("gradients are 2 x expected: the implementation sums where the contract averages "
+            "(the mean over ranks, as DDP)")
+CUDA_KEY = "rank 0 raised KeyError: 'all_gather' (world_size=2, mode=process)"
+
+
+def _fsdp1() -> list[tuple[str, str, str, str]]:
+    """(impl, row, write-up, real reason) for torch-fsdp1's non-fuzz rows."""
+    off, hybrid = F + "fsdp1-cpu-offload-pinning.md", F + "fsdp1-hybrid-cpu.md"
+    sync = F + "fsdp1-sync-module-states-cpu.md"
+    return [
+        (FSDP1, "construction/same_model_across_ranks[use_orig_params=True]", sync, SYNC),
+        (FSDP1, "placement/cpu_init_with_sync_module_states[on=cpu]", sync, SYNC),
+        (FSDP1, "hybrid_shard/sync_module_states[strategy=HYBRID_SHARD]", sync, SYNC),
+        (FSDP1, "overlap/training_overlap", F + "overlap-cpu-torch.md",
+         "rank 0 raised AssertionError: rank 0: forward does not overlap: forward 1697 ms (bound 1392), "
+         "forward+backward 5091 ms (bound 4176), efficiency 0.80"),
+        (FSDP1, "hybrid_shard/basic_setup[strategy=HYBRID_SHARD,mode=ALL_HYBRID,use_device_mesh=False]", hybrid,
+         "rank 0 raised AssertionError: use_orig_params=True: ALL_HYBRID: units ['', 'transformer.encoder.layers.0'] "
+         "are not hybrid (no replicate group; shard groups [[0], [0]]) (world_size=4, mode=process)"),
+        (FSDP1, "hybrid_shard/basic_setup[strategy=HYBRID_SHARD,mode=MIXED_HYBRID_FULL,use_device_mesh=False]", hybrid,
+         "rank 0 raised AssertionError: use_orig_params=True: FULL_SHARD unit 'transformer' shards over [0], expected "
+         "the world [0, 1, 2, 3] (world_size=4, mode=thread)"),
+        (FSDP1, "checkpoint/basic_checkpoint_end_to_end[offload_activations=False,cpu_offload=True]", off, ACCEL),
+        (FSDP1, "checkpoint/checkpoint_fsdp_wrapping[nesting=roots,offload_activations=True,cpu_offload=True]", off,
+         ACCEL),
+        (FSDP1, "placement/device_id_cpu_offload[use_orig_params=False,on=cpu]", off, ACCEL),
+        (FSDP1, "grad_accumulation/accumulate[cpu_offload=True,set_to_none=False,no_sync=True]", off, ACCEL),
+        (FSDP1, "uneven_shared/train[tie=across_units]", F + "tied-weights-across-units.md",
+         "rank 0 raised RuntimeError: 'weight' must be 2-D (world_size=2, mode=thread)"),
+        (FSDP1, "state_dict/roundtrip[kind=FULL]", F + "fsdp1-full-optim-state-orig-params.md",
+         "rank 0 raised AssertionError: rank 0: losses after FULL load vs the local model[1]: Scalars are not close!"),
+        (FSDP1, "state_dict/cross_impl[dst=reference]", F + "fsdp1-full-optim-state-orig-params.md",
+         "rank 0 raised AssertionError: rank 0: losses after torch-fsdp1 -> reference vs the local model[1]: "
+         "Scalars are not close!"),
+        (FSDP1, "mixed_precision/keep_low_precision_grads[strategy=FULL_SHARD]",
+         F + "fsdp1-keep-low-precision-grads.md",
+         "rank 0 raised AssertionError: step 0: unit 'lin1' grads in {torch.bfloat16}, expected torch.float32"),
+        (FSDP1, "mixed_precision/keep_low_precision_grads[reduce_dtype=None,strategy=FULL_SHARD]",
+         F + "fsdp1-keep-low-precision-grads.md", "rank 0 raised RuntimeError: attempting to assign a gradient with "
+         "dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'. The gradient must match the tensor's grad_dtype "
+         "(defaults to the tensor's dtype)."),
+        (FSDP1, "hybrid_meshes/replicas_match_baseline[shape=1x4,given=groups,strategy=HYBRID_SHARD]",
+         F + "fsdp1-hybrid-shard-group-of-one.md",
+         f"rank 0 raised AssertionError: rank 0 1x4 (groups, HYBRID_SHARD) step 0: full params vs baseline"
+         f"[body.0.weight]: {NOT_CLOSE}"),
+        (FSDP1, "memory/dropped_model_freed[units=root,last=forward,api=wrap]",
+         F + "fsdp1-abandoned-forward-keeps-model.md",
+         "rank 0 raised AssertionError: rank 0: the wrap model, dropped by its user after two training steps and a "
+         "forward with no backward, is still alive after gc.collect(), a LinearStack (held by objects of types "
+         "['dict']): its parameters, gradients and process groups are never freed (world_size=2, mode=thread)"),
+    ]
+
+
+def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
+    """(impl, row, write-up, real reason) for torch-fsdp1's fuzz rows; neighbour and memory reasons are built from
+    the fuzzer's message formats (conformance/cases/fuzz/options.py, held.py)."""
+    unused, reentrant = F + "fsdp1-no-shard-unused-unit-params.md", F + "fsdp1-reentrant-checkpoint-frees-unit.md"
+    shadow = SHADOW.format(impl=FSDP1, op="{op}", what="{what}")
+    return [
+        (FSDP1, "fuzz/repro_8fc450e8", unused, "rank 0 raised AssertionError: torch-fsdp1 differs from the local "
+         "baseline: step 0, rank 0: parameters registered after backward: the wrapped model has 6 parameters, "
+         "the local model 4"),
+        (FSDP1, "fuzz/parity_ws1", unused, "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: "
+         "parameters registered after backward: the wrapped model has 6 parameters, the local model 4"),
+        (FSDP1, "fuzz/stateful_ws1", unused, STATEFUL.format(
+            under="", op="1 (Backward())", what="parameters registered: the wrapped model has 6, the shadow 4")),
+        (FSDP1, "fuzz/repro_d61e5cb1", F + "fsdp1-summon-grads-float64-padding-shard.md",
+         "rank 0 timed out: no result after 90 s"),
+        (FSDP1, "fuzz/repro_57555c45", F + "fsdp1-no-shard-low-precision-accumulation.md",
+         "rank 0 raised AssertionError: torch-fsdp1 differs from the local baseline: step 0, rank 0: params after "
+         "step: "
+         f"params[blocks.0.layers.0.weight]: {NOT_CLOSE}"),
+        (FSDP1, "fuzz/repro_6ec378a7", F + "fsdp1-buffer-dtype-rounds-saved-buffers.md", shadow.format(
+            op="0 (Save(sharded=False, optim=False))",
+            what=f"full model state dict: state_dict[blocks.0.layers.0.scale]: {NOT_CLOSE}")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
+            under="", op="3 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
+            "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo']): nothing frees its "
+            "parameters, gradients or process groups")),
+        (FSDP1, "fuzz/repro_438854a6", F + "fsdp1-no-grad-forward-before-step-stale-params.md", shadow.format(
+            op="3 (Step())", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP1, "fuzz/repro_972f9ad8", reentrant, shadow.format(
+            op="0 (Train(batch=0))", what="raised: RuntimeError: setStorage: sizes [2, 2], strides [2, 1], storage "
+            "offset 14, and itemsize 4 requiring a storage size of 72 are out of bounds for storage of size 0")),
+        (FSDP1, "fuzz/stateful_ws4", reentrant, STATEFUL.format(
+            under="", op="2 (Backward())", what="raised: RuntimeError: setStorage: sizes [3, 3], strides [3, 1], "
+            "storage offset 0, and itemsize 4 requiring a storage size of 36 are out of bounds for storage of size 0")),
+        (FSDP1, "fuzz/stateful_ws2", F + "tied-weights-across-units.md", NEIGHBOUR.format(
+            under="", name="tied across units", what="AssertionError: a weight tied across two units was accepted "
+            "and trained as two parameters: after a step blocks.0.weight and blocks.1.weight differ by up to 0.373")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-sync-module-states-cpu.md", NEIGHBOUR.format(
+            under="", name="sync_module_states", what=SYNC.split("raised ", 1)[1].rsplit(" (world_size", 1)[0])),
+        (FSDP1, "fuzz/stateful_ws1", F + "fsdp1-cpu-offload-pinning.md", STATEFUL.format(
+            under="", op="0 (Train(batch=0))", what="raised: RuntimeError: Cannot access accelerator device when none "
+            "is available.")),
+    ]
+
+
+def _fsdp2() -> list[tuple[str, str, str, str]]:
+    """(impl, row, write-up, real reason) for torch-fsdp2; the stateful rows' reasons are built from the fuzzer's
+    message format (conformance/cases/test_fuzz.py), the GPU row's from the case's assertion."""
+    nosync, nograd = F + "fsdp2-no-sync-accumulates-in-reduce-dtype.md", F + "fsdp2-no-grad-forward-unsharded-params.md"
+    dcp_load = F + "dcp-full-optim-load-with-grads-before-first-step.md"
+    dcp_adam = F + "dcp-optim-state-dict-steps-adam.md"
+    shadow = SHADOW.format(impl=FSDP2, op="{op}", what="{what}")
+    no_grad_fwd = "2 (Forward(batch=0, grad=False, loss='all'))"
+    return [
+        (FSDP2, "overlap/training_overlap", F + "overlap-cpu-torch.md",
+         "rank 0 raised AssertionError: rank 0: forward does not overlap: forward 1695 ms (bound 1392), "
+         "forward+backward 5084 ms (bound 4176), efficiency 0.80"),
+        (FSDP2, "placement/ignored_params_not_moved[on=gpu]", F + "fsdp2-ignored-module-buffers-moved.md",
+         "rank 0 raised AssertionError: ignored module's tensors changed: before {1: (device(type='cpu'), 94)}, "
+         "after {1: (device(type='cuda', index=0), 140)}"),
+        (FSDP2, "fuzz/repro_3ff502a0", nograd, shadow.format(
+            op=no_grad_fwd, what=f"grads: grads[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws2", nograd, STATEFUL.format(
+            under="", op=no_grad_fwd, what=f"grads: grads[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/repro_49d9e993", dcp_load, shadow.format(
+            op="3 (Load())", what="raised: AssertionError: Expected device to be set")),
+        (FSDP2, "fuzz/stateful_ws4", dcp_load, STATEFUL.format(
+            under="", op="3 (Load())", what="raised: AssertionError: Expected device to be set")),
+        (FSDP2, "fuzz/repro_c8d7309a", nosync, shadow.format(
+            op="0 (NoSync(batch=0))", what=f"grads: grads[blocks.1.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws1", nosync, STATEFUL.format(
+            under=POLICY, op="0 (NoSync(batch=0))", what=f"grads: grads[blocks.1.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws2", nosync, NEIGHBOUR.format(
+            under=POLICY, name="unsynced sums", what=f"AssertionError: {NO_SYNC_MEAN}")),
+        (FSDP2, "mixed_precision/unsynced_sums[api=wrap,param_dtype=bfloat16]", nosync,
+         f"rank 0 raised AssertionError: {NO_SYNC_MEAN}"),
+        (FSDP2, "fuzz/stateful_ws2", F + "fsdp2-optim-load-refuses-params-without-state.md", STATEFUL.format(
+            under="", op="4 (Load())", what="raised: RuntimeError: Missing optimizer state for parameter "
+            "'unused.weight' in checkpoint. The parameter requires gradients but has no saved optimizer state.")),
+        (FSDP2, "fuzz/repro_c34640a2", dcp_adam, shadow.format(
+            op="1 (Train(batch=0))", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws4", dcp_adam, STATEFUL.format(
+            under="", op="1 (Train(batch=0))", what=f"params: params[embed.weight]: {NOT_CLOSE}")),
+    ]
+
+
+def _others() -> list[tuple[str, str, str, str]]:
+    """(impl, row, write-up, real reason) for the optional columns, from docs/CONFORMANCE.md."""
+    cuda, sums, eager = F + "fairscale-fsdp-needs-cuda.md", F + "titan-simple-fsdp-sums-gradients.md", \
+        F + "titan-simple-fsdp-eager-mode.md"
+    untie = F + "titan-simple-fsdp-unties-shared-parameters.md"
+    fairscale = [(FAIRSCALE, row, cuda, CUDA_KEY) for row in (
+        "checkpoint/basic_checkpoint_end_to_end", "grad_accumulation/accumulate", "placement/no_params",
+        "training/cpu_training_parity_vs_ddp", "training/module_no_compute_grad", "overlap/training_overlap",
+        "unit_outputs/caller_use[use=view]", "memory/peak_per_rank[use_orig_params=True]")]
+    fairscale += [
+        (FAIRSCALE, "uneven_shared/train[tie=within_unit]", cuda,
+         "rank 0 raised AssertionError: use_orig_params=True: Torch not compiled with CUDA enabled"),
+        (FAIRSCALE, "fuzz/stateful_ws1", cuda, STATEFUL.format(
+            under="", op="0 (Train(batch=0))", what="raised: KeyError: 'all_gather'")),
+    ]
+    return fairscale + [
+        (TITAN, "training/cpu_training_parity_vs_ddp[strategy=FULL_SHARD,optim=SGD]", sums,
+         "rank 0 raised AssertionError: torchtitan-simple-fsdp vs ddp at step 1: loss: Scalars are not close!"),
+        (TITAN, "grad_accumulation/accumulate", sums, "rank 0 raised AssertionError: rank 0 step 0: grads after 3 "
+         f"backwards vs the local model[lin1.weight]: {GRADS_2X}"),
+        (TITAN, "hybrid_meshes/replicas_match_baseline[shape=2x2,given=mesh,strategy=HYBRID_SHARD]", sums,
+         f"rank 0 raised AssertionError: rank 0 2x2 (mesh, HYBRID_SHARD) step 0: full params vs baseline"
+         f"[body.0.weight]: {NOT_CLOSE}"),
+        (TITAN, "mixed_precision/param_and_reduce_dtypes", sums,
+         f"rank 0 raised AssertionError: step 0 grads[lin1.weight]: {GRADS_2X}"),
+        (TITAN, "state_dict/load_in_loop[point=after_forward]", sums, "rank 0 raised AssertionError: "
+         "use_orig_params=True: rank 0: losses after loading after_forward vs the loaded model trained locally[1]: "
+         "Scalars are not close!"),
+        (TITAN, "state_dict/cross_impl[dst=torch-fsdp1]", sums, "rank 0 raised AssertionError: rank 0: losses after "
+         "torchtitan-simple-fsdp -> torch-fsdp1 vs the local model[1]: Scalars are not close!"),
+        (TITAN, "unit_outputs/not_all_outputs_used_in_loss[strategy=NO_SHARD]", sums,
+         f"rank 0 raised AssertionError: params after step 0 on rank 0[lin1.weight]: {NOT_CLOSE}"),
+        (TITAN, "fuzz/parity_ws4", sums, "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: grads "
+         f"after backward: grads[blocks.0.layers.0.weight]: {GRADS_2X.replace('2 x', '4 x')}"),
+        (TITAN, "uneven_shared/train[tie=within_unit]", untie, "rank 0 raised AssertionError: use_orig_params=True: "
+         "rank 0: params after wrap: names differ; missing=[] unexpected=['proj.weight']"),
+        (TITAN, "fuzz/parity_ws1", untie, "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: grads "
+         "after backward: grads: names differ; missing=[] unexpected=['blocks.0.layers.1.weight']"),
+        (TITAN, "hybrid_shard/basic_setup[strategy=HYBRID_SHARD]", eager, "rank 0 raised AssertionError: "
+         "use_orig_params=True: rank 0 HYBRID_SHARD (32 hybrid units, 32 non-root; 2 FULL_SHARD): backward "
+         "all-gathers over the shard group (non-root units were freed): 0 < 32"),
+        (TITAN, "unit_outputs/caller_use[use=view]", eager, "rank 0 raised AssertionError: rank 0 step 0: no "
+         "all-gather in backward with head's outputs in a view; head was resharded after forward, so its "
+         "backward must gather it"),
+        (TITAN, "unit_outputs/structured_outputs[structure=dict]", eager, "rank 0 raised AssertionError: rank 0 "
+         "step 0: no all-gather in backward with head's outputs in a dict; head was resharded after forward, so "
+         "its backward must gather it again"),
+        (TITAN, "memory/peak_per_rank[use_orig_params=True]", eager, "rank 0 raised AssertionError: rank 0: peak "
+         "533008 B during a step exceeds the bound 491520 B by 41488 B (sharded parameters+gradients+state "
+         "393216 B, 5 units of 16384 B, activations 16384 B) (world_size=2, mode=process)"),
+        (TITAN, "overlap/training_overlap", eager, "rank 0 raised AssertionError: rank 0: forward does not overlap: "
+         "forward 1702 ms (bound 1392)"),
+        (TITAN, "fuzz/stateful_ws1", F + "titan-simple-fsdp-trains-frozen-parameters.md", STATEFUL.format(
+            under="", op="0 (Train(batch=0))", what=f"params: params[blocks.1.layers.0.weight]: {NOT_CLOSE}")),
+    ]
+
+
+#: (impl, row, the write-up that explains it, the failure's real reason).
+REAL = _fsdp1() + _fsdp1_fuzz() + _fsdp2() + _others()
+
+#: Failures of other causes than any finding's: crashes, mismatches of another kind, errors at other operations.
+#: ``{at}`` is where a fuzz row places them.
+_UNRELATED_WHAT = (
+    "raised: RuntimeError: CUDA error: an illegal memory access was encountered",
+    "raised: RuntimeError: unrelated crash",
+    "raised: RuntimeError: shape mismatch in load: expected [4, 4], got [2, 4]",
+    "grads: names differ; missing=['blocks.0.layers.0.bias'] unexpected=[]",
+    "params: params[blocks.0.layers.0.weight]: dtype torch.bfloat16, expected torch.float32",
+)
+_OPS = ("2 (Forward(batch=0, grad=False, loss='all'))", "0 (NoSync(batch=0))", "3 (Load())", "1 (Train(batch=0))",
+        "3 (Step())", "0 (Save(sharded=False, optim=False))", "1 (Backward())")
+
+
+def unrelated(impl: str, row: str) -> list[str]:
+    """Failure reasons of ``row`` on ``impl`` that no finding describes."""
+    plain = ["rank 1 died (signal SIGSEGV) (world_size=2, mode=process)",
+             "rank 0 raised RuntimeError: CUDA error: an illegal memory access was encountered",
+             "rank 0 raised RuntimeError: unrelated crash (world_size=2, mode=thread)",
+             "rank 0 raised AssertionError: rank 0: grads differ from the local model[lin1.weight]: names differ; "
+             "missing=['lin1.bias'] unexpected=[]",
+             "rank 0 raised AssertionError: shape mismatch in load: expected [4, 4], got [2, 4]",
+             "rank 0 raised AssertionError: rank 0: buffers moved: {'running_mean': device(type='meta')}"]
+    if not row.startswith("fuzz/"):
+        return plain
+    shadow = [SHADOW.format(impl=impl, op=op, what=what) for op in _OPS for what in _UNRELATED_WHAT]
+    stateful = [STATEFUL.format(under=under, op=op, what=what)
+                for under in ("", POLICY) for op in _OPS for what in _UNRELATED_WHAT]
+    neighbours = [NEIGHBOUR.format(under=POLICY, name=name, what="RuntimeError: unrelated crash")
+                  for name in ("unsynced sums", "tied across units", "sync_module_states")]
+    return plain + shadow + stateful + neighbours
+
+
+def _builtin() -> list[Finding]:
+    return load_file(BUILTIN_FILE)
+
+
+def _example_rows(finding: Finding) -> list[tuple[str, str, str]]:
+    """The real (row, write-up, reason) examples ``finding`` explains."""
+    return [(row, doc, reason) for impl, row, doc, reason in REAL if finding.explains(impl, row, reason)]
+
+
+@pytest.mark.parametrize("finding", _builtin(), ids=lambda f: f"{f.impl}:{f.rows}:{f.doc.rsplit('/', 1)[-1]}")
+def test_each_registration_labels_a_real_failure_of_its_own(finding: Finding) -> None:
+    examples = _example_rows(finding)
+    assert examples, f"no recorded failure is explained by {finding}; add one to REAL or narrow/remove it"
+    assert all(doc == finding.doc for _, doc, _ in examples), (finding, examples)
+
+
+@pytest.mark.parametrize(("impl", "row", "doc", "reason"), REAL, ids=[f"{i}:{r}:{d[len(F):]}" for i, r, d, _ in REAL])
+def test_a_real_failure_is_labelled_with_its_own_write_up(impl: str, row: str, doc: str, reason: str) -> None:
+    finding = explaining(impl, row, reason)
+    assert finding is not None and finding.doc == doc, (finding, doc)
+    assert annotate(impl, row, reason).endswith(f"see {doc}: {reason}")
+
+
+@pytest.mark.parametrize(("impl", "row"), sorted({(i, r) for i, r, _, _ in REAL}))
+def test_no_registration_labels_a_failure_of_another_cause(impl: str, row: str) -> None:
+    """Every row a registration names (through its real examples), fed crashes, mismatches of another kind and
+    errors at other operations: none is labelled."""
+    labelled = [(reason, f.doc) for reason in unrelated(impl, row) if (f := explaining(impl, row, reason))]
+    assert not labelled, labelled
+
+
+@pytest.mark.parametrize(("impl", "row", "reason"), [
+    (FSDP2, "fuzz/stateful_ws2", STATEFUL.format(under="", op="2 (Forward(batch=0, grad=False, loss='all'))",
+                                                 what="raised: RuntimeError: CUDA error: an illegal memory access "
+                                                      "was encountered")),
+    (FSDP2, "fuzz/stateful_ws1", STATEFUL.format(under=POLICY, op="0 (NoSync(batch=0))",
+                                                 what="raised: RuntimeError: unrelated crash")),
+    (FSDP1, "checkpoint/checkpoint_submodule", "rank 0 raised AssertionError: grads differ from the local model"),
+    (FSDP1, "state_dict/cross_impl[dst=reference]", "rank 0 raised AssertionError: shape mismatch in load"),
+])
+def test_failures_once_mislabelled_are_not_labelled(impl: str, row: str, reason: str) -> None:
+    """Failures the registrations used to label although their write-ups describe another cause."""
+    assert explaining(impl, row, reason) is None
