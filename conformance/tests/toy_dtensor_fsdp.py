@@ -10,7 +10,7 @@ collective, installs a hook, or has units in FSDP1's sense; every gather is
 waited for at once, so nothing overlaps.
 
 ``reduce="avg"`` (:class:`ToyDTensorAdapter`) gives DDP's gradients, the mean
-over ranks ([Note: gradient contract] in docs/ADAPTER_GUIDE.md);
+over ranks (the gradient contract, docs/ADAPTER_GUIDE.md);
 ``reduce="sum"`` (:class:`ToySummingAdapter`) sums them, the mistake the
 parity helper diagnoses. ``param_dtype`` casts the shard before gathering
 (all-gather and reduce-scatter then carry that dtype).

@@ -1,0 +1,37 @@
+"""Every ``[Note: NAME]`` a reader is sent to exists: a line of a Python module holding the note's name alone
+(``[Note: NAME]``, in a docstring or after ``#``), followed by its text. References are counted in the
+project's Python modules and Markdown documents; each note is defined once."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+_DEFINITION = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$")
+_WRAP = re.compile(r"\s*\n\s*(?:#\s*|>\s*)?")  # a reference wrapped over lines of a comment, a docstring or a quote
+
+
+def _files(*patterns: str) -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [ROOT / name for name in listed.stdout.split()]
+
+
+def _definitions() -> Counter[str]:
+    return Counter(match.group(1) for path in _files("*.py")
+                   for line in path.read_text(encoding="utf-8").splitlines()
+                   if (match := _DEFINITION.match(line)))
+
+
+def test_every_note_referenced_is_defined_once() -> None:
+    defined = _definitions()
+    assert defined, "no note found: the pattern no longer matches how notes are written"
+    missing = sorted({f"{path.relative_to(ROOT)}: {name}" for path in _files("*.py", "*.md")
+                      for name in _NOTE.findall(_WRAP.sub(" ", path.read_text(encoding="utf-8")))
+                      if name not in defined})
+    assert not missing, f"references to notes that no module defines: {missing}"
+    twice = sorted(name for name, count in defined.items() if count > 1)
+    assert not twice, f"notes defined more than once: {twice}"
