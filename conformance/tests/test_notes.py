@@ -1,6 +1,6 @@
-"""Every ``[Note: NAME]`` a reader is sent to exists: a line of a Python module holding the note's name alone
-(``[Note: NAME]``, in a docstring or after ``#``), followed by its text. References are counted in the
-project's Python modules and Markdown documents; each note is defined once."""
+"""Every note a reader is sent to (a reference: the note's name after ``Note:``, in square brackets) exists:
+a line of a Python module holding the reference alone, in a docstring or after ``#``, followed by its text.
+References are counted in the project's Python modules and Markdown documents; each note is defined once."""
 
 from __future__ import annotations
 
