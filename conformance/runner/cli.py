@@ -29,6 +29,8 @@ __all__ = ["main", "CASES_DIR"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__.splitlines()[0],
                                      epilog=f"run's {exitcodes.HELP}")
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of fsdp-conformance, torch and Python, and exit")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)",
                          epilog=exitcodes.HELP)
@@ -191,6 +193,11 @@ def _impls(_: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    if ns.version:
+        from conformance.runner.versions import version_text
+
+        print(version_text())
+        return 0
     if ns.command is None:
         _parser().print_help()
         return 2

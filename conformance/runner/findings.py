@@ -84,7 +84,10 @@ class Finding:
                              f"'component', 'kind' and 'documentation', got {entry!r}")
         if not all(isinstance(v, str) and v for v in entry.values()):
             raise ValueError(f"{source}: every field of a finding must be a non-empty string, got {entry!r}")
-        parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
+        try:
+            parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
+        except ValueError as exc:
+            raise ValueError(f"{source}: rows: {exc}") from None
         if "reason" in entry:
             try:
                 re.compile(entry["reason"])
