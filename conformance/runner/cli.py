@@ -144,6 +144,9 @@ def _list(ns: argparse.Namespace) -> int:
 
     try:
         rows = collect_rows(ns.keyword, ns.impl)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return exitcodes.USAGE_ERROR
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -178,7 +181,12 @@ def _explain(row_id: str, rows: list[Any]) -> int:
 def _impls(_: argparse.Namespace) -> int:
     from conformance.contract import registry
 
-    for name, entry in registry.registered().items():
+    try:
+        entries = registry.registered()
+    except ValueError as exc:  # a malformed FSDP_CONFORMANCE_ADAPTERS entry, named
+        print(f"fsdp-conformance impls: {exc}", file=sys.stderr)
+        return exitcodes.USAGE_ERROR
+    for name, entry in entries.items():
         status: Any
         try:
             adapter = registry.load(name)

@@ -109,3 +109,14 @@ def test_version_names_the_suite_torch_and_python() -> None:
     assert result.returncode == 0
     assert result.stdout.strip() == (f"fsdp-conformance {version('fsdp-conformance')} (torch {torch.__version__}, "
                                      f"Python {platform.python_version()})")
+
+
+def test_list_and_impls_refuse_bad_settings_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSDP_BASELINE_CACHE", "maybe")
+    listed = run_main(cli.main, "list", "-k", "exec_order")
+    assert listed.returncode == exitcodes.USAGE_ERROR and "exec_order/" not in listed.stdout
+    assert "FSDP_BASELINE_CACHE='maybe': expected one of on, off, verify" in listed.stderr, listed.stderr
+    monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", "foo")
+    impls = run_main(cli.main, "impls")
+    assert impls.returncode == exitcodes.USAGE_ERROR and "reference" not in impls.stdout
+    assert "FSDP_CONFORMANCE_ADAPTERS='foo': entry 'foo' is not name=module:Class" in impls.stderr, impls.stderr
