@@ -90,10 +90,11 @@ def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int
 
 def _markdown(results: Sequence[Result], facts: RunFacts) -> str:
     text = render_markdown(results)
-    if facts.interrupted_by is None:
-        return text
-    return (f"> **Interrupted** ({facts.interrupted_by}) after {len(results)} rows: rows not listed did not run.\n\n"
-            + text)
+    if facts.interrupted_by is not None:
+        return (f"> **Interrupted** ({facts.interrupted_by}) after {len(results)} rows: rows not listed did not "
+                "run.\n\n" + text)
+    reason = facts.incomplete_reason(len(results))
+    return text if reason is None else f"> **Incomplete**: {reason}.\n\n" + text
 
 
 _RENDERERS = {"JSON": render_json, "markdown": _markdown, "JUnit": render_junit, "HTML": render_html}

@@ -79,7 +79,9 @@ def test_a_run_that_ends_with_every_row_is_complete_and_names_its_software(suite
 
 
 def test_a_run_stopped_by_its_first_failure_is_not_complete(suite: pytest.Pytester) -> None:
-    doc = _report(suite, "-x")
+    markdown = suite.path / "r.md"
+    doc = _report(suite, "-x", "--conformance-markdown", str(markdown))
+    assert markdown.read_text().startswith("> **Incomplete**: 1 of 3 selected rows have no outcome")
     assert [row["case"] for row in doc["rows"]] == ["demo/first", "demo/fails"]
     assert (doc["complete"], doc["selected_rows"], doc["interrupted"]) == (False, 3, False)
     assert doc["incomplete_reason"].startswith("1 of 3 selected rows have no outcome")
