@@ -10,6 +10,7 @@ A module that no installed distribution provides (an adapter registered with
 from __future__ import annotations
 
 import platform
+from collections.abc import Mapping
 from functools import cache
 from importlib import metadata
 from typing import Any
@@ -29,7 +30,7 @@ def suite_version() -> str:
 
 
 @cache
-def _providers() -> dict[str, list[str]]:
+def _providers() -> Mapping[str, list[str]]:
     return metadata.packages_distributions()
 
 

@@ -6,7 +6,6 @@ Nested sessions ([Note: in-process sessions]) over three one-rank cases; under `
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
