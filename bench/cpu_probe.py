@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 
 from conformance.contract.rows import all_params, case_row_id, case_spec
+from harness.environment import BENCH_CPU_LOG_ENV
 
 __all__ = ["ENV_VAR", "tree_cpu_s"]
 
-ENV_VAR = "FSDP_BENCH_CPU_LOG"
+ENV_VAR = BENCH_CPU_LOG_ENV
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 

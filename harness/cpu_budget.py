@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from harness.settings import resolve, whole_number
+from harness.settings import Resolved, resolve, whole_number
 
-__all__ = ["available_cores", "concurrent_workers", "intra_op_threads", "WORKERS_ENV"]
+__all__ = ["available_cores", "concurrent_workers", "intra_op_threads", "workers_setting", "WORKERS_ENV"]
 
 #: Set this to the number of suites sharing the machine's cores (read by :func:`concurrent_workers`).
 WORKERS_ENV = "FSDP_CONCURRENT_WORKERS"
@@ -38,11 +38,20 @@ def available_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def workers_setting(environ: Mapping[str, str] | None = None) -> Resolved[int | None]:
+    """:data:`WORKERS_ENV` alone (``None`` when unset); a bad value is a :class:`~harness.settings.SettingError`
+    naming the variable, checked when a session is configured."""
+    env = os.environ if environ is None else environ
+    return resolve("concurrent workers", [(WORKERS_ENV, env.get(WORKERS_ENV))], whole_number(1), None)
+
+
 def concurrent_workers(environ: Mapping[str, str] | None = None) -> int:
     """Concurrent runners sharing the cores, from the environment (see the module docstring)."""
     env = os.environ if environ is None else environ
-    return resolve("concurrent workers", [(name, env.get(name)) for name in (WORKERS_ENV, _XDIST_ENV)],
-                   whole_number(1), 1).value
+    given = workers_setting(env).value
+    if given is not None:
+        return given
+    return resolve("concurrent workers", [(_XDIST_ENV, env.get(_XDIST_ENV))], whole_number(1), 1).value
 
 
 def intra_op_threads(world_size: int, *, workers: int | None = None, cores: int | None = None) -> int:

@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -39,7 +40,7 @@ from harness.rank_mode import RankMode
 from harness.sequence import attributed, create_slot_file, read_slot_file
 
 __all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text",
-           "FAILURE_GRACE_S"]
+           "FAILURE_GRACE_S", "START_METHOD_ENV", "START_METHODS", "start_method", "start_method_setting"]
 
 #: After the first rank fails, how long the others get to report before they
 #: are counted as aborted (they are usually blocked in a collective).
@@ -54,8 +55,21 @@ FAILURE_GRACE_S = 0.5
 # a pool is replaced after every failure. FSDP_HARNESS_START_METHOD=spawn
 # selects plain spawn.
 START_METHOD_ENV = "FSDP_HARNESS_START_METHOD"
-START_METHOD = settings.resolve("start method", [(START_METHOD_ENV, os.environ.get(START_METHOD_ENV))],
-                                settings.choice(("forkserver", "spawn")), "forkserver").value
+#: The values of :data:`START_METHOD_ENV`.
+START_METHODS = ("forkserver", "spawn")
+
+
+def start_method_setting(environ: Mapping[str, str] | None = None) -> settings.Resolved[str]:
+    """How rank processes start, from :data:`START_METHOD_ENV`; a bad value is a
+    :class:`~harness.settings.SettingError` naming the variable (checked when a session is configured)."""
+    env = os.environ if environ is None else environ
+    return settings.resolve("start method", [(START_METHOD_ENV, env.get(START_METHOD_ENV))],
+                            settings.choice(START_METHODS), "forkserver")
+
+
+def start_method() -> str:
+    """:func:`start_method_setting`'s value for this process's environment."""
+    return start_method_setting().value
 
 #: The longest AF_UNIX socket path Linux accepts (``sun_path`` holds 108 bytes with the terminating NUL).
 UNIX_PATH_MAX = 107
@@ -65,7 +79,7 @@ def check_socket_path() -> None:
     """Raise ``ValueError`` when the forkserver's socket, which multiprocessing puts at
     ``<temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX``, would not fit in an AF_UNIX address: every rank start
     would otherwise fail with a bare ``OSError: AF_UNIX path too long``."""
-    if START_METHOD != "forkserver":
+    if start_method() != "forkserver":
         return
     tmp = tempfile.gettempdir()
     length = len(os.fsencode(os.path.join(tmp, "pymp-" + "x" * 8, "listener-" + "x" * 8)))
@@ -240,9 +254,10 @@ class ProcessPool:
 
 def mp_context() -> Any:
     """A forkserver context whose server has torch imported ([Note: process start])."""
-    ctx = mp.get_context(START_METHOD)
+    method = start_method()
+    ctx = mp.get_context(method)
     check_socket_path()
-    if START_METHOD == "forkserver":
+    if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
 

@@ -71,7 +71,7 @@ def run(
     kwargs = dict(kwargs or {})
     mode = _check_arguments(world_size, mode, placement, timeout_s)
     if mode is not RankMode.LAUNCHED:
-        check_main_guard(process.START_METHOD)  # [Note: main-module guard]
+        check_main_guard(process.start_method())  # [Note: main-module guard]
     if mode is RankMode.LAUNCHED:
         return launched.run_launched(fn, world_size=world_size, timeout_s=timeout_s, args=args,
                                      kwargs=kwargs, seed=seed, env=env, placement=placement)

@@ -11,11 +11,12 @@ its settings on the same functions (``conformance.runner.settings``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Resolved", "SettingError", "choice", "resolve", "whole_number", "word_or_whole_number"]
+__all__ = ["Resolved", "SettingError", "appendable_file", "choice", "resolve", "whole_number", "word_or_whole_number"]
 
 T = TypeVar("T")
 
@@ -45,17 +46,21 @@ def resolve(
     """The first candidate ``(source, raw)`` whose raw value is given (not ``None`` or ``""``), parsed.
 
     ``candidates`` are in precedence order (marker, command line, environment,
-    ini). ``parse`` raises ``ValueError`` for a bad value; the error is
-    re-raised as :class:`SettingError` naming ``source`` and the raw value.
+    ini). Every given candidate is parsed, the ones that lose included, so a
+    bad environment variable is reported even when the command line overrides
+    it. ``parse`` raises ``ValueError`` for a bad value; the error is re-raised
+    as :class:`SettingError` naming ``source`` and the raw value.
     """
+    winner: Resolved[T] | None = None
     for source, raw in candidates:
         if raw is None or raw == "" or raw == []:
             continue
         try:
-            return Resolved(name, parse(raw), source)
+            value = parse(raw)
         except ValueError as exc:
             raise SettingError(f"{source}={raw!r}: {exc}") from exc
-    return Resolved(name, default, "default")
+        winner = winner or Resolved(name, value, source)
+    return winner or Resolved(name, default, "default")
 
 
 def choice(choices: Sequence[str]) -> Callable[[Any], str]:
@@ -98,3 +103,18 @@ def word_or_whole_number(words: Sequence[str], minimum: int) -> Callable[[Any], 
             raise ValueError(f"expected {' or '.join(words)} or a whole number >= {minimum}") from None
 
     return parse
+
+
+def appendable_file(raw: Any) -> str:
+    """A parser accepting a path a run can append lines to: an existing regular file it may write, or a new
+    file in an existing directory. The file is opened for appending (and so created, empty, if missing), the
+    one test that holds on every file system (``/proc`` included)."""
+    path = str(raw).strip()
+    if os.path.isdir(path):
+        raise ValueError("is a directory; expected a file to append to")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot append to it ({exc.strerror})") from None
+    return path

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.optional import CAPABILITY_METHODS, protocol_version
 
-__all__ = ["ENTRY_POINT_GROUP", "BUILTIN", "UnknownAdapter", "AdapterEntry", "registered", "load"]
+__all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "BUILTIN", "UnknownAdapter", "AdapterEntry", "parse_entries", "registered",
+           "load"]
 
 ENTRY_POINT_GROUP = "fsdp_conformance.adapters"
 ENV_VAR = "FSDP_CONFORMANCE_ADAPTERS"
@@ -50,12 +52,31 @@ def registered() -> dict[str, AdapterEntry]:
     found = {name: AdapterEntry(name, target) for name, target in BUILTIN.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found[ep.name] = AdapterEntry(ep.name, ep.value)
-    for item in filter(None, (part.strip() for part in os.environ.get(ENV_VAR, "").split(","))):
-        name, _, target = item.partition("=")
-        if not name or ":" not in target:
-            raise ValueError(f"{ENV_VAR}: expected name=module:Class entries, got {item!r}")
-        found[name.strip()] = AdapterEntry(name.strip(), target.strip())
+    raw = os.environ.get(ENV_VAR, "")
+    try:
+        extra = parse_entries(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_VAR}={raw!r}: {exc}") from None
+    found.update({entry.name: entry for entry in extra})
     return found
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def parse_entries(raw: str) -> tuple[AdapterEntry, ...]:
+    """The entries of a :data:`ENV_VAR` value, ``name=module:Class`` separated by commas; ``ValueError``
+    naming the first malformed entry (the run's settings check the variable with it before any row runs)."""
+    entries: list[AdapterEntry] = []
+    for item in filter(None, (part.strip() for part in str(raw).split(","))):
+        name, _, target = (part.strip() for part in item.partition("="))
+        if not _NAME.fullmatch(name) or not _TARGET.fullmatch(target):
+            raise ValueError(f"entry {item!r} is not name=module:Class (e.g. my-fsdp=my_package.adapter:MyAdapter)")
+        if any(entry.name == name for entry in entries):
+            raise ValueError(f"entry {item!r} names {name!r} a second time")
+        entries.append(AdapterEntry(name, target))
+    return tuple(entries)
 
 
 def load(name: str) -> FSDPAdapter:

@@ -3,7 +3,8 @@
 [Note: report files]
 - A report path is checked when the session is configured, before any case
   runs (:func:`check_path`): its directory is created, and a path that is a
-  directory, lies under a file, or cannot be written is a usage error naming
+  directory, lies under a file, or cannot be written (a temporary file is
+  created there and removed, as the write will) is a usage error naming
   it and the option that gave it.
 - A report is written to a temporary file in the same directory, flushed to
   disk and renamed over the path (:func:`write_atomic`): a reader sees the
@@ -46,6 +47,12 @@ def check_path(path: Path, option: str) -> None:
         raise ValueError(f"{option} {path}: directory {path.parent} is not writable")
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{option} {path}: the existing file is not writable")
+    try:  # what the write will do: a temporary file in the directory (os.access is no proof: root, /proc)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot create a file in {path.parent}: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -72,7 +79,10 @@ class ReportLock:
     def __init__(self, path: Path, option: str) -> None:
         self.path = path.with_name(path.name + ".lock")
         for _ in range(3):  # another run may remove the file between our open and our lock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ValueError(f"{option} {path}: cannot create its lock file {self.path}: {exc.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -29,6 +29,8 @@ __all__ = ["main", "CASES_DIR"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-conformance", description=__doc__.splitlines()[0],
                                      epilog=f"run's {exitcodes.HELP}")
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of fsdp-conformance, torch and Python, and exit")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)",
                          epilog=exitcodes.HELP)
@@ -142,6 +144,9 @@ def _list(ns: argparse.Namespace) -> int:
 
     try:
         rows = collect_rows(ns.keyword, ns.impl)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return exitcodes.USAGE_ERROR
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -176,7 +181,12 @@ def _explain(row_id: str, rows: list[Any]) -> int:
 def _impls(_: argparse.Namespace) -> int:
     from conformance.contract import registry
 
-    for name, entry in registry.registered().items():
+    try:
+        entries = registry.registered()
+    except ValueError as exc:  # a malformed FSDP_CONFORMANCE_ADAPTERS entry, named
+        print(f"fsdp-conformance impls: {exc}", file=sys.stderr)
+        return exitcodes.USAGE_ERROR
+    for name, entry in entries.items():
         status: Any
         try:
             adapter = registry.load(name)
@@ -191,6 +201,11 @@ def _impls(_: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    if ns.version:
+        from conformance.runner.versions import version_text
+
+        print(version_text())
+        return 0
     if ns.command is None:
         _parser().print_help()
         return 2

@@ -56,6 +56,30 @@ class RunFacts:
     interrupted_by: str | None = None
     torch: str = field(default_factory=lambda: _torch_version())
     python: str = field(default_factory=platform.python_version)
+    #: Cells (case x implementation x rank mode) the run selected; ``None`` when it never learnt how many.
+    selected_rows: int | None = None
+    #: This suite's version (:func:`conformance.runner.versions.suite_version`).
+    tool_version: str = field(default_factory=lambda: _suite_version())
+    #: Per adapter: name, target, distribution and version (:func:`conformance.runner.versions.adapter_facts`).
+    adapters: Sequence[Mapping[str, Any]] = ()
+
+    def incomplete_reason(self, rows: int) -> str | None:
+        """Why a report of ``rows`` rows is not complete, or ``None`` when every selected row is in it and
+        the run was not stopped. A run that does not know how many rows it selected is not complete."""
+        if self.interrupted_by is not None:
+            return f"stopped by {self.interrupted_by} after {rows} rows; rows not listed did not run"
+        if self.selected_rows is None:
+            return f"{rows} rows reported, and the run did not learn how many it selected"
+        if rows < self.selected_rows:
+            return (f"{self.selected_rows - rows} of {self.selected_rows} selected rows have no outcome (the run "
+                    "ended before them, or they ended without one)")
+        return None
+
+
+def _suite_version() -> str:
+    from conformance.runner.versions import suite_version
+
+    return suite_version()
 
 
 def _torch_version() -> str:
@@ -76,17 +100,22 @@ def render_json(results: Sequence[Result], facts: RunFacts) -> str:
     """The schema-2 document (``docs/REPORTS.md``) as text."""
     interrupted = facts.interrupted_by is not None
     placements = sorted({r.placement for r in results if r.placement})
+    incomplete = facts.incomplete_reason(len(results))
     document = {
         "schema_version": SCHEMA_VERSION,
         "tool": "fsdp-conformance",
+        "tool_version": facts.tool_version,
         "torch": facts.torch,
         "python": facts.python,
+        "adapters": [dict(adapter) for adapter in facts.adapters],
         "machine": dict(facts.machine),
         "placements": placements,
         "settings": {name: dict(value) for name, value in facts.settings.items()},
         "started_at": facts.started_at,
         "ended_at": facts.ended_at,
-        "complete": not interrupted,
+        "complete": incomplete is None,
+        "incomplete_reason": incomplete,
+        "selected_rows": facts.selected_rows,
         "interrupted": interrupted,
         "interrupted_by": facts.interrupted_by,
         "outcomes": list(OUTCOMES),

@@ -8,7 +8,7 @@ __all__ = ["FAIL", "HELP", "INTERNAL_ERROR", "INTERRUPTED", "NO_ROWS", "PASS", "
 PASS = 0
 #: At least one row is FAIL or error.
 FAIL = 1
-#: A bad option, setting or report path; nothing ran.
+#: A bad option, setting (an ``FSDP_*`` variable, an adapter entry, a findings file) or report path; nothing ran.
 USAGE_ERROR = 2
 #: The runner itself failed (pytest's internal error, a case module that does not import, a report not written).
 INTERNAL_ERROR = 3

@@ -39,7 +39,7 @@ from typing import Any
 from conformance.contract.rows import parse_row_id, row_matches
 
 __all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "KINDS", "Finding", "annotate", "explaining", "known",
-           "load_file"]
+           "load_file", "load_files"]
 
 BUILTIN_FILE = Path(__file__).with_name("known_findings.json")
 ENTRY_POINT_GROUP = "fsdp_conformance.findings"
@@ -84,7 +84,10 @@ class Finding:
                              f"'component', 'kind' and 'documentation', got {entry!r}")
         if not all(isinstance(v, str) and v for v in entry.values()):
             raise ValueError(f"{source}: every field of a finding must be a non-empty string, got {entry!r}")
-        parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
+        try:
+            parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
+        except ValueError as exc:
+            raise ValueError(f"{source}: rows: {exc}") from None
         if "reason" in entry:
             try:
                 re.compile(entry["reason"])
@@ -119,6 +122,16 @@ def load_file(path: Path) -> list[Finding]:
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of findings, got {type(data).__name__}")
     return [Finding.from_mapping(entry, str(path)) for entry in data]
+
+
+def load_files(raw: str) -> tuple[str, ...]:
+    """The paths of a :data:`ENV_VAR` value (``os.pathsep``-separated), each read and validated; ``ValueError``
+    naming the first file that cannot be read, is not JSON or holds a malformed finding (the run's settings
+    check the variable with it before any row runs)."""
+    paths = tuple(filter(None, (part.strip() for part in str(raw).split(os.pathsep))))
+    for path in paths:
+        load_file(Path(path))
+    return paths
 
 
 def _from_entry_points() -> list[Finding]:

@@ -96,10 +96,15 @@ def _facts_section(facts: RunFacts, rows: int) -> str:
     if facts.interrupted_by is not None:
         banner = (f'<div class="banner interrupted" id="status">Interrupted by {_e(facts.interrupted_by)} after '
                   f"{rows} rows: rows not shown did not run; this report is incomplete.</div>")
+    elif (reason := facts.incomplete_reason(rows)) is not None:
+        banner = f'<div class="banner interrupted" id="status">Incomplete: {_e(reason)}.</div>'
     else:
         banner = f'<div class="banner complete" id="status">Complete: every selected row ran ({rows} rows).</div>'
     machine = facts.machine
-    run = [("torch", facts.torch), ("Python", facts.python),
+    adapters = ", ".join(f"{a['name']} ({a['distribution'] or 'no package'} {a['version'] or ''})".replace(" )", ")")
+                         for a in facts.adapters)
+    run = [("fsdp-conformance", facts.tool_version), ("adapters", adapters or "-"), ("torch", facts.torch),
+           ("Python", facts.python),
            ("machine", f"{machine.get('hostname', '?')}: {machine.get('platform', '?')}"),
            ("CPUs", f"{machine.get('usable_cpus', '?')} usable of {machine.get('cpus', '?')}"),
            ("GPUs visible", machine.get("gpus_visible", "?")), ("started", facts.started_at),

@@ -9,7 +9,9 @@ is a ``<failure>``, an ``error`` an ``<error>``; ``n/a`` and ``skip`` are both
 ``type="known-finding"`` and a ``finding`` property naming the write-up. An
 interrupted run says so twice: suite properties ``interrupted``/``complete``
 and one extra ``<testcase name="(run interrupted)">`` with an ``<error>``, so a
-CI that only counts failures does not read a partial run as green.
+CI that only counts failures does not read a partial run as green; a run
+missing rows for another reason (it ended before them, or a row ended with no
+outcome) has ``complete`` false and a ``<testcase name="(run incomplete)">``.
 """
 
 from __future__ import annotations
@@ -53,17 +55,28 @@ def _interruption(facts: RunFacts, reported: int) -> ET.Element:
     return case
 
 
+def _unfinished(reason: str) -> ET.Element:
+    case = ET.Element("testcase", classname="fsdp-conformance", name="(run incomplete)", time="0.000")
+    text = f"this report is incomplete: {reason}"
+    ET.SubElement(case, "error", type="incomplete", message=text).text = text
+    return case
+
+
 def render_junit(results: Sequence[Result], facts: RunFacts) -> str:
     """The JUnit XML document for ``results``."""
     counts = summary(results)
     interrupted = facts.interrupted_by is not None
-    suite = ET.Element("testsuite", name="fsdp-conformance", tests=str(len(results) + interrupted),
-                       failures=str(counts["FAIL"]), errors=str(counts["error"] + interrupted),
+    incomplete = facts.incomplete_reason(len(results))
+    unfinished = incomplete is not None and not interrupted  # rows missing without a stop signal
+    extra = interrupted or unfinished
+    suite = ET.Element("testsuite", name="fsdp-conformance", tests=str(len(results) + extra),
+                       failures=str(counts["FAIL"]), errors=str(counts["error"] + extra),
                        skipped=str(counts["n/a"] + counts["skip"]), time=f"{counts['case_time_s']:.3f}",
                        timestamp=facts.started_at, hostname=str(facts.machine.get("hostname", "")))
     props = ET.SubElement(suite, "properties")
-    run_props = [("schema_version", SCHEMA_VERSION), ("complete", not interrupted), ("interrupted", interrupted),
-                 ("interrupted_by", facts.interrupted_by or ""), ("torch", facts.torch), ("python", facts.python),
+    run_props = [("schema_version", SCHEMA_VERSION), ("complete", incomplete is None), ("interrupted", interrupted),
+                 ("interrupted_by", facts.interrupted_by or ""), ("tool_version", facts.tool_version),
+                 ("torch", facts.torch), ("python", facts.python),
                  ("started_at", facts.started_at), ("ended_at", facts.ended_at)]
     run_props += [(f"setting.{name}", f"{s['value']} (from {s['source']})") for name, s in facts.settings.items()]
     for name, value in run_props:
@@ -72,6 +85,8 @@ def render_junit(results: Sequence[Result], facts: RunFacts) -> str:
     suite.extend(_testcase(r) for r in results)
     if interrupted:
         suite.append(_interruption(facts, len(results)))
+    elif unfinished:
+        suite.append(_unfinished(str(incomplete)))
     root = ET.Element("testsuites", name="fsdp-conformance", tests=suite.get("tests", "0"),
                       failures=suite.get("failures", "0"), errors=suite.get("errors", "0"),
                       skipped=suite.get("skipped", "0"))

@@ -87,7 +87,8 @@ class _Collector:
 def collect_rows(keyword: str | None = None, impl: str | None = None) -> list[ListedRow]:
     """Every row of the cases matching ``keyword``; with ``impl``, its n/a reasons in both rank modes.
 
-    Raises ``RuntimeError`` with pytest's output when collection fails.
+    Raises ``ValueError`` (a usage error) when a setting is bad, ``RuntimeError`` with pytest's output when
+    collection fails.
     """
     collector = _Collector()
     args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "--rank-mode", "both"]
@@ -98,6 +99,8 @@ def collect_rows(keyword: str | None = None, impl: str | None = None) -> list[Li
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
         code = int(pytest.main(args, plugins=[collector]))
+    if code == int(pytest.ExitCode.USAGE_ERROR):  # a bad setting: pytest has printed it, naming its source
+        raise ValueError(f"a setting is bad (above); nothing was listed\n{captured.getvalue()[-4000:]}".rstrip())
     if code not in (0, int(pytest.ExitCode.NO_TESTS_COLLECTED)):
         raise RuntimeError(f"collecting cases failed (exit {code}):\n{captured.getvalue()[-4000:]}")
     return list(collector.rows.values())

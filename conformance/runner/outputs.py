@@ -24,6 +24,7 @@ from conformance.runner.html_report import render_html
 from conformance.runner.junit import render_junit
 from conformance.runner.report import render_markdown
 from conformance.runner.settings import Settings
+from conformance.runner.versions import adapter_facts
 
 __all__ = ["OPTIONS", "prepare", "release", "requested", "write"]
 
@@ -75,33 +76,37 @@ def release(config: pytest.Config) -> None:
         lock.release()
 
 
-def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int) -> RunFacts:
+def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int, selected: int | None) -> RunFacts:
     from harness.devices import nccl_available
 
     stopped = signals.received() or ("interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else None)
+    if exitstatus in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):
+        selected = None  # the session failed: whatever it counted, it cannot vouch for its rows
     return RunFacts(started_at=config.stash[_CLAIM_KEY].started_at, ended_at=now(),
                     settings={s.name.replace(" ", "_"): {"value": s.value, "source": s.source} for s in settings.all()},
-                    machine=machine_facts(gpus, nccl_available()), interrupted_by=stopped)
+                    machine=machine_facts(gpus, nccl_available()), interrupted_by=stopped, selected_rows=selected,
+                    adapters=adapter_facts(settings.impls.value))
 
 
 def _markdown(results: Sequence[Result], facts: RunFacts) -> str:
     text = render_markdown(results)
-    if facts.interrupted_by is None:
-        return text
-    return (f"> **Interrupted** ({facts.interrupted_by}) after {len(results)} rows: rows not listed did not run.\n\n"
-            + text)
+    if facts.interrupted_by is not None:
+        return (f"> **Interrupted** ({facts.interrupted_by}) after {len(results)} rows: rows not listed did not "
+                "run.\n\n" + text)
+    reason = facts.incomplete_reason(len(results))
+    return text if reason is None else f"> **Incomplete**: {reason}.\n\n" + text
 
 
 _RENDERERS = {"JSON": render_json, "markdown": _markdown, "JUnit": render_junit, "HTML": render_html}
 
 
 def write(config: pytest.Config, results: Sequence[Result], *, settings: Settings, gpus: int,
-          exitstatus: int) -> list[str]:
+          exitstatus: int, selected: int | None = None) -> list[str]:
     """Write every requested report; the messages of those that could not be written (their old files kept)."""
     claim = config.stash.get(_CLAIM_KEY, None)
     if claim is None or not claim.paths:
         return []
-    facts = _facts(config, settings, gpus, exitstatus)
+    facts = _facts(config, settings, gpus, exitstatus, selected)
     failures = []
     for kind, path in claim.paths.items():
         try:

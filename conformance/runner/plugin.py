@@ -45,13 +45,15 @@ from harness.pytest_plugin import rank_mode_setting, selected_modes
 from harness.rank_mode import RankMode
 from harness.workers import is_worker
 
-__all__ = ["RESULTS_KEY", "SETTINGS_KEY", "settings_of"]
+__all__ = ["RESULTS_KEY", "SELECTED_KEY", "SETTINGS_KEY", "settings_of"]
 
 #: Plugins of the runner that live in modules of their own, registered with this one.
 pytest_plugins = ["conformance.runner.selection", "conformance.runner.budget", "conformance.runner.progress"]
 
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
+#: The cells this session selected (under -n, the controller learns it from its workers: transport).
+SELECTED_KEY = pytest.StashKey[int]()
 _GPUS_KEY = pytest.StashKey[int]()
 _STATE_KEY = pytest.StashKey["_ItemState"]()
 _SESSION_KEY = pytest.StashKey[pytest.Session]()
@@ -263,6 +265,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.gpu)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Count the selected cells, so a report can tell a complete run from one that ended early."""
+    session.config.stash[SELECTED_KEY] = sum(1 for item in session.items if case_spec(item) is not None)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
     """Hand the body its adapter behind the row's declaration ([Note: requirements are checked once])."""
@@ -384,7 +391,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(render_terminal(results, terminal_width()))
         terminalreporter.write_line(summary_line(results))
     failures = outputs.write(config, results, settings=settings_of(config), gpus=config.stash[_GPUS_KEY],
-                             exitstatus=exitstatus)
+                             exitstatus=exitstatus, selected=config.stash.get(SELECTED_KEY, None))
     for message in failures:
         terminalreporter.write_line(message, red=True)
     if failures:  # exit code: internal error (a report that was asked for is missing)

@@ -20,7 +20,23 @@ fuzz verbose               ``--fuzz-verbose``            ``FSDP_FUZZ_VERBOSE`` (
 case timeout (s)           ``--case-timeout``            ``FSDP_CONFORMANCE_CASE_TIMEOUT``     the case's
 max time (s)               ``--max-time``                ``FSDP_CONFORMANCE_MAX_TIME``         none
 stateful fuzz examples     ``--fuzz-stateful-examples``  ``FSDP_FUZZ_STATEFUL_EXAMPLES``       per world size
+extra adapters                                           ``FSDP_CONFORMANCE_ADAPTERS``         none
+findings files                                           ``FSDP_CONFORMANCE_FINDINGS``         none
+baseline cache                                           ``FSDP_BASELINE_CACHE``               on
+baseline cache log                                       ``FSDP_BASELINE_CACHE_LOG``           none
+concurrent workers                                       ``FSDP_CONCURRENT_WORKERS``           xdist's
+start method                                             ``FSDP_HARNESS_START_METHOD``         forkserver
+bench CPU log                                            ``FSDP_BENCH_CPU_LOG``                none
 ========================== ============================= ===================================== =========
+
+The settings with no option are read where they act (the adapter registry,
+the findings, the baseline cache and the rank processes), each through its own
+function (:mod:`harness.environment`, :mod:`harness.cpu_budget`,
+:mod:`harness.process`, :mod:`conformance.contract.registry`,
+:mod:`conformance.runner.findings`); :func:`resolve_settings` calls those same functions,
+so every ``FSDP_*`` variable the suite reads is checked when the session is
+configured, before any row runs: a bad value, a malformed adapter entry or a
+findings file that does not load is a usage error naming the variable.
 
 The rank mode is the harness's ([Note: rank modes] in :mod:`harness.rank_mode`):
 its pytest plugin resolves it and this module takes that value as it is. What
@@ -41,12 +57,21 @@ from typing import Any
 
 from conformance.contract import registry
 from conformance.contract.case import CaseSettings
+from conformance.runner import findings
+from harness import cpu_budget, environment, process
 from harness.devices import SETTINGS as DEVICE_SETTINGS
-from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
+from harness.settings import (
+    Resolved,
+    SettingError,
+    choice,
+    resolve,
+    whole_number,
+    word_or_whole_number,
+)
 
 __all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_VERBOSE_ENV",
            "CASE_TIMEOUT_ENV", "MAX_TIME_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV", "Settings", "SettingError",
-           "resolve_settings"]
+           "environment_settings", "resolve_settings"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
@@ -76,12 +101,14 @@ class Settings:
     #: Seconds the run may take; rows not started by then are ``not run`` (``None``: no budget).
     max_time: Resolved[int | None]
     fuzz_stateful_examples: Resolved[int | None]
+    #: The environment-only settings (module docstring), each checked here and read where it acts.
+    environment: tuple[Resolved[Any], ...] = ()
 
     def all(self) -> tuple[Resolved[Any], ...]:
         """Every setting, in the order :meth:`describe` shows them."""
         return (self.impls, self.rank_mode, self.timing_repeats, self.workers, self.device, self.fuzz_examples,
                 self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples, self.case_timeout,
-                self.max_time)
+                self.max_time, *self.environment)
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
@@ -128,6 +155,7 @@ def resolve_settings(
     the source of a bad value.
     """
     env = os.environ if env is None else env
+    environment = environment_settings(env)  # first: the implementations are looked up among the extra adapters
 
     def given(name: str, env_var: str | None = None) -> list[tuple[str, Any]]:
         flag, value = cli.get(name, (_DEFAULT_FLAGS[name], None))
@@ -147,7 +175,27 @@ def resolve_settings(
         fuzz_stateful_examples=resolve("stateful fuzz examples",
                                        given("fuzz_stateful_examples", FUZZ_STATEFUL_EXAMPLES_ENV), whole_number(1),
                                        None),
+        environment=environment,
     )
+
+
+def environment_settings(env: Mapping[str, str]) -> tuple[Resolved[Any], ...]:
+    """The settings only a variable gives (module docstring), each resolved by the function its reader uses;
+    raises :class:`SettingError` naming the variable and its bad value."""
+    return (
+        resolve("extra adapters", [(registry.ENV_VAR, env.get(registry.ENV_VAR))], _parse_adapters, ()),
+        resolve("findings files", [(findings.ENV_VAR, env.get(findings.ENV_VAR))], findings.load_files, ()),
+        environment.baseline_cache(env),
+        environment.baseline_cache_log(env),
+        cpu_budget.workers_setting(env),
+        process.start_method_setting(env),
+        environment.bench_cpu_log(env),
+    )
+
+
+def _parse_adapters(raw: Any) -> tuple[str, ...]:
+    """``FSDP_CONFORMANCE_ADAPTERS``'s entries as given, each checked (:func:`registry.parse_entries`)."""
+    return tuple(f"{entry.name}={entry.target}" for entry in registry.parse_entries(str(raw)))
 
 
 def _parse_flag(raw: Any) -> bool:

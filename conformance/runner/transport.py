@@ -25,13 +25,16 @@ from typing import Any
 import pytest
 
 from conformance.contract.results import Result
-from conformance.runner.plugin import RESULTS_KEY
+from conformance.runner.plugin import RESULTS_KEY, SELECTED_KEY
 from harness.workers import is_controller, is_worker, report_index
 
-__all__ = ["REPORT_ATTR"]
+__all__ = ["REPORT_ATTR", "SELECTED_OUTPUT"]
 
 #: Teardown-report attribute: the item's results, each a :class:`Result` as a dict.
 REPORT_ATTR = "conformance_results"
+#: Worker output key: the cells the worker's collection selected (every worker collects the same items), so
+#: the controller, which collects nothing itself, can tell a complete run from one that ended early.
+SELECTED_OUTPUT = "conformance_selected"
 _OUTBOX_KEY = pytest.StashKey[list[Result]]()  # worker: results of the item being torn down
 _ARRIVED_KEY = pytest.StashKey[list[tuple[int, Result]]]()  # controller: (collection index, result)
 
@@ -73,3 +76,19 @@ def pytest_terminal_summary(config: pytest.Config) -> None:
     arrived = config.stash.get(_ARRIVED_KEY, [])
     if arrived and is_controller(config):
         config.stash[RESULTS_KEY][:] = [r for _, r in sorted(arrived, key=lambda pair: pair[0])]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a worker: hand the controller the number of cells its collection selected."""
+    selected = session.config.stash.get(SELECTED_KEY, None)
+    if is_worker(session.config) and selected is not None:
+        session.config.workeroutput[SELECTED_OUTPUT] = selected  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """On the controller: a finished worker's count of selected cells (a worker that died sends none)."""
+    selected = getattr(node, "workeroutput", {}).get(SELECTED_OUTPUT)
+    if selected is not None:
+        config: pytest.Config = node.config
+        config.stash[SELECTED_KEY] = max(selected, config.stash.get(SELECTED_KEY, 0))

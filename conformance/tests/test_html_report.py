@@ -32,7 +32,7 @@ def _facts(interrupted_by: str | None = None) -> RunFacts:
     return RunFacts(started_at="2026-01-01T00:00:00+00:00", ended_at="2026-01-01T00:01:00+00:00",
                     settings=SETTINGS, machine={"hostname": "box", "platform": "Linux", "cpus": 2, "usable_cpus": 2,
                                                 "gpus_visible": 0}, interrupted_by=interrupted_by,
-                    torch="2.13.0", python="3.11.7")
+                    torch="2.13.0", python="3.11.7", selected_rows=len(RESULTS), tool_version="0.1.0")
 
 
 class _Page(HTMLParser):

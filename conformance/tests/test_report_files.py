@@ -34,7 +34,7 @@ SETTINGS = {"impls": {"value": ["reference"], "source": "default"}, "device": {"
 def _facts(interrupted_by: str | None = None) -> RunFacts:
     return RunFacts(started_at="2026-01-01T00:00:00+00:00", ended_at="2026-01-01T00:01:00+00:00",
                     settings=SETTINGS, machine={"hostname": "box", "gpus_visible": 0}, interrupted_by=interrupted_by,
-                    torch="2.13.0", python="3.11.7")
+                    torch="2.13.0", python="3.11.7", selected_rows=len(RESULTS), tool_version="0.1.0")
 
 
 def test_json_document_carries_the_run_and_its_rows() -> None:
@@ -56,6 +56,35 @@ def test_interrupted_document_says_so() -> None:
     doc = json.loads(render_json(RESULTS[:2], _facts("SIGTERM")))
     assert (doc["complete"], doc["interrupted"], doc["interrupted_by"]) == (False, True, "SIGTERM")
     assert doc["summary"]["rows"] == 2
+
+
+def test_a_report_missing_rows_is_never_complete() -> None:
+    """Rows missing without a stop signal, or a row count the run never learnt: not complete, in every format."""
+    from conformance.runner.html_report import render_html
+
+    doc = json.loads(render_json(RESULTS[:3], _facts()))
+    assert (doc["complete"], doc["interrupted"], doc["selected_rows"]) == (False, False, 5)
+    assert doc["incomplete_reason"].startswith("2 of 5 selected rows have no outcome")
+    unknown = RunFacts(started_at="", ended_at="", settings={}, machine={}, torch="2.13.0", python="3.11.7")
+    assert json.loads(render_json(RESULTS, unknown))["complete"] is False
+    suite = ET.fromstring(render_junit(RESULTS[:3], _facts())).find("testsuite")
+    assert suite is not None
+    props = {p.get("name"): p.get("value") for p in suite.findall("properties/property")}
+    assert (props["complete"], props["interrupted"], props["tool_version"]) == ("false", "false", "0.1.0")
+    last = suite.findall("testcase")[-1]
+    assert last.get("name") == "(run incomplete)" and last.find("error") is not None
+    assert (suite.get("tests"), suite.get("errors")) == ("4", "1")  # 3 rows, none an error, and the missing ones
+    assert "Incomplete: 2 of 5 selected rows have no outcome" in render_html(RESULTS[:3], _facts(), Path("."))
+    assert "Complete: every selected row ran" in render_html(RESULTS, _facts(), Path("."))
+
+
+def test_json_document_names_the_suite_and_adapter_versions() -> None:
+    adapters = [{"name": "reference", "target": "conformance.adapters.reference:ReferenceAdapter",
+                 "distribution": "fsdp-conformance", "version": "0.1.0"}]
+    facts = RunFacts(started_at="", ended_at="", settings={}, machine={}, torch="2.13.0", python="3.11.7",
+                     tool_version="0.1.0", adapters=adapters)
+    doc = json.loads(render_json(RESULTS, facts))
+    assert (doc["tool"], doc["tool_version"], doc["adapters"]) == ("fsdp-conformance", "0.1.0", adapters)
 
 
 def test_load_report_reads_both_schemas(tmp_path: Path) -> None:
