@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conformance.cases.fuzz.driver import FuzzSettings, fuzz, render_case
-from conformance.cases.fuzz.example import Block, Example, ModelSpec, Policy
+from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Block, Example, ModelSpec, Policy
 from conformance.cases.fuzz.neighbours import NEIGHBOURS_USE
 from conformance.cases.fuzz.ops import (
     FEATURES,
@@ -98,21 +98,24 @@ def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Case
     )
 
 
-@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
+@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
+      draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random models, wrap plans and training loops on one rank give the local model's losses, grads and params;
     a mismatch fails with a shrunk reproducer."""
     return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
+@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
+      draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """As ``fuzz/parity_ws1`` on two ranks: losses, grads and params match the local model (uneven shards for
     odd widths)."""
     return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN)
+@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
+      draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """As ``fuzz/parity_ws1`` on four ranks: losses, grads and params match the local model (small units leave
     some ranks with empty shards)."""
@@ -193,19 +196,22 @@ _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capab
                    *NEIGHBOURS_USE)
 
 
-@case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN)
+@case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
+      draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random sequences of a user's operations on one rank keep the wrapped model equal to the shadow."""
     return _stateful(ctx, impl, case_settings)
 
 
-@case("fuzz/stateful_ws2", world_size=2, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN)
+@case("fuzz/stateful_ws2", world_size=2, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
+      draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on two ranks (gradients averaged over them)."""
     return _stateful(ctx, impl, case_settings)
 
 
-@case("fuzz/stateful_ws4", world_size=4, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN)
+@case("fuzz/stateful_ws4", world_size=4, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
+      draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
     return _stateful(ctx, impl, case_settings)

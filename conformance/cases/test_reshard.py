@@ -82,7 +82,7 @@ def _recorded_step(ctx: RankContext, model: nn.Module, optim: torch.optim.Optimi
     return forward, backward
 
 
-@case("reshard/after_forward", world_size=4, requires=_after_forward_requires)
+@case("reshard/after_forward", world_size=4, requires=_after_forward_requires, strategies=())
 @pytest.mark.parametrize("setting", [True, False, 2])
 def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int) -> None:
     """Backward all-gathers every unit again over the mesh (``True``), nothing (``False``) or over 2 ranks
@@ -106,7 +106,8 @@ def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int)
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
 
 
-@case("reshard/explicit_prefetch", world_size=2, requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH])
+@case("reshard/explicit_prefetch", world_size=2, requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH],
+      strategies=())
 def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
     """The all-gathers right after the declaring unit's are the declared prefetch list's, in its order, in
     forward and backward; training with the lists equals the local model."""

@@ -36,6 +36,7 @@ __all__ = [
     "Capability",
     "STRATEGIES",
     "HYBRID_STRATEGIES",
+    "DEFAULT_STRATEGY",
     "AutoWrap",
     "MixedPrecisionSpec",
     "WrapSpec",
@@ -50,6 +51,10 @@ PROTOCOL_VERSION = 2
 #: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+#: The strategy of a :class:`WrapSpec` that names none, and so of every row that declares none: such a row
+#: asks the adapter's ``supports_strategy`` for it like any other ([Note: a row's strategies] in
+#: :mod:`conformance.contract.case`).
+DEFAULT_STRATEGY = "FULL_SHARD"
 
 
 class Capability(str, enum.Enum):
@@ -255,7 +260,7 @@ class WrapSpec:
     implementation-specific keyword arguments through untouched.
     """
 
-    strategy: str | None = "FULL_SHARD"
+    strategy: str | None = DEFAULT_STRATEGY
     auto_wrap: AutoWrap | None = None
     process_group: Any = None
     device_mesh: Any = None

@@ -24,7 +24,9 @@ def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any
     In order: the row's rank mode is one the case does not declare
     ([Note: rank modes] in :mod:`harness.rank_mode`); a capability the row
     requires is not declared, or not on this rank mode (:func:`missing_reason`);
-    a strategy the row wraps with is refused by ``adapter.supports_strategy``.
+    a strategy the row wraps with (the default strategy for a row that declares none) is refused by
+    ``adapter.supports_strategy``, or it supports none of those the row draws from
+    ([Note: a row's strategies] in :mod:`conformance.contract.case`).
     """
     mode = RankMode(params["rank_mode"])
     excluded = excluded_reason(mode, spec.modes)
@@ -36,6 +38,9 @@ def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any
     refused = [str(s) for s in spec.strategies_for(params) if not adapter.supports_strategy(s)]
     if refused:
         return f"{adapter.name} does not support strategy {', '.join(refused)}"
+    drawn = spec.draws_strategies
+    if drawn and not any(adapter.supports_strategy(s) for s in drawn):
+        return f"{adapter.name} supports none of the strategies {spec.id} draws from ({', '.join(drawn)})"
     return None
 
 

@@ -15,7 +15,20 @@ hardware needs are checked in the parent *before* any rank starts:
 - a missing capability -> :class:`NotApplicable` ("n/a", capability named);
 - missing hardware -> a plain skip ("needs 2 distinct GPUs, found 1");
 - a sharding strategy the adapter does not support (a ``strategy`` grid
-  parameter, or ``strategies=``) -> :class:`NotApplicable`, strategy named.
+  parameter, ``strategies=``, or else the default strategy) -> :class:`NotApplicable`,
+  strategy named ([Note: a row's strategies]).
+
+[Note: a row's strategies]
+Every row that wraps asks the adapter's ``supports_strategy`` for each strategy it
+wraps with, before any rank starts. A row declares them as its ``strategy`` grid
+parameter and ``strategies=``; a case that declares neither wraps with
+:data:`~conformance.contract.adapter.DEFAULT_STRATEGY` (a bare ``WrapSpec()``), so
+that is what its rows ask for: the default is a declaration, not an omission.
+A body that draws its strategies from those the adapter supports (the fuzzers)
+declares them as ``draws_strategies=``: its rows ask for none in particular and are
+``n/a`` only when the adapter supports none of them. A wrap with a strategy the row
+did not declare and the adapter refuses is an error in the case, never a FAIL of the
+adapter (:class:`conformance.contract.declared.DeclaredAdapter`).
 
 A row that computes on a GPU declares what it needs with ``gpus=``:
 :data:`ANY_GPU` (ranks may share one GPU, so it also runs on a one-GPU
@@ -45,7 +58,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from conformance.contract.adapter import STRATEGIES, Capability
+from conformance.contract.adapter import DEFAULT_STRATEGY, STRATEGIES, Capability
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 from harness.rank_mode import SPAWNED, RankMode
 
@@ -101,8 +114,11 @@ class CaseSpec:
     isolated: bool = False
     env: dict[str, str] = field(default_factory=dict)
     timing: bool = False
-    #: Strategies the body wraps with besides a ``strategy`` grid parameter (checked before ranks start).
-    strategies: tuple[str, ...] = ()
+    #: Strategies the body wraps with besides a ``strategy`` grid parameter (checked before ranks start);
+    #: ``None``: :data:`DEFAULT_STRATEGY` unless the grid has a ``strategy`` ([Note: a row's strategies]).
+    strategies: tuple[str | None, ...] | None = None
+    #: Strategies the body draws from, using only those the adapter supports (``n/a`` if it supports none).
+    draws_strategies: tuple[str, ...] = ()
     #: Capabilities the body exercises only where the adapter declares them (a fuzzer drawing
     #: configurations from what the adapter offers); never a reason for ``n/a``.
     uses: tuple[Capability, ...] = ()
@@ -119,9 +135,9 @@ class CaseSpec:
         if not callable(self.gpus):
             self.gpus_for({})
         self.timeout(CaseSettings())  # a bad value (or function) fails at import
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in (*(self.strategies or ()), *self.draws_strategies) if s not in (*STRATEGIES, None)]
         if unknown:
-            raise ValueError(f"case {self.id}: strategies {unknown} not in {STRATEGIES}")
+            raise ValueError(f"case {self.id}: strategies {unknown} not in {STRATEGIES} (or None, the default)")
 
     def timeout(self, settings: CaseSettings) -> float:
         """Seconds this case's ranks may take under ``settings``; ValueError naming a non-positive one."""
@@ -158,8 +174,12 @@ class CaseSpec:
         return need
 
     def strategies_for(self, params: Mapping[str, Any]) -> list[str | None]:
-        """The sharding strategies this grid point wraps with: a ``strategy`` parameter and the declared ones."""
-        out: list[str | None] = list(self.strategies)
+        """The sharding strategies this grid point wraps with: the declared ones and a ``strategy``
+        parameter, or :data:`DEFAULT_STRATEGY` for a case that declares neither ([Note: a row's strategies])."""
+        declared = self.strategies
+        if declared is None:
+            declared = () if "strategy" in params or self.draws_strategies else (DEFAULT_STRATEGY,)
+        out: list[str | None] = list(declared)
         if "strategy" in params and params["strategy"] not in out:
             out.append(params["strategy"])
         return out
@@ -183,13 +203,17 @@ def case(
     isolated: bool = False,
     env: Mapping[str, str] | None = None,
     timing: bool = False,
-    strategies: Iterable[str] = (),
+    strategies: Iterable[str | None] | None = None,
+    draws_strategies: Iterable[str] = (),
     uses: Iterable[Capability] = (),
 ) -> Callable[[_F], _F]:
     """Declare a conformance case (see the module docstring).
 
     ``strategies``: sharding strategies the body uses that are not a ``strategy``
     grid parameter; an adapter whose ``supports_strategy`` refuses one makes the row ``n/a``.
+    Left out, a case without a ``strategy`` grid parameter wraps with the default strategy
+    ([Note: a row's strategies]); ``()`` says the body never calls ``wrap``.
+    ``draws_strategies``: strategies the body picks from, only among those the adapter supports.
     ``uses``: capabilities the body exercises only when the adapter declares them.
     """
     spec = CaseSpec(
@@ -202,7 +226,8 @@ def case(
         isolated=isolated,
         env=dict(env or {}),
         timing=timing,
-        strategies=tuple(strategies),
+        strategies=None if strategies is None else tuple(strategies),
+        draws_strategies=tuple(draws_strategies),
         uses=tuple(uses),
     )
 

@@ -13,6 +13,14 @@ compares every :meth:`WrapSpec.required` with the row's declared capabilities
 and raises :class:`UndeclaredCapability` (an error in the case, the same for
 every adapter, so the reference's own run catches it) instead of wrapping.
 Adapters therefore never re-check capabilities at wrap time.
+
+Strategies are checked alike: a wrap whose strategy the row did not declare
+(:meth:`conformance.contract.case.CaseSpec.strategies_for`, the default strategy
+for a row that declares none) and the adapter's ``supports_strategy`` refuses
+raises :class:`UndeclaredStrategy` instead of reaching the adapter, whose
+refusal would otherwise be reported as its FAIL ([Note: a row's strategies]
+in :mod:`conformance.contract.case`). A strategy the adapter supports is never
+refused here: the fuzzers draw from those.
 """
 
 from __future__ import annotations
@@ -24,11 +32,15 @@ import torch.nn as nn
 
 from conformance.contract.adapter import Capability, WrapSpec
 
-__all__ = ["DeclaredAdapter", "UndeclaredCapability"]
+__all__ = ["DeclaredAdapter", "UndeclaredCapability", "UndeclaredStrategy"]
 
 
 class UndeclaredCapability(RuntimeError):
     """A case wrapped with a spec needing a capability its ``requires`` does not list."""
+
+
+class UndeclaredStrategy(RuntimeError):
+    """A case wrapped with a strategy its row does not declare, which the adapter refuses."""
 
 
 class DeclaredAdapter:
@@ -38,8 +50,10 @@ class DeclaredAdapter:
     the spec against the declaration. Picklable (process ranks receive it).
     """
 
-    def __init__(self, adapter: Any, declared: Iterable[Capability], case_id: str) -> None:
-        self.__dict__.update(_adapter=adapter, _declared=frozenset(declared), _case_id=case_id)
+    def __init__(self, adapter: Any, declared: Iterable[Capability], case_id: str,
+                 strategies: Iterable[str | None] = ()) -> None:
+        self.__dict__.update(_adapter=adapter, _declared=frozenset(declared), _case_id=case_id,
+                             _strategies=tuple(strategies))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_adapter" not in self.__dict__:
@@ -66,4 +80,15 @@ class DeclaredAdapter:
                 f"declare (declared: {', '.join(sorted(str(c) for c in self._declared)) or 'nothing'}); "
                 "add it to the case's requires so that adapters without it report n/a"
             )
+        self._check_strategy(spec.strategy)
         return self._adapter.wrap(module, spec)  # type: ignore[no-any-return]
+
+    def _check_strategy(self, strategy: str | None) -> None:
+        if strategy in self._strategies or self._adapter.supports_strategy(strategy):
+            return
+        declared = ", ".join(str(s) for s in self._strategies) or "none"
+        raise UndeclaredStrategy(
+            f"case {self._case_id} wraps with strategy {strategy}, which {self._adapter.name} does not support and "
+            f"the row does not declare (declared: {declared}); declare it (a strategy grid parameter or the "
+            "case's strategies) so that the row is n/a for adapters without it"
+        )

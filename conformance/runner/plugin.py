@@ -278,7 +278,9 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     if spec is None or funcargs is None or "impl" not in funcargs:
         return
     impl = funcargs["impl"]
-    funcargs["impl"] = DeclaredAdapter(impl, spec.permitted(all_params(item), capabilities_of(impl)), spec.id)
+    params = all_params(item)
+    funcargs["impl"] = DeclaredAdapter(impl, spec.permitted(params, capabilities_of(impl)), spec.id,
+                                       strategies=spec.strategies_for(params))
 
 
 @pytest.hookimpl

@@ -34,6 +34,9 @@ class _Recording:
     def __init__(self) -> None:
         self.specs: list[WrapSpec] = []
 
+    def supports_strategy(self, strategy: str | None) -> bool:
+        return True
+
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         self.specs.append(spec)
         return module

@@ -47,7 +47,7 @@ unsharded ones, the reference keeps the DTensors), so that is not read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,12 +173,25 @@ def full_params_of(impl: FSDPAdapter, model: nn.Module, api: str) -> dict[str, t
     return unwrapped_names(impl.full_params(model))
 
 
-def user_buffers(model: nn.Module, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model``'s buffers, whole, keyed as the unwrapped model names them (a wrapper's attribute starts
-    with an underscore, no name of the fuzz model does), in the dtype and on the device of ``like``'s
-    buffer of that name: their values are compared, at that dtype's tolerance."""
-    named = {".".join(part for part in name.split(".") if not part.startswith("_")): full_value(buf)
-             for name, buf in model.named_buffers()}
+def user_buffers(model: nn.Module, like: dict[str, torch.Tensor],
+                 user_modules: Mapping[nn.Module, str]) -> dict[str, torch.Tensor]:
+    """``model``'s buffers, whole, keyed as the unwrapped model names them, in the dtype and on the device of
+    ``like``'s buffer of that name: their values are compared, at that dtype's tolerance.
+
+    A buffer is named by the user's module that holds it (``user_modules``: the unwrapped model's
+    ``named_modules()``, taken before wrapping; wrapping keeps the user's module objects), so the names
+    of the wrappers in between do not matter (a DDP-style ``self.module`` no more than FSDP's
+    ``_fsdp_wrapped_module``). A buffer of a module the user never built (an implementation's own) keeps its
+    path without the ``_``-prefixed parts, as it did before, and shows up as unexpected."""
+    named: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        user = user_modules.get(module)
+        for local, buf in module.named_buffers(recurse=False):
+            if user is not None:
+                name = f"{user}.{local}" if user else local
+            else:
+                name = ".".join(part for part in f"{path}.{local}".split(".") if part and not part.startswith("_"))
+            named[name] = full_value(buf)
     return {name: buf.to(dtype=like[name].dtype, device=like[name].device) if name in like else buf
             for name, buf in named.items()}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -106,6 +106,8 @@ class _Machine:
     mismatch: str | None = None
     ignored: dict[str, nn.Module] = field(default_factory=dict)  # the user's ignored modules, by path
     trains: int = 0  # Train operations run (see _save_in_iteration)
+    #: the user's modules, by path, held weakly (controls.user_buffers)
+    user_modules: Mapping[nn.Module, str] = field(default_factory=weakref.WeakKeyDictionary)
 
     def compare(self, label: str, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
@@ -289,7 +291,8 @@ class _Machine:
     def check_buffers(self) -> None:
         """The wrapped model's buffers hold the shadow's values (see [Note: stateful invariant])."""
         want = {name: buf.detach() for name, buf in self.shadow.local.named_buffers()}
-        self.compare("buffers", assert_close_named, user_buffers(self.model, want), want, what="buffers")
+        got = user_buffers(self.model, want, self.user_modules)
+        self.compare("buffers", assert_close_named, got, want, what="buffers")
 
     def check_state(self) -> None:
         buffers = sum(buf.nbytes for buf in self.shadow.local.buffers())
@@ -329,6 +332,7 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _
     shadow = Shadow.of(config, ctx.device)
     built = build(config, torch.device("meta") if config.meta_init else ctx.device)
     ignored, groups = {path: built.get_submodule(path) for path in config.ignored}, None
+    user_modules = weakref.WeakKeyDictionary({module: path for path, module in built.named_modules()})
     if config.api == "fully_shard":
         model = shard_config(ctx, impl, built, config)
         if config.meta_init:
@@ -339,7 +343,8 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _
         model, controls = wrap_config(ctx, impl, built, config, groups), None
     machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
                        missing_operations(impl, ctx.mode), held,
-                       Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored)
+                       Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored,
+                       user_modules=user_modules)
     held.wrapped(shadow.local, shadow)
     return machine
 
