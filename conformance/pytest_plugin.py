@@ -1,0 +1,36 @@
+"""The suite's pytest integration, loaded only when asked for: ``-p conformance.pytest_plugin``.
+
+[Note: opt-in plugins]
+Installing fsdp-conformance registers no ``pytest11`` entry point, so an
+unrelated project's pytest runs as before: no torch import, no warning, no
+option added. The suite's plugins load where a session asks for this module:
+
+* ``fsdp-conformance run`` and ``fsdp-conformance list`` pass ``-p`` themselves
+  (:data:`conformance.runner.PYTEST_PLUGIN`);
+* this repository's own ``pytest`` runs get it from ``addopts`` in
+  ``pyproject.toml``'s ``[tool.pytest.ini_options]``;
+* another project adds ``-p conformance.pytest_plugin`` to its pytest command
+  line or ``addopts`` (README, "Running the cases through pytest").
+
+pytest-xdist hands ``-p`` (the command line's and ``addopts``') to every
+worker; the harness's rank processes and thread hosts run no pytest session,
+so they need nothing. Every option the plugins add is namespaced
+(``--fsdp-*``, ``--conformance-*``) so it cannot collide with one a user's
+``conftest.py`` defines.
+
+The plugins are listed below, each module imported by pytest itself (which
+marks it for assertion rewriting first), in an order where none has been
+imported by another before its turn: else pytest warns that it cannot
+rewrite it (``PytestAssertRewriteWarning``).
+"""
+
+pytest_plugins = [
+    "harness.pytest_plugin",
+    "harness.scheduling",
+    "conformance.runner.selection",
+    "conformance.runner.budget",
+    "conformance.runner.progress",
+    "conformance.runner.signals",
+    "conformance.runner.plugin",
+    "conformance.runner.transport",
+]
