@@ -18,11 +18,21 @@ so they need nothing. Every option the plugins add is namespaced
 (``--fsdp-*``, ``--conformance-*``) so it cannot collide with one a user's
 ``conftest.py`` defines.
 
-The plugins are listed below, each module imported by pytest itself (which
-marks it for assertion rewriting first), in an order where none has been
-imported by another before its turn: else pytest warns that it cannot
-rewrite it (``PytestAssertRewriteWarning``).
+The suite's packages are marked for assertion rewriting (:data:`REWRITTEN`),
+as pytest marked an installed plugin's whole distribution, before any of them
+is imported; the plugins are listed below, each module imported by pytest
+itself, in an order where none has been imported by another before its turn.
+Else pytest warns that it cannot rewrite a module imported before it was
+marked (``PytestAssertRewriteWarning``).
 """
+
+import pytest
+
+#: The suite's packages whose ``assert`` statements pytest rewrites (``conformance`` itself, the parent
+#: of this module, is imported by now: its subpackages are named instead).
+REWRITTEN = ("harness", "fixtures", "fsdp_impl", "bench", "conformance.adapters", "conformance.cases",
+             "conformance.contract", "conformance.runner", "conformance.selftest", "conformance.tests")
+pytest.register_assert_rewrite(*REWRITTEN)
 
 pytest_plugins = [
     "harness.pytest_plugin",
