@@ -15,8 +15,10 @@ the stable surface imports each of them.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
+from types import FrameType
 
 __all__ = ["MOVED", "REMOVED_IN", "alias"]
 
@@ -34,16 +36,30 @@ MOVED: dict[str, str] = {
     "conformance.settings": "conformance.runner.settings",
 }
 
+_IMPORTLIB = os.path.dirname(importlib.__file__)
 #: The first version without the paths of :data:`MOVED` (this one is 0.1).
 REMOVED_IN = "0.3"
 
 
 def alias(old: str) -> None:
-    """Make module ``old`` (the caller, while it is imported) the module :data:`MOVED` names, with a warning."""
+    """Make module ``old`` (the caller, while it is imported) the module :data:`MOVED` names, warning
+    from the line that imported it."""
     new = MOVED[old]
-    warnings.warn(
+    importer = _importer(sys._getframe(2))
+    warnings.warn_explicit(
         f"{old} moved to {new}: import {new} instead ({old} is removed in fsdp-conformance {REMOVED_IN})",
-        DeprecationWarning,
-        stacklevel=3,  # the importer's line: the caller is the shim, and the import system's frames are skipped
+        DeprecationWarning, importer.f_code.co_filename, importer.f_lineno,
+        module=importer.f_globals.get("__name__"), registry=importer.f_globals.setdefault("__warningregistry__", {}),
     )
     sys.modules[old] = importlib.import_module(new)
+
+
+def _importer(frame: FrameType) -> FrameType:
+    """The first frame from ``frame`` up that is not the import system's: importlib's (frozen or not,
+    ``import_module`` included), or a loader's ``exec_module`` (pytest's assertion rewriter is one)."""
+    while frame.f_back is not None:
+        code = frame.f_code
+        if not (code.co_filename.startswith(("<frozen importlib", _IMPORTLIB)) or code.co_name == "exec_module"):
+            break
+        frame = frame.f_back
+    return frame
