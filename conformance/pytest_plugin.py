@@ -20,10 +20,13 @@ so they need nothing. Every option the plugins add is namespaced
 
 The suite's packages are marked for assertion rewriting (:data:`REWRITTEN`),
 as pytest marked an installed plugin's whole distribution, before any of them
-is imported; the plugins are listed below, each module imported by pytest
-itself, in an order where none has been imported by another before its turn.
-Else pytest warns that it cannot rewrite a module imported before it was
-marked (``PytestAssertRewriteWarning``).
+is imported: else pytest warns that it cannot rewrite a plugin module another
+one imported first (``PytestAssertRewriteWarning``). The plugins are
+registered in the order the entry points had (their names' order), which is
+the order pluggy calls their hooks in, last registered first: the harness
+parametrizes rank modes before the conformance plugin parametrizes
+implementations, so a case's rows come mode by mode, as the matrix and the
+reports list them.
 """
 
 import pytest
@@ -35,12 +38,12 @@ REWRITTEN = ("harness", "fixtures", "fsdp_impl", "bench", "conformance.adapters"
 pytest.register_assert_rewrite(*REWRITTEN)
 
 pytest_plugins = [
-    "harness.pytest_plugin",
-    "harness.scheduling",
+    "conformance.runner.plugin",
     "conformance.runner.selection",
     "conformance.runner.budget",
     "conformance.runner.progress",
-    "conformance.runner.signals",
-    "conformance.runner.plugin",
     "conformance.runner.transport",
+    "harness.pytest_plugin",
+    "harness.scheduling",
+    "conformance.runner.signals",
 ]
