@@ -84,12 +84,12 @@ class _TimingRows:
 
 def timing_rows() -> set[str]:
     """Row ids of the cases declared ``timing=True`` (collected in-process, nothing runs)."""
-    from conformance.runner.cli import CASES_DIR
+    from conformance.runner import CASES_DIR, PYTEST_PLUGIN
 
     collector = _TimingRows()
     with contextlib.redirect_stdout(io.StringIO()):
-        pytest.main([str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "--fsdp-impl", "all"],
-                     plugins=[collector])
+        pytest.main([str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", PYTEST_PLUGIN,
+                     "--fsdp-impl", "all"], plugins=[collector])
     return collector.rows
 
 

@@ -109,7 +109,7 @@ def decide(*, setting: str, gpus: int, world_size: int, need: GpuNeed | None,
 
 
 def check_setting(setting: str, source: str, gpus: int) -> None:
-    """Reject a bad device setting, naming where it came from (e.g. ``--device`` or ``FSDP_DEVICE``)."""
+    """Reject a bad device setting, naming where it came from (e.g. ``--fsdp-device`` or ``FSDP_DEVICE``)."""
     if setting not in SETTINGS:
         raise ValueError(f"{source}={setting!r}: expected one of {', '.join(SETTINGS)}")
     if setting == "cuda" and gpus == 0:

@@ -16,8 +16,8 @@ marker's ``placement`` (default ``cpu``).
 
 The rank modes are selected once per session ([Note: rank modes] in
 :mod:`harness.rank_mode`) and kept in the config (:func:`rank_mode_setting`,
-:func:`selected_modes`); ``--launcher torchrun`` is a deprecated spelling of
-``--rank-mode launched``. A test is parametrized over the selected modes it
+:func:`selected_modes`); ``--fsdp-launcher torchrun`` is a deprecated spelling of
+``--fsdp-rank-mode launched``. A test is parametrized over the selected modes it
 declares; when it declares none of them, over the selected ones, each
 skipped with the reason (the conformance plugin reports those rows n/a).
 pytest-timeout guards the parent: a marked test without its own ``timeout``
@@ -49,12 +49,12 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-harness")
-    group.addoption("--rank-mode", default=None, metavar="|".join(SELECTIONS),
+    group.addoption("--fsdp-rank-mode", default=None, metavar="|".join(SELECTIONS),
                     help="process or thread ranks, both (process then thread), or launched (this process is one "
                     "rank of a job torchrun started). Default: $FSDP_RANK_MODE or both.")
-    group.addoption("--launcher", default=None, choices=("spawn", "torchrun"),
-                    help="deprecated: --launcher torchrun is --rank-mode launched")
-    parser.addini("rank_mode", "default rank mode for @pytest.mark.ranks tests", default="both")
+    group.addoption("--fsdp-launcher", default=None, choices=("spawn", "torchrun"),
+                    help="deprecated: --fsdp-launcher torchrun is --fsdp-rank-mode launched")
+    parser.addini("fsdp_rank_mode", "default rank mode for @pytest.mark.ranks tests", default="both")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -77,14 +77,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def rank_mode_setting(config: pytest.Config) -> Resolved[str]:
     """This session's rank-mode selection and its source, resolved on first use and kept in the config."""
     if _RANK_MODE_KEY not in config.stash:
-        cli, flag = config.getoption("--rank-mode"), "--rank-mode"
-        if config.getoption("--launcher") == "torchrun":
+        cli, flag = config.getoption("--fsdp-rank-mode"), "--fsdp-rank-mode"
+        if config.getoption("--fsdp-launcher") == "torchrun":
             if cli not in (None, RankMode.LAUNCHED.value):
-                raise pytest.UsageError(f"--launcher torchrun (that is, --rank-mode launched) with --rank-mode {cli}")
-            cli, flag = RankMode.LAUNCHED.value, "--launcher torchrun"
+                raise pytest.UsageError(f"--fsdp-launcher torchrun (that is, --fsdp-rank-mode launched) with "
+                                        f"--fsdp-rank-mode {cli}")
+            cli, flag = RankMode.LAUNCHED.value, "--fsdp-launcher torchrun"
         try:
             config.stash[_RANK_MODE_KEY] = resolve_selection(
-                cli=cli, env=os.environ.get("FSDP_RANK_MODE"), ini=config.getini("rank_mode"), cli_flag=flag)
+                cli=cli, env=os.environ.get("FSDP_RANK_MODE"), ini=config.getini("fsdp_rank_mode"), cli_flag=flag)
         except SettingError as exc:
             raise pytest.UsageError(str(exc)) from exc
     return config.stash[_RANK_MODE_KEY]

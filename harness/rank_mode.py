@@ -9,7 +9,7 @@ A case declares the modes it can run under among the spawned ones
 
 A run selects modes once, by name (:data:`SELECTIONS`: a mode, or ``both``
 for process then thread), with the project's precedence (command line
-``--rank-mode`` > :data:`RANK_MODE_ENV` > ini ``rank_mode`` > ``both``;
+``--fsdp-rank-mode`` > :data:`RANK_MODE_ENV` > ini ``fsdp_rank_mode`` > ``both``;
 :func:`resolve_selection`). The harness's pytest plugin resolves it once per
 session into the config; the conformance runner reads that value and the
 ``fsdp-conformance`` command forwards the flag untouched. A case whose
@@ -50,7 +50,7 @@ DEFAULT_SELECTION = "both"
 
 
 def resolve_selection(*, cli: str | None, env: str | None, ini: str | None = None,
-                      cli_flag: str = "--rank-mode") -> Resolved[str]:
+                      cli_flag: str = "--fsdp-rank-mode") -> Resolved[str]:
     """The selected rank mode(s) by name: ``cli_flag`` > :data:`RANK_MODE_ENV` > ini ``rank_mode`` > ``both``."""
     return resolve("rank mode", [(cli_flag, cli), (RANK_MODE_ENV, env), ("ini rank_mode", ini)],
                    choice(tuple(SELECTIONS)), DEFAULT_SELECTION)

@@ -1,6 +1,6 @@
 """Running tests on pytest-xdist workers, with timing tests alone at the end.
 
-Registered as the ``fsdp_scheduling`` pytest11 entry point, so it applies to
+Loaded by ``-p conformance.pytest_plugin`` ([Note: opt-in plugins]), so it applies to
 ``pytest -n N`` and to ``fsdp-conformance run -n N`` alike.
 
 [Note: timing phase]

@@ -27,7 +27,7 @@ class SettingError(ValueError):
 
 @dataclass(frozen=True)
 class Resolved(Generic[T]):
-    """A setting's value and where it came from (``--rank-mode``, ``FSDP_RANK_MODE``, ``default``...)."""
+    """A setting's value and where it came from (``--fsdp-rank-mode``, ``FSDP_RANK_MODE``, ``default``...)."""
 
     name: str
     value: T

@@ -15,8 +15,8 @@ only plain data.
 The protocol is versioned (:data:`PROTOCOL_VERSION`). :class:`FSDPAdapter`
 lists the methods every adapter has; methods added since version 1 are
 optional, have defaults, and are reached through the functions in
-:mod:`conformance.contract.optional`. Renamed capabilities stay accepted
-(:data:`DEPRECATED_CAPABILITIES`) with a ``DeprecationWarning``.
+:mod:`conformance.contract.optional`. Renamed and removed capabilities stay
+accepted (:data:`DEPRECATED_CAPABILITIES`) with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -174,6 +174,12 @@ class Capability(str, enum.Enum):
     """A ``fully_shard``-ed model and its optimizer, through ``torch.distributed.checkpoint.state_dict``'s
     ``get_state_dict``/``set_state_dict``, save with ``torch.distributed.checkpoint`` on a mesh of one
     size and load on a mesh of another."""
+    OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
+    """Deprecated, ignored: a declared :attr:`OPTIM_STATE_DICT` holds on thread ranks unless the adapter's
+    ``thread_rank_limits`` says otherwise."""
+    FULL_STATE_DICT_LOAD_ON_THREADS = "full_state_dict_load_on_threads"
+    """Deprecated, ignored: a declared :attr:`FULL_STATE_DICT` loads on thread ranks unless the adapter's
+    ``thread_rank_limits`` says otherwise."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads).
 
@@ -185,10 +191,15 @@ class Capability(str, enum.Enum):
         return self.value
 
 
-#: A protocol-1 capability -> the capabilities it stands for now.
-DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability]] = {
+_THREAD_RANK_LIMITS = ("a declared capability holds on thread ranks unless the adapter lists it, with the reason, "
+                       "in thread_rank_limits")
+#: A capability no longer in use -> the capabilities it stands for now, or, where the suite no longer
+#: asks an adapter for it, why it is ignored (docs/ADAPTER_GUIDE.md, section 8).
+DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability] | str] = {
     Capability.DEVICE_ID: frozenset({Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES}),
     Capability.FLAT_PARAM_INTROSPECTION: frozenset({Capability.RESHARD_INTROSPECTION}),
+    Capability.OPTIM_STATE_DICT_ON_THREADS: _THREAD_RANK_LIMITS,
+    Capability.FULL_STATE_DICT_LOAD_ON_THREADS: _THREAD_RANK_LIMITS,
 }
 
 

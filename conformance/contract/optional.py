@@ -98,22 +98,24 @@ def protocol_version(adapter: Any) -> int:
 
 
 def capabilities_of(adapter: Any) -> frozenset[Capability]:
-    """The adapter's capabilities with deprecated names replaced by what they stand for.
+    """The adapter's capabilities with deprecated names replaced by what they stand for, or dropped
+    where the suite no longer asks for them (:data:`DEPRECATED_CAPABILITIES`).
 
-    A deprecated capability warns (``DeprecationWarning``) naming its replacements.
+    A deprecated capability warns (``DeprecationWarning``) naming its replacements, or why it is ignored.
     """
     declared = frozenset(adapter.capabilities)
     out = set(declared)
     for old, new in DEPRECATED_CAPABILITIES.items():
-        if old in declared:
-            warnings.warn(
-                f"adapter {adapter.name!r} declares deprecated Capability.{old.name}; declare "
-                f"{', '.join(sorted('Capability.' + c.name for c in new))} instead",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            out.discard(old)
+        if old not in declared:
+            continue
+        if isinstance(new, str):
+            advice = f"it is ignored: {new}"
+        else:
+            advice = f"declare {', '.join(sorted('Capability.' + c.name for c in new))} instead"
             out |= new
+        warnings.warn(f"adapter {adapter.name!r} declares deprecated Capability.{old.name}; {advice}",
+                      DeprecationWarning, stacklevel=2)
+        out.discard(old)
     return frozenset(out)
 
 

@@ -9,3 +9,5 @@ from pathlib import Path
 #: Where the cases live; here, in the package's lightest module, so that ``fsdp-conformance --help``
 #: needs neither pytest nor torch.
 CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
+#: The module a pytest session loads (``-p``) to run the cases: [Note: opt-in plugins].
+PYTEST_PLUGIN = "conformance.pytest_plugin"

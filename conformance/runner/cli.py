@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from conformance.runner import CASES_DIR, exitcodes
+from conformance.runner import CASES_DIR, PYTEST_PLUGIN, exitcodes
 from harness.rank_mode import SELECTIONS
 
 # pytest, torch and the adapters are imported by the command that needs them, so --help answers at once.
@@ -93,26 +93,27 @@ def _quiet_rank() -> bool:
     return os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ
 
 
-#: CLI option -> the pytest option it is forwarded as, value untouched.
-_FORWARDED = {"rank_mode": "--rank-mode", "timing_repeats": "--timing-repeats", "device": "--device",
-              "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
-              "fuzz_stateful_examples": "--fuzz-stateful-examples", "keyword": "-k",
+#: CLI option -> the pytest option it is forwarded as, value untouched. The CLI's own spellings stay
+#: short (``--device``): they cannot collide with a user's pytest options; pytest's are namespaced.
+_FORWARDED = {"rank_mode": "--fsdp-rank-mode", "timing_repeats": "--fsdp-timing-repeats", "device": "--fsdp-device",
+              "fuzz_examples": "--fsdp-fuzz-examples", "fuzz_seed": "--fsdp-fuzz-seed",
+              "fuzz_stateful_examples": "--fsdp-fuzz-stateful-examples", "keyword": "-k",
               "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
-              "junitxml": "--conformance-junit", "launcher": "--launcher", "workers": "-n",
-              "rows_from": "--rows-from", "outcome": "--outcome", "case_timeout": "--case-timeout",
-              "max_time": "--max-time"}
+              "junitxml": "--conformance-junit", "launcher": "--fsdp-launcher", "workers": "-n",
+              "rows_from": "--fsdp-rows-from", "outcome": "--fsdp-rows-outcome", "case_timeout": "--fsdp-case-timeout",
+              "max_time": "--fsdp-max-time"}
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:
-    """The pytest command line for ``ns``: each given option forwarded as it was typed."""
-    args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-            "--conformance-progress"]
+    """The pytest command line for ``ns``: the suite's plugins, each given option forwarded with its value."""
+    args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-p", PYTEST_PLUGIN,
+            "-W", "ignore::pytest.PytestAssertRewriteWarning", "--conformance-progress"]
     for name in ns.impl or ():
-        args += ["--impl", name]
+        args += ["--fsdp-impl", name]
     for row in ns.row or ():
-        args += ["--row", row]
+        args += ["--fsdp-row", row]
     if ns.fuzz_verbose:
-        args.append("--fuzz-verbose")
+        args.append("--fsdp-fuzz-verbose")
     for dest, flag in _FORWARDED.items():
         value = getattr(ns, dest)
         if value is not None:

@@ -17,7 +17,7 @@ from conformance.contract.adapter import Capability
 from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSettings
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner import CASES_DIR
+from conformance.runner import CASES_DIR, PYTEST_PLUGIN
 
 __all__ = ["CASES_DIR", "ListedRow", "collect_rows"]
 
@@ -91,7 +91,8 @@ def collect_rows(keyword: str | None = None, impl: str | None = None) -> list[Li
     collection fails.
     """
     collector = _Collector()
-    args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "--rank-mode", "both"]
+    args = [str(CASES_DIR), "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", PYTEST_PLUGIN,
+            "--fsdp-rank-mode", "both"]
     if keyword:
         args += ["-k", keyword]
     if impl:

@@ -1,7 +1,8 @@
 """pytest plugin: parametrize cases over implementations and collect the matrix.
 
-Registered as the ``fsdp_conformance`` pytest11 entry point, so
-``pytest conformance --fsdp-impl torch-fsdp2`` works without the CLI; the CLI
+Loaded with the suite's other plugins by ``-p conformance.pytest_plugin``
+([Note: opt-in plugins]), so ``pytest conformance/cases --fsdp-impl torch-fsdp2``
+works without the CLI; the CLI
 (:mod:`conformance.runner.cli`) is a thin layer that adds options and calls
 ``pytest.main``.
 
@@ -47,9 +48,6 @@ from harness.workers import is_worker
 
 __all__ = ["RESULTS_KEY", "SELECTED_KEY", "SETTINGS_KEY", "settings_of"]
 
-#: Plugins of the runner that live in modules of their own, registered with this one.
-pytest_plugins = ["conformance.runner.selection", "conformance.runner.budget", "conformance.runner.progress"]
-
 RESULTS_KEY = pytest.StashKey[list[Result]]()
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: The cells this session selected (under -n, the controller learns it from its workers: transport).
@@ -80,7 +78,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance")
     group.addoption(
         "--fsdp-impl",
-        "--impl",
         action="append",
         default=None,
         metavar="NAME",
@@ -97,7 +94,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="print one line per case as it finishes and the matrix at the end",
     )
     group.addoption(
-        "--timing-repeats",
+        "--fsdp-timing-repeats",
         default=None,
         metavar="N",
         help="repetitions of each timed region in timing cases (their median is compared; the repetitions "
@@ -105,24 +102,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "Default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3.",
     )
     group.addoption(
-        "--device",
+        "--fsdp-device",
         default=None,
         metavar="auto|cpu|cuda",
         help="where rows compute: CPU rows always on the CPU; GPU rows on a GPU per rank, else shared GPUs, "
         "else skipped (auto); cpu skips GPU rows; cuda requires a GPU. Default: $FSDP_DEVICE or auto.",
     )
-    group.addoption("--fuzz-examples", default=None, metavar="N",
+    group.addoption("--fsdp-fuzz-examples", default=None, metavar="N",
                     help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's budget)")
-    group.addoption("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
-    group.addoption("--fuzz-verbose", action="store_true", default=None,
+    group.addoption("--fsdp-fuzz-seed", default=None, metavar="N",
+                    help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
+    group.addoption("--fsdp-fuzz-verbose", action="store_true", default=None,
                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
-    group.addoption("--case-timeout", default=None, metavar="S",
+    group.addoption("--fsdp-case-timeout", default=None, metavar="S",
                     help="seconds every row's ranks may take before the row fails as hung, instead of each "
                     "case's own ('fsdp-conformance list' shows it). Default: $FSDP_CONFORMANCE_CASE_TIMEOUT")
-    group.addoption("--max-time", default=None, metavar="S",
+    group.addoption("--fsdp-max-time", default=None, metavar="S",
                     help="seconds the run may take: rows not started by then are reported 'not run' and the "
                     "run fails. Default: $FSDP_CONFORMANCE_MAX_TIME, else no limit")
-    group.addoption("--fuzz-stateful-examples", default=None, metavar="N",
+    group.addoption("--fsdp-fuzz-stateful-examples", default=None, metavar="N",
                     help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
                     "main job's budget)")
 
@@ -131,16 +129,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "conformance(spec): a conformance case (added by conformance.contract.case)"
     )
+    config.addinivalue_line("markers", "gpu: a GPU row or a mutant only GPUs expose; skipped with the reason "
+                            "without a GPU, run by `tox -e gpu`")
     config.stash[RESULTS_KEY] = []
     try:  # a bad value is a usage error before collection, naming its source
-        flags = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "device": "--device",
-                 "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed", "fuzz_verbose": "--fuzz-verbose",
-                 "case_timeout": "--case-timeout", "max_time": "--max-time",
-                 "fuzz_stateful_examples": "--fuzz-stateful-examples"}
-        if "--impl" in config.invocation_params.args:  # forwarded by ``fsdp-conformance run --impl``
-            flags["impls"] = "--impl"
-        cli = {name: (flag, config.getoption("--fsdp-impl" if name == "impls" else flag))
-               for name, flag in flags.items()}
+        flags = {"impls": "--fsdp-impl", "timing_repeats": "--fsdp-timing-repeats", "device": "--fsdp-device",
+                 "fuzz_examples": "--fsdp-fuzz-examples", "fuzz_seed": "--fsdp-fuzz-seed",
+                 "fuzz_verbose": "--fsdp-fuzz-verbose",
+                 "case_timeout": "--fsdp-case-timeout", "max_time": "--fsdp-max-time",
+                 "fuzz_stateful_examples": "--fsdp-fuzz-stateful-examples"}
+        cli = {name: (flag, config.getoption(flag)) for name, flag in flags.items()}
         cli["workers"] = ("-n", config.getoption("numprocesses", None))
         config.stash[SETTINGS_KEY] = resolve_settings(cli, rank_mode=rank_mode_setting(config))
         if launched(config) and config.stash[SETTINGS_KEY].workers.value != 0:

@@ -1,4 +1,5 @@
-"""Selecting matrix rows by id: ``--row ID`` and ``--rows-from REPORT.json [--rows-outcome FAIL,error]``.
+"""Selecting matrix rows by id: ``--fsdp-row ID`` and ``--fsdp-rows-from REPORT.json``
+(``--fsdp-rows-outcome FAIL,error``).
 
 [Note: row selection]
 A row id (``area/name[param=value,...]``, :mod:`conformance.contract.rows`) is
@@ -6,10 +7,10 @@ what ``fsdp-conformance list``, the matrix and the JSON report show; it is not
 a ``-k`` expression (``=`` and ``,`` are not keyword syntax), so rows are
 selected by their own options:
 
-- ``--row ID`` (repeatable) runs every cell (implementation x rank mode of
+- ``--fsdp-row ID`` (repeatable) runs every cell (implementation x rank mode of
   this run) of each row named;
-- ``--rows-from REPORT.json`` runs exactly the cells of a previous JSON
-  report whose outcome is one of ``--rows-outcome`` (default ``FAIL,error``):
+- ``--fsdp-rows-from REPORT.json`` runs exactly the cells of a previous JSON
+  report whose outcome is one of ``--fsdp-rows-outcome`` (default ``FAIL,error``):
   the same row, implementation and rank mode, nothing else.
 
 A row id the collection does not hold, or a report cell this run cannot
@@ -39,7 +40,7 @@ from harness.workers import is_controller, is_worker
 
 __all__ = ["DEFAULT_OUTCOMES", "Selection", "check_expressions", "report_cells", "selection_of"]
 
-#: Which cells of a report ``--rows-from`` re-runs unless ``--rows-outcome`` says otherwise.
+#: Which cells of a report ``--fsdp-rows-from`` re-runs unless ``--fsdp-rows-outcome`` says otherwise.
 DEFAULT_OUTCOMES = ("FAIL", "error")
 
 #: A cell of the matrix: (row id, implementation, rank mode).
@@ -54,7 +55,7 @@ class Selection:
 
     rows: frozenset[str]
     cells: frozenset[Cell]
-    #: Where ``cells`` came from, for messages (``--rows-from PATH``).
+    #: Where ``cells`` came from, for messages (``--fsdp-rows-from PATH``).
     source: str = ""
 
     def wants(self, cell: Cell) -> bool:
@@ -63,14 +64,14 @@ class Selection:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance")
-    group.addoption("--row", action="append", default=None, metavar="ID",
+    group.addoption("--fsdp-row", action="append", default=None, metavar="ID",
                     help="run only this row (an id as 'fsdp-conformance list', the matrix and the JSON show it); "
                     "repeatable")
-    group.addoption("--rows-from", default=None, metavar="REPORT.json",
+    group.addoption("--fsdp-rows-from", default=None, metavar="REPORT.json",
                     help="re-run exactly the cells (row, implementation, rank mode) of this JSON report whose "
-                    "outcome --rows-outcome names")
-    group.addoption("--rows-outcome", "--outcome", dest="rows_outcome", default=None, metavar="OUTCOMES",
-                    help=f"with --rows-from: comma-separated outcomes to re-run, of {', '.join(OUTCOMES)} "
+                    "outcome --fsdp-rows-outcome names")
+    group.addoption("--fsdp-rows-outcome", default=None, metavar="OUTCOMES",
+                    help=f"with --fsdp-rows-from: comma-separated outcomes to re-run, of {', '.join(OUTCOMES)} "
                     f"(default: {','.join(DEFAULT_OUTCOMES)})")
 
 
@@ -94,10 +95,10 @@ def report_cells(path: Path, outcomes: Iterable[str]) -> frozenset[Cell]:
     try:
         data: Any = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--rows-from {str(path)!r}: cannot read a JSON report: {exc}") from None
+        raise ValueError(f"--fsdp-rows-from {str(path)!r}: cannot read a JSON report: {exc}") from None
     rows = data.get("rows") if isinstance(data, dict) else data
     if not isinstance(rows, list):
-        raise ValueError(f"--rows-from {str(path)!r}: expected a list of rows or an object with a 'rows' list")
+        raise ValueError(f"--fsdp-rows-from {str(path)!r}: expected a list of rows or an object with a 'rows' list")
     wanted = set(outcomes)
     cells: set[Cell] = set()
     for index, row in enumerate(rows):
@@ -105,7 +106,7 @@ def report_cells(path: Path, outcomes: Iterable[str]) -> frozenset[Cell]:
             cell = (str(row["case"]), str(row["impl"]), str(row["rank_mode"]))
             outcome = row["outcome"]
         except (TypeError, KeyError) as exc:
-            raise ValueError(f"--rows-from {str(path)!r}: row {index} lacks {exc} (case, impl, rank_mode, "
+            raise ValueError(f"--fsdp-rows-from {str(path)!r}: row {index} lacks {exc} (case, impl, rank_mode, "
                              "outcome)") from None
         if outcome in wanted:
             cells.add(cell)
@@ -123,17 +124,17 @@ def check_expressions(config: pytest.Config) -> None:
         except SyntaxError as exc:
             raise pytest.UsageError(f"{flag} {value!r} is not a valid selection expression: at column "
                                     f"{exc.offset}: {exc.msg} (see pytest's -k/-m syntax; a row id goes to "
-                                    "--row)") from None
+                                    "--fsdp-row)") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     check_expressions(config)
-    rows = frozenset(config.getoption("--row") or ())
-    report = config.getoption("--rows-from")
-    flag = "--outcome" if "--outcome" in config.invocation_params.args else "--rows-outcome"
-    outcomes = _outcomes(config.getoption("rows_outcome"), flag)
-    if report is None and config.getoption("rows_outcome") is not None:
-        raise pytest.UsageError(f"{flag} selects cells of --rows-from REPORT.json; give the report")
+    rows = frozenset(config.getoption("--fsdp-row") or ())
+    report = config.getoption("--fsdp-rows-from")
+    flag = "--fsdp-rows-outcome"
+    outcomes = _outcomes(config.getoption(flag), flag)
+    if report is None and config.getoption(flag) is not None:
+        raise pytest.UsageError(f"{flag} selects cells of --fsdp-rows-from REPORT.json; give the report")
     cells: frozenset[Cell] = frozenset()
     if report is not None:
         try:
@@ -144,7 +145,7 @@ def pytest_configure(config: pytest.Config) -> None:
             pytest.exit(f"fsdp-conformance: {report} has no {'/'.join(outcomes)} rows; nothing to re-run",
                         returncode=0)
     selected = rows or cells
-    config.stash[_SELECTION_KEY] = Selection(rows, cells, f"--rows-from {report}") if selected else None
+    config.stash[_SELECTION_KEY] = Selection(rows, cells, f"--fsdp-rows-from {report}") if selected else None
 
 
 def selection_of(config: pytest.Config) -> Selection | None:
@@ -184,7 +185,7 @@ def _check_known(selection: Selection, collected: dict[Cell, Any]) -> None:
     known_rows = {cell[0] for cell in collected}
     unknown = sorted(selection.rows - known_rows)
     if unknown:
-        raise pytest.UsageError(f"--row: unknown row id(s) {_listed(unknown)}; 'fsdp-conformance list' shows "
+        raise pytest.UsageError(f"--fsdp-row: unknown row id(s) {_listed(unknown)}; 'fsdp-conformance list' shows "
                                 "the ids")
     gone = sorted({cell[0] for cell in selection.cells} - known_rows)
     if gone:
@@ -194,7 +195,7 @@ def _check_known(selection: Selection, collected: dict[Cell, Any]) -> None:
         columns = sorted({f"{impl}/{mode}" for _, impl, mode in missing})
         raise pytest.UsageError(f"{selection.source}: {len(missing)} cell(s) in column(s) {', '.join(columns)} "
                                 f"that this run does not select (e.g. {'/'.join(missing[0])}); select those "
-                                "implementations (--impl) and rank modes (--rank-mode)")
+                                "implementations (--fsdp-impl) and rank modes (--fsdp-rank-mode)")
 
 
 def _listed(ids: Sequence[str], limit: int = 5) -> str:

@@ -6,28 +6,28 @@ pytest untouched). Precedence is the project's (:mod:`harness.settings`):
 marker > command line > environment > default; every value is parsed by
 :func:`harness.settings.choice` or :func:`harness.settings.whole_number`.
 
-========================== ============================= ===================================== =========
-setting                    command line                  environment                           default
-========================== ============================= ===================================== =========
-implementations            ``--fsdp-impl`` / ``--impl``  ``FSDP_CONFORMANCE_IMPL`` (a,b)        reference
-rank mode                  ``--rank-mode``               ``FSDP_RANK_MODE``                    both
-timing repeats             ``--timing-repeats``          ``FSDP_CONFORMANCE_TIMING_REPEATS``   3
-workers                    ``-n auto|N``                 (pytest-xdist's own)                  0
-device                     ``--device``                  ``FSDP_DEVICE``                       auto
-fuzz examples              ``--fuzz-examples``           ``FSDP_FUZZ_EXAMPLES``                per world size
-fuzz seed                  ``--fuzz-seed``               ``FSDP_FUZZ_SEED``                    0
-fuzz verbose               ``--fuzz-verbose``            ``FSDP_FUZZ_VERBOSE`` (0|1)           0
-case timeout (s)           ``--case-timeout``            ``FSDP_CONFORMANCE_CASE_TIMEOUT``     the case's
-max time (s)               ``--max-time``                ``FSDP_CONFORMANCE_MAX_TIME``         none
-stateful fuzz examples     ``--fuzz-stateful-examples``  ``FSDP_FUZZ_STATEFUL_EXAMPLES``       per world size
-extra adapters                                           ``FSDP_CONFORMANCE_ADAPTERS``         none
-findings files                                           ``FSDP_CONFORMANCE_FINDINGS``         none
-baseline cache                                           ``FSDP_BASELINE_CACHE``               on
-baseline cache log                                       ``FSDP_BASELINE_CACHE_LOG``           none
-concurrent workers                                       ``FSDP_CONCURRENT_WORKERS``           xdist's
-start method                                             ``FSDP_HARNESS_START_METHOD``         forkserver
-bench CPU log                                            ``FSDP_BENCH_CPU_LOG``                none
-========================== ============================= ===================================== =========
+====================== ================================= =================================== ==============
+setting                command line                      environment                         default
+====================== ================================= =================================== ==============
+implementations        ``--fsdp-impl`` / ``--impl``      ``FSDP_CONFORMANCE_IMPL`` (a,b)     reference
+rank mode              ``--fsdp-rank-mode``              ``FSDP_RANK_MODE``                  both
+timing repeats         ``--fsdp-timing-repeats``         ``FSDP_CONFORMANCE_TIMING_REPEATS`` 3
+workers                ``-n auto|N``                     (pytest-xdist's own)                0
+device                 ``--fsdp-device``                 ``FSDP_DEVICE``                     auto
+fuzz examples          ``--fsdp-fuzz-examples``          ``FSDP_FUZZ_EXAMPLES``              per world size
+fuzz seed              ``--fsdp-fuzz-seed``              ``FSDP_FUZZ_SEED``                  0
+fuzz verbose           ``--fsdp-fuzz-verbose``           ``FSDP_FUZZ_VERBOSE`` (0|1)         0
+case timeout (s)       ``--fsdp-case-timeout``           ``FSDP_CONFORMANCE_CASE_TIMEOUT``   the case's
+max time (s)           ``--fsdp-max-time``               ``FSDP_CONFORMANCE_MAX_TIME``       none
+stateful fuzz examples ``--fsdp-fuzz-stateful-examples`` ``FSDP_FUZZ_STATEFUL_EXAMPLES``     per world size
+extra adapters                                           ``FSDP_CONFORMANCE_ADAPTERS``       none
+findings files                                           ``FSDP_CONFORMANCE_FINDINGS``       none
+baseline cache                                           ``FSDP_BASELINE_CACHE``             on
+baseline cache log                                       ``FSDP_BASELINE_CACHE_LOG``         none
+concurrent workers                                       ``FSDP_CONCURRENT_WORKERS``         xdist's
+start method                                             ``FSDP_HARNESS_START_METHOD``       forkserver
+bench CPU log                                            ``FSDP_BENCH_CPU_LOG``              none
+====================== ================================= =================================== ==============
 
 The settings with no option are read where they act (the adapter registry,
 the findings, the baseline cache and the rank processes), each through its own
@@ -134,10 +134,10 @@ def _parse_impls(raw: Any) -> tuple[str, ...]:
     return tuple(wanted)
 
 
-_DEFAULT_FLAGS = {"impls": "--fsdp-impl", "timing_repeats": "--timing-repeats", "workers": "-n",
-                  "device": "--device", "fuzz_examples": "--fuzz-examples", "fuzz_seed": "--fuzz-seed",
-                  "fuzz_verbose": "--fuzz-verbose", "case_timeout": "--case-timeout", "max_time": "--max-time",
-                  "fuzz_stateful_examples": "--fuzz-stateful-examples"}
+_DEFAULT_FLAGS = {"impls": "--fsdp-impl", "timing_repeats": "--fsdp-timing-repeats", "workers": "-n",
+                  "device": "--fsdp-device", "fuzz_examples": "--fsdp-fuzz-examples", "fuzz_seed": "--fsdp-fuzz-seed",
+                  "fuzz_verbose": "--fsdp-fuzz-verbose", "case_timeout": "--fsdp-case-timeout",
+                  "max_time": "--fsdp-max-time", "fuzz_stateful_examples": "--fsdp-fuzz-stateful-examples"}
 
 
 def resolve_settings(

@@ -19,8 +19,8 @@ after the first are ignored while the run winds down, so a second Ctrl-C or
 a CI's repeated SIGTERM cannot cut the reports short (SIGKILL still stops
 it). ``fsdp-conformance run`` exits with :data:`~conformance.runner.exitcodes.INTERRUPTED`.
 
-This module is the pytest plugin that does so for every session (entry point
-``fsdp_stop_signals``). The signal lands on whatever instruction the main
+This module is the pytest plugin that does so for every session that loads
+the suite (``-p conformance.pytest_plugin``). The signal lands on whatever instruction the main
 thread is at; on Python 3.11 and later that can be one without a line number
 (an exception-table cleanup), and pytest's own report of the interrupt,
 which formats every frame, then raises ``TypeError`` from inside its

@@ -1,6 +1,6 @@
 """Conformance results from pytest-xdist workers to the controller, in collection order.
 
-Registered as the ``fsdp_conformance_transport`` pytest11 entry point; it
+Loaded by ``-p conformance.pytest_plugin`` ([Note: opt-in plugins]); it
 does nothing in a serial session.
 
 [Note: result transport]

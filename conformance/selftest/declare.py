@@ -44,10 +44,10 @@ class Expect:
     ``accelerators`` is how many GPUs the selected rows need (0: they run on CPU).
     ``timing_repeats``, for a mutant that pushes a timing case's measurement past a
     bound by far more than the machine's jitter, is how many times the case repeats
-    each timed region (``--timing-repeats``; ``None``: the default). One run then
+    each timed region (``--fsdp-timing-repeats``; ``None``: the default). One run then
     proves the bound can fail; a mutant that must bring a measurement *under* a
     bound keeps the default's median. ``stateful_examples``, for a mutant the stateful fuzzer
-    must catch, is the programs each of its rows draws (``--fuzz-stateful-examples``; ``None``:
+    must catch, is the programs each of its rows draws (``--fsdp-fuzz-stateful-examples``; ``None``:
     the main job's budget): a breakage that needs a particular sequence of operations is found
     by the nightly budget, not always by the main job's few programs.
     """

@@ -66,7 +66,7 @@ def _session(mutants: list[str], args: argparse.Namespace, report: Path) -> list
     """The stateful rows of every mutant and of the unmutated reference, in one pytest session."""
     rows = [f"stateful_{row}" for row in args.rows.split(",")]
     expect = Expect(" or ".join(rows), "process", tuple(f"fuzz/{row}" for row in rows))
-    options = ["--fuzz-stateful-examples", str(args.examples), "--fuzz-seed", str(args.seed)]
+    options = ["--fsdp-fuzz-stateful-examples", str(args.examples), "--fsdp-fuzz-seed", str(args.seed)]
     adapters = {name: f"conformance.selftest.mutants:{MUTANTS[name].__name__}" for name in mutants}
     adapters[CONTROL] = BUILTIN[CONTROL]
     return run_session(adapters, dict.fromkeys(adapters, expect), report=report, files=[str(_CASES)],

@@ -39,6 +39,9 @@ __all__ = ["CASES_DIR", "problems_of", "run_session", "uncaught"]
 
 #: The suite's case files: the default for :func:`uncaught`.
 CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
+#: The suite's pytest plugins ([Note: opt-in plugins]; ``conformance.runner.PYTEST_PLUGIN``, which this
+#: package may not import).
+PYTEST_PLUGIN = "conformance.pytest_plugin"
 
 
 def _expect_of(spec: str) -> Expect:
@@ -56,7 +59,7 @@ def run_session(adapters: Mapping[str, str], expects: Mapping[str, Expect], *, r
 
     ``adapters``: name -> ``module:Class`` (registered through ``FSDP_CONFORMANCE_ADAPTERS``);
     every expectation must share one rank mode. ``options``: more pytest arguments, after the
-    session's own (a later ``-k`` or ``--rank-mode`` wins). RuntimeError with pytest's output
+    session's own (a later ``-k`` or ``--fsdp-rank-mode`` wins). RuntimeError with pytest's output
     when no report was written (a collection error, say).
     """
     modes = {e.rank_mode for e in expects.values()}
@@ -64,10 +67,11 @@ def run_session(adapters: Mapping[str, str], expects: Mapping[str, Expect], *, r
         raise ValueError(f"one session runs one rank mode; the expectations ask for {sorted(modes)}")
     keyword = " or ".join(f"({name} and ({expects[name].keyword}))" for name in adapters)
     args = [arg for name in adapters for arg in ("--fsdp-impl", name)]
-    args += ["--rank-mode", modes.pop(), "-k", keyword, *options]
+    args += ["--fsdp-rank-mode", modes.pop(), "-k", keyword, *options]
     path = Path(report)
     path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", *(files or [str(CASES_DIR)]), "-q", "-p", "no:cacheprovider", *args,
+    cmd = [sys.executable, "-m", "pytest", *(files or [str(CASES_DIR)]), "-q", "-p", "no:cacheprovider",
+           "-p", PYTEST_PLUGIN, *args,
            "--conformance-json", str(path)]
     registered = ",".join(f"{name}={spec}" for name, spec in adapters.items())
     env = {**os.environ, ENV_VAR: ",".join(filter(None, (os.environ.get(ENV_VAR), registered)))}

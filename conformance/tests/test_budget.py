@@ -47,7 +47,7 @@ def test_case_timeout_bounds_a_hung_row_and_blames_the_rank(suite: pytest.Pytest
                                                              source: str) -> None:
     out = suite.path / "r.json"
     if source == "option":
-        given = ["--case-timeout", "3"]
+        given = ["--fsdp-case-timeout", "3"]
     else:
         monkeypatch.setenv("FSDP_CONFORMANCE_CASE_TIMEOUT", "3")
         given = []
@@ -58,19 +58,19 @@ def test_case_timeout_bounds_a_hung_row_and_blames_the_rank(suite: pytest.Pytest
     assert row["reason"].startswith("rank 1 did not reach all_reduce #1, which rank 0 waits in"), row["reason"]
     result.stdout.fnmatch_lines(["*rank 0 aborted: waiting in all_reduce #1 for rank 1 (rank 0 timed out: no result "
                                  "after 3 s)*"])
-    named = "--case-timeout" if given else "FSDP_CONFORMANCE_CASE_TIMEOUT"
+    named = "--fsdp-case-timeout" if given else "FSDP_CONFORMANCE_CASE_TIMEOUT"
     result.stdout.fnmatch_lines([f"*case timeout: 3 (from {named})*"])
 
 
 def test_bad_case_timeout_is_a_usage_error(suite: pytest.Pytester) -> None:
-    result = pytester_run(suite, "--case-timeout", "0s")
+    result = pytester_run(suite, "--fsdp-case-timeout", "0s")
     assert result.ret == 4
-    result.stderr.fnmatch_lines(["*--case-timeout='0s': expected a whole number >= 1*"])
+    result.stderr.fnmatch_lines(["*--fsdp-case-timeout='0s': expected a whole number >= 1*"])
 
 
 def test_rows_after_the_budget_are_not_run(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
-    result = pytester_run(suite, "-k", "slow", "--max-time", "5", "--conformance-json", str(out),
+    result = pytester_run(suite, "-k", "slow", "--fsdp-max-time", "5", "--conformance-json", str(out),
                           "--conformance-progress")
     rows = _rows(out)
     assert rows["demo/slow[n=1]"]["outcome"] == "pass"
@@ -84,6 +84,7 @@ def test_rows_after_the_budget_are_not_run(suite: pytest.Pytester) -> None:
 def test_workers_share_the_controllers_deadline(suite: pytest.Pytester) -> None:
     """Workers take longer than a second to start: with a 1 s budget none of them may start a row."""
     out = suite.path / "r.json"
-    result = suite.runpytest_subprocess("-k", "slow", "-n", "2", "--max-time", "1", "--conformance-json", str(out))
+    result = suite.runpytest_subprocess("-k", "slow", "-n", "2", "-p", "conformance.pytest_plugin",
+                                        "--fsdp-max-time", "1", "--conformance-json", str(out))
     assert {r["outcome"] for r in _rows(out).values()} == {"not run"}
     assert result.ret == 1

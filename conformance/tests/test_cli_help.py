@@ -32,4 +32,4 @@ def test_every_option_is_explained() -> None:
 
 def test_fuzz_verbose_is_forwarded_as_a_switch() -> None:
     args = cli._run_args(cli._parser().parse_args(["run", "--fuzz-verbose"]))
-    assert args.count("--fuzz-verbose") == 1 and "True" not in args
+    assert args.count("--fsdp-fuzz-verbose") == 1 and "True" not in args

@@ -68,7 +68,8 @@ def test_a_protocol_one_adapter_runs_cases(pytester: pytest.Pytester, monkeypatc
     monkeypatch.setenv(registry.ENV_VAR, f"protocol-one={__name__}:ProtocolOneAdapter")
     out = pytester.path / "r.json"
     cases = Path(__file__).resolve().parents[1] / "cases" / "test_exec_order.py"
-    pytester.runpytest_subprocess(str(cases), "--fsdp-impl", "protocol-one", "--rank-mode", "thread",
+    pytester.runpytest_subprocess(str(cases), "-p", "conformance.pytest_plugin", "--fsdp-impl", "protocol-one",
+                                  "--fsdp-rank-mode", "thread",
                                   "-k", "invalid_later_iter_order and FULL_SHARD-1", "-p", "no:cacheprovider",
                                   "--conformance-json", str(out), "-W", "error::DeprecationWarning:conformance.*")
     rows = json.loads(out.read_text())["rows"]

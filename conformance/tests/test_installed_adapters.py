@@ -32,6 +32,6 @@ def test_declarations_pass_with_a_third_party_adapter_installed(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     listed = run_main(cli.main, "impls")
     assert "third-party" in listed.stdout, "the fake distribution must be visible, or this test proves nothing"
-    run = run_main(pytest.main, "-q", "-p", "no:cacheprovider",
+    run = run_main(pytest.main, "-q", "-p", "no:cacheprovider", "-p", "conformance.pytest_plugin",
                    str(PROJECT / "conformance" / "tests" / "test_declarations.py"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

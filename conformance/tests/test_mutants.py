@@ -135,9 +135,9 @@ def _spec(name: str) -> str:
 
 
 def _run(batch: Batch, tmp_path: Path) -> list[dict]:
-    options = [] if batch.timing_repeats is None else ["--timing-repeats", str(batch.timing_repeats)]
+    options = [] if batch.timing_repeats is None else ["--fsdp-timing-repeats", str(batch.timing_repeats)]
     if batch.stateful_examples is not None:
-        options += ["--fuzz-stateful-examples", str(batch.stateful_examples)]
+        options += ["--fsdp-fuzz-stateful-examples", str(batch.stateful_examples)]
     return run_session({name: _spec(name) for name in batch.mutants}, {name: EXPECTED[name] for name in batch.mutants},
                        report=tmp_path / f"{batch.name}.json", files=batch.case_files(), options=options)
 
@@ -163,7 +163,7 @@ def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     processes (or thread host), would fail.
     """
     mutant = "mutant-assumes-parameters"
-    options = ["--fsdp-impl", "reference", "--rank-mode", "both",
+    options = ["--fsdp-impl", "reference", "--fsdp-rank-mode", "both",
                "-k", "(ignored_params_not_moved and not gpu) or (no_params and False)"]
     report = run_session({mutant: _spec(mutant)}, {mutant: EXPECTED[mutant]}, report=tmp_path / "r.json",
                          files=[DECLARED_IN["placement/no_params"]], options=options)

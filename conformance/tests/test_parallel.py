@@ -61,7 +61,7 @@ def test_timing_tests_run_alone_after_every_other_worker_left(pytester: pytest.P
     pytester.makeconftest(LEAVING)
     stamps = pytester.path / "stamps.jsonl"
     monkeypatch.setenv("STAMPS", str(stamps))
-    result = pytester.runpytest_subprocess("-n", "3", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-n", "3", "-p", "no:cacheprovider", "-p", "conformance.pytest_plugin")
     result.assert_outcomes(passed=9)
     lines = [json.loads(line) for line in stamps.read_text().splitlines()]
     tests = [r for r in lines if "test" in r]
@@ -118,7 +118,8 @@ def test_pytest_parallel_transports_every_outcome(pytester: pytest.Pytester,
     rows = {}
     for workers in ("0", "2"):
         out = pytester.path / f"r{workers}.json"
-        result = pytester.runpytest_subprocess("-n", workers, "--fsdp-impl", "reference", "--fsdp-impl", "bare",
+        result = pytester.runpytest_subprocess("-n", workers, "-p", "conformance.pytest_plugin",
+                                               "--fsdp-impl", "reference", "--fsdp-impl", "bare",
                                                "-p", "no:cacheprovider", "--conformance-progress",
                                                "--conformance-json", str(out))
         assert result.ret == 1
@@ -131,7 +132,8 @@ def test_pytest_parallel_transports_every_outcome(pytester: pytest.Pytester,
 def test_other_distribution_modes_are_a_usage_error(pytester: pytest.Pytester) -> None:
     """--dist loadfile etc. could put a timing test beside others; refused before any worker starts."""
     pytester.makepyfile(test_one="def test_one():\n    pass\n")
-    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
+                                           "-p", "conformance.pytest_plugin")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--dist loadfile: this suite schedules with --dist load*"])
     assert "bringing up nodes" not in result.stdout.str()

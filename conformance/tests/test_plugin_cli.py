@@ -121,7 +121,7 @@ def test_outcomes_matrix_and_reports(suite: pytest.Pytester) -> None:
         suite, "--fsdp-impl", "reference", "--fsdp-impl", "bare", "--fsdp-impl", "process-only",
         "--conformance-progress",
         "--conformance-json", str(out), "--conformance-markdown", str(md), "-p", "no:cacheprovider",
-        "--device", "cpu",  # the same rows on every machine
+        "--fsdp-device", "cpu",  # the same rows on every machine
     )
     assert result.ret == 1
     rows = {(r["case"], r["impl"], r["rank_mode"]): r for r in json.loads(out.read_text())["rows"]}
@@ -175,7 +175,7 @@ def test_cli_list_impls_and_empty_selection() -> None:
     empty = _cli("run", "-k", "no_case_has_this_name")
     assert empty.returncode == 5 and "no case matched the selection" in empty.stderr
     unknown = _cli("run", "--impl", "nope")
-    assert unknown.returncode == 2 and "--impl=['nope']: unknown implementation(s) ['nope']" in unknown.stderr
+    assert unknown.returncode == 2 and "--fsdp-impl=['nope']: unknown implementation(s) ['nope']" in unknown.stderr
 
 
 def test_case_reports_row_ids_and_the_result_hook(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +208,7 @@ def test_timing_repeats_option_wins_over_the_environment(suite: pytest.Pytester,
     suite.makepyfile(test_reporting=REPORTING)
     monkeypatch.setenv("FSDP_CONFORMANCE_TIMING_REPEATS", "7")
     out = suite.path / "r.json"
-    pytester_run(suite, "test_reporting.py", "-k", "reports and A-1", "--timing-repeats", "2",
+    pytester_run(suite, "test_reporting.py", "-k", "reports and A-1", "--fsdp-timing-repeats", "2",
                  "--conformance-json", str(out))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["metrics"]["repeats"] == 2
@@ -235,7 +235,7 @@ def _rows_without_times(path: Path) -> list[tuple]:
 def test_device_env_and_option_give_the_same_rows(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     by_option, by_env = suite.path / "option.json", suite.path / "env.json"
     common = ("-k", "passes or needs_gpus", "-p", "no:cacheprovider")
-    pytester_run(suite, "--device", "cpu", "--conformance-json", str(by_option), *common)
+    pytester_run(suite, "--fsdp-device", "cpu", "--conformance-json", str(by_option), *common)
     monkeypatch.setenv("FSDP_DEVICE", "cpu")
     pytester_run(suite, "--conformance-json", str(by_env), *common)
     assert _rows_without_times(by_option) == _rows_without_times(by_env)
@@ -253,7 +253,7 @@ def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
     """Refused strategies and excluded rank modes are n/a with reasons; a body's skip is not a hardware skip."""
     suite.makepyfile(test_decisions=DECISIONS)
     out, md = suite.path / "r.json", suite.path / "r.md"
-    result = pytester_run(suite, "test_decisions.py", "--fsdp-impl", "no-no-shard", "--rank-mode", "thread",
+    result = pytester_run(suite, "test_decisions.py", "--fsdp-impl", "no-no-shard", "--fsdp-rank-mode", "thread",
                           "--conformance-json", str(out), "--conformance-markdown", str(md))
     assert result.ret == 1
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
@@ -283,6 +283,7 @@ def test_cli_forwards_the_rank_mode_untouched(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(rank_mode, "resolve_selection", must_not_resolve)
     monkeypatch.setenv("FSDP_RANK_MODE", "thread")
     args = cli._run_args(cli._parser().parse_args(["run"]))
-    assert "--rank-mode" not in args  # the environment is the session's to read
+    assert "--fsdp-rank-mode" not in args  # the environment is the session's to read
     args = cli._run_args(cli._parser().parse_args(["run", "--rank-mode", "bogus", "--launcher", "torchrun"]))
-    assert args[args.index("--rank-mode") + 1] == "bogus" and args[args.index("--launcher") + 1] == "torchrun"
+    assert args[args.index("--fsdp-rank-mode") + 1] == "bogus"
+    assert args[args.index("--fsdp-launcher") + 1] == "torchrun"

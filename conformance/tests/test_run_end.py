@@ -212,7 +212,8 @@ def test_a_failed_report_write_keeps_the_old_report(pytester: pytest.Pytester) -
     pytester.makepyfile(test_demo=ONE_CASE)
     old = pytester.path / "r.json"
     old.write_text('{"schema_version": 2, "rows": []}')
-    result = pytester.runpytest_subprocess("--rank-mode", "thread", "--conformance-json", str(old),
+    result = pytester.runpytest_subprocess("-p", "conformance.pytest_plugin", "--fsdp-rank-mode", "thread",
+                                           "--conformance-json", str(old),
                                            "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.INTERNAL_ERROR, result.stdout.str()[-2000:]
     result.stdout.fnmatch_lines([f"*could not write the JSON report to {old} (*No space left on device*); "

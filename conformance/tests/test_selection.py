@@ -43,16 +43,17 @@ def _cells(path: Path) -> dict[tuple[str, str, str], str]:
 
 def test_rows_from_reruns_exactly_the_failed_cells(suite: pytest.Pytester) -> None:
     first, again = suite.path / "first.json", suite.path / "again.json"
-    ran = pytester_run(suite, "--conformance-json", str(first), "--rank-mode", "both")
+    ran = pytester_run(suite, "--conformance-json", str(first), "--fsdp-rank-mode", "both")
     assert ran.ret == 1
     failed = {cell for cell, outcome in _cells(first).items() if outcome == "FAIL"}
     assert failed == {("demo/mixed[n=2]", "reference", "thread")}
     assert len(_cells(first)) == 5
-    rerun = pytester_run(suite, "--rows-from", str(first), "--conformance-json", str(again))
+    rerun = pytester_run(suite, "--fsdp-rows-from", str(first), "--conformance-json", str(again))
     assert rerun.ret == 1
     assert _cells(again) == {("demo/mixed[n=2]", "reference", "thread"): "FAIL"}
     passed = suite.path / "passed.json"
-    pytester_run(suite, "--rows-from", str(first), "--rows-outcome", "pass,n/a", "--conformance-json", str(passed))
+    pytester_run(suite, "--fsdp-rows-from", str(first), "--fsdp-rows-outcome", "pass,n/a",
+                 "--conformance-json", str(passed))
     assert set(_cells(passed)) == {cell for cell, outcome in _cells(first).items() if outcome in ("pass", "n/a")}
     assert len(_cells(passed)) == 4
 
@@ -62,14 +63,15 @@ def test_rows_from_reads_an_object_with_rows(suite: pytest.Pytester) -> None:
     row = {"case": "demo/mixed[n=1]", "impl": "reference", "rank_mode": "thread", "outcome": "error"}
     report.write_text(json.dumps({"schema_version": 2, "rows": [row]}))
     out = suite.path / "out.json"
-    result = pytester_run(suite, "--rows-from", str(report), "--conformance-json", str(out))
+    result = pytester_run(suite, "--fsdp-rows-from", str(report), "--conformance-json", str(out))
     assert result.ret == 0
     assert _cells(out) == {("demo/mixed[n=1]", "reference", "thread"): "pass"}
 
 
 def test_row_runs_every_cell_of_the_row(suite: pytest.Pytester) -> None:
     out = suite.path / "out.json"
-    result = pytester_run(suite, "--row", "demo/mixed[n=1]", "--row", "demo/fine", "--rank-mode", "thread",
+    result = pytester_run(suite, "--fsdp-row", "demo/mixed[n=1]", "--fsdp-row", "demo/fine",
+                          "--fsdp-rank-mode", "thread",
                           "--conformance-json", str(out))
     assert result.ret == 0
     assert set(_cells(out)) == {("demo/mixed[n=1]", "reference", "thread"), ("demo/fine", "reference", "thread")}
@@ -77,9 +79,9 @@ def test_row_runs_every_cell_of_the_row(suite: pytest.Pytester) -> None:
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_unknown_row_is_a_usage_error_naming_it(suite: pytest.Pytester, workers: list[str]) -> None:
-    result = pytester_run(suite, "--row", "demo/mixed[n=3]", workers=workers)
+    result = pytester_run(suite, "--fsdp-row", "demo/mixed[n=3]", workers=workers)
     assert result.ret == 4
-    assert "--row: unknown row id(s) 'demo/mixed[n=3]'" in result.stderr.str()
+    assert "--fsdp-row: unknown row id(s) 'demo/mixed[n=3]'" in result.stderr.str()
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 
@@ -87,24 +89,24 @@ def test_report_problems_are_usage_errors_naming_the_report(suite: pytest.Pytest
     report = suite.path / "r.json"
     report.write_text(json.dumps([{"case": "demo/fine", "impl": "torch-fsdp2", "rank_mode": "thread",
                                    "outcome": "FAIL"}]))
-    result = pytester_run(suite, "--rows-from", str(report))
+    result = pytester_run(suite, "--fsdp-rows-from", str(report))
     assert result.ret == 4
-    result.stderr.fnmatch_lines(["*--rows-from *r.json: 1 cell(s) in column(s) torch-fsdp2/thread that this run "
-                                 "does not select*--impl*"])
+    result.stderr.fnmatch_lines(["*--fsdp-rows-from *r.json: 1 cell(s) in column(s) torch-fsdp2/thread that this run "
+                                 "does not select*--fsdp-impl*"])
     report.write_text("[{")
-    broken = pytester_run(suite, "--rows-from", str(report))
+    broken = pytester_run(suite, "--fsdp-rows-from", str(report))
     assert broken.ret == 4
-    broken.stderr.fnmatch_lines(["*--rows-from *r.json*: cannot read a JSON report*"])
-    bad_outcome = pytester_run(suite, "--rows-from", str(report), "--rows-outcome", "FAIL,failed")
+    broken.stderr.fnmatch_lines(["*--fsdp-rows-from *r.json*: cannot read a JSON report*"])
+    bad_outcome = pytester_run(suite, "--fsdp-rows-from", str(report), "--fsdp-rows-outcome", "FAIL,failed")
     assert bad_outcome.ret == 4
-    bad_outcome.stderr.fnmatch_lines(["*--rows-outcome='FAIL,failed'*['failed']*"])
+    bad_outcome.stderr.fnmatch_lines(["*--fsdp-rows-outcome='FAIL,failed'*['failed']*"])
 
 
 def test_report_without_such_rows_has_nothing_to_rerun(suite: pytest.Pytester) -> None:
     report = suite.path / "r.json"
     report.write_text(json.dumps([{"case": "demo/fine", "impl": "reference", "rank_mode": "thread",
                                    "outcome": "pass"}]))
-    result = pytester_run(suite, "--rows-from", str(report))
+    result = pytester_run(suite, "--fsdp-rows-from", str(report))
     assert result.ret == 0
     result.stderr.fnmatch_lines(["*has no FAIL/error rows; nothing to re-run*"])
 

@@ -97,9 +97,10 @@ def _outer_timeout_restored() -> Iterator[None]:
 
 
 def pytester_run(pytester: pytest.Pytester, *args: str, workers: Sequence[str] = ()) -> pytest.RunResult:
-    """``pytester.runpytest_inprocess(*args)`` under [Note: in-process sessions]; the test's directory
-    is importable, as ``PYTHONPATH`` made it for a subprocess. Requires the :func:`preloaded` fixture.
+    """``pytester.runpytest_inprocess(*args)`` with the suite's plugins under [Note: in-process sessions]; the
+    test's directory is importable, as ``PYTHONPATH`` made it for a subprocess. Requires the :func:`preloaded` fixture.
     With ``workers`` (xdist's ``-n N``), a subprocess: its workers are processes of their own anyway."""
+    args = ("-p", "conformance.pytest_plugin", *args)  # the suite's plugins: [Note: opt-in plugins]
     if workers:
         return pytester.runpytest_subprocess(*args, *workers)
     if "torch._dynamo" not in sys.modules:

@@ -160,6 +160,6 @@ def test_default(ctx):
 def test_a_plugin_places_ranks_tests_through_the_hook(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(PLACING_PLUGIN)
     pytester.makepyfile(test_bodies=PLACED_BODIES)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "conformance.pytest_plugin")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*placement must be one of ('cpu', 'cuda', 'cuda-shared'), got 'nowhere'*"])

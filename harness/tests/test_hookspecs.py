@@ -35,7 +35,7 @@ def test_returns_nothing(ctx):
 def test_ranks_returned_hands_every_rank_value_to_plugins(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(PLUGIN)
     pytester.makepyfile(test_bodies=BODIES)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "conformance.pytest_plugin")
     result.assert_outcomes(passed=2)
     import json
 
@@ -52,7 +52,7 @@ def test_resolve_takes_the_first_given_source_and_names_it() -> None:
 
 
 def test_rank_mode_precedence_and_errors() -> None:
-    assert resolve_selection(cli="process", env="thread", ini="both").source == "--rank-mode"
+    assert resolve_selection(cli="process", env="thread", ini="both").source == "--fsdp-rank-mode"
     assert resolve_selection(cli=None, env="thread", ini="both") == Resolved("rank mode", "thread", "FSDP_RANK_MODE")
     assert resolve_selection(cli=None, env=None, ini=None).value == "both"
     with pytest.raises(SettingError,

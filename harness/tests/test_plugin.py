@@ -55,7 +55,7 @@ def test_outcomes_in_both_modes(suite: pytest.Pytester) -> None:
 
 
 def test_rank_mode_option_selects_modes(suite: pytest.Pytester) -> None:
-    result = pytester_run(suite, "-q", "-p", "no:cacheprovider", "--rank-mode", "thread", "-k", "sum or param")
+    result = pytester_run(suite, "-q", "-p", "no:cacheprovider", "--fsdp-rank-mode", "thread", "-k", "sum or param")
     result.assert_outcomes(passed=3)
     result.stdout.no_fnmatch_line("*process*")
 

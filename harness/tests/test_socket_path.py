@@ -25,7 +25,8 @@ def test_a_long_temp_dir_is_refused_with_the_reason(tmp_path: Path, monkeypatch:
 def test_a_session_with_a_long_temp_dir_is_a_usage_error(tmp_path: Path) -> None:
     long_dir = tmp_path / ("d" * (process.UNIX_PATH_MAX - len(str(tmp_path))))
     long_dir.mkdir()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conformance.pytest_plugin",
+                           "--co", "-q", str(tmp_path)],
                           capture_output=True, text=True, env={**os.environ, "TMPDIR": str(long_dir)}, timeout=120,
                           check=False)
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
