@@ -57,7 +57,7 @@ def suite(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.Monkey
 
 def _report(suite: pytest.Pytester, *args: str, workers: tuple[str, ...] = ()) -> dict[str, Any]:
     out = suite.path / "r.json"
-    result = pytester_run(suite, "--rank-mode", "thread", "--conformance-json", str(out), "-p", "no:cacheprovider",
+    result = pytester_run(suite, "--fsdp-rank-mode", "thread", "--conformance-json", str(out), "-p", "no:cacheprovider",
                           *args, workers=workers)
     assert result.ret == 1, result.stdout.str()[-3000:]  # demo/fails, when it runs
     doc: dict[str, Any] = json.loads(out.read_text())
