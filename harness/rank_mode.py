@@ -52,7 +52,7 @@ DEFAULT_SELECTION = "both"
 def resolve_selection(*, cli: str | None, env: str | None, ini: str | None = None,
                       cli_flag: str = "--fsdp-rank-mode") -> Resolved[str]:
     """The selected rank mode(s) by name: ``cli_flag`` > :data:`RANK_MODE_ENV` > ini ``rank_mode`` > ``both``."""
-    return resolve("rank mode", [(cli_flag, cli), (RANK_MODE_ENV, env), ("ini rank_mode", ini)],
+    return resolve("rank mode", [(cli_flag, cli), (RANK_MODE_ENV, env), ("ini fsdp_rank_mode", ini)],
                    choice(tuple(SELECTIONS)), DEFAULT_SELECTION)
 
 
