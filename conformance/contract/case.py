@@ -40,6 +40,12 @@ body checks one behaviour on CPU and GPU rows alike (a grid parameter
 The plugin turns the need into a placement with :func:`harness.devices.decide`
 ([Note: placements]); the body reads its device from ``ctx.device``.
 
+Every case names the contract clause it asserts with ``clause=`` (one or several): a clause id
+of ``docs/CONTRACT.md`` (``"C2"``, the gradient contract) or a
+:class:`~conformance.contract.clauses.DocCitation` of the implementation's own documentation
+(document, section, torch version). An unknown clause id fails the declaration; ``list --explain``
+shows the clause beside what the row asserts.
+
 A case that measures wall time declares ``timing=True``: it gets the
 ``timing`` marker, so ``-n N`` runs it after every other case, alone
 ([Note: timing phase] in :mod:`harness.scheduling`).
@@ -59,11 +65,12 @@ from typing import Any, TypeVar
 import pytest
 
 from conformance.contract.adapter import DEFAULT_STRATEGY, STRATEGIES, Capability
+from conformance.contract.clauses import ClauseRef, DocCitation, clause_refs
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 from harness.rank_mode import SPAWNED, RankMode
 
 __all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "gpu_rows",
-           "ANY_GPU", "GpuNeed", "distinct_gpus"]
+           "ANY_GPU", "GpuNeed", "distinct_gpus", "DocCitation"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
@@ -122,8 +129,11 @@ class CaseSpec:
     #: Capabilities the body exercises only where the adapter declares them (a fuzzer drawing
     #: configurations from what the adapter offers); never a reason for ``n/a``.
     uses: tuple[Capability, ...] = ()
+    #: The contract clauses the case asserts: clause ids of ``docs/CONTRACT.md`` or documentation citations.
+    clauses: tuple[ClauseRef, ...] = ()
 
     def __post_init__(self) -> None:
+        clause_refs(self.id, self.clauses)  # an unknown clause id fails at import
         if not _ID.match(self.id):
             raise ValueError(f"case id {self.id!r} must look like 'area/name' (lowercase, digits, _)")
         if self.world_size < 1:
@@ -206,6 +216,7 @@ def case(
     strategies: Iterable[str | None] | None = None,
     draws_strategies: Iterable[str] = (),
     uses: Iterable[Capability] = (),
+    clause: ClauseRef | Iterable[ClauseRef] | None = None,
 ) -> Callable[[_F], _F]:
     """Declare a conformance case (see the module docstring).
 
@@ -215,6 +226,8 @@ def case(
     ([Note: a row's strategies]); ``()`` says the body never calls ``wrap``.
     ``draws_strategies``: strategies the body picks from, only among those the adapter supports.
     ``uses``: capabilities the body exercises only when the adapter declares them.
+    ``clause``: the contract clause(s) the case asserts: ids of ``docs/CONTRACT.md`` or
+    :class:`DocCitation` values; an unknown id is a ValueError.
     """
     spec = CaseSpec(
         id=case_id,
@@ -229,6 +242,7 @@ def case(
         strategies=None if strategies is None else tuple(strategies),
         draws_strategies=tuple(draws_strategies),
         uses=tuple(uses),
+        clauses=clause_refs(case_id, clause),
     )
 
     def decorate(fn: _F) -> _F:
