@@ -106,7 +106,7 @@ def _save(ctx: RankContext, impl: FSDPAdapter, size: int, pairs: list[dist.Proce
     return ctx.all_gather_object(saved)[0]
 
 
-@case("dcp/reshard", world_size=4, requires=REQUIRES, timeout_s=240, strategies=())
+@case("dcp/reshard", clause="C5", world_size=4, requires=REQUIRES, timeout_s=240, strategies=())
 @pytest.mark.parametrize("loader", ["self", "other"])
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_reshard(ctx: RankContext, impl: FSDPAdapter, sizes: str, loader: str) -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 
-@case("fully_shard_api/misuse", world_size=2, requires=[Capability.FULLY_SHARD], strategies=())
+@case("fully_shard_api/misuse", clause="C7", world_size=2, requires=[Capability.FULLY_SHARD], strategies=())
 @pytest.mark.parametrize("kind", ["reapply", "container"])
 def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     """``fully_shard`` on an already sharded module, or on a container without ``forward``, raises on every

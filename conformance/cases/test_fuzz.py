@@ -98,7 +98,7 @@ def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Case
     )
 
 
-@case("fuzz/parity_ws1", world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
+@case("fuzz/parity_ws1", clause=("C1", "C2"), world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
       draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random models, wrap plans and training loops on one rank give the local model's losses, grads and params;
@@ -106,7 +106,7 @@ def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
     return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws2", world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
+@case("fuzz/parity_ws2", clause=("C1", "C2"), world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
       draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """As ``fuzz/parity_ws1`` on two ranks: losses, grads and params match the local model (uneven shards for
@@ -114,7 +114,7 @@ def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
     return _parity(ctx, impl, case_settings)
 
 
-@case("fuzz/parity_ws4", world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
+@case("fuzz/parity_ws4", clause=("C1", "C2"), world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
       draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """As ``fuzz/parity_ws1`` on four ranks: losses, grads and params match the local model (small units leave
@@ -126,7 +126,7 @@ def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
 
 # Found by the parity fuzzer (seed 1) in torch-fsdp1: after backward the unused unit's parameters are
 # missing from the module (docs/findings/fsdp1-no-shard-unused-unit-params.md).
-@case("fuzz/repro_8fc450e8", world_size=1)
+@case("fuzz/repro_8fc450e8", clause=("C1", "C2"), world_size=1)
 def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
     """One rank, use_orig_params: a unit the forward never uses keeps its parameters registered on the
     module after backward, and losses, grads and params after each step match the local model."""
@@ -139,7 +139,7 @@ def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
 # (docs/findings/fsdp1-summon-grads-float64-padding-shard.md). Written by hand from the finding: a crash
 # cannot be shrunk. On thread ranks torch-fsdp1 hangs instead of dying; the timeout leaves room for a fresh
 # pool of four ranks warming up on a loaded 2-core machine (about 30 s), not for the default 120 s.
-@case("fuzz/repro_d61e5cb1", world_size=4, timeout_s=90.0)
+@case("fuzz/repro_d61e5cb1", clause=("C1", "C2"), world_size=4, timeout_s=90.0)
 def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Four ranks, a float64 unit whose last rank's shard is padding only: reading its full gradients
     works on every rank (no rank dies or hangs), and losses, grads and params match the local model."""
@@ -149,7 +149,7 @@ def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the parity fuzzer (seed 0, 60 examples) in torch-fsdp1: with a bfloat16 reduction, NO_SHARD (what
 # FSDP1 runs at world size 1) adds a second backward's gradient to the first in bfloat16, where the sharded
 # strategies add in float32 (docs/findings/fsdp1-no-shard-low-precision-accumulation.md).
-@case("fuzz/repro_57555c45", world_size=1, requires=[Capability.MIXED_PRECISION])
+@case("fuzz/repro_57555c45", clause=("C13", "C3"), world_size=1, requires=[Capability.MIXED_PRECISION])
 def test_repro_57555c45(ctx: RankContext, impl: FSDPAdapter) -> None:
     """One rank, bfloat16 params and reduction, two backwards per step: outputs come out in bfloat16, and
     losses, grads (each backward's reduced gradient added to the float32 one, not summed in bfloat16) and
@@ -197,6 +197,7 @@ _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capab
 
 
 @case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
+      clause=("C1", "C2", "C11"),
       draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random sequences of a user's operations on one rank keep the wrapped model equal to the shadow."""
@@ -204,6 +205,7 @@ def test_stateful_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
 
 
 @case("fuzz/stateful_ws2", world_size=2, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
+      clause=("C1", "C2", "C11"),
       draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on two ranks (gradients averaged over them)."""
@@ -211,6 +213,7 @@ def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
 
 
 @case("fuzz/stateful_ws4", world_size=4, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
+      clause=("C1", "C2", "C11"),
       draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
@@ -229,7 +232,7 @@ CONTROLS_PROGRAM = Program(
 )
 
 
-@case("fuzz/fully_shard_controls", world_size=2,
+@case("fuzz/fully_shard_controls", clause=("C1", "C3", "C11"), world_size=2,
       requires=[Capability.FULLY_SHARD, Capability.FULLY_SHARD_CONTROLS, Capability.EXPLICIT_PREFETCH],
       uses=NEIGHBOURS_USE)
 def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
@@ -245,6 +248,7 @@ def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
 # scale layer) in torch-fsdp1: with buffer_dtype=bfloat16 a full state dict taken before any forward holds the
 # buffers rounded to bfloat16 (docs/findings/fsdp1-buffer-dtype-rounds-saved-buffers.md).
 @case("fuzz/repro_6ec378a7", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE],
+      clause=("C13", "C4"),
       uses=NEIGHBOURS_USE)
 def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict taken right after wrapping, before any forward,
@@ -256,7 +260,7 @@ def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp1: a no_grad forward between
 # backward and the optimizer step leaves the root's pre-step parameters unsharded, and the next forward and
 # summon_full_params use them (docs/findings/fsdp1-no-grad-forward-before-step-stale-params.md).
-@case("fuzz/repro_438854a6", world_size=2, uses=NEIGHBOURS_USE)
+@case("fuzz/repro_438854a6", clause=("C1", "C11"), world_size=2, uses=NEIGHBOURS_USE)
 def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A ``no_grad`` forward between backward and the optimizer step does not keep the pre-step
     parameters: after the step the full parameters and the next forward equal the shadow's."""
@@ -267,7 +271,7 @@ def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp2: with reshard_after_forward=False
 # a no_grad forward after backward leaves the unsharded parameters registered, without gradients, and the next
 # forward after a step uses the pre-step values (docs/findings/fsdp2-no-grad-forward-unsharded-params.md).
-@case("fuzz/repro_3ff502a0", world_size=2, strategies=("SHARD_GRAD_OP",), uses=NEIGHBOURS_USE)
+@case("fuzz/repro_3ff502a0", clause=("C1", "C11"), world_size=2, strategies=("SHARD_GRAD_OP",), uses=NEIGHBOURS_USE)
 def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With SHARD_GRAD_OP (``reshard_after_forward=False``), a ``no_grad`` forward after backward keeps
     the gradients the user sees and the next forward uses the stepped parameters, as the shadow's."""
@@ -279,7 +283,7 @@ def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
 # a full optimizer state dict saved before the first step cannot be loaded (set_optimizer_state_dict raises
 # "Expected device to be set"); torch.distributed.checkpoint.state_dict's, documented
 # (docs/findings/dcp-full-optim-load-with-grads-before-first-step.md).
-@case("fuzz/repro_49d9e993", world_size=2, requires=[Capability.FULL_STATE_DICT], uses=NEIGHBOURS_USE)
+@case("fuzz/repro_49d9e993", clause="C4", world_size=2, requires=[Capability.FULL_STATE_DICT], uses=NEIGHBOURS_USE)
 def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
     the state then equals the shadow's."""
@@ -290,6 +294,7 @@ def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
 # save) in the reference: a full state dict between forward and backward left the units gathering in full
 # precision, and backward raised (setStorage: "storage of size 0"). torch-fsdp1 and torch-fsdp2 pass.
 @case("fuzz/repro_445b0205", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT],
+      clause=("C4", "C13"),
       uses=NEIGHBOURS_USE)
 def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under a bfloat16 policy, a full state dict taken between forward and backward holds the shadow's
@@ -301,7 +306,7 @@ def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seeds 0-3, 40 programs; shrunk by hand to one rank and one checkpointed scale
 # layer) in the reference: a full state dict after a forward held the buffers of an activation-checkpointed block
 # in the buffer dtype (bfloat16), not in the dtype they were built in. torch-fsdp1 passes.
-@case("fuzz/repro_5e69d8c9", world_size=1,
+@case("fuzz/repro_5e69d8c9", clause=("C4", "C13"), world_size=1,
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT],
       uses=NEIGHBOURS_USE)
 def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
@@ -316,7 +321,8 @@ def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
 # a sharded state dict between forward and backward left a flat-parameter unit's modules without their parameter
 # attributes, and the recomputation of a checkpointed block in backward raised ("'Linear' object has no attribute
 # 'weight'"). torch-fsdp1 passes.
-@case("fuzz/repro_ff3cd83a", world_size=2, requires=[Capability.SHARDED_STATE_DICT], uses=NEIGHBOURS_USE)
+@case("fuzz/repro_ff3cd83a", world_size=2, requires=[Capability.SHARDED_STATE_DICT], uses=NEIGHBOURS_USE,
+      clause=("C4", "C17"))
 def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A sharded state dict taken between forward and backward leaves the backward that follows (recomputing
     an activation-checkpointed block) running, with the shadow's gradients."""
@@ -329,6 +335,7 @@ def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # added the results in float32, where each rank's sum is rounded to the param dtype before the one reduction
 # ([Note: unsynced accumulation dtype] in conformance/cases/fuzz/shadow.py).
 @case("fuzz/repro_27b1c63e", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
+      clause=("C3", "C13"),
       uses=NEIGHBOURS_USE)
 def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and reduction, a backward inside ``no_sync`` and the next one: the gradient is their
@@ -341,6 +348,7 @@ def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
 # set_requires_gradient_sync(False)) keeps the unsynced gradient in float32, where FSDP1's no_sync keeps it in
 # bfloat16 (docs/findings/fsdp2-no-sync-accumulates-in-reduce-dtype.md).
 @case("fuzz/repro_c8d7309a", world_size=2, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
+      clause=("C3", "C13"),
       uses=NEIGHBOURS_USE)
 def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and a float32 reduction, a backward inside ``no_sync`` and the next one: each rank's
@@ -356,6 +364,7 @@ def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # the first step runs a step on zero gradients, which counts for Adam, so the first real step is its second
 # (torch.distributed.checkpoint.state_dict's; docs/findings/dcp-optim-state-dict-steps-adam.md).
 @case("fuzz/repro_c34640a2", world_size=2, requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT],
+      clause="C4",
       uses=NEIGHBOURS_USE)
 def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Saving the model and Adam's state before the first step changes nothing: the first training
@@ -368,7 +377,7 @@ def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
 # sharded strategy frees the root's unsharded parameters when the nested backward delivers its piece of the root's
 # gradient, and the outer backward through blocks.0 then reads freed storage
 # (docs/findings/fsdp1-reentrant-checkpoint-frees-unit.md).
-@case("fuzz/repro_972f9ad8", world_size=2, uses=NEIGHBOURS_USE)
+@case("fuzz/repro_972f9ad8", clause=("C17", "C1"), world_size=2, uses=NEIGHBOURS_USE)
 def test_repro_972f9ad8(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A block of the root unit checkpointing itself reentrantly, after a block whose backward needs the root's
     parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""

@@ -100,7 +100,7 @@ def _requires(params: Mapping[str, Any]) -> list[Capability]:
     return [capability for param, capability in wanted.items() if params[param]]
 
 
-@case("grad_accumulation/accumulate", world_size=2, requires=_requires)
+@case("grad_accumulation/accumulate", clause="C3", world_size=2, requires=_requires)
 @pytest.mark.parametrize("no_sync", [False, True])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("cpu_offload", [False, True])

@@ -134,7 +134,7 @@ def _check_unit_groups(ctx: RankContext, units: list[UnitInfo], shape: tuple[int
         )
 
 
-@case("hybrid_meshes/replicas_match_baseline", world_size=WORLD, requires=_requires)
+@case("hybrid_meshes/replicas_match_baseline", clause=("C15", "C1"), world_size=WORLD, requires=_requires)
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
 @pytest.mark.parametrize("given", ["groups", "mesh"])
 @pytest.mark.parametrize("shape", list(SHAPES))

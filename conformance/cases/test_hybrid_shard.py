@@ -73,7 +73,7 @@ STEPS = 5  # training steps of parity_with_fsdp
 
 # -- manual wrapping and group validation -------------------------------------------------
 @case(
-    "hybrid_shard/manual_wrap_requires_pg",
+    "hybrid_shard/manual_wrap_requires_pg", clause="C7",
     world_size=WORLD,
     requires=[Capability.HYBRID_MANUAL_WRAP_CHECK],
 )
@@ -86,7 +86,7 @@ def test_manual_wrap_requires_pg(ctx: RankContext, impl: FSDPAdapter, strategy: 
 
 
 @case(
-    "hybrid_shard/invalid_pg_specification",
+    "hybrid_shard/invalid_pg_specification", clause="C7",
     world_size=WORLD,
     requires=[Capability.HYBRID_PG_VALIDATION],
     strategies=["HYBRID_SHARD"],
@@ -106,7 +106,8 @@ def _setup_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS]
 
 
-@case("hybrid_shard/basic_setup", world_size=WORLD, requires=_setup_requires, uses=[Capability.FLAT_PARAM])
+@case("hybrid_shard/basic_setup", world_size=WORLD, requires=_setup_requires, uses=[Capability.FLAT_PARAM],
+      clause="C15")
 @pytest.mark.parametrize("use_device_mesh", [False, True])
 @pytest.mark.parametrize("mode", ["ALL_HYBRID", "MIXED_HYBRID_FULL"])
 @pytest.mark.parametrize("strategy", HYBRID)
@@ -140,6 +141,7 @@ def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> None:
 
 # -- training parity with FULL_SHARD -------------------------------------------------------
 @case("hybrid_shard/parity_with_fsdp", world_size=WORLD, requires=[Capability.HYBRID_VIA_PG_TUPLE],
+      clause=("C15", "C1"),
       uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", HYBRID)
@@ -219,7 +221,7 @@ def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tup
         )
 
 
-@case("hybrid_shard/sharded_state_dict_roundtrip", world_size=WORLD, strategies=["HYBRID_SHARD"],
+@case("hybrid_shard/sharded_state_dict_roundtrip", clause=("C15", "C4"), world_size=WORLD, strategies=["HYBRID_SHARD"],
       requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT, Capability.OPTIM_STATE_DICT])
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Units shard and replicate over the very (shard, replicate) group objects passed in; after one AdamW
@@ -258,7 +260,7 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> No
 
 
 @case(
-    "hybrid_shard/sync_module_states",
+    "hybrid_shard/sync_module_states", clause=("C15", "C6"),
     world_size=WORLD,
     requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SYNC_MODULE_STATES],
     strategies=["HYBRID_SHARD"],

@@ -38,7 +38,7 @@ def _reset(model: nn.Module) -> None:
         param.copy_(full)
 
 
-@case("meta_init/reset_parameters", world_size=2, requires=[Capability.FULLY_SHARD, Capability.META_INIT],
+@case("meta_init/reset_parameters", clause="C16", world_size=2, requires=[Capability.FULLY_SHARD, Capability.META_INIT],
       strategies=())
 def test_reset_parameters(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A model built on ``meta``, sharded, materialized and reset equals, bit for bit, the same model built

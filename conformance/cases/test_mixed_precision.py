@@ -155,7 +155,7 @@ def _train(ctx: RankContext, pair: _Pair, steps: int = STEPS) -> None:
         train_step(ctx, pair, optim, step)
 
 
-@case("mixed_precision/param_and_reduce_dtypes", world_size=WORLD, requires=[Capability.MIXED_PRECISION])
+@case("mixed_precision/param_and_reduce_dtypes", clause="C13", world_size=WORLD, requires=[Capability.MIXED_PRECISION])
 @pytest.mark.parametrize(
     ("param_dtype", "reduce_dtype", "strategy"),
     [
@@ -176,7 +176,7 @@ def test_param_and_reduce_dtypes(
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
-@case("mixed_precision/cast_forward_inputs", world_size=WORLD,
+@case("mixed_precision/cast_forward_inputs", clause="C13", world_size=WORLD,
       requires=[Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS])
 @pytest.mark.parametrize(("param_dtype", "strategy"), [("bfloat16", "FULL_SHARD"), ("float16", "NO_SHARD")])
 def test_cast_forward_inputs(ctx: RankContext, impl: FSDPAdapter, param_dtype: str, strategy: str) -> None:
@@ -186,7 +186,7 @@ def test_cast_forward_inputs(ctx: RankContext, impl: FSDPAdapter, param_dtype: s
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
-@case("mixed_precision/keep_low_precision_grads", world_size=WORLD,
+@case("mixed_precision/keep_low_precision_grads", clause="C13", world_size=WORLD,
       requires=[Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS])
 @pytest.mark.parametrize(
     ("reduce_dtype", "strategy"),
@@ -200,7 +200,7 @@ def test_keep_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, reduce_dt
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
-@case("mixed_precision/buffer_dtype", world_size=WORLD,
+@case("mixed_precision/buffer_dtype", clause="C13", world_size=WORLD,
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
 @pytest.mark.parametrize("buffer_dtype", ["bfloat16", "float16"])
 def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) -> None:
@@ -210,7 +210,7 @@ def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) ->
     _train(ctx, _pair(ctx, impl, mp, "FULL_SHARD"))
 
 
-@case("mixed_precision/full_precision_in_eval", world_size=WORLD, env={FULL_PRECISION_IN_EVAL: "1"},
+@case("mixed_precision/full_precision_in_eval", clause="C13", world_size=WORLD, env={FULL_PRECISION_IN_EVAL: "1"},
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.MP_FULL_PRECISION_IN_EVAL])
 def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
     """In eval, a unit gathers and computes in full precision (buffers too) on a float32 batch and
@@ -246,7 +246,7 @@ def _unsynced_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.MIXED_PRECISION, Capability.NO_SYNC]
 
 
-@case("mixed_precision/unsynced_sums", world_size=WORLD, requires=_unsynced_requires)
+@case("mixed_precision/unsynced_sums", clause="C13", world_size=WORLD, requires=_unsynced_requires)
 @pytest.mark.parametrize(("api", "param_dtype"), [("wrap", "bfloat16"), ("wrap", "float16"),
                                                   ("fully_shard", "bfloat16")])
 def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtype: str) -> None:

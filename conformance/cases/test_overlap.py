@@ -54,7 +54,7 @@ def _passes(ran: int, case_settings: CaseSettings) -> str:
     return f"median of {ran} of up to {case_settings.timing_repeats} passes"
 
 
-@case("overlap/training_overlap", world_size=2, modes=("process",), timeout_s=300, timing=True)
+@case("overlap/training_overlap", clause="C12", world_size=2, modes=("process",), timeout_s=300, timing=True)
 def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """With prefetching, three sleeping units whose collectives are each delayed by ``comm_ms`` finish the
     median forward within comm + 3 * compute + buffer and forward+backward within that plus 2 * comm
@@ -73,7 +73,7 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, case_settings: Ca
 
 
 @case(
-    "overlap/no_overlap_detected",
+    "overlap/no_overlap_detected", clause="C12",
     world_size=2,
     modes=("process",),
     timeout_s=300,
@@ -96,7 +96,7 @@ def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, case_settings:
 
 
 @case(
-    "overlap/post_optim_event_overlap",
+    "overlap/post_optim_event_overlap", clause="C12",
     world_size=2,
     modes=("process",),
     gpus=distinct_gpus(2),  # timing: ranks sharing a GPU would share its time too

@@ -82,7 +82,7 @@ def _recorded_step(ctx: RankContext, model: nn.Module, optim: torch.optim.Optimi
     return forward, backward
 
 
-@case("reshard/after_forward", world_size=4, requires=_after_forward_requires, strategies=())
+@case("reshard/after_forward", clause="C11", world_size=4, requires=_after_forward_requires, strategies=())
 @pytest.mark.parametrize("setting", [True, False, 2])
 def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int) -> None:
     """Backward all-gathers every unit again over the mesh (``True``), nothing (``False``) or over 2 ranks
@@ -107,6 +107,7 @@ def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int)
 
 
 @case("reshard/explicit_prefetch", world_size=2, requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH],
+      clause="C11",
       strategies=())
 def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
     """The all-gathers right after the declaring unit's are the declared prefetch list's, in its order, in

@@ -42,7 +42,8 @@ def _pg_tuple_for_hybrid(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.HYBRID_VIA_PG_TUPLE] if params["strategy"] in HYBRID_STRATEGIES else []
 
 
-@case("training/cpu_training_parity_vs_ddp", world_size=4, timeout_s=180.0, requires=_pg_tuple_for_hybrid)
+@case("training/cpu_training_parity_vs_ddp", world_size=4, timeout_s=180.0, requires=_pg_tuple_for_hybrid,
+      clause=("C1", "C2"))
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
@@ -81,7 +82,7 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
         assert sizes == {2}, f"{strategy}: replicate group sizes {sizes}, expected {{2}} (2 x 2 hybrid)"
 
 
-@case("training/module_no_compute_grad", world_size=2)
+@case("training/module_no_compute_grad", clause=("C1", "C2"), world_size=2)
 @pytest.mark.parametrize("use_second_layer", [True, False])
 @pytest.mark.parametrize("strategy", ["NO_SHARD", None])
 def test_module_no_compute_grad(

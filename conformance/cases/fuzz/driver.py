@@ -254,7 +254,8 @@ def render_case(example: Example, message: str) -> str:
     requires = f", requires=[{needs}]" if needs else ""
     return (
         f"# Found by the parity fuzzer: {found}\n"
-        f'@case("fuzz/repro_{digest}", world_size={example.world_size}, modes=("process",){requires})\n'
+        f'@case("fuzz/repro_{digest}", clause=("C1", "C2"), world_size={example.world_size}, '
+        f'modes=("process",){requires})\n'
         f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
         f"    run_example(ctx, impl, {source(example)})\n"
     )
