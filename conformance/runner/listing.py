@@ -16,6 +16,7 @@ import pytest
 from conformance.contract.adapter import Capability
 from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSettings
+from conformance.contract.clauses import describe
 from conformance.contract.rows import all_params, case_row_id, case_spec
 from conformance.runner import CASES_DIR, PYTEST_PLUGIN
 
@@ -39,8 +40,11 @@ class ListedRow:
     not_applicable: dict[str, str] = field(default_factory=dict)
     #: rank mode -> why the row would be an ``error`` there (as ``run`` reports it: the adapter fails to load).
     errors: dict[str, str] = field(default_factory=dict)
-    #: What the row asserts: its case's docstring (``list --explain``).
+    #: What the row asserts: the contract clauses its case names (``@case(clause=...)``: id, title and
+    #: citation, one a line), then its case's docstring (``list --explain``).
     asserts: str = ""
+    #: The contract clauses the row's case asserts, as :func:`conformance.contract.clauses.describe` gives them.
+    clauses: list[str] = field(default_factory=list)
 
     def text(self) -> str:
         line = f"{self.needs}; modes {'/'.join(self.modes)}; timeout {self.timeout_s:g} s"
@@ -71,7 +75,8 @@ class _Collector:
                                                                     spec.modes, spec.timeout(CaseSettings())))
             row.requires.update(spec.required(params))
             row.uses.update(spec.uses)
-            row.asserts = inspect.cleandoc(getattr(getattr(item, "function", None), "__doc__", None) or "")
+            row.clauses = [describe(ref) for ref in spec.clauses]
+            row.asserts = _asserts(row.clauses, getattr(getattr(item, "function", None), "__doc__", None) or "")
             impl = params.get("impl")
             mode = str(params.get("rank_mode"))
             if impl is None:
@@ -82,6 +87,12 @@ class _Collector:
             reason = not_applicable_reason(spec, impl, params)
             if reason is not None:
                 row.not_applicable[mode] = reason
+
+
+def _asserts(clauses: list[str], doc: str) -> str:
+    """What ``list --explain`` prints of a row: the clauses its case asserts, then the case's docstring."""
+    heading = "\n".join(f"clause {line}" for line in clauses) or "clause: none declared"
+    return f"{heading}\n\n{inspect.cleandoc(doc)}".rstrip()
 
 
 def collect_rows(keyword: str | None = None, impl: str | None = None) -> list[ListedRow]:
