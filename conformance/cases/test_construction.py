@@ -153,7 +153,7 @@ def test_same_model_across_ranks(ctx: RankContext, impl: FSDPAdapter, use_device
     torch.testing.assert_close(state["buffer"].cpu(), rank0.buffer, rtol=0, atol=0)
 
 
-@case("construction/unsafe_setattr", clause="C7", world_size=2, requires=[Capability.UNSAFE_SETATTR])
+@case("construction/unsafe_setattr", clause="C21", world_size=2, requires=[Capability.UNSAFE_SETATTR])
 @pytest.mark.parametrize("env_value", [None, "1", "0"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_unsafe_setattr(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, env_value: str | None) -> None:

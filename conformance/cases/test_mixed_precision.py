@@ -246,7 +246,7 @@ def _unsynced_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.MIXED_PRECISION, Capability.NO_SYNC]
 
 
-@case("mixed_precision/unsynced_sums", clause="C13", world_size=WORLD, requires=_unsynced_requires)
+@case("mixed_precision/unsynced_sums", clause=("C13", "C3"), world_size=WORLD, requires=_unsynced_requires)
 @pytest.mark.parametrize(("api", "param_dtype"), [("wrap", "bfloat16"), ("wrap", "float16"),
                                                   ("fully_shard", "bfloat16")])
 def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtype: str) -> None:

@@ -91,6 +91,7 @@ CLAUSES: dict[str, Clause] = {c.id: c for c in (
     Clause("C19", "Gradient clipping spans every rank's shards",
            "FullyShardedDataParallel.clip_grad_norm_; torch.nn.utils.clip_grad_norm_"),
     Clause("C20", "A unit's outputs may be used as the caller pleases"),
+    Clause("C21", "A module's own attribute assignment runs unless the user opts out"),
 )}
 
 
