@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench.cpu_probe import tree_cpu_s
 from bench.suite_time import cpu_by, hit_rate
+
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
 

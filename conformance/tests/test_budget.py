@@ -16,6 +16,8 @@ import time
 import pytest, torch, torch.distributed as dist
 from conformance.contract.case import case
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 @case("demo/hangs", world_size=2, modes=("thread",))
 def test_hangs(ctx, impl):
     if ctx.rank != 1:

@@ -13,6 +13,8 @@ from conformance.contract.clauses import CLAUSES, TORCH_VERSION, describe
 from conformance.runner.cli import main
 from conformance.runner.listing import CASES_DIR
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "CONTRACT.md"
 _HEADING = re.compile(r"^## (C[0-9]+)\. (.+)$")
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conformance.runner import cli
+
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 
 def test_help_imports_neither_torch_nor_pytest() -> None:

@@ -17,6 +17,8 @@ from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, Wrap
 from conformance.contract.case import ANY_GPU, CaseSpec, NotApplicable, case, gpu_rows
 from conformance.runner.listing import CASES_DIR
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),

@@ -13,6 +13,8 @@ from conformance.runner import html_check
 from conformance.runner.document import RunFacts
 from conformance.runner.html_report import finding_href, outcome_class, render_html
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
     Result("exec_order/train_eval[FULL_SHARD]", "torch-fsdp2", "process", 2, "n/a",

@@ -12,6 +12,8 @@ import pytest
 
 from conformance.runner.findings import BUILTIN_FILE, Finding, annotate, explaining, load_file
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 F = "docs/findings/"
 FSDP1, FSDP2, FAIRSCALE, TITAN = "torch-fsdp1", "torch-fsdp2", "fairscale-fsdp", "torchtitan-simple-fsdp"
 SYNC = ("rank 0 raised ValueError: The module has CPU parameters or buffers when `sync_module_states=True`, which "

@@ -10,6 +10,8 @@ import pytest
 from conformance.runner.cli import main
 from harness.tests.inprocess import run_main
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 
 def test_an_adapter_that_fails_to_import_is_previewed_as_error_like_run_reports_it(
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,10 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 ROOT = Path(__file__).resolve().parents[2]
 _NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 _DEFINITION = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 #: The suite's top-level packages, and torch.
 GUESTS = ("conformance", "harness", "fsdp_impl", "fixtures", "torch")
 #: The scratch project's test: one line, failing if a guest was imported.

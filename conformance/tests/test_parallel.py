@@ -23,6 +23,8 @@ STAMPS = '''
 import json, os, time
 import pytest
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 def _stamp(name, seconds):
     start = time.time()
     time.sleep(seconds)

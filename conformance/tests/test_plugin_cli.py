@@ -17,6 +17,8 @@ ADAPTERS = '''
 from conformance.contract.adapter import Capability
 from conformance.adapters.reference import ReferenceAdapter
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 class Bare(ReferenceAdapter):
     """The reference declaring nothing but thread ranks."""
     name = "bare"

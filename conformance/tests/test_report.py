@@ -10,6 +10,8 @@ from expecttest import TestCase
 from conformance.contract.results import Result
 from conformance.runner.report import render_markdown, render_matrix, summary_line
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
     Result("exec_order/train_eval[FULL_SHARD]", "torch-fsdp2", "process", 2, "n/a",

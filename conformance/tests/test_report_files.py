@@ -18,6 +18,8 @@ from conformance.runner.atomic import ReportLock, check_path, write_atomic
 from conformance.runner.document import SCHEMA_VERSION, RunFacts, load_report, render_json
 from conformance.runner.junit import render_junit
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 RESULTS = [
     Result("exec_order/train_eval[FULL_SHARD]", "reference", "process", 2, "pass", "", 1.25, placement="cpu"),
     Result("exec_order/train_eval[FULL_SHARD]", "torch-fsdp2", "process", 2, "n/a",

@@ -18,6 +18,8 @@ from conformance.runner.settings import (
 )
 from harness.settings import Resolved
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 NO_CLI: dict[str, tuple[str, object]] = {}
 #: The rank mode is the harness's to resolve; the runner takes it as given.
 BOTH = Resolved("rank mode", "both", "default")

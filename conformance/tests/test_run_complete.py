@@ -18,6 +18,8 @@ pytest_plugins = ["pytester", "harness.tests.inprocess"]
 CASES = '''
 from conformance.contract.case import case
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 @case("demo/first", world_size=1, modes=("thread",))
 def test_first(ctx, impl):
     pass

@@ -22,6 +22,8 @@ import pytest
 from conformance.runner import exitcodes, signals
 from conformance.runner.atomic import ReportLock
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester"]
 
 #: Cases that start ranks in both modes, quick enough that several rows are reported before the signal.

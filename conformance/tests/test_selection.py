@@ -16,6 +16,8 @@ CASES = '''
 import pytest
 from conformance.contract.case import case
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 @case("demo/mixed", world_size=2)
 @pytest.mark.parametrize("n", [1, 2])
 def test_mixed(ctx, impl, n):

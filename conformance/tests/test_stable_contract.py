@@ -47,6 +47,8 @@ OLD_ADAPTER = '''
 from conformance.adapters.base import Capability, UnitInfo, WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 
 class OldAdapter:
     name = "old-names"

@@ -17,6 +17,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The packages checked for import cycles.
 IMPORT_PACKAGES = ("fsdp_impl", "harness", "conformance", "fixtures", "bench")

@@ -9,6 +9,8 @@ from conformance.runner.report import render_matrix
 from conformance.runner.terminal import render_terminal
 from harness.tests.inprocess import pytester_run
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 LONG = ("checkpoint/checkpoint_fsdp_wrapping[nesting=roots,use_orig_params=False,offload_activations=True,"

@@ -15,6 +15,8 @@ import pytest
 from conformance.runner import cli, exitcodes
 from harness.tests.inprocess import MainResult, run_main
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 #: Rows that would run in seconds, were the settings good.
 SELECTION = ("-k", "exec_order and train_eval", "--rank-mode", "thread")
 
