@@ -9,14 +9,14 @@ import pytest
 
 from harness.tests.inprocess import pytester_run
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 CASES = '''
 import time
 import pytest, torch, torch.distributed as dist
 from conformance.contract.case import case
-
-pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 @case("demo/hangs", world_size=2, modes=("thread",))
 def test_hangs(ctx, impl):

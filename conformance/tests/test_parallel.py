@@ -17,13 +17,13 @@ import pytest
 
 from conformance.tests.test_plugin_cli import ADAPTERS, CASES
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester"]
 
 STAMPS = '''
 import json, os, time
 import pytest
-
-pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 def _stamp(name, seconds):
     start = time.time()

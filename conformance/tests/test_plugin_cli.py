@@ -11,13 +11,13 @@ import pytest
 from conformance.runner import cli
 from harness.tests.inprocess import MainResult, pytester_run, run_main
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 ADAPTERS = '''
 from conformance.contract.adapter import Capability
 from conformance.adapters.reference import ReferenceAdapter
-
-pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 class Bare(ReferenceAdapter):
     """The reference declaring nothing but thread ranks."""

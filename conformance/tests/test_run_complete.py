@@ -13,12 +13,12 @@ import pytest
 from conformance.runner.versions import suite_version
 from harness.tests.inprocess import pytester_run
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 CASES = '''
 from conformance.contract.case import case
-
-pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 @case("demo/first", world_size=1, modes=("thread",))
 def test_first(ctx, impl):

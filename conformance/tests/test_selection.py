@@ -10,13 +10,13 @@ import pytest
 
 from harness.tests.inprocess import pytester_run
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 CASES = '''
 import pytest
 from conformance.contract.case import case
-
-pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 @case("demo/mixed", world_size=2)
 @pytest.mark.parametrize("n", [1, 2])

@@ -17,6 +17,8 @@ from conformance.runner import cli
 from conformance.runner.listing import collect_rows
 from harness.tests.inprocess import run_main
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 #: Every module path the guide or the README named before the contract moved -> where it went.
 #: Written out here, not read from ``conformance.contract.moved``: dropping a path must fail this test.
 PUBLISHED = {
@@ -46,8 +48,6 @@ _METHODS = ("wrap", "units", "full_params", "full_state_dict", "sharded_state_di
 OLD_ADAPTER = '''
 from conformance.adapters.base import Capability, UnitInfo, WrapSpec
 from conformance.adapters.reference import ReferenceAdapter
-
-pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 
 class OldAdapter:
