@@ -18,6 +18,7 @@ import pytest
 from conformance.contract.results import Result
 from conformance.runner.document import RunReport, load_baseline
 from conformance.runner.expect import Comparison, compare, render_text
+from harness.workers import is_worker
 
 __all__ = ["OPTION", "show"]
 
@@ -51,14 +52,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_SESSION_KEY] = session
 
 
-def show(reporter: Any, results: Sequence[Result], selected: int | None) -> Comparison | None:
-    """Compare ``results`` with the baseline and print the differences; ``None`` when there is no baseline."""
+def show(reporter: Any, results: Sequence[Result], selected: int | None, printed: bool) -> Comparison | None:
+    """Compare ``results`` with the baseline and, when ``printed``, print the differences; ``None`` when there is
+    no baseline, or on an xdist worker (its controller has every row and decides). Every rank of a launched
+    job has every row, so each compares and exits alike; rank 0 alone prints."""
     config = reporter.config
     baseline = config.stash.get(_BASELINE_KEY, None)
-    if baseline is None:
+    if baseline is None or is_worker(config):
         return None
     comparison = compare(baseline[1].rows, results, baseline[0])
     config.stash[_COMPARED_KEY] = (comparison, len(results) == selected)
+    if not printed:
+        return comparison
     reporter.write_sep("=", "conformance: changes against the baseline")
     reporter.write_line(render_text(comparison), red=comparison.changed, green=not comparison.changed)
     return comparison

@@ -384,9 +384,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     """Any differences from a baseline, the matrix and the report files; under ``-n`` only the controller, which
     has every result. An interrupted run gets here too ([Note: stop signals]); its reports say so."""
     results = config.stash.get(RESULTS_KEY, [])
+    comparison = baseline.show(terminalreporter, results, config.stash.get(SELECTED_KEY, None), reports_here(config))
     if not reports_here(config):
         return
-    comparison = baseline.show(terminalreporter, results, config.stash.get(SELECTED_KEY, None))
     if results and config.getoption("--conformance-progress"):
         terminalreporter.write_sep("=", "conformance matrix")
         terminalreporter.write_line(render_terminal(results, terminal_width()))

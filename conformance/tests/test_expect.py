@@ -18,9 +18,9 @@ from conformance.runner.document import RunFacts, load_baseline, render_json
 from conformance.runner.expect import Comparison, compare, normalise, render_text
 from conformance.runner.html_report import render_html
 from conformance.runner.junit import render_junit
-from harness.tests.inprocess import MainResult, run_main
+from harness.tests.inprocess import MainResult, pytester_run, run_main
 
-pytest_plugins = ["harness.tests.inprocess"]
+pytest_plugins = ["pytester", "harness.tests.inprocess"]
 
 
 def _row(case: str, outcome: str, reason: str = "", mode: str = "thread") -> Result:
@@ -194,3 +194,43 @@ def test_a_bad_baseline_is_a_usage_error_before_any_row(subjects: Path, monkeypa
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"--conformance-expect '{base}': not a baseline" in run.stdout + run.stderr
     assert not out.exists() and "conformance matrix" not in run.stdout
+
+
+#: A row that fails on thread ranks (a known FAIL once in the baseline), one that passes, and a plain test.
+DEMO = '''
+import pytest
+from conformance.contract.case import case
+
+@case("demo/known", world_size=2, modes=("thread",))
+def test_known(ctx, impl):
+    assert False, "a known failure"
+
+@case("demo/fine", world_size=2, modes=("thread",))
+def test_fine(ctx, impl):
+    pass
+
+def test_plain():
+    assert False, "no conformance row"
+'''
+
+
+@pytest.fixture
+def demo(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    pytester.makepyfile(test_demo=DEMO)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # for the xdist run's subprocess
+    monkeypatch.delenv("FSDP_RANK_MODE", raising=False)
+    return pytester
+
+
+def test_known_fails_pass_under_workers_but_a_failed_plain_test_still_fails(demo: pytest.Pytester) -> None:
+    base = demo.path / "base.json"
+    first = pytester_run(demo, "-k", "known or fine", "--fsdp-rank-mode", "thread", "--conformance-json", str(base))
+    assert first.ret == 1
+    assert {r["outcome"] for r in json.loads(base.read_text())["rows"]} == {"FAIL", "pass"}
+    parallel = pytester_run(demo, "-k", "known or fine", "--fsdp-rank-mode", "thread", "--conformance-expect",
+                            str(base), workers=("-n", "2"))
+    assert parallel.ret == 0, parallel.stdout.str()[-3000:]
+    assert "as expected; 2 cells as expected (1 of them known FAIL or error)" in parallel.stdout.str()
+    plain = pytester_run(demo, "--fsdp-rank-mode", "thread", "--conformance-expect", str(base))
+    assert plain.ret == 1, plain.stdout.str()[-3000:]
+    assert "as expected; 2 cells as expected" in plain.stdout.str()
