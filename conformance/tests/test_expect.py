@@ -21,6 +21,7 @@ from conformance.runner.junit import render_junit
 from harness.tests.inprocess import MainResult, pytester_run, run_main
 
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 
 def _row(case: str, outcome: str, reason: str = "", mode: str = "thread") -> Result:
