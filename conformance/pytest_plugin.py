@@ -39,6 +39,7 @@ pytest.register_assert_rewrite(*REWRITTEN)
 
 pytest_plugins = [
     "conformance.runner.plugin",
+    "conformance.runner.baseline",
     "conformance.runner.selection",
     "conformance.runner.budget",
     "conformance.runner.progress",

@@ -48,10 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                      "whose outcome --outcome names")
     run.add_argument("--outcome", metavar="OUTCOMES",
                      help="with --rows-from: the outcomes to re-run, comma-separated (default: FAIL,error)")
-    run.add_argument("--json", metavar="PATH", help="write the JSON report (schema: docs/REPORTS.md)")
-    run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML, one testcase per row")
-    run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
-    run.add_argument("--html", metavar="PATH", help="write the matrix as one self-contained HTML page, with filters")
+    _add_report_options(run)
     run.add_argument("--timing-repeats", default=None, metavar="N",
                      help="timing cases (those that measure wall time, e.g. overlap/*; they run alone, after the "
                      "rest) compare the median of N timings of each region with their bound, stopping early once "
@@ -88,6 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_report_options(run: argparse.ArgumentParser) -> None:
+    """``run``'s options for the reports it writes and the baseline it compares with."""
+    run.add_argument("--expect", metavar="BASELINE.json",
+                     help="compare every cell with this JSON report of an earlier run: exit 0 when nothing changed "
+                     "(its FAILs are expected), 1 on a new FAIL or error, a changed outcome or reason, or a cell "
+                     "that now passes; the differences are shown before the matrix")
+    run.add_argument("--json", metavar="PATH", help="write the JSON report (schema: docs/REPORTS.md)")
+    run.add_argument("--junitxml", metavar="PATH", help="write JUnit XML, one testcase per row")
+    run.add_argument("--markdown", metavar="PATH", help="write the matrix as markdown")
+    run.add_argument("--html", metavar="PATH", help="write the matrix as one self-contained HTML page, with filters")
+
+
 def _quiet_rank() -> bool:
     """A rank other than 0 of a launched job: it runs every case too, but rank 0 alone speaks."""
     return os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ
@@ -101,7 +110,7 @@ _FORWARDED = {"rank_mode": "--fsdp-rank-mode", "timing_repeats": "--fsdp-timing-
               "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
               "junitxml": "--conformance-junit", "launcher": "--fsdp-launcher", "workers": "-n",
               "rows_from": "--fsdp-rows-from", "outcome": "--fsdp-rows-outcome", "case_timeout": "--fsdp-case-timeout",
-              "max_time": "--fsdp-max-time"}
+              "max_time": "--fsdp-max-time", "expect": "--conformance-expect"}
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:

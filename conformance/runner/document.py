@@ -17,12 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conformance.contract.results import OUTCOMES, Result
 
-__all__ = ["SCHEMA_VERSION", "RunFacts", "RunReport", "load_report", "machine_facts", "now", "render_json",
-           "summary"]
+if TYPE_CHECKING:
+    from conformance.runner.expect import Comparison
+
+__all__ = ["SCHEMA_VERSION", "RunFacts", "RunReport", "load_baseline", "load_report", "machine_facts", "now",
+           "render_json", "summary"]
 
 #: 1: a bare JSON list of rows (no version field). 2: this document.
 SCHEMA_VERSION = 2
@@ -62,6 +65,8 @@ class RunFacts:
     tool_version: str = field(default_factory=lambda: _suite_version())
     #: Per adapter: name, target, distribution and version (:func:`conformance.runner.versions.adapter_facts`).
     adapters: Sequence[Mapping[str, Any]] = ()
+    #: The run compared with ``--conformance-expect``'s baseline (:mod:`conformance.runner.expect`), or ``None``.
+    expectation: Comparison | None = None
 
     def incomplete_reason(self, rows: int) -> str | None:
         """Why a report of ``rows`` rows is not complete, or ``None`` when every selected row is in it and
@@ -86,6 +91,12 @@ def _torch_version() -> str:
     import torch
 
     return str(torch.__version__)
+
+
+def _expectation(comparison: Comparison | None) -> dict[str, Any] | None:
+    from conformance.runner.expect import to_document
+
+    return None if comparison is None else to_document(comparison)
 
 
 def summary(results: Sequence[Result]) -> dict[str, Any]:
@@ -120,6 +131,7 @@ def render_json(results: Sequence[Result], facts: RunFacts) -> str:
         "interrupted_by": facts.interrupted_by,
         "outcomes": list(OUTCOMES),
         "summary": summary(results),
+        "expectation": _expectation(facts.expectation),
         "rows": [asdict(r) for r in results],
     }
     return json.dumps(document, indent=2) + "\n"
@@ -165,3 +177,16 @@ def load_report(path: Path) -> RunReport:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: a row is malformed: {exc}") from exc
     return RunReport(version, header, results)
+
+
+def load_baseline(path: Path, flag: str) -> RunReport:
+    """The report at ``path`` as a baseline to compare a run with ([Note: expected outcomes] in
+    :mod:`conformance.runner.expect`); ``ValueError`` naming ``flag`` and the path when it cannot serve."""
+    try:
+        report = load_report(path)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: not a baseline: {exc}") from None
+    if not report.rows:
+        raise ValueError(f"{flag} {str(path)!r}: not a baseline: the report has no rows to compare with; give "
+                         "the JSON report of a run that ran rows")
+    return report

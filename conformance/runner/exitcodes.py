@@ -4,9 +4,11 @@ from __future__ import annotations
 
 __all__ = ["FAIL", "HELP", "INTERNAL_ERROR", "INTERRUPTED", "NO_ROWS", "PASS", "USAGE_ERROR", "from_pytest"]
 
-#: Every selected row ran and none is FAIL or error (n/a and skip are allowed).
+#: Every selected row ran and none is FAIL or error (n/a and skip are allowed); with a baseline
+#: (``--expect``), every cell is as the baseline has it, its FAILs included.
 PASS = 0
-#: At least one row is FAIL or error.
+#: At least one row is FAIL or error; with a baseline, a cell changed (a new FAIL or error, a changed outcome
+#: or reason, a cell that now passes) or the run did not reach every selected row.
 FAIL = 1
 #: A bad option, setting (an ``FSDP_*`` variable, an adapter entry, a findings file) or report path; nothing ran.
 USAGE_ERROR = 2
@@ -17,9 +19,10 @@ INTERRUPTED = 4
 #: No case matched the selection.
 NO_ROWS = 5
 
-HELP = (f"exit codes: {PASS} every row ran, none FAIL or error; {FAIL} a row is FAIL or error; {USAGE_ERROR} usage "
-        f"error (bad option, setting or report path; nothing ran); {INTERNAL_ERROR} internal error; {INTERRUPTED} "
-        f"interrupted by SIGTERM, SIGINT or SIGHUP (reports written, marked interrupted); {NO_ROWS} no case matched")
+HELP = (f"exit codes: {PASS} every row ran, none FAIL or error (with --expect: no cell changed); {FAIL} a row is "
+        f"FAIL or error (with --expect: a cell changed); {USAGE_ERROR} usage error (bad option, setting, baseline or "
+        f"report path; nothing ran); {INTERNAL_ERROR} internal error; {INTERRUPTED} interrupted by SIGTERM, "
+        f"SIGINT or SIGHUP (reports written, marked interrupted); {NO_ROWS} no case matched")
 
 
 def from_pytest(code: int, stopped_by: str | None) -> int:

@@ -10,7 +10,10 @@ implementation (its columns hidden); the same filters can be given in the
 address (``report.html#outcome=FAIL,error&impl=reference``). Once laid out, the page
 records what it shows on ``<body>`` (``data-cells``, ``data-visible-cells``,
 ``data-coloured-cells``, ``data-summary-rows``) so a headless browser can
-check it (:mod:`conformance.runner.html_check`). Format: ``docs/REPORTS.md``.
+check it (:mod:`conformance.runner.html_check`). Compared with a baseline
+(``--conformance-expect``), the page opens with the differences (``#expectation``):
+the verdict, then a table of the changed cells, then the cells listed only.
+Format: ``docs/REPORTS.md``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from conformance.contract.results import OUTCOMES, Result
 from conformance.runner.document import SCHEMA_VERSION, RunFacts, summary
+from conformance.runner.expect import CHANGES, LISTED, Change, Comparison
 
 __all__ = ["COLOURS", "finding_href", "outcome_class", "render_html"]
 
@@ -50,7 +54,8 @@ table{border-collapse:collapse} th,td{border:1px solid #bdbdbd;padding:3px 6px;v
 th{background:#f5f5f5;text-align:left} .facts th{width:9em} .side{display:flex;gap:1.5em;flex-wrap:wrap}
 .facts td{font-size:.9em}
 .banner{padding:.6em;margin:.6em 0;font-weight:bold;border-radius:4px}
-.interrupted{background:#ffecb3;border:2px solid #ff6f00} .complete{background:#e8f5e9;border:1px solid #66bb6a}
+.interrupted{background:#ffecb3;border:2px solid #ff6f00} .changed{background:#ffcdd2;border:2px solid #b71c1c}
+.complete{background:#e8f5e9;border:1px solid #66bb6a}
 .cell{min-width:5em;font-weight:bold} .reason{font-weight:normal;font-size:.8em;max-width:28em;
 overflow-wrap:anywhere} .cell a{font-weight:normal;font-size:.8em}
 #filters label{margin-right:1em} .hidden{display:none} .faded{opacity:.15}
@@ -114,6 +119,37 @@ def _facts_section(facts: RunFacts, rows: int) -> str:
                      + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in items) + "</tbody></table>"
                      for title, items in (("run", run), ("settings", settings)))
     return f'{banner}<div id="facts" class="side">{tables}</div>'
+
+
+def _side(result: Result | None) -> str:
+    if result is None:
+        return "<td>(no cell)</td>"
+    reason = f'<div class="reason">{_e(result.reason)}</div>'
+    return f'<td class="{outcome_class(result.outcome)}">{_e(result.outcome)}{reason}</td>'
+
+
+def _change_row(change: Change) -> str:
+    case, impl, mode = change.cell
+    return (f'<tr data-kind="{_e(change.kind)}"><th>{_e(change.kind)}</th><td><code>{_e(case)}</code></td>'
+            f"<td>{_e(impl)}/{_e(mode)}</td>{_side(change.expected)}{_side(change.actual)}</tr>")
+
+
+def _expectation_section(comparison: Comparison | None) -> str:
+    """The differences from the baseline, first on the page; ``""`` without one."""
+    if comparison is None:
+        return ""
+    verdict = "Changed" if comparison.changed else "As expected"
+    style = "changed" if comparison.changed else "complete"
+    text = (f"{verdict} against the baseline {_e(comparison.baseline)}: {comparison.as_expected} cells as expected "
+            f"({comparison.expected_failures} of them known FAIL or error)")
+    kinds = (*CHANGES, *LISTED)
+    counts = ", ".join(f"{n} {_e(kind)}" for kind, n in comparison.counts().items() if n and kind in kinds)
+    rows = "".join(_change_row(change) for change in comparison.changes)
+    table = (f'<table id="changes"><thead><tr><th>difference</th><th>case</th><th>column</th><th>baseline</th>'
+             f"<th>this run</th></tr></thead><tbody>{rows}</tbody></table>") if rows else ""
+    return (f'<div id="expectation"><h2>Compared with the baseline</h2>'
+            f'<div class="banner {style}" id="expect-status">{text}{": " + counts if counts else ""}.</div>'
+            f"{table}</div>")
 
 
 def _value(value: object) -> str:
@@ -189,7 +225,8 @@ def render_html(results: Sequence[Result], facts: RunFacts, page_dir: Path | Non
     """The report page for ``results`` (module docstring); ``page_dir``, the directory the page is written to,
     makes the finding links relative to it (:func:`finding_href`)."""
     impls = list(dict.fromkeys(r.impl for r in results))
-    parts = [f"<h1>fsdp-conformance report</h1>{_facts_section(facts, len(results))}",
+    parts = [f"<h1>fsdp-conformance report</h1>{_expectation_section(facts.expectation)}",
+             _facts_section(facts, len(results)),
              _summary_section(results, impls), "<h2>Filters</h2>", _filters(impls), _matrix(results, page_dir)]
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>fsdp-conformance report ({_e(facts.started_at)})</title><style>{_CSS}</style></head>"

@@ -12,6 +12,13 @@ and one extra ``<testcase name="(run interrupted)">`` with an ``<error>``, so a
 CI that only counts failures does not read a partial run as green; a run
 missing rows for another reason (it ended before them, or a row ended with no
 outcome) has ``complete`` false and a ``<testcase name="(run incomplete)">``.
+
+Compared with a baseline (``--conformance-expect``; [Note: expected outcomes]
+in :mod:`conformance.runner.expect`), every row carries an ``expectation``
+property (``as expected`` or the kind of change); a FAIL or error the baseline
+has is ``<skipped type="expected-failure">`` (the run does not fail on it), and
+a cell that now passes is ``<failure type="now-passes">`` (the run fails until
+the baseline is updated). The suite gains ``expect.*`` properties.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Sequence
 
 from conformance.contract.results import Result
 from conformance.runner.document import SCHEMA_VERSION, RunFacts, summary
+from conformance.runner.expect import Comparison
 
 __all__ = ["SKIP_TYPES", "render_junit"]
 
@@ -28,16 +36,26 @@ __all__ = ["SKIP_TYPES", "render_junit"]
 SKIP_TYPES = {"n/a": "not-applicable", "skip": "hardware"}
 
 
-def _testcase(result: Result) -> ET.Element:
+def _testcase(result: Result, comparison: Comparison | None) -> ET.Element:
     case = ET.Element("testcase", classname=f"{result.impl}.{result.rank_mode}", name=result.case,
                       time=f"{result.duration_s:.3f}")
     props = ET.SubElement(case, "properties")
+    cell = (result.case, result.impl, result.rank_mode)
+    change = comparison.change_of(cell) if comparison is not None else None
+    expectation = "" if comparison is None else change.kind if change is not None else "as expected"
     for name, value in (("outcome", result.outcome), ("placement", result.placement or "-"),
-                        ("world_size", str(result.world_size)), ("finding", result.finding)):
+                        ("world_size", str(result.world_size)), ("finding", result.finding),
+                        ("expectation", expectation)):
         if value:
             ET.SubElement(props, "property", name=name, value=value)
     message = result.reason.strip().splitlines()[0] if result.reason.strip() else result.outcome
-    if result.outcome == "FAIL":
+    if expectation == "as expected" and result.outcome in ("FAIL", "error"):
+        ET.SubElement(case, "skipped", type="expected-failure",
+                      message=f"expected {result.outcome} (as in the baseline): {message}")
+    elif expectation == "now passes" and change is not None and change.expected is not None:
+        text = f"now passes; the baseline has {change.expected.outcome}: {change.expected.reason}"
+        ET.SubElement(case, "failure", type="now-passes", message=text).text = text
+    elif result.outcome == "FAIL":
         kind = "known-finding" if result.finding else "nonconforming"
         ET.SubElement(case, "failure", type=kind, message=message).text = result.reason
     elif result.outcome == "error":
@@ -62,31 +80,39 @@ def _unfinished(reason: str) -> ET.Element:
     return case
 
 
+def _expect_props(comparison: Comparison | None) -> list[tuple[str, object]]:
+    if comparison is None:
+        return []
+    counts = [(f"expect.{kind.replace(' ', '_')}", n) for kind, n in comparison.counts().items()]
+    return [("expect.baseline", comparison.baseline), ("expect.changed", comparison.changed), *counts]
+
+
 def render_junit(results: Sequence[Result], facts: RunFacts) -> str:
     """The JUnit XML document for ``results``."""
     counts = summary(results)
     interrupted = facts.interrupted_by is not None
     incomplete = facts.incomplete_reason(len(results))
     unfinished = incomplete is not None and not interrupted  # rows missing without a stop signal
-    extra = interrupted or unfinished
-    suite = ET.Element("testsuite", name="fsdp-conformance", tests=str(len(results) + extra),
-                       failures=str(counts["FAIL"]), errors=str(counts["error"] + extra),
-                       skipped=str(counts["n/a"] + counts["skip"]), time=f"{counts['case_time_s']:.3f}",
+    cases = [_testcase(r, facts.expectation) for r in results]
+    if interrupted:
+        cases.append(_interruption(facts, len(results)))
+    elif unfinished:
+        cases.append(_unfinished(str(incomplete)))
+    tally = {tag: str(sum(1 for c in cases if c.find(tag) is not None)) for tag in ("failure", "error", "skipped")}
+    suite = ET.Element("testsuite", name="fsdp-conformance", tests=str(len(cases)), failures=tally["failure"],
+                       errors=tally["error"], skipped=tally["skipped"], time=f"{counts['case_time_s']:.3f}",
                        timestamp=facts.started_at, hostname=str(facts.machine.get("hostname", "")))
     props = ET.SubElement(suite, "properties")
-    run_props = [("schema_version", SCHEMA_VERSION), ("complete", incomplete is None), ("interrupted", interrupted),
-                 ("interrupted_by", facts.interrupted_by or ""), ("tool_version", facts.tool_version),
-                 ("torch", facts.torch), ("python", facts.python),
-                 ("started_at", facts.started_at), ("ended_at", facts.ended_at)]
+    run_props: list[tuple[str, object]] = [
+        ("schema_version", SCHEMA_VERSION), ("complete", incomplete is None), ("interrupted", interrupted),
+        ("interrupted_by", facts.interrupted_by or ""), ("tool_version", facts.tool_version),
+        ("torch", facts.torch), ("python", facts.python),
+        ("started_at", facts.started_at), ("ended_at", facts.ended_at), *_expect_props(facts.expectation)]
     run_props += [(f"setting.{name}", f"{s['value']} (from {s['source']})") for name, s in facts.settings.items()]
     for name, value in run_props:
         text = str(value).lower() if isinstance(value, bool) else str(value)
         ET.SubElement(props, "property", name=name, value=text)
-    suite.extend(_testcase(r) for r in results)
-    if interrupted:
-        suite.append(_interruption(facts, len(results)))
-    elif unfinished:
-        suite.append(_unfinished(str(incomplete)))
+    suite.extend(cases)
     root = ET.Element("testsuites", name="fsdp-conformance", tests=suite.get("tests", "0"),
                       failures=suite.get("failures", "0"), errors=suite.get("errors", "0"),
                       skipped=suite.get("skipped", "0"))

@@ -20,6 +20,7 @@ from conformance.contract.results import Result
 from conformance.runner import signals
 from conformance.runner.atomic import ReportLock, check_path, write_atomic
 from conformance.runner.document import RunFacts, machine_facts, now, render_json
+from conformance.runner.expect import Comparison
 from conformance.runner.html_report import render_html
 from conformance.runner.junit import render_junit
 from conformance.runner.report import render_markdown
@@ -76,7 +77,8 @@ def release(config: pytest.Config) -> None:
         lock.release()
 
 
-def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int, selected: int | None) -> RunFacts:
+def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int, selected: int | None,
+           expectation: Comparison | None) -> RunFacts:
     from harness.devices import nccl_available
 
     stopped = signals.received() or ("interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else None)
@@ -85,7 +87,7 @@ def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int
     return RunFacts(started_at=config.stash[_CLAIM_KEY].started_at, ended_at=now(),
                     settings={s.name.replace(" ", "_"): {"value": s.value, "source": s.source} for s in settings.all()},
                     machine=machine_facts(gpus, nccl_available()), interrupted_by=stopped, selected_rows=selected,
-                    adapters=adapter_facts(settings.impls.value))
+                    adapters=adapter_facts(settings.impls.value), expectation=expectation)
 
 
 def _markdown(results: Sequence[Result], facts: RunFacts) -> str:
@@ -101,12 +103,13 @@ _RENDERERS = {"JSON": render_json, "markdown": _markdown, "JUnit": render_junit,
 
 
 def write(config: pytest.Config, results: Sequence[Result], *, settings: Settings, gpus: int,
-          exitstatus: int, selected: int | None = None) -> list[str]:
-    """Write every requested report; the messages of those that could not be written (their old files kept)."""
+          exitstatus: int, selected: int | None = None, expectation: Comparison | None = None) -> list[str]:
+    """Write every requested report, each with ``expectation`` (the comparison with ``--conformance-expect``'s
+    baseline) when given; the messages of those that could not be written (their old files kept)."""
     claim = config.stash.get(_CLAIM_KEY, None)
     if claim is None or not claim.paths:
         return []
-    facts = _facts(config, settings, gpus, exitstatus, selected)
+    facts = _facts(config, settings, gpus, exitstatus, selected, expectation)
     failures = []
     for kind, path in claim.paths.items():
         try:

@@ -35,7 +35,7 @@ from conformance.contract.declared import DeclaredAdapter
 from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner import budget, outputs, progress
+from conformance.runner import baseline, budget, outputs, progress
 from conformance.runner.findings import annotate, explaining
 from conformance.runner.reasons import failure_reason, skip_reason
 from conformance.runner.report import summary_line
@@ -381,9 +381,10 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """The matrix and the report files; under ``-n`` only the controller, which has every result. An
-    interrupted run gets here too ([Note: stop signals]); its reports say so."""
+    """Any differences from a baseline, the matrix and the report files; under ``-n`` only the controller, which
+    has every result. An interrupted run gets here too ([Note: stop signals]); its reports say so."""
     results = config.stash.get(RESULTS_KEY, [])
+    comparison = baseline.show(terminalreporter, results, config.stash.get(SELECTED_KEY, None), reports_here(config))
     if not reports_here(config):
         return
     if results and config.getoption("--conformance-progress"):
@@ -391,7 +392,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(render_terminal(results, terminal_width()))
         terminalreporter.write_line(summary_line(results))
     failures = outputs.write(config, results, settings=settings_of(config), gpus=config.stash[_GPUS_KEY],
-                             exitstatus=exitstatus, selected=config.stash.get(SELECTED_KEY, None))
+                             exitstatus=exitstatus, selected=config.stash.get(SELECTED_KEY, None),
+                             expectation=comparison)
     for message in failures:
         terminalreporter.write_line(message, red=True)
     if failures:  # exit code: internal error (a report that was asked for is missing)
