@@ -10,7 +10,7 @@ option added. The suite's plugins load where a session asks for this module:
 * this repository's own ``pytest`` runs get it from ``addopts`` in
   ``pyproject.toml``'s ``[tool.pytest.ini_options]``;
 * another project adds ``-p conformance.pytest_plugin`` to its pytest command
-  line or ``addopts`` (README, "Running the cases through pytest").
+  line or ``addopts`` (docs/USAGE.md, "Through pytest, and in another project").
 
 pytest-xdist hands ``-p`` (the command line's and ``addopts``') to every
 worker; the harness's rank processes and thread hosts run no pytest session,

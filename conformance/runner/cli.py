@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
                      "to the cores (default: 0, one process)")
     run.add_argument("--device", default=None, metavar="auto|cpu|cuda",
-                     help="where rows compute (README: Devices and placements); default $FSDP_DEVICE or auto")
+                     help="where rows compute (docs/USAGE.md: Devices and placements); default $FSDP_DEVICE or auto")
     run.add_argument("--launcher", choices=("spawn", "torchrun"), default=None,
                      help="deprecated: --launcher torchrun is --rank-mode launched")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")

@@ -1,4 +1,4 @@
-"""The exit codes of ``fsdp-conformance run`` (README: Exit codes; ``--help`` prints :data:`HELP`)."""
+"""The exit codes of ``fsdp-conformance run`` (docs/USAGE.md: Exit codes; ``--help`` prints :data:`HELP`)."""
 
 from __future__ import annotations
 

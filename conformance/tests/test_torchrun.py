@@ -29,7 +29,7 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     report = reports / "report.json"
     cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--rank-mode", "launched",
            "--impl", "reference", "-k", "exec_order", "--json", str(report)]
-    # CPU rows: on a GPU machine the job hides CUDA, as the README says.
+    # CPU rows: on a GPU machine the job hides CUDA, as docs/USAGE.md says.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
