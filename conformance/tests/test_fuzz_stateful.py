@@ -312,6 +312,31 @@ def test_every_control_keeps_the_shadows_values(impl: FSDPAdapter, mode: str) ->
     assert results[0] == [None] * len(CONTROL_PROGRAMS), results[0]
 
 
+class RaisesOnRankOneAfterForward(ReferenceAdapter):
+    """The reference, whose root raises on rank 1 alone at the end of each forward, after its collectives."""
+
+    def fully_shard(self, module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        sharded = super().fully_shard(module, **kwargs)
+        if hasattr(module, "blocks"):  # the root
+            module.register_forward_hook(_raise_on_rank_one)
+        return sharded
+
+
+def _raise_on_rank_one(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+    if torch.distributed.get_rank() == 1:
+        raise RuntimeError("raised on rank 1 alone")
+
+
+def test_a_rank_that_raises_alone_is_the_verdict_of_every_rank() -> None:
+    """An operation that raises on one rank after its collectives: every rank reports it, and no rank runs the
+    state check's gathers against its peer's verdict all-gather (which crashed or hung ranks)."""
+    program = Program(_fully_shard(), (Forward(grad=False), Train()))
+    results = run(check_programs, world_size=2, mode="process", timeout_s=120,
+                  args=(RaisesOnRankOneAfterForward(), (program,)))
+    want = "op 0 (Forward(batch=0, grad=False, loss='all')), rank 1: raised: RuntimeError: raised on rank 1 alone"
+    assert results == [[want], [want]], results
+
+
 class UnshardWithoutGatherFullPrecision(UnshardWithoutGather):
     """The mutant without mixed precision, so the search is about the controls alone."""
 

@@ -6,9 +6,17 @@ never leaves the others waiting in the implementation's next collective. After
 the wrap and after every step, ranks all-gather their failure text (a kept
 mismatch, or an exception from the implementation) and all stop at the first
 one, so every rank reaches the same verdict, which the driver
-(:mod:`conformance.cases.fuzz.driver`) hands to hypothesis. Only an implementation
-that raises on some ranks but not others can still hang a run; the harness
-then names the hung rank.
+(:mod:`conformance.cases.fuzz.driver`) hands to hypothesis. A check of the
+fuzzer's own that raises is kept like a failed assertion. The stateful fuzzer
+agrees on each operation before its state check, whose collectives (gathers
+of full values) run only once every rank is through the operation: a rank
+that raised at the operation's end would otherwise meet its peers' first
+gather with its verdict's all-gather in the same process group, collectives
+of different sizes that gloo pairs without noticing (measured: the raising
+rank read a float as its peer's object size and tried to allocate 4.5e18
+bytes, while the peer waited in ``DTensor.full_tensor``). Only an implementation that raises on
+some ranks but not others in the middle of its own collectives can still hang
+a run; the harness then names the hung rank.
 
 The baseline is the unwrapped model on every rank, fed every rank's batches:
 rank ``r``'s loss is compared with the baseline's loss on rank ``r``'s batch,

@@ -113,12 +113,14 @@ class _Machine:
         """``check(*args, **kwargs)``; keep the first mismatch (see [Note: fuzz verdicts agree across ranks])."""
         try:
             self.held.untracked(check, *args, **kwargs)  # the fuzzer's own tensors are not held memory
-        except AssertionError as exc:
+        except Exception as exc:  # noqa: BLE001 - kept, so this rank still runs its peers' next collectives
             if self.mismatch is None:
-                self.mismatch = f"{label}: {' | '.join(str(exc).strip().splitlines()[:6])}"
+                kind = "" if isinstance(exc, AssertionError) else f"{type(exc).__name__}: "
+                self.mismatch = f"{label}: {kind}{' | '.join(str(exc).strip().splitlines()[:6])}"
 
     def apply(self, op: Op) -> None:
-        """Run ``op`` on both sides, then check the state (see [Note: stateful invariant])."""
+        """Run ``op`` on both sides; :meth:`check_state` follows once every rank is through it
+        ([Note: fuzz verdicts agree across ranks])."""
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: self.forward, Backward: self.backward, Step: self.step, Train: self.train_iteration,
             ZeroGrad: self.zero_grad,
@@ -131,8 +133,6 @@ class _Machine:
             self.held.stop()
             self.gathers.stop()
         handlers[type(op)](op)
-        if self.pending is None:
-            self.held.untracked(self.check_state)
 
     def _forward(self, batch: int, *, grad: bool, loss: str) -> torch.Tensor:
         with nullcontext() if grad else torch.no_grad():
@@ -383,7 +383,11 @@ def _apply_all(ctx: RankContext, machine: _Machine, label: str, ops: tuple[Op, .
     """Apply ``ops`` in turn; the first failure (the same on every rank), named by ``label`` and index, or ``None``."""
     for index, op in enumerate(ops):
         raised = attempt("raised", machine.apply, op)[1]
+        # Agreed before the state check: its collectives run only when every rank is through the op.
         failure = machine.held.untracked(agree, ctx, raised or machine.mismatch)
+        if failure is None and machine.pending is None:  # between iterations ([Note: stateful invariant])
+            raised = attempt("raised", machine.held.untracked, machine.check_state)[1]
+            failure = machine.held.untracked(agree, ctx, raised or machine.mismatch)
         if failure is not None:
             return f"{label} {index} ({op}), {failure}"
     return None
