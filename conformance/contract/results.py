@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 __all__ = ["OUTCOMES", "CaseReport", "Result"]
 
-#: Cell texts. Only "pass" counts as conforming; "n/a", "skip" and "not run" (the run's time budget
-#: was spent before the row started) never do.
-OUTCOMES = ("pass", "FAIL", "error", "n/a", "skip", "not run")
+#: Cell texts. Only "pass" counts as conforming; "documented" (the row fails as the implementation's own
+#: documentation says it does: a registered finding of kind ``documented`` explains the failure, see
+#: :mod:`conformance.runner.findings`), "n/a", "skip" and "not run" (the run's time budget was spent before
+#: the row started) never do. Only "FAIL" and "error" fail a run.
+OUTCOMES = ("pass", "FAIL", "documented", "error", "n/a", "skip", "not run")
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Result:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Where the ranks computed: ``cpu``, ``cuda`` or ``cuda-shared``; ``""`` when the row could not be placed.
     placement: str = ""
-    #: The write-up of the known finding that explains this FAIL (``docs/findings/...`` or a URL); ``""`` if none.
+    #: The write-up of the known finding that explains this FAIL or documented cell (``docs/findings/...`` or a
+    #: URL); ``""`` if none.
     finding: str = ""
 
     def __post_init__(self) -> None:

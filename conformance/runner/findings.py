@@ -1,8 +1,11 @@
 """Known, investigated disagreements between an implementation and a case.
 
-A known finding never changes an outcome: the case still reports FAIL. The
+A known bug does not change an outcome: the case still reports FAIL, and the
 matrix reason points at the write-up (minimal repro, exact output, why the
-case is right) so a reader does not have to rediscover it.
+case is right) so a reader does not have to rediscover it. A documented choice
+(``kind="documented"``, below) makes the cell ``documented``: the
+implementation does what its own documentation says, which is neither a pass
+nor a violation.
 
 Findings come from three places, all in one format (a JSON list of
 ``{"impl": ..., "rows": ..., "doc": ...}``, ``rows`` a pattern as
@@ -15,8 +18,7 @@ implementation itself, e.g. ``"torch.distributed.checkpoint.state_dict"``; an
 optional ``"kind"`` is ``"bug"``, the default, or ``"documented"``: a
 limitation or design choice the implementation's own documentation states,
 which then needs ``"documentation"``, the citation (document, section or quote,
-version). A documented choice is still a FAIL of the case; the reason says
-it is documented and cites where):
+version); the reason then says it is documented and cites where):
 
 - this suite's own, :data:`BUILTIN_FILE`;
 - packages, under the :data:`ENTRY_POINT_GROUP` entry-point group: the entry

@@ -35,11 +35,12 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 
 #: Cell colour per outcome (background, text).
 COLOURS = {"pass": ("#c8e6c9", "#1b5e20"), "FAIL": ("#ef9a9a", "#7f0000"), "error": ("#ffcc80", "#6d3300"),
-           "n/a": ("#e0e0e0", "#424242"), "skip": ("#bbdefb", "#0d47a1")}
+           "documented": ("#e1bee7", "#4a148c"), "n/a": ("#e0e0e0", "#424242"), "skip": ("#bbdefb", "#0d47a1")}
 
 
 def outcome_class(outcome: str) -> str:
-    """The CSS class of an outcome's cells: ``o-pass``, ``o-FAIL``, ``o-error``, ``o-na``, ``o-skip``."""
+    """The CSS class of an outcome's cells: ``o-pass``, ``o-FAIL``, ``o-documented``, ``o-error``, ``o-na``,
+    ``o-skip``."""
     return "o-" + outcome.replace("/", "")
 
 

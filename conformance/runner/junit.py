@@ -33,7 +33,7 @@ from conformance.runner.expect import Comparison
 __all__ = ["SKIP_TYPES", "render_junit"]
 
 #: ``<skipped type=...>`` per outcome.
-SKIP_TYPES = {"n/a": "not-applicable", "skip": "hardware"}
+SKIP_TYPES = {"documented": "documented", "n/a": "not-applicable", "skip": "hardware"}
 
 
 def _testcase(result: Result, comparison: Comparison | None) -> ET.Element:

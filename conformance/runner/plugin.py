@@ -36,7 +36,7 @@ from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
 from conformance.runner import baseline, budget, outputs, progress
-from conformance.runner.findings import annotate, explaining
+from conformance.runner.findings import Finding, annotate, explaining
 from conformance.runner.reasons import failure_reason, skip_reason
 from conformance.runner.report import summary_line
 from conformance.runner.settings import Settings, resolve_settings
@@ -66,6 +66,8 @@ class _ItemState:
     placement: str = ""
     #: The skip raised is the plugin's own missing-hardware skip.
     hardware_skip: bool = False
+    #: The registered finding that explains the row's failure, if one does.
+    finding: Finding | None = None
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -297,6 +299,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed:
         state.outcome = "FAIL" if report.when == "call" else "error"
         state.reason = failure_reason(call, report)
+        if state.outcome == "FAIL":
+            _explain(item, state, report)
     elif report.skipped:
         excinfo = call.excinfo
         message = getattr(excinfo.value, "msg", None) if excinfo is not None else None
@@ -312,6 +316,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             state.reason = f"skipped, but skip means missing hardware (use not_applicable() for n/a): {reason}"
             report.outcome, report.longrepr = "failed", state.reason
     return report
+
+
+def _explain(item: pytest.Item, state: _ItemState, report: pytest.TestReport) -> None:
+    """Look up the finding that explains the row's FAIL; one of kind ``documented`` makes the cell
+    "documented", which pytest reports as a skip: the implementation does what its documentation says."""
+    impl_name = getattr(all_params(item).get("impl"), "name", "?")
+    state.finding = explaining(impl_name, case_row_id(item), state.reason)
+    if state.finding is not None and state.finding.kind == "documented":
+        state.outcome = "documented"
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"documented: {state.finding.documentation}")
 
 
 @pytest.hookimpl
@@ -340,7 +355,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     reason = state.reason
     if state.outcome == "pass" and state.report is not None and state.report.reason:
         reason = state.report.reason
-    finding = explaining(impl_name, case_id, reason) if state.outcome == "FAIL" else None
+    finding = state.finding
     result = Result(
         case=case_id,
         impl=impl_name,

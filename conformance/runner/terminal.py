@@ -97,7 +97,7 @@ def _reasons(results: Sequence[Result], width: int | None) -> str:
                      for r in results if r.outcome != "pass")
     if not groups:
         return ""
-    order = {"FAIL": 0, "error": 1, "not run": 2, "skip": 3, "n/a": 4}
+    order = {"FAIL": 0, "error": 1, "documented": 2, "not run": 3, "skip": 4, "n/a": 5}
     ranked = sorted(groups.items(), key=lambda item: (order.get(item[0][0], 9), -item[1], item[0][1]))
     lines = ["why cells did not pass (cells: reason):"]
     for (outcome, reason), count in ranked[:MAX_REASON_LINES]:

@@ -13,7 +13,7 @@ import pytest
 
 from conformance.contract import registry
 from conformance.contract.results import Result
-from conformance.runner import cli
+from conformance.runner import cli, findings
 from conformance.runner.document import RunFacts, load_baseline, render_json
 from conformance.runner.expect import Comparison, compare, normalise, render_text
 from conformance.runner.html_report import render_html
@@ -183,6 +183,30 @@ def test_a_known_fail_is_expected_and_its_fix_is_reported(subjects: Path, monkey
     fixed = _run(monkeypatch, "Good", "--expect", str(broken))
     assert fixed.returncode == 1, fixed.stdout[-3000:]
     assert f"NOW PASSES (1):\n  now passes: {CHANGED_CELL}: FAIL (" in fixed.stdout
+
+
+def test_a_documented_choice_is_its_own_outcome_and_fails_no_run(subjects: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FAIL that a finding of kind ``documented`` explains is the cell "documented" (the implementation does
+    what its documentation says): exit 0, JUnit skipped as documented, the citation in the reason; the same
+    FAIL with a finding of kind ``bug`` stays FAIL."""
+    entry = {"impl": "subject", "rows": CHANGED_CELL.split(" on ")[0], "doc": "d.md"}
+    listed, out, junit = subjects / "findings.json", subjects / "out.json", subjects / "junit.xml"
+    monkeypatch.setenv(findings.ENV_VAR, str(listed))
+    listed.write_text(json.dumps([{**entry, "kind": "documented", "documentation": "subject 1.0, README: eval"}]))
+    run = _run(monkeypatch, "Broken", "--json", str(out), "--junitxml", str(junit))
+    assert run.returncode == 0, run.stdout[-3000:]
+    cells = {(r["case"], r["rank_mode"]): r for r in json.loads(out.read_text())["rows"]}
+    cell = cells[(entry["rows"], "thread")]
+    assert cell["outcome"] == "documented" and cell["finding"] == "d.md", cell
+    assert cell["reason"].startswith("known finding, documented limitation (subject 1.0, README: eval), see d.md: ")
+    assert {r["outcome"] for key, r in cells.items() if key != (entry["rows"], "thread")} == {"pass"}
+    skipped = [case.find("skipped") for case in ET.parse(junit).iter("testcase")]
+    assert [s.get("type") for s in skipped if s is not None] == ["documented"]
+    listed.write_text(json.dumps([entry]))
+    bug = _run(monkeypatch, "Broken", "--json", str(out))
+    assert bug.returncode == 1, bug.stdout[-3000:]
+    assert {r["outcome"] for r in json.loads(out.read_text())["rows"]} == {"pass", "FAIL"}
 
 
 @pytest.mark.parametrize("text", [None, "[{\"case\": 1}]"])

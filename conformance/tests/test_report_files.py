@@ -41,14 +41,14 @@ def _facts(interrupted_by: str | None = None) -> RunFacts:
 
 def test_json_document_carries_the_run_and_its_rows() -> None:
     doc = json.loads(render_json(RESULTS, _facts()))
-    assert doc["schema_version"] == SCHEMA_VERSION == 2
+    assert doc["schema_version"] == SCHEMA_VERSION == 3
     assert (doc["torch"], doc["python"], doc["machine"]["hostname"]) == ("2.13.0", "3.11.7", "box")
     assert doc["settings"]["device"] == {"value": "cpu", "source": "--device"}
     assert (doc["started_at"], doc["ended_at"]) == ("2026-01-01T00:00:00+00:00", "2026-01-01T00:01:00+00:00")
     assert (doc["complete"], doc["interrupted"], doc["interrupted_by"]) == (True, False, None)
-    assert doc["summary"] == {"rows": 5, "pass": 1, "FAIL": 1, "error": 1, "n/a": 1, "skip": 1, "not run": 0,
-                              "case_time_s": 3.75}
-    assert doc["outcomes"] == ["pass", "FAIL", "error", "n/a", "skip", "not run"]
+    assert doc["summary"] == {"rows": 5, "pass": 1, "FAIL": 1, "documented": 0, "error": 1, "n/a": 1, "skip": 1,
+                              "not run": 0, "case_time_s": 3.75}
+    assert doc["outcomes"] == ["pass", "FAIL", "documented", "error", "n/a", "skip", "not run"]
     assert doc["placements"] == ["cpu"]
     assert doc["rows"] == [asdict(r) for r in RESULTS]
     assert doc["rows"][3]["finding"] == "docs/findings/fsdp1-cpu-offload-pinning.md"
@@ -89,20 +89,21 @@ def test_json_document_names_the_suite_and_adapter_versions() -> None:
     assert (doc["tool"], doc["tool_version"], doc["adapters"]) == ("fsdp-conformance", "0.1.0", adapters)
 
 
-def test_load_report_reads_both_schemas(tmp_path: Path) -> None:
-    current, legacy = tmp_path / "v2.json", tmp_path / "v1.json"
+def test_load_report_reads_every_schema(tmp_path: Path) -> None:
+    current, older, legacy = tmp_path / "v3.json", tmp_path / "v2.json", tmp_path / "v1.json"
     current.write_text(render_json(RESULTS, _facts("SIGINT")))
+    older.write_text(json.dumps({**json.loads(current.read_text()), "schema_version": 2}))
     legacy.write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "finding"} for r in RESULTS]))
     v2, v1 = load_report(current), load_report(legacy)
-    assert (v2.schema_version, v1.schema_version) == (2, 1)
-    assert v2.rows == RESULTS
+    assert (v2.schema_version, load_report(older).schema_version, v1.schema_version) == (3, 2, 1)
+    assert v2.rows == RESULTS == load_report(older).rows
     assert [r.case for r in v1.rows] == [r.case for r in RESULTS] and v1.rows[3].finding == ""
     assert (v2.complete, v1.complete) == (False, True)
     assert v2.header["torch"] == "2.13.0" and "rows" not in v2.header
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ('{"schema_version": 99, "rows": []}', "schema_version 99 is newer than this reader's 2"),
+    ('{"schema_version": 99, "rows": []}', "schema_version 99 is newer than this reader's 3"),
     ('{"rows": []}', "expected a report object with schema_version"),
     ('{"schema_version": 2, "rows": [{"case": "a/b", "outcome": "passed"}]}', "a row is malformed"),
     ("[1, 2", "not a readable JSON report"),
