@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conformance.runner import CASES_DIR, PYTEST_PLUGIN, exitcodes
-from harness.rank_mode import SELECTIONS
+from conformance.runner.options import OPTIONS
 
 # pytest, torch and the adapters are imported by the command that needs them, so --help answers at once.
 
@@ -34,12 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the conformance matrix (default: reference, CPU, both rank modes)",
                          epilog=exitcodes.HELP)
-    run.add_argument("--impl", action="append", metavar="NAME",
-                     help="adapter name, repeatable; 'all' for every one (default: $FSDP_CONFORMANCE_IMPL "
-                     "or reference)")
-    run.add_argument("--rank-mode", default=None, metavar="|".join(SELECTIONS),
-                     help="process or thread ranks, both, or launched (inside a torchrun job); "
-                     "default: $FSDP_RANK_MODE or both")
+    _add_setting_options(run)
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     run.add_argument("--row", action="append", metavar="ID",
                      help="only this row, an id as 'list', the matrix and the JSON show it; repeatable")
@@ -49,33 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--outcome", metavar="OUTCOMES",
                      help="with --rows-from: the outcomes to re-run, comma-separated (default: FAIL,error)")
     _add_report_options(run)
-    run.add_argument("--timing-repeats", default=None, metavar="N",
-                     help="timing cases (those that measure wall time, e.g. overlap/*; they run alone, after the "
-                     "rest) compare the median of N timings of each region with their bound, stopping early once "
-                     "no further timing could change the verdict: more repeats are steadier on a loaded machine "
-                     "and slower (default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3)")
-    run.add_argument("--fuzz-examples", default=None, metavar="N",
-                     help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's)")
-    run.add_argument("--fuzz-seed", default=None, metavar="N", help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
-    run.add_argument("--case-timeout", default=None, metavar="S",
-                     help="seconds each row's ranks may take before the row fails as hung, instead of the case's "
-                     "own timeout that 'list' shows (default: $FSDP_CONFORMANCE_CASE_TIMEOUT)")
-    run.add_argument("--max-time", default=None, metavar="S",
-                     help="budget for the whole run: rows not started after S seconds are reported 'not run' "
-                     "and the run fails (default: $FSDP_CONFORMANCE_MAX_TIME, else none)")
-    run.add_argument("--fuzz-stateful-examples", default=None, metavar="N",
-                     help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
-                     "main job's)")
-    run.add_argument("-n", dest="workers", default=None, metavar="auto|N",
-                     help="run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N "
-                     "to the cores (default: 0, one process)")
-    run.add_argument("--device", default=None, metavar="auto|cpu|cuda",
-                     help="where rows compute (docs/USAGE.md: Devices and placements); default $FSDP_DEVICE or auto")
     run.add_argument("--launcher", choices=("spawn", "torchrun"), default=None,
                      help="deprecated: --launcher torchrun is --rank-mode launched")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
-    run.add_argument("--fuzz-verbose", action="store_true", default=None,
-                     help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
     lst = sub.add_parser("list", help="list case rows with their hardware needs and required capabilities")
     lst.add_argument("-k", dest="keyword", metavar="EXPR", help="only cases matching this pytest -k expression")
     lst.add_argument("--impl", metavar="NAME", help="also show which rows are n/a for this adapter, and why")
@@ -83,6 +54,19 @@ def _parser() -> argparse.ArgumentParser:
                      "JSON show it) asserts, with its needs and requirements")
     sub.add_parser("impls", help="list registered implementations and whether they load here")
     return parser
+
+
+def _add_setting_options(run: argparse.ArgumentParser) -> None:
+    """``run``'s options for the run's settings, one per :data:`~conformance.runner.options.OPTIONS` entry
+    ([Note: one table of options])."""
+    for option in OPTIONS:
+        if option.kind == "switch":
+            run.add_argument(option.run_flag, dest=option.name, action="store_true", default=None,
+                             help=option.help_text())
+        else:
+            action = "append" if option.kind == "append" else "store"
+            run.add_argument(option.run_flag, dest=option.name, action=action, default=None, metavar=option.metavar,
+                             help=option.help_text())
 
 
 def _add_report_options(run: argparse.ArgumentParser) -> None:
@@ -102,27 +86,28 @@ def _quiet_rank() -> bool:
     return os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ
 
 
-#: CLI option -> the pytest option it is forwarded as, value untouched. The CLI's own spellings stay
-#: short (``--device``): they cannot collide with a user's pytest options; pytest's are namespaced.
-_FORWARDED = {"rank_mode": "--fsdp-rank-mode", "timing_repeats": "--fsdp-timing-repeats", "device": "--fsdp-device",
-              "fuzz_examples": "--fsdp-fuzz-examples", "fuzz_seed": "--fsdp-fuzz-seed",
-              "fuzz_stateful_examples": "--fsdp-fuzz-stateful-examples", "keyword": "-k",
-              "json": "--conformance-json", "markdown": "--conformance-markdown", "html": "--conformance-html",
-              "junitxml": "--conformance-junit", "launcher": "--fsdp-launcher", "workers": "-n",
-              "rows_from": "--fsdp-rows-from", "outcome": "--fsdp-rows-outcome", "case_timeout": "--fsdp-case-timeout",
-              "max_time": "--fsdp-max-time", "expect": "--conformance-expect"}
+#: CLI option -> the pytest option it is forwarded as, value untouched, for the options that are not
+#: settings (those are forwarded as :data:`~conformance.runner.settings.OPTIONS` says). The CLI's own
+#: spellings stay short (``--json``): they cannot collide with a user's pytest options; pytest's are namespaced.
+_FORWARDED = {"keyword": "-k", "json": "--conformance-json", "markdown": "--conformance-markdown",
+              "html": "--conformance-html", "junitxml": "--conformance-junit", "launcher": "--fsdp-launcher",
+              "rows_from": "--fsdp-rows-from", "outcome": "--fsdp-rows-outcome", "expect": "--conformance-expect"}
 
 
 def _run_args(ns: argparse.Namespace) -> list[str]:
     """The pytest command line for ``ns``: the suite's plugins, each given option forwarded with its value."""
     args = [str(CASES_DIR), "-q", "-p", "no:cacheprovider", "-p", PYTEST_PLUGIN,
             "-W", "ignore::pytest.PytestAssertRewriteWarning", "--conformance-progress"]
-    for name in ns.impl or ():
-        args += ["--fsdp-impl", name]
+    for option in OPTIONS:
+        value = getattr(ns, option.name)
+        if option.kind == "append":
+            args += [part for item in value or () for part in (option.pytest_flag, item)]
+        elif option.kind == "switch":
+            args += [option.pytest_flag] if value else []
+        elif value is not None:
+            args += [option.pytest_flag, str(value)]
     for row in ns.row or ():
         args += ["--fsdp-row", row]
-    if ns.fuzz_verbose:
-        args.append("--fsdp-fuzz-verbose")
     for dest, flag in _FORWARDED.items():
         value = getattr(ns, dest)
         if value is not None:

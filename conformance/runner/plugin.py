@@ -37,6 +37,7 @@ from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
 from conformance.runner import baseline, budget, outputs, progress
 from conformance.runner.findings import Finding, annotate, explaining
+from conformance.runner.options import OPTIONS
 from conformance.runner.reasons import failure_reason, skip_reason
 from conformance.runner.report import summary_line
 from conformance.runner.settings import Settings, resolve_settings
@@ -78,14 +79,14 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance")
-    group.addoption(
-        "--fsdp-impl",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="implementation adapter to run cases against (repeatable; 'all' = every registered "
-        "adapter). Default: $FSDP_CONFORMANCE_IMPL or 'reference'.",
-    )
+    for option in OPTIONS:  # [Note: one table of options]
+        if option.owner != "suite":
+            continue
+        if option.kind == "switch":
+            group.addoption(option.pytest_flag, action="store_true", default=None, help=option.help_text())
+        else:
+            group.addoption(option.pytest_flag, action="append" if option.kind == "append" else "store",
+                            default=None, metavar=option.metavar, help=option.help_text())
     group.addoption("--conformance-json", metavar="PATH", help="write the run's JSON report (docs/REPORTS.md)")
     group.addoption("--conformance-markdown", metavar="PATH", help="write the matrix as markdown")
     group.addoption("--conformance-junit", metavar="PATH", help="write JUnit XML, one testcase per row")
@@ -95,36 +96,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="print one line per case as it finishes and the matrix at the end",
     )
-    group.addoption(
-        "--fsdp-timing-repeats",
-        default=None,
-        metavar="N",
-        help="repetitions of each timed region in timing cases (their median is compared; the repetitions "
-        "stop once no further one could change the verdict). "
-        "Default: $FSDP_CONFORMANCE_TIMING_REPEATS or 3.",
-    )
-    group.addoption(
-        "--fsdp-device",
-        default=None,
-        metavar="auto|cpu|cuda",
-        help="where rows compute: CPU rows always on the CPU; GPU rows on a GPU per rank, else shared GPUs, "
-        "else skipped (auto); cpu skips GPU rows; cuda requires a GPU. Default: $FSDP_DEVICE or auto.",
-    )
-    group.addoption("--fsdp-fuzz-examples", default=None, metavar="N",
-                    help="examples each fuzz row draws (default: $FSDP_FUZZ_EXAMPLES, else the main job's budget)")
-    group.addoption("--fsdp-fuzz-seed", default=None, metavar="N",
-                    help="the fuzzers' seed (default: $FSDP_FUZZ_SEED or 0)")
-    group.addoption("--fsdp-fuzz-verbose", action="store_true", default=None,
-                    help="print each fuzz example as it starts (default: $FSDP_FUZZ_VERBOSE=1)")
-    group.addoption("--fsdp-case-timeout", default=None, metavar="S",
-                    help="seconds every row's ranks may take before the row fails as hung, instead of each "
-                    "case's own ('fsdp-conformance list' shows it). Default: $FSDP_CONFORMANCE_CASE_TIMEOUT")
-    group.addoption("--fsdp-max-time", default=None, metavar="S",
-                    help="seconds the run may take: rows not started by then are reported 'not run' and the "
-                    "run fails. Default: $FSDP_CONFORMANCE_MAX_TIME, else no limit")
-    group.addoption("--fsdp-fuzz-stateful-examples", default=None, metavar="N",
-                    help="programs each stateful fuzz row draws (default: $FSDP_FUZZ_STATEFUL_EXAMPLES, else the "
-                    "main job's budget)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -135,13 +106,9 @@ def pytest_configure(config: pytest.Config) -> None:
                             "without a GPU, run by `tox -e gpu`")
     config.stash[RESULTS_KEY] = []
     try:  # a bad value is a usage error before collection, naming its source
-        flags = {"impls": "--fsdp-impl", "timing_repeats": "--fsdp-timing-repeats", "device": "--fsdp-device",
-                 "fuzz_examples": "--fsdp-fuzz-examples", "fuzz_seed": "--fsdp-fuzz-seed",
-                 "fuzz_verbose": "--fsdp-fuzz-verbose",
-                 "case_timeout": "--fsdp-case-timeout", "max_time": "--fsdp-max-time",
-                 "fuzz_stateful_examples": "--fsdp-fuzz-stateful-examples"}
-        cli = {name: (flag, config.getoption(flag)) for name, flag in flags.items()}
-        cli["workers"] = ("-n", config.getoption("numprocesses", None))
+        cli = {option.name: (option.pytest_flag, config.getoption(option.pytest_flag))
+               for option in OPTIONS if option.owner == "suite"}
+        cli["workers"] = ("-n", config.getoption("numprocesses", None))  # pytest-xdist's option
         config.stash[SETTINGS_KEY] = resolve_settings(cli, rank_mode=rank_mode_setting(config))
         if launched(config) and config.stash[SETTINGS_KEY].workers.value != 0:
             raise ValueError(f"-n {config.stash[SETTINGS_KEY].workers.value} with launched ranks: a launched "

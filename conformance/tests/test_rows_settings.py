@@ -122,3 +122,37 @@ def test_the_usage_guide_lists_every_fsdp_variable_the_code_reads() -> None:
     assert not missing, f"FSDP_* variables read by the code but missing from docs/USAGE.md's settings: {missing}"
     unknown = sorted(listed - read)
     assert not unknown, f"docs/USAGE.md's settings tables list variables nothing reads: {unknown}"
+
+
+def test_one_table_makes_both_command_lines_and_the_usage_rows() -> None:
+    """[Note: one table of options]: docs/USAGE.md's settings rows are the table's, in its order; every option
+    the table gives the suite's plugin is a pytest option of the plugin, and every one is a flag of
+    ``fsdp-conformance run`` that forwards as the table says."""
+    from pathlib import Path
+
+    from conformance.runner import cli
+    from conformance.runner.options import OPTIONS, usage_rows
+    from harness.devices import SETTINGS
+
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "USAGE.md").read_text()
+    rows = usage_rows()
+    assert "\n".join(rows) in usage, "docs/USAGE.md's settings rows differ from conformance.runner.options.usage_rows()"
+    assert next(o for o in OPTIONS if o.name == "device").metavar == "|".join(SETTINGS)
+    given = {"impls": ["reference", "torch-fsdp2"], "rank_mode": "thread", "device": "cpu", "timing_repeats": "5",
+             "case_timeout": "9", "max_time": "99", "fuzz_examples": "2", "fuzz_seed": "3", "fuzz_verbose": True,
+             "fuzz_stateful_examples": "4", "workers": "2"}
+    assert set(given) == {o.name for o in OPTIONS}
+    argv = ["run"]
+    for option in OPTIONS:
+        value = given[option.name]
+        argv += ([option.run_flag] if value is True else
+                 [part for item in value for part in (option.run_flag, item)] if isinstance(value, list) else
+                 [option.run_flag, value])
+    forwarded = cli._run_args(cli._parser().parse_args(argv))
+    for option in OPTIONS:
+        value = given[option.name]
+        want = ([option.pytest_flag] if value is True else
+                [part for item in value for part in (option.pytest_flag, item)] if isinstance(value, list) else
+                [option.pytest_flag, value])
+        start = forwarded.index(want[0])
+        assert forwarded[start:start + len(want)] == want, (option.name, forwarded)
