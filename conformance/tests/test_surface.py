@@ -57,7 +57,8 @@ def test_versions_decide_presence() -> None:
 
 def test_page_is_the_generators_output() -> None:
     assert PAGE.read_text() == render(SURFACES), (
-        f"{PAGE.name} is not what {CLASSIFIED.name} renders to: run python -m conformance.surface --write docs/SURFACE.md")
+        f"{PAGE.name} is not what {CLASSIFIED.name} renders to: "
+        "run python -m conformance.surface --write docs/SURFACE.md")
 
 
 def test_no_entry_says_not_observable() -> None:
