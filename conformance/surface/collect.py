@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["FSDP_MODULE", "STATE_DICT_MODULE", "installed_surfaces", "kind_of_member"]
+__all__ = ["STATE_DICT_MODULE", "installed_surfaces", "kind_of_member"]
 
-FSDP_MODULE = "torch.distributed.fsdp"
 STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 #: The surfaces of call arguments: the dotted path in ``torch.distributed.fsdp`` of each callable.
 _ARGUMENT_SURFACES = ("FullyShardedDataParallel.__init__", "fully_shard")
@@ -95,14 +96,14 @@ def kind_of_member(value: object) -> str:
     return kind
 
 
-def _arguments(function: object) -> dict[str, str]:
+def _arguments(function: Callable[..., Any]) -> dict[str, str]:
     """A callable's parameters other than ``self``."""
-    parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
+    parameters = inspect.signature(function).parameters
     return {name: "argument" for name in parameters if name != "self" and not name.startswith("_")}
 
 
-def _resolve(module: ModuleType, path: str) -> object:
-    value: object = module
+def _resolve(module: ModuleType, path: str) -> Any:
+    value: Any = module
     for part in path.split("."):
         value = getattr(value, part)
     return value
