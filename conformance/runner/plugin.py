@@ -56,6 +56,7 @@ SELECTED_KEY = pytest.StashKey[int]()
 _GPUS_KEY = pytest.StashKey[int]()
 _STATE_KEY = pytest.StashKey["_ItemState"]()
 _SESSION_KEY = pytest.StashKey[pytest.Session]()
+_ADAPTERS_KEY = pytest.StashKey[list[Any]]()
 
 
 @dataclass
@@ -173,13 +174,22 @@ def pytest_ranks_timeout(item: pytest.Item) -> float | None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" not in metafunc.fixturenames or metafunc.definition.get_closest_marker("conformance") is None:
         return
-    adapters: list[Any] = []
-    for name in settings_of(metafunc.config).impls.value:
-        try:
-            adapters.append(registry.load(name))
-        except Exception as exc:  # noqa: BLE001 - reported per case as an error row
-            adapters.append(_Unloadable(name, f"{type(exc).__name__}: {exc}"))
+    adapters = _adapters(metafunc.config)
     metafunc.parametrize("impl", adapters, ids=[a.name for a in adapters])
+
+
+def _adapters(config: pytest.Config) -> list[Any]:
+    """The run's adapters, loaded once per session (every case's rows share them); one that fails to load
+    stands in as :class:`_Unloadable`, reported per row as an error."""
+    if _ADAPTERS_KEY not in config.stash:
+        adapters: list[Any] = []
+        for name in settings_of(config).impls.value:
+            try:
+                adapters.append(registry.load(name))
+            except Exception as exc:  # noqa: BLE001 - reported per case as an error row
+                adapters.append(_Unloadable(name, f"{type(exc).__name__}: {exc}"))
+        config.stash[_ADAPTERS_KEY] = adapters
+    return config.stash[_ADAPTERS_KEY]
 
 
 @dataclass(frozen=True)
