@@ -1,7 +1,7 @@
 """Mixed precision in the fuzzer: the drawn policy as a wrap spec, the local baseline, tolerances.
 
 [Note: fuzz mixed-precision baseline]
-With a :class:`~conformance.cases.fuzz.example.Policy` the baseline is the local
+With a :class:`~conformance.fuzz.example.Policy` the baseline is the local
 float32 model trained as a mixed-precision data-parallel job would train it
 (the emulation of ``fixtures.precision``, [Note: local mixed precision], whose
 helpers it uses): for every rank's batch a copy of the model cast to the param
@@ -11,7 +11,7 @@ summed and divided by the world size in that dtype, cast to float32 and added
 to the local model's gradients, one backward at a time, as an FSDP accumulates
 reduced gradients (the stateful fuzzer's backwards without gradient sync keep
 each rank's gradient unreduced instead, see [Note: unsynced accumulation dtype]
-in :mod:`conformance.cases.fuzz.shadow`). Parameters and optimizer state stay in
+in :mod:`conformance.fuzz.shadow`). Parameters and optimizer state stay in
 float32.
 
 Tolerances are ``torch.testing.assert_close``'s defaults for the dtype a value
@@ -39,9 +39,9 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.example import PRECISION_FEATURES, Policy
-from conformance.cases.fuzz.model import loss_of
 from conformance.contract.adapter import Capability, FSDPAdapter, MixedPrecisionSpec
+from conformance.fuzz.example import PRECISION_FEATURES, Policy
+from conformance.fuzz.model import loss_of
 from fixtures.precision import average_grads, low_precision_copy
 
 __all__ = [
@@ -92,7 +92,7 @@ def required(policy: Policy | None) -> list[Capability]:
 
 
 def precision_features(impl: FSDPAdapter) -> frozenset[str]:
-    """The :data:`~conformance.cases.fuzz.example.PRECISION_FEATURES` ``impl`` supports."""
+    """The :data:`~conformance.fuzz.example.PRECISION_FEATURES` ``impl`` supports."""
     if Capability.MIXED_PRECISION not in impl.capabilities:
         return frozenset()
     if Capability.MP_BUFFER_DTYPE not in impl.capabilities:

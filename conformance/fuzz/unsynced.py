@@ -4,8 +4,8 @@
 Between a backward without gradient sync (inside ``no_sync()``, or with
 ``set_requires_gradient_sync(False)``) and the next synchronizing one, each rank
 keeps its gradient and adds the next one to it, in a dtype its API documents
-([Note: unsynced accumulation dtype] in :mod:`conformance.cases.fuzz.shadow`,
-:func:`~conformance.cases.fuzz.shadow.unsynced_dtype`). Keeping it in another
+([Note: unsynced accumulation dtype] in :mod:`conformance.fuzz.shadow`,
+:func:`~conformance.fuzz.shadow.unsynced_dtype`). Keeping it in another
 dtype moves each rank's sum by at most half a unit in the last place of the
 param dtype: under that dtype's tolerance, so a program shows it only where
 the ranks' sums happen to nearly cancel in the reduction. This neighbour makes
@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import full_params_of
-from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec
-from conformance.cases.fuzz.shadow import unsynced_dtype
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard, no_sync, set_requires_gradient_sync
+from conformance.fuzz.controls import full_params_of
+from conformance.fuzz.ops import Config
+from conformance.fuzz.precision import dtype_of, mixed_precision_spec
+from conformance.fuzz.shadow import unsynced_dtype
 from fixtures.precision import average_grads
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Drawing stateful programs ([Note: stateful programs] in :mod:`conformance.cases.fuzz.ops`) with hypothesis."""
+"""Drawing stateful programs ([Note: stateful programs] in :mod:`conformance.fuzz.ops`) with hypothesis."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from conformance.cases.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, ModelSpec, Policy, models, policies
-from conformance.cases.fuzz.ops import (
+from conformance.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, ModelSpec, Policy, models, policies
+from conformance.fuzz.ops import (
     APIS,
     BATCHES,
     CONTROL_OPS,
@@ -172,7 +172,7 @@ def _reentrant_blocks(config: Config) -> ModelSpec:
     the checkpoint wrapper reentrant. A block recomputes only where its input
     needs a gradient (a reentrant checkpoint gives its parameters none otherwise),
     which the shadow's blocks decide alike ([Note: the shadow model] in
-    :mod:`conformance.cases.fuzz.shadow`).
+    :mod:`conformance.fuzz.shadow`).
     """
     if config.seed % 2 == 0:
         return config.model

@@ -1,4 +1,4 @@
-"""Build the module and the inputs a :class:`~conformance.cases.fuzz.example.ModelSpec` describes.
+"""Build the module and the inputs a :class:`~conformance.fuzz.example.ModelSpec` describes.
 
 Everything is a function of the spec and an integer seed (private generators,
 see [Note: fixture determinism] in ``fixtures.seeding``), so every rank and the
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from conformance.cases.fuzz.example import Block, ModelSpec
+from conformance.fuzz.example import Block, ModelSpec
 from fixtures.seeding import generator, seeded_init_
 
 __all__ = ["FuzzBlock", "FuzzModel", "build_model", "dense_batch", "holds_parameters", "make_batch", "loss_of"]

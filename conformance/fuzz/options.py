@@ -2,7 +2,7 @@
 
 [Note: options a neighbour sets]
 Three neighbours of a program's configuration ([Note: neighbours of a
-configuration] in :mod:`conformance.cases.fuzz.neighbours`) wrap a fresh model
+configuration] in :mod:`conformance.fuzz.neighbours`) wrap a fresh model
 with an option the program did not draw, and check what the option promises:
 
 * a ``wrap`` program that is not hybrid (:attr:`Capability.SYNC_MODULE_STATES`):
@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import full_params_of
-from conformance.cases.fuzz.example import Block
-from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
-from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
-from conformance.cases.fuzz.runner import unwrapped_names
-from conformance.cases.fuzz.shadow import batch_of
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
+from conformance.fuzz.controls import full_params_of
+from conformance.fuzz.example import Block
+from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
+from conformance.fuzz.ops import Config
+from conformance.fuzz.parity import unwrapped_names
+from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
+from conformance.fuzz.shadow import batch_of
 from fixtures.seeding import seeded_init_
 
 if TYPE_CHECKING:
@@ -126,12 +126,14 @@ def _trained_tie(ctx: RankContext, impl: FSDPAdapter, user: _TiedAcrossUnits, ba
     the tied weight's names it still lists."""
     if config.api == "fully_shard":
         mesh = ctx.device_mesh((ctx.world_size,))
-        user.first, user.second = fully_shard(impl, user.first, mesh=mesh), fully_shard(impl, user.second, mesh=mesh)
+        first, second = fully_shard(impl, user.first, mesh=mesh), fully_shard(impl, user.second, mesh=mesh)
+        user.first, user.second = first, second  # type: ignore[assignment]
         model = fully_shard(impl, user, mesh=mesh)
     else:
         spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params)
         with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
-            user.first, user.second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
+            first, second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
+            user.first, user.second = first, second  # type: ignore[assignment]
             model = impl.wrap(user, spec)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of(model(batch)).backward()

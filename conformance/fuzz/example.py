@@ -3,7 +3,7 @@
 [Note: fuzz examples are plain data]
 An :class:`Example` holds only ints, strings, booleans and tuples of them, so
 it pickles, compares with ``==``, and its ``repr`` is Python that rebuilds it
-(``eval(repr(ex), vars(conformance.cases.fuzz.example)) == ex``). The fuzzer draws
+(``eval(repr(ex), vars(conformance.fuzz.example)) == ex``). The fuzzer draws
 examples on rank 0 only and broadcasts them; every rank then builds the same
 model from the same description. A failing example is printed as a ready-to-paste
 case whose body is ``run_example(ctx, impl, <repr>)``.
@@ -55,7 +55,7 @@ class Block:
     runs ``layers`` under ``torch.utils.checkpoint`` with ``use_reentrant=True``
     when it computes gradients, as a user's model code checkpoints itself (only
     the stateful fuzzer sets it: [Note: reentrant blocks] in
-    :mod:`conformance.cases.fuzz.drawing`). ``inner_first``: the nested block
+    :mod:`conformance.fuzz.drawing`). ``inner_first``: the nested block
     runs before ``layers`` (only the stateful fuzzer sets it: [Note: units
     recomputed first] there).
     """
@@ -128,7 +128,7 @@ class Policy:
     [Note: fuzz mixed-precision baseline]; only the stateful fuzzer draws it).
     ``keep_low_precision_grads``: gradients reach the optimizer in the dtype they were
     reduced in, not upcast to float32; only the stateful fuzzer draws it
-    ([Note: options from an unused draw] in :mod:`conformance.cases.fuzz.drawing`).
+    ([Note: options from an unused draw] in :mod:`conformance.fuzz.drawing`).
     """
 
     param_dtype: str = "bfloat16"

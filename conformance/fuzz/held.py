@@ -4,7 +4,7 @@
 Sharding is for memory, so a stateful program also checks the bytes a rank
 holds wherever a user could look, after every operation that leaves no loss
 pending. After an iteration's backward has synchronised gradients (a
-:class:`~conformance.cases.fuzz.ops.Train`, a ``Backward`` that had a loss
+:class:`~conformance.fuzz.ops.Train`, a ``Backward`` that had a loss
 pending, a ``NoSync`` pair), every implementation torch documents has freed what
 it gathered for the iteration: each unit's unsharded parameters (resharded after
 backward, the root included) and its unsharded gradient (reduced to its shard).
@@ -71,8 +71,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.ops import NODE, Config
-from conformance.cases.fuzz.precision import dtype_of
+from conformance.fuzz.ops import NODE, Config
+from conformance.fuzz.precision import dtype_of
 from fixtures.memory import StorageTracker, kept_alive, settle, storages_of
 
 if TYPE_CHECKING:

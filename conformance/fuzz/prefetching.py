@@ -13,7 +13,7 @@ backward after it; then every unit is all-gathered, for the first time in that
 pass, in that order. A unit is told by the bytes a rank sends to its all-gather:
 one unit's parameters over the world, padded neither way or either way a torch
 FSDP pads ([Note: memory held between iterations] in
-:mod:`conformance.cases.fuzz.held`); the check is made only where no two units
+:mod:`conformance.fuzz.held`); the check is made only where no two units
 share such a size (else an all-gather could be either), counts the all-gathers
 over the whole world only (an int ``reshard_after_forward`` gathers backward's
 over smaller groups, with smaller pieces), and leaves out an all-gather of
@@ -28,7 +28,7 @@ what makes FSDP1 issue "the next forward-pass all-gather before the current
 forward computation": off, a unit's parameters are gathered when its forward
 comes, and a unit more is held at a time when it is on. Backward prefetch is on
 by default (``BACKWARD_PRE``, [Note: all-gathers in backward] in
-:mod:`conformance.cases.fuzz.gathers`). A ``FULL_SHARD`` or ``SHARD_GRAD_OP``
+:mod:`conformance.fuzz.gathers`). A ``FULL_SHARD`` or ``SHARD_GRAD_OP``
 ``wrap`` program on several ranks, without a policy (whose param dtype would
 change the sizes), wraps a fresh copy of its model as it does, trains an
 iteration (torch's FSDP1 prefetches from the second, once it knows the order),
@@ -41,7 +41,7 @@ copy with each such block a unit under the root (the program's strategy and
 exposure, no policy), trains an iteration, and in the next backward, of two or
 more all-gathers the second must come before the first reduce-scatter, as the
 program's own backwards must show ([Note: all-gathers in backward] in
-:mod:`conformance.cases.fuzz.gathers`). That check needs sibling units, which a
+:mod:`conformance.fuzz.gathers`). That check needs sibling units, which a
 program's own plan may lack: a unit nested at the end of another starts its
 backward with it, so both are gathered before either reduces, prefetch or not;
 and a frozen unit gathers and reduces nothing. So the copy has its own plan and
@@ -52,15 +52,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from conformance.cases.fuzz.controls import module_at, shard_config
-from conformance.cases.fuzz.gathers import GATHERS, REDUCTIONS, assert_backward_prefetched
-from conformance.cases.fuzz.held import shard_sizes, units_of
-from conformance.cases.fuzz.model import FuzzModel, holds_parameters, loss_of
-from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.shadow import batch_of
-from conformance.cases.fuzz.wrapping import wrap_config
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import set_modules_to_prefetch
+from conformance.fuzz.controls import module_at, shard_config
+from conformance.fuzz.gathers import GATHERS, REDUCTIONS, assert_backward_prefetched
+from conformance.fuzz.held import shard_sizes, units_of
+from conformance.fuzz.model import FuzzModel, holds_parameters, loss_of
+from conformance.fuzz.ops import Config
+from conformance.fuzz.shadow import batch_of
+from conformance.fuzz.wrapping import wrap_config
 from harness.recorder import Call, describe, patch_collectives
 
 if TYPE_CHECKING:

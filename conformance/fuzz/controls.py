@@ -23,7 +23,7 @@ reads, so the shadow ([Note: the shadow model]) does nothing for them:
 * ``GradSync``: ``set_requires_gradient_sync`` on the root. A backward with it
   off keeps each rank's gradient unreduced; the next backward with it on reduces
   the sum, and so does the shadow, exactly as for ``NoSync`` ([Note: unsynced
-  accumulation dtype] in :mod:`conformance.cases.fuzz.shadow`). In between the gradients a user reads
+  accumulation dtype] in :mod:`conformance.fuzz.shadow`). In between the gradients a user reads
   are not defined by the contract (FSDP2 and the reference show the last reduced
   ones, FSDP1's ``no_sync`` the local sum), and neither is what the optimizer or
   ``zero_grad`` would do with them, so gradients are not compared and ``Step``
@@ -56,17 +56,6 @@ import torch.nn as nn
 from torch.distributed.tensor import distribute_tensor
 from torch.utils._pytree import tree_map
 
-from conformance.cases.fuzz.ops import (
-    Config,
-    GradSync,
-    Prefetch,
-    Program,
-    Reshard,
-    ReshardAfterBackward,
-    Unshard,
-)
-from conformance.cases.fuzz.precision import mixed_precision_spec
-from conformance.cases.fuzz.runner import unwrapped_names
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.optional import (
     activation_checkpoint_wrapper,
@@ -77,6 +66,17 @@ from conformance.contract.optional import (
     set_reshard_after_backward,
     unshard,
 )
+from conformance.fuzz.ops import (
+    Config,
+    GradSync,
+    Prefetch,
+    Program,
+    Reshard,
+    ReshardAfterBackward,
+    Unshard,
+)
+from conformance.fuzz.parity import unwrapped_names
+from conformance.fuzz.precision import mixed_precision_spec
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 __all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_params_of", "full_value", "materialize",
            "module_at", "shard_config", "user_buffers"]
 
-#: A capability -> the :data:`~conformance.cases.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
+#: A capability -> the :data:`~conformance.fuzz.ops.FULLY_SHARD_FEATURES` entry it lets programs draw.
 _FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
                Capability.FULLY_SHARD_CONTROLS: "fully_shard_controls",
                Capability.EXPLICIT_PREFETCH: "explicit_prefetch", Capability.META_INIT: "meta_init",
@@ -146,7 +146,8 @@ def materialize(model: nn.Module, device: torch.device, values: nn.Module, clean
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         value = full[clean(name)].detach()
         if hasattr(tensor, "device_mesh"):
-            value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            value = distribute_tensor(value, tensor.device_mesh, tensor.placements,  # type: ignore[attr-defined]
+                                       src_data_rank=None)
         tensor.copy_(value)
 
 

@@ -3,10 +3,10 @@
 [Note: the shadow model]
 The shadow is the unwrapped model (same seed, same frozen parameters, no
 checkpoint wrapper: recomputation changes no value; a block that checkpoints
-itself, [Note: reentrant blocks] in :mod:`conformance.cases.fuzz.drawing`, is
+itself, [Note: reentrant blocks] in :mod:`conformance.fuzz.drawing`, is
 the model's own code and does so here too) with the same optimizer. It
 answers every operation of a program ([Note: stateful programs] in
-:mod:`conformance.cases.fuzz.ops`) the way data-parallel training on the
+:mod:`conformance.fuzz.ops`) the way data-parallel training on the
 ranks must look to a user:
 
 * a forward on rank ``r`` gives the shadow's output on rank ``r``'s batch;
@@ -38,7 +38,7 @@ batch and loss it used, and the backward recomputes them on the same parameters
 mixed-precision policy each rank's pending losses are computed and
 differentiated on a copy of the model in the param dtype and reduced in the
 reduce dtype ([Note: fuzz mixed-precision baseline] in
-:mod:`conformance.cases.fuzz.precision`).
+:mod:`conformance.fuzz.precision`).
 
 [Note: unsynced accumulation dtype]
 Under a mixed-precision policy each rank's gradient is computed in the param
@@ -71,10 +71,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.model import build_model, loss_of, make_batch
-from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
-from conformance.cases.fuzz.runner import make_optimizer
+from conformance.fuzz.model import build_model, loss_of, make_batch
+from conformance.fuzz.ops import Config
+from conformance.fuzz.parity import make_optimizer
+from conformance.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
 from fixtures.precision import average_grads
 
 __all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for", "unsynced_dtype"]
@@ -112,7 +112,7 @@ def unsynced_dtype(config: Config) -> torch.dtype:
 
 
 def loss_for(output: Output, loss: str) -> torch.Tensor:
-    """The loss of a :class:`~conformance.cases.fuzz.ops.Forward`: every output (``"all"``) or the
+    """The loss of a :class:`~conformance.fuzz.ops.Forward`: every output (``"all"``) or the
     main one only (``"main"``: an auxiliary output goes unused)."""
     if loss == "main" and isinstance(output, tuple):
         return loss_of(output[0])
@@ -184,7 +184,7 @@ class Shadow:
         for rank in range(self.config.world_size):
             total = sum(loss_for(model(self._input(b, rank)), kind) for b, kind in self.pending)
             if self.low is None:  # float32 throughout (see [Note: unsynced accumulation dtype])
-                (total / self.config.world_size).backward()  # type: ignore[operator]
+                (total / self.config.world_size).backward()  # type: ignore[operator, union-attr]
                 continue
             model.zero_grad(set_to_none=True)
             total.backward()  # type: ignore[union-attr]

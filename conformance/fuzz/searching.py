@@ -1,17 +1,17 @@
 """The stateful fuzzer's search: programs drawn per world size, run and shrunk on every rank
-([Note: stateful programs] in :mod:`conformance.cases.fuzz.ops`)."""
+([Note: stateful programs] in :mod:`conformance.fuzz.ops`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conformance.cases.fuzz.drawing import programs
-from conformance.cases.fuzz.driver import FuzzSettings, Search, search
-from conformance.cases.fuzz.example import FUZZ_STRATEGIES
-from conformance.cases.fuzz.stateful import check_program
-from conformance.cases.fuzz.wrapping import features_of
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
+from conformance.fuzz.drawing import programs
+from conformance.fuzz.driver import FuzzSettings, Search, search
+from conformance.fuzz.example import FUZZ_STRATEGIES
+from conformance.fuzz.stateful import check_program
+from conformance.fuzz.wrapping import features_of
 
 if TYPE_CHECKING:
     from harness import RankContext

@@ -3,7 +3,7 @@
 [Note: stateful invariant]
 After every operation each rank checks what a user of the wrapped model can
 observe against the shadow ([Note: the shadow model] in
-:mod:`conformance.cases.fuzz.shadow`): the outputs and loss of a forward (this
+:mod:`conformance.fuzz.shadow`): the outputs and loss of a forward (this
 rank's batch), and, whenever no loss is pending (between iterations, where a
 user reads them), the full parameters, the full gradients (where the adapter
 exposes them), the values of the model's buffers (``named_buffers()``, also
@@ -12,13 +12,13 @@ forward, not at wrapping), and that every original parameter is still
 registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
-:mod:`conformance.cases.fuzz.runner`), and the rank holds no more memory than sharding allows
-([Note: memory held between iterations] in :mod:`conformance.cases.fuzz.held`); when the program ends its
-user drops the model, which must then be freed (:func:`~conformance.cases.fuzz.held.left_alive`). Tolerances are
+:mod:`conformance.fuzz.parity`), and the rank holds no more memory than sharding allows
+([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); when the program ends its
+user drops the model, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
 ``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
 losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
-:mod:`conformance.cases.fuzz.runner`), and so are missing optimizer state and
+:mod:`conformance.fuzz.parity`), and so are missing optimizer state and
 all-zero state: a flat parameter steps the unused parameters it holds with
 zero gradients, which leaves them and their zero moments unchanged. Verdicts
 agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
-from conformance.cases.fuzz.gathers import Gathers
-from conformance.cases.fuzz.held import Held, left_alive
-from conformance.cases.fuzz.neighbours import check_neighbours
-from conformance.cases.fuzz.ops import (
+from conformance.contract.adapter import FSDPAdapter
+from conformance.contract.optional import full_grads, no_sync
+from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
+from conformance.fuzz.gathers import Gathers
+from conformance.fuzz.held import Held, left_alive
+from conformance.fuzz.neighbours import check_neighbours
+from conformance.fuzz.ops import (
     BATCHES,
     CONTROL_OPS,
     Backward,
@@ -61,8 +63,7 @@ from conformance.cases.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.cases.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
-from conformance.cases.fuzz.runner import (
+from conformance.fuzz.parity import (
     agree,
     assert_dtypes,
     assert_no_grads_outside_the_loss,
@@ -75,10 +76,9 @@ from conformance.cases.fuzz.runner import (
     unwrapped_names,
     zeros_for_none,
 )
-from conformance.cases.fuzz.shadow import Shadow, batch_of, build, loss_for
-from conformance.cases.fuzz.wrapping import assert_ignored_kept, given_groups, missing_operations, wrap_config
-from conformance.contract.adapter import FSDPAdapter
-from conformance.contract.optional import full_grads, no_sync
+from conformance.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
+from conformance.fuzz.shadow import Shadow, batch_of, build, loss_for
+from conformance.fuzz.wrapping import assert_ignored_kept, given_groups, missing_operations, wrap_config
 from fixtures.parity import assert_close_named
 from harness.rank_mode import RankMode
 

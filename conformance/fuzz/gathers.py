@@ -21,7 +21,7 @@ program checks that
   comes before the first reduce-scatter (the next unit was gathered before this
   unit's gradient was reduced; without prefetch each unit's all-gather waits for
   the previous unit's reduction to be issued);
-- a hybrid program ([Note: hybrid programs] in :mod:`conformance.cases.fuzz.wrapping`)
+- a hybrid program ([Note: hybrid programs] in :mod:`conformance.fuzz.wrapping`)
   gathers and reduce-scatters over the very shard group object it was given
   (told apart by its c10d name from a new group of the same ranks, which would
   lose what the user built the group with: its backend, options, timeout).
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from conformance.cases.fuzz.held import units_of
-from conformance.cases.fuzz.ops import Config
+from conformance.fuzz.held import units_of
+from conformance.fuzz.ops import Config
 from harness.observe import group_name
 from harness.recorder import Call, describe, patch_collectives
 

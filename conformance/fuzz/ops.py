@@ -9,7 +9,7 @@ gradients, ``train()``/``eval()``, backward, optimizer step, a whole training it
 ``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
 the last save, and a backward inside the adapter's optional ``no_sync``; on a
 ``fully_shard``-ed model also FSDP2's per-module controls ([Note: fully_shard
-programs] in :mod:`conformance.cases.fuzz.controls`). Like a
+programs] in :mod:`conformance.fuzz.controls`). Like a
 parity example ([Note: fuzz examples are plain data]) a program holds only
 ints, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
 sent to every rank, and its ``source`` is the reproducer's body.
@@ -24,14 +24,14 @@ state dicts on thread ranks, ...) are skipped the same way and counted.
 
 Configuration is drawn the way the parity fuzzer draws policies: every choice
 first, then what the implementation cannot express is dropped
-(:func:`conformance.cases.fuzz.drawing.programs`), so one seed draws the same operations for every adapter.
+(:func:`conformance.fuzz.drawing.programs`), so one seed draws the same operations for every adapter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.cases.fuzz.example import (
+from conformance.fuzz.example import (
     DTYPES,
     FUZZ_STRATEGIES,
     OPTIMIZERS,
@@ -54,7 +54,7 @@ APIS = ("wrap", "fully_shard")
 #: mixed-precision policy.
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
                                   "explicit_prefetch", "meta_init", "fully_shard_mixed_precision"})
-#: Configuration features an adapter may lack (see :func:`conformance.cases.fuzz.wrapping.features_of`).
+#: Configuration features an adapter may lack (see :func:`conformance.fuzz.wrapping.features_of`).
 FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
                       "keep_low_precision_grads", "ignored_modules"}) | FULLY_SHARD_FEATURES
 #: A sharding strategy -> its hybrid counterpart, which shards the same way within a "node" of
@@ -68,7 +68,7 @@ BATCHES = 3
 
 def hybrid_fits(world_size: int) -> bool:
     """Whether ``world_size`` ranks make several nodes of :data:`NODE` ranks, where a ``wrap`` program may
-    draw a hybrid strategy ([Note: hybrid programs] in :mod:`conformance.cases.fuzz.wrapping`)."""
+    draw a hybrid strategy ([Note: hybrid programs] in :mod:`conformance.fuzz.wrapping`)."""
     return world_size > NODE and world_size % NODE == 0
 
 

@@ -1,8 +1,8 @@
 """A stateful program's wrapped model, what of programs an adapter can run, and a program's reproducer.
 
 [Note: hybrid programs]
-Where the world is several "nodes" of :data:`~conformance.cases.fuzz.ops.NODE`
-ranks (:func:`~conformance.cases.fuzz.ops.hybrid_fits`), a ``wrap`` program's
+Where the world is several "nodes" of :data:`~conformance.fuzz.ops.NODE`
+ranks (:func:`~conformance.fuzz.ops.hybrid_fits`), a ``wrap`` program's
 ``FULL_SHARD`` or ``SHARD_GRAD_OP`` may become its hybrid counterpart
 (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) for every unit, given an explicit
 ``(shard, replicate)`` group tuple: shard groups of ``NODE`` consecutive ranks,
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import fully_shard_features, fully_shard_requires
-from conformance.cases.fuzz.example import source
-from conformance.cases.fuzz.ops import HYBRID_OF, NODE, Config, Program
-from conformance.cases.fuzz.precision import mixed_precision_spec, precision_features, required
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.messages import NO_SHARD_SWITCH
 from conformance.contract.optional import activation_checkpoint_wrapper
+from conformance.fuzz.controls import fully_shard_features, fully_shard_requires
+from conformance.fuzz.example import source
+from conformance.fuzz.ops import HYBRID_OF, NODE, Config, Program
+from conformance.fuzz.precision import mixed_precision_spec, precision_features, required
 from fixtures.meshes import hybrid_groups
 from fixtures.parity import assert_close_named
 from harness.rank_mode import RankMode
@@ -42,7 +42,7 @@ __all__ = ["assert_ignored_kept", "features_of", "given_groups", "missing_operat
 
 
 def features_of(impl: FSDPAdapter) -> frozenset[str]:
-    """The configuration :data:`~conformance.cases.fuzz.ops.FEATURES` ``impl`` can express."""
+    """The configuration :data:`~conformance.fuzz.ops.FEATURES` ``impl`` can express."""
     caps = impl.capabilities
     cpu_offload = {"cpu_offload"} if Capability.CPU_OFFLOAD in caps else set()
     cast = {"cast_forward_inputs"} if {Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS} <= caps else set()
@@ -95,7 +95,7 @@ def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: C
 
 def assert_ignored_kept(ignored: dict[str, nn.Module], local: nn.Module) -> None:
     """Each ignored module (the user's object) still holds its own full parameters, equal to the shadow's
-    ([Note: ignored modules in programs] in :mod:`conformance.cases.fuzz.ops`)."""
+    ([Note: ignored modules in programs] in :mod:`conformance.fuzz.ops`)."""
     for path, module in ignored.items():
         got = {name: param.detach() for name, param in module.named_parameters()}
         want = {name: param.detach() for name, param in local.get_submodule(path).named_parameters()}

@@ -6,7 +6,7 @@ never leaves the others waiting in the implementation's next collective. After
 the wrap and after every step, ranks all-gather their failure text (a kept
 mismatch, or an exception from the implementation) and all stop at the first
 one, so every rank reaches the same verdict, which the driver
-(:mod:`conformance.cases.fuzz.driver`) hands to hypothesis. A check of the
+(:mod:`conformance.fuzz.driver`) hands to hypothesis. A check of the
 fuzzer's own that raises is kept like a failed assertion. The stateful fuzzer
 agrees on each operation before its state check, whose collectives (gathers
 of full values) run only once every rank is through the operation: a rank
@@ -23,7 +23,7 @@ rank ``r``'s loss is compared with the baseline's loss on rank ``r``'s batch,
 and the baseline's gradient is the mean over ranks of those losses'
 gradients, which is what data-parallel averaging produces. Under a
 mixed-precision policy the baseline trains as [Note: fuzz mixed-precision
-baseline] in :mod:`conformance.cases.fuzz.precision` says, and every output must come
+baseline] in :mod:`conformance.fuzz.precision` says, and every output must come
 out in the param dtype. Comparisons are ``torch.testing.assert_close`` with its
 defaults for the dtype (through :mod:`fixtures.parity`; under a policy, losses
 and gradients in the param dtype, as that note explains). A missing gradient
@@ -41,9 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.example import Example
-from conformance.cases.fuzz.model import build_model, loss_of, make_batch
-from conformance.cases.fuzz.precision import (
+from conformance.contract.adapter import FSDPAdapter, UnitInfo, WrapSpec
+from conformance.contract.optional import full_grads
+from conformance.fuzz.example import Example
+from conformance.fuzz.model import build_model, loss_of, make_batch
+from conformance.fuzz.precision import (
     as_compared,
     dtype_of,
     in_compute_dtype,
@@ -52,8 +54,6 @@ from conformance.cases.fuzz.precision import (
     mixed_precision_spec,
     model_input,
 )
-from conformance.contract.adapter import FSDPAdapter, UnitInfo, WrapSpec
-from conformance.contract.optional import full_grads
 from fixtures.parity import assert_close_named, named_grads
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ def _common_dtype(got: Any, want: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def assert_optim_state(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
     """Per-parameter optimizer state equal; a parameter with state on one side only must have all-zero
-    tensors there (see [Note: stateful invariant] in :mod:`conformance.cases.fuzz.stateful`), whatever its
+    tensors there (see [Note: stateful invariant] in :mod:`conformance.fuzz.stateful`), whatever its
     step count."""
     for name in sorted(set(got) | set(want)):
         if name in got and name in want:

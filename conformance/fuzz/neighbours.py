@@ -11,13 +11,13 @@ may leave a module half-made, so the program's own model is not used), and each
 must behave so on every rank:
 
 * a hybrid ``wrap`` program ([Note: hybrid programs] in
-  :mod:`conformance.cases.fuzz.wrapping`): its strategy given neither groups nor
+  :mod:`conformance.fuzz.wrapping`): its strategy given neither groups nor
   a mesh and no auto-wrap policy (:attr:`Capability.HYBRID_MANUAL_WRAP_CHECK`),
   and ``HYBRID_SHARD`` given the world's one group with a policy
   (:attr:`Capability.HYBRID_PG_VALIDATION`);
 * a ``HYBRID_SHARD`` program: wrapped as it wraps but with its keeping form
   ``_HYBRID_SHARD_ZERO2``, a backward keeps that strategy's promise (no
-  all-gather: [Note: all-gathers in backward] in :mod:`conformance.cases.fuzz.gathers`);
+  all-gather: [Note: all-gathers in backward] in :mod:`conformance.fuzz.gathers`);
 * a ``wrap`` program with flat parameters (``use_orig_params=False``): an
   optimizer-in-backward on the wrapped model's parameters, refused at its first
   forward (:attr:`Capability.OPTIM_IN_BACKWARD_CHECK`);
@@ -27,12 +27,12 @@ must behave so on every rank:
 * a ``fully_shard`` program on several ranks (:attr:`Capability.EXPLICIT_PREFETCH`):
   every unit given the next two as its prefetch lists, each pass all-gathers the
   units in order ([Note: prefetch lists in order] in
-  :mod:`conformance.cases.fuzz.prefetching`);
+  :mod:`conformance.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks without
   a policy: wrapped as it wraps, a second iteration's forward gathers each unit
   only once the forward of the one before it began; and a ``FULL_SHARD`` one,
   each block a unit: its backward prefetches ([Note: prefetch as by default] in
-  :mod:`conformance.cases.fuzz.prefetching`);
+  :mod:`conformance.fuzz.prefetching`);
 * a ``FULL_SHARD`` or ``SHARD_GRAD_OP`` ``wrap`` program on several ranks whose
   first block holds parameters, with the debug level at DETAIL (:attr:`Capability.EXEC_ORDER_VALIDATION`): every
   rank but 0 running another unit than rank 0 does (of the same size). In the
@@ -46,11 +46,11 @@ must behave so on every rank:
 * every program that is not hybrid: a weight tied across two units refused or
   kept; a ``wrap`` one also ``sync_module_states`` and, with a policy,
   ``keep_low_precision_grads`` taking effect ([Note: options a neighbour sets] in
-  :mod:`conformance.cases.fuzz.options`);
+  :mod:`conformance.fuzz.options`);
 * a program with a policy, ``wrap`` (not hybrid, :attr:`Capability.NO_SYNC`) or
   ``fully_shard`` (:attr:`Capability.FULLY_SHARD_CONTROLS`): the sums kept without
   gradient sync add up in the dtype its API documents ([Note: unsynced sums made
-  to show] in :mod:`conformance.cases.fuzz.unsynced`);
+  to show] in :mod:`conformance.fuzz.unsynced`);
 * a ``wrap`` program (:attr:`Capability.UNSAFE_SETATTR`): its model, every layer
   given a ``__setattr__`` override that records its calls, wrapped as the
   program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, computes a forward without
@@ -62,7 +62,7 @@ must behave so on every rank:
   full precision (float32 outputs).
 
 No draw decides them (a draw would move every seed: [Note: options from an
-unused draw] in :mod:`conformance.cases.fuzz.drawing`), so every seed keeps the
+unused draw] in :mod:`conformance.fuzz.drawing`), so every seed keeps the
 programs it drew. The cases ``hybrid_shard/manual_wrap_requires_pg``,
 ``hybrid_shard/invalid_pg_specification``,
 ``construction/optim_in_backward_requires_orig_params``, ``fully_shard_api/misuse``,
@@ -82,18 +82,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.cases._rank_helpers import env_on_all_ranks, setting_on_all_ranks
-from conformance.cases.fuzz.example import Block
-from conformance.cases.fuzz.gathers import Gathers
-from conformance.cases.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
-from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
-from conformance.cases.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
-from conformance.cases.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
-from conformance.cases.fuzz.runner import agree, attempt
-from conformance.cases.fuzz.shadow import batch_of
-from conformance.cases.fuzz.unsynced import keeps_unsynced_sums
-from conformance.cases.fuzz.wrapping import given_groups, wrap_config
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.messages import (
     FULL_PRECISION_IN_EVAL,
@@ -106,7 +94,19 @@ from conformance.contract.messages import (
     UNSAFE_SETATTR,
 )
 from conformance.contract.optional import fully_shard
+from conformance.fuzz.example import Block
+from conformance.fuzz.gathers import Gathers
+from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
+from conformance.fuzz.ops import Config
+from conformance.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
+from conformance.fuzz.parity import agree, attempt
+from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
+from conformance.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
+from conformance.fuzz.shadow import batch_of
+from conformance.fuzz.unsynced import keeps_unsynced_sums
+from conformance.fuzz.wrapping import given_groups, wrap_config
 from fixtures.models import record_setattr
+from fixtures.rank_settings import env_on_all_ranks, setting_on_all_ranks
 from fixtures.seeding import seeded_init_
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str
     """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); the first one ``impl`` got
     wrong, the same text on every rank, or ``None``. Ranks agree after each neighbour, and a neighbour raises
     only after its last collective ([Note: fuzz verdicts agree across ranks] in
-    :mod:`conformance.cases.fuzz.runner`)."""
+    :mod:`conformance.fuzz.parity`)."""
     for name, step in _neighbours(ctx, impl, config):
         failure = agree(ctx, attempt(f"neighbour ({name})", step)[1])
         if failure is not None:
@@ -207,7 +207,7 @@ def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: Config,
 def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
              fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
     """The neighbours of a ``wrap`` program that is not hybrid setting an option it did not draw ([Note: options a
-    neighbour sets] in :mod:`conformance.cases.fuzz.options`)."""
+    neighbour sets] in :mod:`conformance.fuzz.options`)."""
     caps = impl.capabilities
     steps: list[tuple[str, Callable[[], None]]] = []
     if Capability.SYNC_MODULE_STATES in caps:
@@ -220,7 +220,7 @@ def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
 def _keeping_form(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
     """The program wrapped with ``_HYBRID_SHARD_ZERO2`` for its ``HYBRID_SHARD``: its backward keeps the promise of a
     strategy that keeps the unsharded parameters ([Note: all-gathers in backward] in
-    :mod:`conformance.cases.fuzz.gathers`)."""
+    :mod:`conformance.fuzz.gathers`)."""
     keeping = replace(config, strategy="_HYBRID_SHARD_ZERO2")
     groups = given_groups(ctx, keeping)
     gathers = Gathers(keeping, build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device),
@@ -339,7 +339,7 @@ def _unit_per_block(ctx: RankContext, impl: FSDPAdapter, config: Config) -> tupl
     seeded_init_(user, config.seed)
     user.to(ctx.device, dtype_of(config.dtype))
     spec = WrapSpec(strategy=config.strategy)
-    user.first, user.second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
+    user.first, user.second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)  # type: ignore[assignment]
     return impl.wrap(user, spec), user
 
 

@@ -4,11 +4,11 @@
 Hypothesis must see one deterministic property. Only rank 0 runs it
 (``hypothesis.find`` with a seeded ``Random``, no example database, no
 deadline): for each value it draws or tries while shrinking, rank 0 sends the
-plain-data value (a parity :class:`~conformance.cases.fuzz.example.Example`, or a
-stateful :class:`~conformance.cases.fuzz.ops.Program`) to every rank (an
+plain-data value (a parity :class:`~conformance.fuzz.example.Example`, or a
+stateful :class:`~conformance.fuzz.ops.Program`) to every rank (an
 all-gather of objects in which only rank 0's entry counts), all ranks run it
-(:func:`~conformance.cases.fuzz.runner.check_example` or
-:func:`~conformance.cases.fuzz.stateful.check_program`, whose verdict is the same on
+(:func:`~conformance.fuzz.parity.check_example` or
+:func:`~conformance.fuzz.stateful.check_program`, whose verdict is the same on
 every rank), and rank 0 returns that verdict to hypothesis. :func:`search` is
 that loop for any strategy and check; both fuzzers use it. The other ranks
 loop on received messages until rank 0 sends ``stop``, which it always does,
@@ -47,11 +47,11 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.errors import NoSuchExample
 from hypothesis.strategies import SearchStrategy
 
-from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
-from conformance.cases.fuzz.precision import precision_features, required
-from conformance.cases.fuzz.runner import check_example
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
+from conformance.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
+from conformance.fuzz.parity import check_example
+from conformance.fuzz.precision import precision_features, required
 from harness import groups_scope
 
 if TYPE_CHECKING:
@@ -215,8 +215,8 @@ def _draws_from_the_seed_alone() -> Iterator[None]:
     if None in saved:
         yield
         return
-    providers._get_local_constants = lambda: _NoConstants()  # type: ignore[assignment]
-    providers.CONSTANTS_CACHE = type(saved[1])(1024)  # type: ignore[call-arg]
+    providers._get_local_constants = lambda: _NoConstants()  # type: ignore[assignment, return-value]
+    providers.CONSTANTS_CACHE = type(saved[1])(1024)  # type: ignore[call-arg, misc]
     try:
         yield
     finally:
