@@ -24,6 +24,12 @@ The stateful fuzzer: random sequences of a user's operations, checked after each
 - :mod:`conformance.fuzz.stateful`: one program on the ranks, the invariant, checked after every operation;
 - :mod:`conformance.fuzz.searching`: programs drawn per world size, run and shrunk, with their budget.
 
+Shared by both:
+
+- :mod:`conformance.fuzz.verdicts`: a failure kept, then the same verdict on every rank;
+- :mod:`conformance.fuzz.compare`: the checks of the wrapped model against its local twin;
+- :mod:`conformance.fuzz.optimizers`: the optimizers both train with.
+
 The engine imports the contract, :mod:`fixtures` and :mod:`harness`, never the case modules. The
 matrix rows are ``fuzz/parity_ws{1,2,4}`` and ``fuzz/stateful_ws{1,2,4}`` in
 ``conformance/cases/test_fuzz.py``.

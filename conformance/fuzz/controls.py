@@ -66,6 +66,7 @@ from conformance.contract.optional import (
     set_reshard_after_backward,
     unshard,
 )
+from conformance.fuzz.compare import unwrapped_names
 from conformance.fuzz.ops import (
     Config,
     GradSync,
@@ -75,7 +76,6 @@ from conformance.fuzz.ops import (
     ReshardAfterBackward,
     Unshard,
 )
-from conformance.fuzz.parity import unwrapped_names
 from conformance.fuzz.precision import mixed_precision_spec
 
 if TYPE_CHECKING:

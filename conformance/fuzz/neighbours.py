@@ -99,11 +99,11 @@ from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
 from conformance.fuzz.ops import Config
 from conformance.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
-from conformance.fuzz.parity import agree, attempt
 from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
 from conformance.fuzz.shadow import batch_of
 from conformance.fuzz.unsynced import keeps_unsynced_sums
+from conformance.fuzz.verdicts import agree, attempt
 from conformance.fuzz.wrapping import given_groups, wrap_config
 from fixtures.models import record_setattr
 from fixtures.rank_settings import env_on_all_ranks, setting_on_all_ranks
@@ -129,7 +129,7 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str
     """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); the first one ``impl`` got
     wrong, the same text on every rank, or ``None``. Ranks agree after each neighbour, and a neighbour raises
     only after its last collective ([Note: fuzz verdicts agree across ranks] in
-    :mod:`conformance.fuzz.parity`)."""
+    :mod:`conformance.fuzz.verdicts`)."""
     for name, step in _neighbours(ctx, impl, config):
         failure = agree(ctx, attempt(f"neighbour ({name})", step)[1])
         if failure is not None:

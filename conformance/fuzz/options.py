@@ -37,11 +37,11 @@ import torch.nn as nn
 
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
+from conformance.fuzz.compare import unwrapped_names
 from conformance.fuzz.controls import full_params_of
 from conformance.fuzz.example import Block
 from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
 from conformance.fuzz.ops import Config
-from conformance.fuzz.parity import unwrapped_names
 from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.shadow import batch_of
 from fixtures.seeding import seeded_init_

@@ -73,7 +73,7 @@ import torch.nn as nn
 
 from conformance.fuzz.model import build_model, loss_of, make_batch
 from conformance.fuzz.ops import Config
-from conformance.fuzz.parity import make_optimizer
+from conformance.fuzz.optimizers import make_optimizer
 from conformance.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
 from fixtures.precision import average_grads
 

@@ -12,13 +12,13 @@ forward, not at wrapping), and that every original parameter is still
 registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
-:mod:`conformance.fuzz.parity`), and the rank holds no more memory than sharding allows
+:mod:`conformance.fuzz.compare`), and the rank holds no more memory than sharding allows
 ([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); when the program ends its
 user drops the model, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
 ``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
 losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
-:mod:`conformance.fuzz.parity`), and so are missing optimizer state and
+:mod:`conformance.fuzz.compare`), and so are missing optimizer state and
 all-zero state: a flat parameter steps the unused parameters it holds with
 zero gradients, which leaves them and their zero moments unchanged. Verdicts
 agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
@@ -38,6 +38,15 @@ import torch.nn as nn
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.optional import full_grads, no_sync
+from conformance.fuzz.compare import (
+    assert_dtypes,
+    assert_no_grads_outside_the_loss,
+    assert_optim_state,
+    assert_same_dtypes,
+    unwrapped_name,
+    unwrapped_names,
+    zeros_for_none,
+)
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.held import Held, left_alive
@@ -63,21 +72,10 @@ from conformance.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.fuzz.parity import (
-    agree,
-    assert_dtypes,
-    assert_no_grads_outside_the_loss,
-    assert_optim_state,
-    assert_same_dtypes,
-    attempt,
-    fail,
-    make_optimizer,
-    unwrapped_name,
-    unwrapped_names,
-    zeros_for_none,
-)
+from conformance.fuzz.optimizers import make_optimizer
 from conformance.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
 from conformance.fuzz.shadow import Shadow, batch_of, build, loss_for
+from conformance.fuzz.verdicts import agree, attempt, fail
 from conformance.fuzz.wrapping import assert_ignored_kept, given_groups, missing_operations, wrap_config
 from fixtures.parity import assert_close_named
 from harness.rank_mode import RankMode

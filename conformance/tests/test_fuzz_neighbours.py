@@ -16,7 +16,7 @@ from conformance.contract.adapter import FSDPAdapter
 from conformance.fuzz.example import Block, ModelSpec, Policy
 from conformance.fuzz.neighbours import _neighbours, _refused
 from conformance.fuzz.ops import Config, Program, Train
-from conformance.fuzz.parity import agree, attempt
+from conformance.fuzz.verdicts import agree, attempt
 from conformance.selftest.mutants import (
     AlwaysPrefetch,
     AutoWrapChildrenOnly,

@@ -17,6 +17,7 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
+from conformance.fuzz.compare import assert_no_grads_outside_the_loss
 from conformance.fuzz.drawing import programs
 from conformance.fuzz.driver import Search
 from conformance.fuzz.example import Block, ModelSpec, Policy, source
@@ -39,7 +40,6 @@ from conformance.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.fuzz.parity import assert_no_grads_outside_the_loss
 from conformance.fuzz.searching import budget, stateful_fuzz
 from conformance.fuzz.stateful import check_program
 from conformance.fuzz.wrapping import assert_ignored_kept, missing_operations, render_program
