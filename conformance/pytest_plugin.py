@@ -34,7 +34,8 @@ import pytest
 #: The suite's packages whose ``assert`` statements pytest rewrites (``conformance`` itself, the parent
 #: of this module, is imported by now: its subpackages are named instead).
 REWRITTEN = ("harness", "fixtures", "fsdp_impl", "bench", "conformance.adapters", "conformance.cases",
-             "conformance.contract", "conformance.runner", "conformance.selftest", "conformance.tests")
+             "conformance.contract", "conformance.fuzz", "conformance.runner", "conformance.selftest",
+             "conformance.tests")
 pytest.register_assert_rewrite(*REWRITTEN)
 
 pytest_plugins = [

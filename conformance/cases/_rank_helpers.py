@@ -1,4 +1,4 @@
-"""Helpers shared by the placement, training and construction case files (not a case module).
+"""Helpers shared by the placement and training case files (not a case module).
 
 [Note: CPU groups]
 Cases that the catalogue pins to the CPU (``device_id=cpu`` on gloo) must stay
@@ -18,10 +18,8 @@ its exact messages :attr:`Capability.PLACEMENT_MESSAGES`.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,10 +29,7 @@ from fixtures.meshes import hybrid_grid, hybrid_groups
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["cpu_groups", "cpu_world_group", "cuda_device", "env_on_all_ranks", "hybrid_cpu_groups",
-           "setting_on_all_ranks"]
-
-T = TypeVar("T")
+__all__ = ["cpu_groups", "cpu_world_group", "cuda_device", "hybrid_cpu_groups"]
 
 
 def _default_backend_moves_cpu() -> bool:
@@ -76,38 +71,3 @@ def cuda_device(ctx: RankContext) -> torch.device:
         raise RuntimeError(f"rank {ctx.rank} computes on {device}; a GPU row must declare gpus= in @case")
     torch.cuda.set_device(device)
     return device
-
-
-@contextlib.contextmanager
-def setting_on_all_ranks(ctx: RankContext, get: Callable[[], T], put: Callable[[T], None], value: T) -> Iterator[None]:
-    """Put a process-wide setting (read by ``get``, written by ``put``) at ``value`` identically on every rank,
-    then put back what it was.
-
-    Under thread ranks the ranks share the process, so each reads the old value
-    before any rank writes, the barriers make every rank see the new value before
-    any rank proceeds, and the old value comes back only after every rank has
-    finished with it.
-    """
-    old = get()
-    ctx.barrier()
-    put(value)
-    ctx.barrier()
-    try:
-        yield
-    finally:
-        ctx.barrier()
-        put(old)
-        ctx.barrier()
-
-
-def env_on_all_ranks(ctx: RankContext, name: str, value: str | None) -> contextlib.AbstractContextManager[None]:
-    """Set (``None``: unset) an environment variable identically on every rank, then restore it
-    (:func:`setting_on_all_ranks`)."""
-
-    def put(new: str | None) -> None:
-        if new is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = new
-
-    return setting_on_all_ranks(ctx, lambda: os.environ.get(name), put, value)

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
 from conformance.contract.messages import (
@@ -35,6 +34,7 @@ from fixtures.parity import (
     assert_differs_across_ranks,
     assert_same_across_ranks,
 )
+from fixtures.rank_settings import env_on_all_ranks
 from fixtures.seeding import generator, rank_seed
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.cases.fuzz`).
+"""fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.fuzz`).
 
 Each row draws ``--fuzz-examples`` (``FSDP_FUZZ_EXAMPLES``) examples (default:
 12, 15 and 3 for world sizes 1, 2 and 4; a nightly run raises it) from
@@ -9,13 +9,13 @@ rows; they run against every implementation like any case (one with a
 mixed-precision policy requires the capabilities the policy needs).
 
 A fifth to a third of the examples draw a mixed-precision policy
-(``conformance.cases.fuzz.precision``; gradients reduced in low precision only where
+(``conformance.fuzz.precision``; gradients reduced in low precision only where
 that has one correct value, [Note: low-precision reductions in the fuzzer]).
 For an implementation without ``Capability.MIXED_PRECISION`` (or without
 ``MP_BUFFER_DTYPE``) the drawn policy (or its buffer dtype) is dropped: the
 example still runs, in full precision, and the row's reason says so.
 
-The stateful fuzzer's rows, ``fuzz/stateful_ws*``, one per world size (see :mod:`conformance.cases.fuzz.stateful`).
+The stateful fuzzer's rows, ``fuzz/stateful_ws*``, one per world size (see :mod:`conformance.fuzz.stateful`).
 
 Each row draws ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``)
 programs (default: 5, 5 and 2 at world sizes 1, 2 and 4; a nightly run raises
@@ -25,7 +25,7 @@ parameters; sharded by the adapter's ``wrap``, or by its ``fully_shard`` where i
 declares ``FULLY_SHARD``) and a random sequence of a user's operations on the model
 (on a ``fully_shard``-ed one also ``unshard``/``reshard``, gradient sync and
 reshard-after-backward switches and explicit prefetch, where declared)
-([Note: stateful programs] in :mod:`conformance.cases.fuzz.ops`). Every
+([Note: stateful programs] in :mod:`conformance.fuzz.ops`). Every
 operation runs on the implementation and on a local shadow model, and the
 user-visible state must agree after each one ([Note: stateful invariant]). A
 mismatch fails with the shrunk program printed as a ready-to-paste case; paste
@@ -41,10 +41,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conformance.cases.fuzz.driver import FuzzSettings, fuzz, render_case
-from conformance.cases.fuzz.example import FUZZ_STRATEGIES, Block, Example, ModelSpec, Policy
-from conformance.cases.fuzz.neighbours import NEIGHBOURS_USE
-from conformance.cases.fuzz.ops import (
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import CaseSettings, case
+from conformance.contract.results import CaseReport
+from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
+from conformance.fuzz.example import FUZZ_STRATEGIES, Block, Example, ModelSpec, Policy
+from conformance.fuzz.neighbours import NEIGHBOURS_USE
+from conformance.fuzz.ops import (
     FEATURES,
     Backward,
     Config,
@@ -61,14 +64,11 @@ from conformance.cases.fuzz.ops import (
     Train,
     Unshard,
 )
-from conformance.cases.fuzz.precision import precision_note
-from conformance.cases.fuzz.runner import run_example
-from conformance.cases.fuzz.searching import budget, stateful_fuzz
-from conformance.cases.fuzz.stateful import run_program
-from conformance.cases.fuzz.wrapping import features_of, missing_operations, render_program
-from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import CaseSettings, case
-from conformance.contract.results import CaseReport
+from conformance.fuzz.parity import run_example
+from conformance.fuzz.precision import precision_note
+from conformance.fuzz.searching import budget, stateful_fuzz
+from conformance.fuzz.stateful import run_program
+from conformance.fuzz.wrapping import features_of, missing_operations, render_program
 
 #: What the parity fuzzer draws only where the adapter declares it (precision.precision_features).
 _DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
@@ -333,7 +333,7 @@ def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 20 programs, world size 1) in the shadow model, which failed every
 # implementation, the reference included: it reduced the backward inside no_sync and the next one separately and
 # added the results in float32, where each rank's sum is rounded to the param dtype before the one reduction
-# ([Note: unsynced accumulation dtype] in conformance/cases/fuzz/shadow.py).
+# ([Note: unsynced accumulation dtype] in conformance/fuzz/shadow.py).
 @case("fuzz/repro_27b1c63e", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
       clause=("C3", "C13"),
       uses=NEIGHBOURS_USE)
@@ -373,7 +373,7 @@ def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
 
 
 # Written by hand as the smallest program with a reentrant block ([Note: reentrant blocks] in
-# conformance.cases.fuzz.drawing) that needs the root's parameters after the nested backward: torch-fsdp1 with a
+# conformance.fuzz.drawing) that needs the root's parameters after the nested backward: torch-fsdp1 with a
 # sharded strategy frees the root's unsharded parameters when the nested backward delivers its piece of the root's
 # gradient, and the outer backward through blocks.0 then reads freed storage
 # (docs/findings/fsdp1-reentrant-checkpoint-frees-unit.md).

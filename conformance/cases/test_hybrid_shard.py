@@ -46,7 +46,6 @@ from conformance.cases._hybrid_helpers import (
     ranks,
     split_units,
 )
-from conformance.cases._rank_helpers import env_on_all_ranks
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import case
 from conformance.contract.exposures import parameter_exposures, under_exposure
@@ -61,6 +60,7 @@ from fixtures.parity import (
     assert_close_tree,
     assert_same_across_ranks,
 )
+from fixtures.rank_settings import env_on_all_ranks
 from fixtures.seeding import generator, rank_seed
 
 if TYPE_CHECKING:

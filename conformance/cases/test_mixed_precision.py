@@ -28,13 +28,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.example import ModelSpec, Policy
-from conformance.cases.fuzz.ops import Config
-from conformance.cases.fuzz.unsynced import keeps_unsynced_sums
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
 from conformance.contract.case import case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
 from conformance.contract.optional import full_grads
+from conformance.fuzz.example import ModelSpec, Policy
+from conformance.fuzz.ops import Config
+from conformance.fuzz.unsynced import keeps_unsynced_sums
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss
 from fixtures.seeding import generator, rank_seed
@@ -253,6 +253,6 @@ def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtyp
     """Reducing in float32, a backward without gradient sync (``no_sync()``; ``set_requires_gradient_sync``
     under ``fully_shard``) and the next one leave each rank's sum kept in the dtype the API documents: the
     param dtype for ``no_sync()``, ``reduce_dtype`` for FSDP2 ([Note: unsynced sums made to show] in
-    conformance/cases/fuzz/unsynced.py)."""
+    conformance/fuzz/unsynced.py)."""
     keeps_unsynced_sums(ctx, impl, Config(world_size=WORLD, model=ModelSpec(width=4), api=api,
                                           policy=Policy(param_dtype=param_dtype, reduce_dtype="float32")))

@@ -13,10 +13,12 @@ import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
-import conformance.cases.fuzz.example as example_mod
 import conformance.cases.test_fuzz as fuzz_cases
+import conformance.fuzz.example as example_mod
 from conformance.adapters.reference import ReferenceAdapter
-from conformance.cases.fuzz.driver import (
+from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.case import CaseSettings
+from conformance.fuzz.driver import (
     FuzzResult,
     FuzzSettings,
     _draws_from_the_seed_alone,
@@ -24,12 +26,10 @@ from conformance.cases.fuzz.driver import (
     keep_hypothesis_out_of_cwd,
     render_case,
 )
-from conformance.cases.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
-from conformance.cases.fuzz.model import build_model, loss_of, make_batch
-from conformance.cases.fuzz.precision import precision_note
-from conformance.cases.fuzz.runner import check_example
-from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import CaseSettings
+from conformance.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
+from conformance.fuzz.model import build_model, loss_of, make_batch
+from conformance.fuzz.parity import check_example
+from conformance.fuzz.precision import precision_note
 from conformance.selftest.mutants.precision import ParamDtypeIgnored
 from conformance.selftest.mutants.runtime import NoGradDivide
 from harness import RankContext, run

@@ -9,10 +9,10 @@ import pytest
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.cases.fuzz.example import Block, ModelSpec
-from conformance.cases.fuzz.gathers import promise
-from conformance.cases.fuzz.ops import Backward, Config, Forward, Program, Train
 from conformance.contract.adapter import FSDPAdapter
+from conformance.fuzz.example import Block, ModelSpec
+from conformance.fuzz.gathers import promise
+from conformance.fuzz.ops import Backward, Config, Forward, Program, Train
 from conformance.selftest.mutants import NoBackwardPrefetch, RegroupsGivenGroups, ReshardIntAsFalse, Zero2AsHybridShard
 from harness import RankContext, run
 
@@ -39,7 +39,7 @@ def test_what_resharding_promises() -> None:
 
 def _verdicts(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:
     """The program's own verdict (its neighbours have tests of their own: test_fuzz_neighbours.py)."""
-    from conformance.cases.fuzz.stateful import check_program
+    from conformance.fuzz.stateful import check_program
 
     return check_program(ctx, impl, program, neighbours=False)
 

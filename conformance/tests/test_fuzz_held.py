@@ -1,4 +1,4 @@
-"""The stateful fuzzer's memory check ([Note: memory held between iterations] in conformance/cases/fuzz/held.py)."""
+"""The stateful fuzzer's memory check ([Note: memory held between iterations] in conformance/fuzz/held.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.cases.fuzz.example import Block, ModelSpec
-from conformance.cases.fuzz.held import Held, kept_after_forward, shard_bound
-from conformance.cases.fuzz.ops import Config, Forward, Program, Train
-from conformance.cases.fuzz.shadow import build
 from conformance.contract.adapter import FSDPAdapter
+from conformance.fuzz.example import Block, ModelSpec
+from conformance.fuzz.held import Held, kept_after_forward, shard_bound
+from conformance.fuzz.ops import Config, Forward, Program, Train
+from conformance.fuzz.shadow import build
 from conformance.selftest.mutants import HooksHoldTheirUnit, KeepFullGradients, NeverReshard
 from harness import RankContext, run
 
@@ -69,7 +69,7 @@ def test_a_storage_kept_past_a_backward_is_reported() -> None:
 
 
 def _verdicts(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -> list[str | None]:
-    from conformance.cases.fuzz.stateful import check_program
+    from conformance.fuzz.stateful import check_program
 
     return [check_program(ctx, impl, program) for program in drawn]
 

@@ -12,11 +12,11 @@ import torch
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.cases.fuzz.example import Block, ModelSpec, Policy
-from conformance.cases.fuzz.neighbours import _neighbours, _refused
-from conformance.cases.fuzz.ops import Config, Program, Train
-from conformance.cases.fuzz.runner import agree, attempt
 from conformance.contract.adapter import FSDPAdapter
+from conformance.fuzz.example import Block, ModelSpec, Policy
+from conformance.fuzz.neighbours import _neighbours, _refused
+from conformance.fuzz.ops import Config, Program, Train
+from conformance.fuzz.verdicts import agree, attempt
 from conformance.selftest.mutants import (
     AlwaysPrefetch,
     AutoWrapChildrenOnly,
@@ -135,7 +135,7 @@ def test_the_reference_and_torch_refuse(impl: FSDPAdapter, config: Config, mode:
 def test_mutants_fail_a_neighbour(mutant: FSDPAdapter, config: Config, message: str) -> None:
     """The program itself passes, then fails in a neighbour, on every rank, naming what was accepted (fresh rank
     processes: a mutant's patches stay where it ran)."""
-    from conformance.cases.fuzz.stateful import check_program
+    from conformance.fuzz.stateful import check_program
 
     got = run(check_program, world_size=config.world_size, mode="process", timeout_s=240, isolated=True,
               args=(mutant, Program(config, (Train(),))))
@@ -148,7 +148,7 @@ def test_a_tie_across_sibling_units_unchecked_breaks_the_ranks() -> None:
     """Without the reference's check, the second of two sibling units flattens what the first left of a shared
     weight (this rank's shard): the ranks' all-gathers no longer match and a rank fails (in the tie neighbour;
     gloo aborts the mismatched collective, so no rank is left waiting)."""
-    from conformance.cases.fuzz.stateful import check_program
+    from conformance.fuzz.stateful import check_program
 
     with pytest.raises(RankFailure):
         run(check_program, world_size=2, mode="process", timeout_s=240, isolated=True,
@@ -171,8 +171,8 @@ def test_a_refusal_must_raise_the_documented_error() -> None:
 def test_prefetch_order_is_judged_only_where_units_differ_in_size() -> None:
     """Units are told by their all-gathers' sizes: two of one size leave the order unjudged, as do fewer than
     three units (a list of two changes nothing there)."""
-    from conformance.cases.fuzz.model import build_model
-    from conformance.cases.fuzz.prefetching import _spans
+    from conformance.fuzz.model import build_model
+    from conformance.fuzz.prefetching import _spans
 
     def spans(config: Config) -> object:
         return _spans(build_model(config.model, 0, torch.float32, torch.device("cpu")), config)

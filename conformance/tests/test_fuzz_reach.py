@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from conformance.adapters.reference import ReferenceAdapter
-from conformance.cases.fuzz.example import Block, ModelSpec
-from conformance.cases.fuzz.ops import Config, GradSync, Program, Train
-from conformance.cases.fuzz.stateful import check_program
+from conformance.fuzz.example import Block, ModelSpec
+from conformance.fuzz.ops import Config, GradSync, Program, Train
+from conformance.fuzz.stateful import check_program
 from conformance.selftest.mutants import GradSyncForgetsKeptGrads, NoRegatherForRecompute
 from conformance.tests.test_fuzz_stateful import _drawn
 from harness import run

@@ -10,15 +10,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, find, given, settings
 
-import conformance.cases.fuzz.example as example_mod
-import conformance.cases.fuzz.ops as ops_mod
 import conformance.cases.test_fuzz as stateful_cases
+import conformance.fuzz.example as example_mod
+import conformance.fuzz.ops as ops_mod
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
-from conformance.cases.fuzz.drawing import programs
-from conformance.cases.fuzz.driver import Search
-from conformance.cases.fuzz.example import Block, ModelSpec, Policy, source
-from conformance.cases.fuzz.ops import (
+from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
+from conformance.contract.case import CaseSettings
+from conformance.fuzz.compare import assert_no_grads_outside_the_loss
+from conformance.fuzz.drawing import programs
+from conformance.fuzz.driver import Search
+from conformance.fuzz.example import Block, ModelSpec, Policy, source
+from conformance.fuzz.ops import (
     CONTROL_OPS,
     FULLY_SHARD_FEATURES,
     Backward,
@@ -37,12 +40,9 @@ from conformance.cases.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.cases.fuzz.runner import assert_no_grads_outside_the_loss
-from conformance.cases.fuzz.searching import budget, stateful_fuzz
-from conformance.cases.fuzz.stateful import check_program
-from conformance.cases.fuzz.wrapping import assert_ignored_kept, missing_operations, render_program
-from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
-from conformance.contract.case import CaseSettings
+from conformance.fuzz.searching import budget, stateful_fuzz
+from conformance.fuzz.stateful import check_program
+from conformance.fuzz.wrapping import assert_ignored_kept, missing_operations, render_program
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
 from conformance.selftest.mutants import (
     FirstGradPieceOnly,

@@ -11,8 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
-DRAW = ("from conformance.cases.fuzz.example import examples\n"
-        "from conformance.cases.fuzz.driver import keep_hypothesis_out_of_cwd\n"
+DRAW = ("from conformance.fuzz.example import examples\n"
+        "from conformance.fuzz.driver import keep_hypothesis_out_of_cwd\n"
         "from hypothesis import find, settings\n"
         "if {keep}:\n"
         "    keep_hypothesis_out_of_cwd()\n"

@@ -1,12 +1,15 @@
-"""The contract's stable surface (docs/ADAPTER_GUIDE.md, section 8): every module path it was published
-under still imports, and an adapter written against the oldest protocol, with every capability name since
-renamed or removed, loads and declares what its author meant."""
+"""The contract's stable surface (docs/ADAPTER_GUIDE.md, section 8): every module path it, or the fuzz engine
+that reproducers import, was published under still imports, and an adapter written against the oldest
+protocol, with every capability name since renamed or removed, loads and declares what its author meant."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,26 @@ PUBLISHED = {
     "conformance.report": "conformance.contract.results",
     "conformance.findings": "conformance.runner.findings",
     "conformance.settings": "conformance.runner.settings",
+    # The fuzz engine's package and every module of it; ``runner`` is the parity fuzzer.
+    "conformance.cases.fuzz": "conformance.fuzz",
+    "conformance.cases.fuzz.controls": "conformance.fuzz.controls",
+    "conformance.cases.fuzz.drawing": "conformance.fuzz.drawing",
+    "conformance.cases.fuzz.driver": "conformance.fuzz.driver",
+    "conformance.cases.fuzz.example": "conformance.fuzz.example",
+    "conformance.cases.fuzz.gathers": "conformance.fuzz.gathers",
+    "conformance.cases.fuzz.held": "conformance.fuzz.held",
+    "conformance.cases.fuzz.model": "conformance.fuzz.model",
+    "conformance.cases.fuzz.neighbours": "conformance.fuzz.neighbours",
+    "conformance.cases.fuzz.ops": "conformance.fuzz.ops",
+    "conformance.cases.fuzz.options": "conformance.fuzz.options",
+    "conformance.cases.fuzz.precision": "conformance.fuzz.precision",
+    "conformance.cases.fuzz.prefetching": "conformance.fuzz.prefetching",
+    "conformance.cases.fuzz.runner": "conformance.fuzz.parity",
+    "conformance.cases.fuzz.searching": "conformance.fuzz.searching",
+    "conformance.cases.fuzz.shadow": "conformance.fuzz.shadow",
+    "conformance.cases.fuzz.stateful": "conformance.fuzz.stateful",
+    "conformance.cases.fuzz.unsynced": "conformance.fuzz.unsynced",
+    "conformance.cases.fuzz.wrapping": "conformance.fuzz.wrapping",
 }
 #: Names the old paths were imported for, in the guide's and the README's examples.
 NAMES = {
@@ -39,7 +62,27 @@ NAMES = {
     "conformance.rows": ("row_matches", "case_row_id"),
     "conformance.report": ("CaseReport", "Result", "OUTCOMES"),
     "conformance.findings": ("Finding",),
+    # What a reproducer the fuzzers rendered, pasted with conformance/cases/test_fuzz.py's imports, uses.
+    "conformance.cases.fuzz.runner": ("run_example", "check_example"),
+    "conformance.cases.fuzz.stateful": ("run_program", "check_program"),
+    "conformance.cases.fuzz.example": ("Block", "Example", "ModelSpec", "Policy"),
+    "conformance.cases.fuzz.ops": ("Config", "Forward", "Program", "Step", "Train"),
+    "conformance.cases.fuzz.neighbours": ("NEIGHBOURS_USE",),
 }
+#: A file a user saved before the fuzz engine moved: a reproducer's imports, as test_fuzz.py had them.
+SAVED_REPRODUCER = """
+from conformance.cases.fuzz.example import Block, Example, ModelSpec, Policy
+from conformance.cases.fuzz.neighbours import NEIGHBOURS_USE
+from conformance.cases.fuzz.ops import Config, Forward, Program, Step
+from conformance.cases.fuzz.runner import run_example
+from conformance.cases.fuzz.stateful import run_program
+
+import conformance.fuzz.example, conformance.fuzz.neighbours, conformance.fuzz.ops, conformance.fuzz.parity
+import conformance.fuzz.stateful
+assert run_example is conformance.fuzz.parity.run_example and run_program is conformance.fuzz.stateful.run_program
+assert Example is conformance.fuzz.example.Example and Program is conformance.fuzz.ops.Program
+print("same objects")
+"""
 
 _METHODS = ("wrap", "units", "full_params", "full_state_dict", "sharded_state_dict", "load_state_dict",
             "optim_state_dict", "load_optim_state_dict")
@@ -77,7 +120,9 @@ _DELEGATES = "".join(f"\n    def {m}(self, *args, **kwargs):\n        return Ref
 def _forget(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the next import of ``module`` run it again (put back after the test)."""
     parent, _, leaf = module.rpartition(".")
-    __import__(parent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # a moved parent (``conformance.cases.fuzz``) warns too
+        __import__(parent)
     monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.delattr(sys.modules[parent], leaf, raising=False)
 
@@ -93,6 +138,33 @@ def test_a_published_path_imports_warning_with_its_new_one(old: str, monkeypatch
     assert [Path(w.filename) for w in seen] == [Path(__file__)], "the warning must name the importing line"
     for name in NAMES.get(old, ()):
         assert getattr(sys.modules[old], name) is getattr(sys.modules[new], name)
+
+
+def test_a_moved_package_refuses_a_module_it_never_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``conformance.cases.fuzz`` is ``conformance.fuzz``, yet ``conformance.cases.fuzz.verdicts`` (a module only
+    the new package has) is not loaded a second time under the old name."""
+    _forget("conformance.cases.fuzz", monkeypatch)
+    with pytest.warns(DeprecationWarning, match="^conformance.cases.fuzz moved to conformance.fuzz: import"):
+        importlib.import_module("conformance.cases.fuzz")
+    with pytest.raises(ModuleNotFoundError, match=r"'conformance.cases.fuzz.verdicts' \(conformance.cases.fuzz moved"):
+        importlib.import_module("conformance.cases.fuzz.verdicts")
+    assert "conformance.cases.fuzz.verdicts" not in sys.modules
+
+
+def test_a_reproducer_saved_with_the_old_paths_imports_the_same_objects(tmp_path: Path) -> None:
+    """In a fresh interpreter (no module imported yet, no pytest): each old path warns once, naming the saved
+    file, and gives the engine's own objects."""
+    saved = tmp_path / "saved_reproducer.py"
+    saved.write_text(SAVED_REPRODUCER)
+    run = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", str(saved)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0 and run.stdout == "same objects\n", run.stdout + run.stderr[-3000:]
+    warned = re.findall(r"^(.*):(\d+): DeprecationWarning: (\S+) moved to (\S+):", run.stderr, flags=re.MULTILINE)
+    moved = sorted((old, new) for _, _, old, new in warned)
+    assert moved == sorted({(old, new) for old, new in PUBLISHED.items() if old.startswith("conformance.cases.fuzz")
+                            and old.rpartition(".")[2] in ("fuzz", "example", "neighbours", "ops", "runner",
+                                                            "stateful")}), run.stderr
+    assert {Path(path) for path, _, _, _ in warned} == {saved}, run.stderr
 
 
 @pytest.fixture

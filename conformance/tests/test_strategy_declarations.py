@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases.fuzz.controls import user_buffers
 from conformance.contract.adapter import DEFAULT_STRATEGY, WrapSpec
 from conformance.contract.applicability import not_applicable_reason
 from conformance.contract.case import CaseSpec
 from conformance.contract.declared import DeclaredAdapter, UndeclaredStrategy
+from conformance.fuzz.controls import user_buffers
 from conformance.runner import cli
 from conformance.runner.listing import collect_rows
 from conformance.tests.ddp_like_adapter import REFUSED, DataParallelWrapper, DDPLikeAdapter

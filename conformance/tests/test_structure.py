@@ -5,7 +5,9 @@
   ``if TYPE_CHECKING:``.
 * Each package imports only the packages :data:`LAYERS` allows it (tests aside):
   the contract adapter authors import needs nothing above the harness; the
-  runner, the cases and the self-test never import each other.
+  runner, the cases and the self-test never import each other; the fuzz engine
+  (``conformance.fuzz``) sits below the cases, which import it, and never
+  imports them.
 * No module over :data:`MAX_MODULE_LINES` lines and no function over
   :data:`MAX_FUNCTION_LINES` (tests and golden text aside).
 """
@@ -36,7 +38,9 @@ LAYERS: dict[str, frozenset[str]] = {
     "fixtures": frozenset({"harness", "conformance.contract"}),
     "conformance.adapters": frozenset({"conformance.contract", "fsdp_impl", "harness", "fixtures"}),
     "conformance.runner": frozenset({"conformance.contract", "harness"}),
-    "conformance.cases": frozenset({"conformance.contract", "fixtures", "harness"}),
+    # The fuzz engine: ``conformance/cases/test_fuzz.py`` runs it; it never imports a case module.
+    "conformance.fuzz": frozenset({"conformance.contract", "fixtures", "harness"}),
+    "conformance.cases": frozenset({"conformance.contract", "conformance.fuzz", "fixtures", "harness"}),
     # The public-surface table reads torch and its own classification only.
     "conformance.surface": frozenset(),
     "conformance.selftest": frozenset({"conformance.contract", "conformance.adapters", "fsdp_impl", "harness",
@@ -172,7 +176,7 @@ def test_no_import_cycles() -> None:
 
 
 def package_of(module: str) -> str:
-    """The :data:`LAYERS` key a module belongs to (``conformance.cases.fuzz.model`` -> ``conformance.cases``)."""
+    """The :data:`LAYERS` key a module belongs to (``conformance.fuzz.model`` -> ``conformance.fuzz``)."""
     parts = module.split(".")
     if parts[0] == "conformance" and len(parts) > 1 and (ROOT / "conformance" / parts[1]).is_dir():
         return ".".join(parts[:2])
@@ -203,6 +207,13 @@ def test_layer_violations_are_named() -> None:
              "conformance.tests.test_y": {"conformance.selftest.declare"}, "conformance.__main__": {"fsdp_impl"}}
     assert layer_violations(graph) == ["conformance.__main__ imports fsdp_impl",
                                        "conformance.runner.cli imports conformance.cases.test_x"]
+
+
+def test_the_fuzz_engine_sits_below_the_cases() -> None:
+    """The case module imports the engine; the engine importing a case module is a violation."""
+    graph = {"conformance.cases.test_fuzz": {"conformance.fuzz.driver"},
+             "conformance.fuzz.neighbours": {"conformance.cases._rank_helpers", "fixtures.rank_settings"}}
+    assert layer_violations(graph) == ["conformance.fuzz.neighbours imports conformance.cases._rank_helpers"]
 
 
 def test_packages_import_only_lower_layers() -> None:
