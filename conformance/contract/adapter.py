@@ -328,10 +328,8 @@ class UnitInfo:
     when the implementation cannot tell (no introspection capability).
     ``local_shards`` are this rank's sharded parameter storage (one flat shard
     for flat-parameter implementations, one local tensor per parameter for
-    per-parameter sharding) and ``local_grads`` their gradients, aligned. A
-    shard with no elements (this rank holds none of a parameter smaller than
-    the world) has nothing to hold a gradient in: its gradient may be ``None``
-    or empty, and a case reads neither as "no gradient".
+    per-parameter sharding) and ``local_grads`` their gradients, aligned (an
+    empty shard's may be ``None`` or empty: a case reads neither as "none").
     ``strategy`` is the unit's own sharding strategy as :data:`STRATEGIES`
     spells it, or ``None`` when the implementation has no per-unit strategy.
     """
