@@ -92,7 +92,7 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
     return [
         (FSDP1, "fuzz/repro_8fc450e8", unused, "rank 0 raised AssertionError: torch-fsdp1 differs from the local "
          "baseline: step 0, rank 0: parameters registered after backward: the wrapped model has 6 parameters, "
-         "the local model 4"),
+         "the local model 8 (world_size=1, mode=process)"),
         (FSDP1, "fuzz/parity_ws1", unused, "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: "
          "parameters registered after backward: the wrapped model has 6 parameters, the local model 4"),
         (FSDP1, "fuzz/stateful_ws1", unused, STATEFUL.format(
