@@ -232,6 +232,8 @@ BASELINE = RunResult(1, False, 10.0, _report(("a/x", "pass"), ("a/y", "pass"), (
     (RunResult(3, False, 9.0, _report(("a/x", "pass"), ("a/y", "pass"), ("a/z", "FAIL")), _LOADED), "killed", ()),
     (RunResult(1, False, 9.0, _report(("a/x", "pass"), ("a/z", "FAIL")), _LOADED), "killed", ()),
     (RunResult(None, True, 99.0, None, _LOADED), "timed out", ()),
+    (RunResult(None, True, 99.0, _report(("a/x", "pass")), _LOADED), "timed out", ()),
+    (RunResult(None, True, 99.0, _report(("a/x", "error")), _LOADED), "killed", ("a/x [process]: pass -> error",)),
     (RunResult(1, False, 9.0, _report(("a/x", "FAIL")), Markers((), (), ())), "not reached", ()),
     (RunResult(1, False, 9.0, None, Markers(_LOADED.imported, ({"module": "m", "detail": "E\nNameError: x"},), ())),
      "import-broken", ()),
@@ -239,7 +241,7 @@ BASELINE = RunResult(1, False, 10.0, _report(("a/x", "pass"), ("a/y", "pass"), (
 def test_verdicts(run: RunResult, verdict: str, killers: tuple[str, ...]) -> None:
     got = classify(BASELINE, run)
     assert (got.verdict, got.killers) == (verdict, killers)
-    assert bool(got.detail) == (verdict not in ("survived",) and not killers)
+    assert bool(got.detail) == (verdict != "survived" and (not killers or run.timed_out))
 
 
 def test_no_verdict_without_a_baseline_report() -> None:

@@ -5,11 +5,12 @@ In order, the first that holds:
 ``import-broken``  a process failed while executing the mutated module: torch itself
                    broke, which says nothing about the suite (reported apart).
 ``not reached``    no process imported the mutated module: the rows never had it.
-``timed out``      the run exceeded its time limit.
 ``killed``         a cell (row x implementation x rank mode) whose outcome is ``FAIL`` or
-                   ``error`` where the baseline's is not (the killers), or else a run that
-                   crashed: no report, an exit code other than the baseline's, or cells
-                   of the baseline missing.
+                   ``error`` where the baseline's is not: the killers. A run stopped for
+                   time still writes the cells it decided, and a kill among them counts.
+``timed out``      the run exceeded its time limit with no such cell.
+``killed``         a run that crashed: no report, an exit code other than the
+                   baseline's, or cells of the baseline missing.
 ``survived``       none of these.
 
 A cell changing to ``n/a`` or ``skip`` does not kill (it is no failure).
@@ -84,11 +85,11 @@ def classify(baseline: RunResult, run: RunResult) -> Verdict:
         return Verdict("import-broken", detail=f"{first['module']}: {last_line[0]}")
     if not run.markers.imported:
         return Verdict("not reached", detail="no process imported the mutated module")
-    if run.timed_out:
-        return Verdict("timed out", detail=f"stopped after {run.wall_s:.0f} s")
     killers = _killed_by_rows(report_cells(baseline.report), report_cells(run.report or {}))
     if killers:
-        return Verdict("killed", killers)
+        return Verdict("killed", killers, f"then stopped after {run.wall_s:.0f} s" if run.timed_out else "")
+    if run.timed_out:
+        return Verdict("timed out", detail=f"stopped after {run.wall_s:.0f} s")
     crash = _crash(baseline, run)
     if crash:
         return Verdict("killed", detail=f"crash: {crash}")
