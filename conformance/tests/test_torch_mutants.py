@@ -235,6 +235,9 @@ BASELINE = RunResult(1, False, 10.0, _report(("a/x", "pass"), ("a/y", "pass"), (
     (RunResult(None, True, 99.0, _report(("a/x", "pass")), _LOADED), "timed out", ()),
     (RunResult(None, True, 99.0, _report(("a/x", "error")), _LOADED), "killed", ("a/x [process]: pass -> error",)),
     (RunResult(1, False, 9.0, _report(("a/x", "FAIL")), Markers((), (), ())), "not reached", ()),
+    (RunResult(1, False, 9.0, _report(("a/x", "FAIL")), _LOADED, controller=1), "not reached", ()),
+    (RunResult(1, False, 9.0, _report(("a/x", "FAIL")), _LOADED, controller=2),
+     "killed", ("a/x [process]: pass -> FAIL",)),
     (RunResult(1, False, 9.0, None, Markers(_LOADED.imported, ({"module": "m", "detail": "E\nNameError: x"},), ())),
      "import-broken", ()),
 ])

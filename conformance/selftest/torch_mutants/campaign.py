@@ -65,9 +65,9 @@ def _baseline(selection: Selection, sources: dict[str, str], out: Path, timeout_
     if baseline.report is None or baseline.timed_out:
         raise BaselineError(f"the unmutated run wrote no report (exit {baseline.returncode}, "
                             f"timed out: {baseline.timed_out}); see {out / 'baseline' / 'run.log'}")
-    if not baseline.markers.imported:
-        raise BaselineError(f"no process of the unmutated run imported any of {sorted(sources)}: the selection "
-                            "never runs the target modules, or the overlay is not reaching the rank processes")
+    if not baseline.imported_beyond_controller():
+        raise BaselineError(f"no process of the unmutated run but its controller imported any of {sorted(sources)}: "
+                            "the selection runs no row in a rank, or the overlay is not reaching the rank processes")
     return baseline
 
 

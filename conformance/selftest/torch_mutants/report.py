@@ -50,7 +50,9 @@ def _mutant_entry(outcome: Outcome) -> dict[str, Any]:
             "operator": mutant.operator, "before": mutant.before, "after": mutant.after,
             "verdict": outcome.verdict.verdict, "killed_by": list(outcome.verdict.killers),
             "detail": outcome.verdict.detail, "executed": _executed(outcome),
-            "processes_imported": len(run.markers.imported), "exit_code": run.returncode,
+            "processes_imported": len(run.markers.imported),
+            "processes_imported_beyond_controller": len(run.imported_beyond_controller()),
+            "exit_code": run.returncode,
             "wall_s": round(run.wall_s, 1)}
 
 

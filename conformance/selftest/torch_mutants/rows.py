@@ -89,4 +89,5 @@ def run_rows(selection: Selection, overlay: Overlay, workdir: Path, timeout_s: f
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         timed_out = _wait(proc, timeout_s)
     wall = time.monotonic() - start
-    return RunResult(None if timed_out else proc.returncode, timed_out, wall, _load(report), read_markers(overlay))
+    return RunResult(None if timed_out else proc.returncode, timed_out, wall, _load(report), read_markers(overlay),
+                     controller=proc.pid)

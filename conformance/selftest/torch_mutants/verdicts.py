@@ -4,7 +4,11 @@ In order, the first that holds:
 
 ``import-broken``  a process failed while executing the mutated module: torch itself
                    broke, which says nothing about the suite (reported apart).
-``not reached``    no process imported the mutated module: the rows never had it.
+``not reached``    no process of the run but its controller imported the mutated module:
+                   the rows never had it. The controller (the ``conformance run`` process)
+                   imports torch's FSDP through the adapter but runs no row; the rows run
+                   in rank processes and thread hosts, forked from a forkserver that imports
+                   it, or spawned.
 ``killed``         a cell (row x implementation x rank mode) whose outcome is ``FAIL`` or
                    ``error`` where the baseline's is not: the killers. A run stopped for
                    time still writes the cells it decided, and a kill among them counts.
@@ -35,13 +39,19 @@ Cell = tuple[str, str, str]
 
 @dataclass(frozen=True)
 class RunResult:
-    """One run of the rows: exit code (``None`` when killed for time), report (``None`` when none), markers."""
+    """One run of the rows: exit code (``None`` when killed for time), report (``None`` when none), markers,
+    and the controller's pid (``None``: unknown, every marker counts as a rank's)."""
 
     returncode: int | None
     timed_out: bool
     wall_s: float
     report: dict[str, Any] | None
     markers: Markers = field(default_factory=lambda: Markers((), (), ()))
+    controller: int | None = None
+
+    def imported_beyond_controller(self) -> tuple[dict[str, object], ...]:
+        """The import markers of the processes other than the controller."""
+        return tuple(entry for entry in self.markers.imported if entry.get("pid") != self.controller)
 
 
 @dataclass(frozen=True)
@@ -83,8 +93,8 @@ def classify(baseline: RunResult, run: RunResult) -> Verdict:
         first = run.markers.import_errors[0]
         last_line = str(first.get("detail", "")).strip().splitlines()[-1:] or [""]
         return Verdict("import-broken", detail=f"{first['module']}: {last_line[0]}")
-    if not run.markers.imported:
-        return Verdict("not reached", detail="no process imported the mutated module")
+    if not run.imported_beyond_controller():
+        return Verdict("not reached", detail="no process but the controller imported the mutated module")
     killers = _killed_by_rows(report_cells(baseline.report), report_cells(run.report or {}))
     if killers:
         return Verdict("killed", killers, f"then stopped after {run.wall_s:.0f} s" if run.timed_out else "")
