@@ -114,5 +114,6 @@ def _install() -> None:
     sys.meta_path.insert(0, _Finder(config["modules"], config["markers"]))
 
 
-_install()
-_chain()
+if __name__ == "sitecustomize":  # as the overlay's copy; importing this module itself does nothing
+    _install()
+    _chain()
