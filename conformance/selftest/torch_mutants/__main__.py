@@ -1,0 +1,7 @@
+"""``python -m conformance.selftest.torch_mutants``: see :mod:`conformance.selftest.torch_mutants.cli`."""
+
+import sys
+
+from conformance.selftest.torch_mutants.cli import main
+
+sys.exit(main())
