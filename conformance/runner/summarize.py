@@ -4,7 +4,8 @@ Any schema version (docs/REPORTS.md) is read, through :func:`conformance.runner.
 
 ``python -m conformance.runner.summarize reports/all.json`` prints the table used at
 the top of ``docs/CONFORMANCE.md`` (with a last row ``all`` that totals each
-implementation and gives its n/a share of its rows), then every FAIL with its reason.
+implementation and gives its n/a share of its rows), then every FAIL and error with its reason, then every
+documented cell with its citation.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def summarize(results: list[Result]) -> str:
         lines.append(f"| {area} | " + " | ".join(_cell(by_area.get((area, impl), Counter())) for impl in impls) + " |")
     totals = {impl: sum((c for (_, i), c in by_area.items() if i == impl), Counter()) for impl in impls}
     lines.append("| **all** | " + " | ".join(_cell(totals[impl], share=True) for impl in impls) + " |")
-    fails = sorted({(r.case.split("[")[0], r.impl, _MODE.sub("", r.reason)[:220]) for r in results
-                    if r.outcome in ("FAIL", "error")})
-    if fails:
-        lines += ["", "Failures (case, implementation, first line of the reason; both rank modes merged):", ""]
-        lines += [f"- `{case}` on {impl}: {reason}" for case, impl, reason in fails]
+    for outcomes, title in ((("FAIL", "error"), "Failures"), (("documented",), "Documented choices")):
+        cells = sorted({(r.case.split("[")[0], r.impl, _MODE.sub("", r.reason)[:220]) for r in results
+                        if r.outcome in outcomes})
+        if cells:
+            lines += ["", f"{title} (case, implementation, first line of the reason; both rank modes merged):", ""]
+            lines += [f"- `{case}` on {impl}: {reason}" for case, impl, reason in cells]
     return "\n".join(lines) + "\n"
 
 
