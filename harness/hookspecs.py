@@ -43,3 +43,13 @@ def pytest_ranks_timeout(item: pytest.Item) -> float | None:
     else the marker's ``timeout_s``. A plugin whose settings decide a timeout
     (the conformance suite) answers for its own items.
     """
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_ranks_world_size(item: pytest.Item) -> int | None:
+    """How many ranks a ``ranks`` test's body runs on.
+
+    Called just before the body runs; the first non-``None`` answer wins, else the
+    marker's ``world_size``. A plugin whose cases run at the size a run asks for (the
+    conformance suite's scalable cases, [Note: world sizes]) answers for its own items.
+    """

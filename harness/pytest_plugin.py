@@ -9,7 +9,8 @@ the ``rank_mode`` parameter); the body runs on every rank through
 :func:`harness.run` with the other fixture values as keyword arguments (in
 process mode the ranks import the test module and call the function). A rank
 failure fails the test with the rank-naming summary; a skip on every rank is
-a skip. Plugins receive every rank's return value through the
+a skip. The body runs on the number of ranks the ``pytest_ranks_world_size`` hook
+answers, else the marker's ``world_size``. Plugins receive every rank's return value through the
 ``pytest_ranks_returned`` hook (:mod:`harness.hookspecs`). The body runs
 under the placement the ``pytest_ranks_placement`` hook answers, else the
 marker's ``placement`` (default ``cpu``).
@@ -178,7 +179,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name not in ("ctx", "rank_mode")}
     values = harness.run(
         pyfuncitem.obj,
-        world_size=options["world_size"],
+        world_size=pyfuncitem.ihook.pytest_ranks_world_size(item=pyfuncitem) or options["world_size"],
         mode=RankMode(pyfuncitem.funcargs.get("rank_mode") or pyfuncitem.callspec.params["rank_mode"]),
         placement=pyfuncitem.ihook.pytest_ranks_placement(item=pyfuncitem) or options["placement"],
         timeout_s=ranks_timeout(pyfuncitem),

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.optional import activation_checkpoint_wrapper
 from fixtures.checkpointing import FFN, CheckpointBlock, CheckpointTower, ffn_layers
@@ -190,7 +190,7 @@ def _train_side_by_side(
 
 
 # -- cases -------------------------------------------------------------------------------------
-@case("checkpoint/checkpoint_fsdp_wrapping", world_size=2, requires=_requires, uses=[Capability.FLAT_PARAM],
+@case("checkpoint/checkpoint_fsdp_wrapping", world_size=TWO_OR_MORE, requires=_requires, uses=[Capability.FLAT_PARAM],
       clause="C17")
 @_grid
 @pytest.mark.parametrize("nesting", ["roots", "under_root"])
@@ -227,7 +227,8 @@ def test_checkpoint_fsdp_wrapping(
             _train_side_by_side(ctx, models, 2, lambda name: offload_activations and name != "units only")
 
 
-@case("checkpoint/basic_checkpoint_end_to_end", world_size=2, requires=_requires, uses=[Capability.FLAT_PARAM],
+@case("checkpoint/basic_checkpoint_end_to_end", world_size=TWO_OR_MORE, requires=_requires,
+      uses=[Capability.FLAT_PARAM],
       clause="C17")
 @_grid
 def test_basic_checkpoint_end_to_end(
@@ -262,7 +263,7 @@ def test_basic_checkpoint_end_to_end(
             _train_side_by_side(ctx, models, 6, lambda name: offload_activations and name != "unit only", forward)
 
 
-@case("checkpoint/checkpoint_submodule", clause="C17", world_size=2, strategies=["NO_SHARD"])
+@case("checkpoint/checkpoint_submodule", clause="C17", world_size=TWO_OR_MORE, strategies=["NO_SHARD"])
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant: bool) -> None:
     """``torch.utils.checkpoint`` inside NO_SHARD units gives the grads of the plain model.

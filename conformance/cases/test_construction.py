@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, Exact, case
 from conformance.contract.messages import (
     FULL_PRECISION_IN_EVAL,
     NO_SHARD_SWITCH,
@@ -45,7 +45,7 @@ ALWAYS = AutoWrap(kind="always")
 
 @case(
     "construction/optim_in_backward_requires_orig_params", clause="C7",
-    world_size=2,
+    world_size=TWO_OR_MORE,
     requires=[Capability.OPTIM_IN_BACKWARD_CHECK, Capability.FLAT_PARAM],
 )
 def test_optim_in_backward_requires_orig_params(ctx: RankContext, impl: FSDPAdapter) -> None:
@@ -71,7 +71,8 @@ def test_optim_in_backward_requires_orig_params(ctx: RankContext, impl: FSDPAdap
 HOMOGENEOUS_ATTRS = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval"]
 
 
-@case("construction/homogeneous_attributes", clause="C7", world_size=2, requires=[Capability.HOMOGENEOUS_ATTRIBUTES])
+@case("construction/homogeneous_attributes", clause="C7", world_size=TWO_OR_MORE,
+      requires=[Capability.HOMOGENEOUS_ATTRIBUTES])
 @pytest.mark.parametrize("attr", HOMOGENEOUS_ATTRS)
 def test_homogeneous_attributes(ctx: RankContext, impl: FSDPAdapter, attr: str) -> None:
     """Inner unit False, outer unit True for an attribute that must agree: the first forward raises a
@@ -93,7 +94,8 @@ def test_homogeneous_attributes(ctx: RankContext, impl: FSDPAdapter, attr: str) 
 CONTAINER_WARNING = "FSDP will not all-gather parameters for containers that do not implement forward"
 
 
-@case("construction/unsupported_container_warning", clause="C7", world_size=2, requires=[Capability.CONTAINER_WARNING])
+@case("construction/unsupported_container_warning", clause="C7", world_size=TWO_OR_MORE,
+      requires=[Capability.CONTAINER_WARNING])
 @pytest.mark.parametrize("container", ["ModuleList", "ModuleDict"])
 def test_unsupported_container_warning(ctx: RankContext, impl: FSDPAdapter, container: str) -> None:
     """Wrapping a ModuleList or ModuleDict (a container with no forward) warns with a UserWarning that
@@ -109,7 +111,9 @@ def test_unsupported_container_warning(ctx: RankContext, impl: FSDPAdapter, cont
     )
 
 
-@case("construction/world_size_1_no_shard_warning", world_size=1, requires=[Capability.WORLD_SIZE_1_SWITCH],
+@case("construction/world_size_1_no_shard_warning",
+      world_size=Exact(1, reason="the switch to NO_SHARD is world size 1's behaviour"),
+      requires=[Capability.WORLD_SIZE_1_SWITCH],
       clause="C7")
 @pytest.mark.parametrize("strategy", ["NO_SHARD", "FULL_SHARD", None, "SHARD_GRAD_OP"])
 def test_world_size_1_no_shard_warning(ctx: RankContext, impl: FSDPAdapter, strategy: str | None) -> None:
@@ -133,7 +137,7 @@ def test_world_size_1_no_shard_warning(ctx: RankContext, impl: FSDPAdapter, stra
 
 @case(
     "construction/same_model_across_ranks", clause="C6",
-    world_size=2,
+    world_size=TWO_OR_MORE,
     requires=lambda p: [Capability.SYNC_MODULE_STATES] + ([Capability.COMPUTE_DEVICE] if p["use_device_id"] else []),
 )
 @pytest.mark.parametrize("use_device_id", [False, True])
@@ -153,7 +157,7 @@ def test_same_model_across_ranks(ctx: RankContext, impl: FSDPAdapter, use_device
     torch.testing.assert_close(state["buffer"].cpu(), rank0.buffer, rtol=0, atol=0)
 
 
-@case("construction/unsafe_setattr", clause="C21", world_size=2, requires=[Capability.UNSAFE_SETATTR])
+@case("construction/unsafe_setattr", clause="C21", world_size=TWO_OR_MORE, requires=[Capability.UNSAFE_SETATTR])
 @pytest.mark.parametrize("env_value", [None, "1", "0"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_unsafe_setattr(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool, env_value: str | None) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from conformance.cases._fsdp2_helpers import full_of, mesh_over, shard_blocks
 from conformance.contract import registry
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case, not_applicable
+from conformance.contract.case import Exact, case, not_applicable
 from fixtures.blocks import DIM, Blocks
 from fixtures.parity import COPIED, assert_close_named
 from fixtures.seeding import generator
@@ -106,7 +106,8 @@ def _save(ctx: RankContext, impl: FSDPAdapter, size: int, pairs: list[dist.Proce
     return ctx.all_gather_object(saved)[0]
 
 
-@case("dcp/reshard", clause="C5", world_size=4, requires=REQUIRES, timeout_s=240, strategies=())
+@case("dcp/reshard", clause="C5", requires=REQUIRES, timeout_s=240, strategies=(),
+      world_size=Exact(4, reason="saves on 4 ranks and loads on the pairs [0, 1], [2, 3], and back"))
 @pytest.mark.parametrize("loader", ["self", "other"])
 @pytest.mark.parametrize("sizes", list(SIZES))
 def test_reshard(ctx: RankContext, impl: FSDPAdapter, sizes: str, loader: str) -> None:

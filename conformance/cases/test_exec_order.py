@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.messages import ORDER_CHANGED, ORDER_ERROR, ORDER_WARNING
 from conformance.contract.optional import wrapped_module
 from fixtures.models import ExecOrderModel
@@ -54,7 +54,7 @@ def _step(ctx: RankContext, model: nn.Module, gen: torch.Generator, *, backward:
         loss.backward()
 
 
-@case("exec_order/invalid_first_iter_order", clause="C8", world_size=2, requires=REQUIRES)
+@case("exec_order/invalid_first_iter_order", clause="C8", world_size=TWO_OR_MORE, requires=REQUIRES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_invalid_first_iter_order(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     """When rank 1 runs its units in another order than rank 0 in the first forward (debug level
@@ -68,7 +68,7 @@ def test_invalid_first_iter_order(ctx: RankContext, impl: FSDPAdapter, strategy:
         model(inp)
 
 
-@case("exec_order/invalid_later_iter_order", clause="C8", world_size=2, requires=REQUIRES)
+@case("exec_order/invalid_later_iter_order", clause="C8", world_size=TWO_OR_MORE, requires=REQUIRES)
 @pytest.mark.parametrize("iters_before_path_change", [1, 3])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_invalid_later_iter_order(
@@ -103,7 +103,7 @@ def test_invalid_later_iter_order(
     ctx.barrier()
 
 
-@case("exec_order/train_eval", clause="C8", world_size=2, requires=REQUIRES)
+@case("exec_order/train_eval", clause="C8", world_size=TWO_OR_MORE, requires=REQUIRES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_train_eval(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     """Switching between train (forward and backward) and eval (forward only) steps over two epochs, with

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
 from fixtures.blocks import Blocks
 from fixtures.parity import assert_close_named
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 
-@case("fully_shard_api/misuse", clause="C7", world_size=2, requires=[Capability.FULLY_SHARD], strategies=())
+@case("fully_shard_api/misuse", clause="C7", world_size=TWO_OR_MORE, requires=[Capability.FULLY_SHARD], strategies=())
 @pytest.mark.parametrize("kind", ["reapply", "container"])
 def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     """``fully_shard`` on an already sharded module, or on a container without ``forward``, raises on every

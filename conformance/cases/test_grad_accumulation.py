@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case, not_applicable
+from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import NoSyncUnsupported, full_grads
 from fixtures.models import ThreeLinear
 from fixtures.optimizers import make_optim
@@ -100,7 +100,7 @@ def _requires(params: Mapping[str, Any]) -> list[Capability]:
     return [capability for param, capability in wanted.items() if params[param]]
 
 
-@case("grad_accumulation/accumulate", clause="C3", world_size=2, requires=_requires)
+@case("grad_accumulation/accumulate", clause="C3", world_size=TWO_OR_MORE, requires=_requires)
 @pytest.mark.parametrize("no_sync", [False, True])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("cpu_offload", [False, True])

@@ -19,7 +19,7 @@ import torch
 
 from conformance.cases._fsdp2_helpers import LR, full_of, mesh_over, shard_blocks
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 MAX_NORM = 0.05
 
 
-@case("grad_clip/clip_grad_norm", clause="C19", world_size=2, requires=[Capability.FULLY_SHARD])
+@case("grad_clip/clip_grad_norm", clause="C19", world_size=TWO_OR_MORE, requires=[Capability.FULLY_SHARD])
 @pytest.mark.parametrize("norm_type", ["1", "2"])
 def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> None:
     """``clip_grad_norm_`` over the sharded gradients returns the local model's total norm on every rank,

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import Exact, case
 from fixtures.baselines import cached
 from fixtures.meshes import hybrid_groups, hybrid_ranks
 from fixtures.optimizers import make_optim
@@ -50,6 +50,7 @@ WORLD = 4
 #: shape id -> (shard group size, replicate group size); see [Note: hybrid mesh shapes].
 SHAPES: dict[str, tuple[int, int]] = {"2x2": (2, 2), "4x1": (4, 1), "1x4": (1, 4)}
 STEPS = 3
+SHAPES_OF_4 = Exact(WORLD, reason="the shard x replicate shapes 2x2, 4x1 and 1x4 of a 4-rank world")
 
 
 class ReplicaModel(nn.Module):
@@ -134,7 +135,7 @@ def _check_unit_groups(ctx: RankContext, units: list[UnitInfo], shape: tuple[int
         )
 
 
-@case("hybrid_meshes/replicas_match_baseline", clause=("C15", "C1"), world_size=WORLD, requires=_requires)
+@case("hybrid_meshes/replicas_match_baseline", clause=("C15", "C1"), world_size=SHAPES_OF_4, requires=_requires)
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
 @pytest.mark.parametrize("given", ["groups", "mesh"])
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -47,7 +47,7 @@ from conformance.cases._hybrid_helpers import (
     split_units,
 )
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import Exact, Scalable, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.messages import INVALID_PG_ERROR, MANUAL_WRAP_ERROR
 from fixtures.baselines import cached
@@ -69,12 +69,14 @@ if TYPE_CHECKING:
 __all__ = ["NODE", "WORLD", "Setup", "build_hybrid_transformer", "fwd_bwd"]  # the trace golden's imports
 
 STEPS = 5  # training steps of parity_with_fsdp
+#: [Note: hybrid layout on CPU]: the groups and meshes these cases build are of 4 ranks.
+TWO_NODES = Exact(WORLD, reason="2 nodes of 2 ranks")
 
 
 # -- manual wrapping and group validation -------------------------------------------------
 @case(
     "hybrid_shard/manual_wrap_requires_pg", clause="C7",
-    world_size=WORLD,
+    world_size=Scalable(default=WORLD, minimum=2),
     requires=[Capability.HYBRID_MANUAL_WRAP_CHECK],
 )
 @pytest.mark.parametrize("strategy", HYBRID)
@@ -87,7 +89,7 @@ def test_manual_wrap_requires_pg(ctx: RankContext, impl: FSDPAdapter, strategy: 
 
 @case(
     "hybrid_shard/invalid_pg_specification", clause="C7",
-    world_size=WORLD,
+    world_size=Scalable(default=WORLD, minimum=2),
     requires=[Capability.HYBRID_PG_VALIDATION],
     strategies=["HYBRID_SHARD"],
 )
@@ -106,7 +108,7 @@ def _setup_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS]
 
 
-@case("hybrid_shard/basic_setup", world_size=WORLD, requires=_setup_requires, uses=[Capability.FLAT_PARAM],
+@case("hybrid_shard/basic_setup", world_size=TWO_NODES, requires=_setup_requires, uses=[Capability.FLAT_PARAM],
       clause="C15")
 @pytest.mark.parametrize("use_device_mesh", [False, True])
 @pytest.mark.parametrize("mode", ["ALL_HYBRID", "MIXED_HYBRID_FULL"])
@@ -140,7 +142,7 @@ def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> None:
 
 
 # -- training parity with FULL_SHARD -------------------------------------------------------
-@case("hybrid_shard/parity_with_fsdp", world_size=WORLD, requires=[Capability.HYBRID_VIA_PG_TUPLE],
+@case("hybrid_shard/parity_with_fsdp", world_size=TWO_NODES, requires=[Capability.HYBRID_VIA_PG_TUPLE],
       clause=("C15", "C1"),
       uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("optim", OPTIMIZERS)
@@ -221,7 +223,8 @@ def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tup
         )
 
 
-@case("hybrid_shard/sharded_state_dict_roundtrip", clause=("C15", "C4"), world_size=WORLD, strategies=["HYBRID_SHARD"],
+@case("hybrid_shard/sharded_state_dict_roundtrip", clause=("C15", "C4"), world_size=TWO_NODES,
+      strategies=["HYBRID_SHARD"],
       requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT, Capability.OPTIM_STATE_DICT])
 def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Units shard and replicate over the very (shard, replicate) group objects passed in; after one AdamW
@@ -261,7 +264,7 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> No
 
 @case(
     "hybrid_shard/sync_module_states", clause=("C15", "C6"),
-    world_size=WORLD,
+    world_size=TWO_NODES,
     requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SYNC_MODULE_STATES],
     strategies=["HYBRID_SHARD"],
 )

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import mesh_over
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
 from conformance.contract.results import CaseReport
 from fixtures.memory import LinearStack, kept_alive, track_storages
@@ -73,7 +73,7 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> No
     optim.step()
 
 
-@case("memory/peak_per_rank", clause="C9", world_size=2, strategies=["FULL_SHARD"])
+@case("memory/peak_per_rank", clause="C9", world_size=TWO_OR_MORE, strategies=["FULL_SHARD"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_peak_per_rank(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> CaseReport:
     """During a training step a rank's tensor storages never exceed the bound ``B`` of the module
@@ -116,7 +116,7 @@ def _sharded(ctx: RankContext, impl: FSDPAdapter, model: LinearStack, api: str, 
     return fully_shard(impl, model, mesh=mesh)
 
 
-@case("memory/dropped_model_freed", clause="C10", world_size=2, requires=_dropped_requires)
+@case("memory/dropped_model_freed", clause="C10", world_size=TWO_OR_MORE, requires=_dropped_requires)
 @pytest.mark.parametrize("api", ["wrap", "fully_shard"])
 @pytest.mark.parametrize("last", ["step", "forward"])
 @pytest.mark.parametrize("units", ["root", "per_layer"])

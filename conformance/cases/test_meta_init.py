@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks
 from fixtures.parity import COPIED, assert_close_named
 from fixtures.seeding import generator
@@ -38,7 +38,8 @@ def _reset(model: nn.Module) -> None:
         param.copy_(full)
 
 
-@case("meta_init/reset_parameters", clause="C16", world_size=2, requires=[Capability.FULLY_SHARD, Capability.META_INIT],
+@case("meta_init/reset_parameters", clause="C16", world_size=TWO_OR_MORE,
+      requires=[Capability.FULLY_SHARD, Capability.META_INIT],
       strategies=())
 def test_reset_parameters(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A model built on ``meta``, sharded, materialized and reset equals, bit for bit, the same model built

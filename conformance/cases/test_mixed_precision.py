@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, Exact, case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
 from conformance.contract.optional import full_grads
 from conformance.fuzz.example import ModelSpec, Policy
@@ -46,7 +46,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 LINEARS = AutoWrap(module_classes=(nn.Linear,))
 GATHERS = ("all_gather_into_tensor", "all_gather")
 REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce")
-WORLD = 2
+#: A reduction in a low-precision dtype equals the local baseline's bit for bit only at 2 ranks
+#: ([Note: local mixed precision]): at 3 its division rounds, at 4 its sum depends on the order.
+LOW_PRECISION_REDUCTION = Exact(2, reason="its low-precision reductions equal the local baseline at 2 ranks only")
 STEPS = 3
 
 
@@ -81,7 +83,7 @@ def _pair(ctx: RankContext, impl: FSDPAdapter, mp: MixedPrecisionSpec, strategy:
 
 
 def _batches(ctx: RankContext, step: int) -> list[torch.Tensor]:
-    return [torch.randn((4, 8), generator=generator(rank_seed(step, r))).to(ctx.device) for r in range(WORLD)]
+    return [torch.randn((4, 8), generator=generator(rank_seed(step, r))).to(ctx.device) for r in range(ctx.world_size)]
 
 
 def _dtypes(trace: Any, ops: tuple[str, ...]) -> set[str]:
@@ -155,7 +157,8 @@ def _train(ctx: RankContext, pair: _Pair, steps: int = STEPS) -> None:
         train_step(ctx, pair, optim, step)
 
 
-@case("mixed_precision/param_and_reduce_dtypes", clause="C13", world_size=WORLD, requires=[Capability.MIXED_PRECISION])
+@case("mixed_precision/param_and_reduce_dtypes", clause="C13", world_size=LOW_PRECISION_REDUCTION,
+      requires=[Capability.MIXED_PRECISION])
 @pytest.mark.parametrize(
     ("param_dtype", "reduce_dtype", "strategy"),
     [
@@ -176,7 +179,7 @@ def test_param_and_reduce_dtypes(
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
-@case("mixed_precision/cast_forward_inputs", clause="C13", world_size=WORLD,
+@case("mixed_precision/cast_forward_inputs", clause="C13", world_size=TWO_OR_MORE,
       requires=[Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS])
 @pytest.mark.parametrize(("param_dtype", "strategy"), [("bfloat16", "FULL_SHARD"), ("float16", "NO_SHARD")])
 def test_cast_forward_inputs(ctx: RankContext, impl: FSDPAdapter, param_dtype: str, strategy: str) -> None:
@@ -186,7 +189,7 @@ def test_cast_forward_inputs(ctx: RankContext, impl: FSDPAdapter, param_dtype: s
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
-@case("mixed_precision/keep_low_precision_grads", clause="C13", world_size=WORLD,
+@case("mixed_precision/keep_low_precision_grads", clause="C13", world_size=LOW_PRECISION_REDUCTION,
       requires=[Capability.MIXED_PRECISION, Capability.MP_KEEP_LOW_PRECISION_GRADS])
 @pytest.mark.parametrize(
     ("reduce_dtype", "strategy"),
@@ -200,7 +203,7 @@ def test_keep_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, reduce_dt
     _train(ctx, _pair(ctx, impl, mp, strategy))
 
 
-@case("mixed_precision/buffer_dtype", clause="C13", world_size=WORLD,
+@case("mixed_precision/buffer_dtype", clause="C13", world_size=TWO_OR_MORE,
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE])
 @pytest.mark.parametrize("buffer_dtype", ["bfloat16", "float16"])
 def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) -> None:
@@ -210,7 +213,7 @@ def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) ->
     _train(ctx, _pair(ctx, impl, mp, "FULL_SHARD"))
 
 
-@case("mixed_precision/full_precision_in_eval", clause="C13", world_size=WORLD, env={FULL_PRECISION_IN_EVAL: "1"},
+@case("mixed_precision/full_precision_in_eval", clause="C13", world_size=TWO_OR_MORE, env={FULL_PRECISION_IN_EVAL: "1"},
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.MP_FULL_PRECISION_IN_EVAL])
 def test_full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter) -> None:
     """In eval, a unit gathers and computes in full precision (buffers too) on a float32 batch and
@@ -246,7 +249,7 @@ def _unsynced_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.MIXED_PRECISION, Capability.NO_SYNC]
 
 
-@case("mixed_precision/unsynced_sums", clause=("C13", "C3"), world_size=WORLD, requires=_unsynced_requires)
+@case("mixed_precision/unsynced_sums", clause=("C13", "C3"), world_size=TWO_OR_MORE, requires=_unsynced_requires)
 @pytest.mark.parametrize(("api", "param_dtype"), [("wrap", "bfloat16"), ("wrap", "float16"),
                                                   ("fully_shard", "bfloat16")])
 def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtype: str) -> None:
@@ -254,5 +257,5 @@ def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtyp
     under ``fully_shard``) and the next one leave each rank's sum kept in the dtype the API documents: the
     param dtype for ``no_sync()``, ``reduce_dtype`` for FSDP2 ([Note: unsynced sums made to show] in
     conformance/fuzz/unsynced.py)."""
-    keeps_unsynced_sums(ctx, impl, Config(world_size=WORLD, model=ModelSpec(width=4), api=api,
+    keeps_unsynced_sums(ctx, impl, Config(world_size=ctx.world_size, model=ModelSpec(width=4), api=api,
                                           policy=Policy(param_dtype=param_dtype, reduce_dtype="float32")))

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import CaseSettings, case, distinct_gpus, not_applicable
+from conformance.contract.case import CaseSettings, Exact, case, distinct_gpus, not_applicable
 from conformance.contract.optional import PostOptimEventUnsupported, set_post_optim_event
 from conformance.contract.results import CaseReport
 from fixtures.timing import (
@@ -49,12 +49,16 @@ from fixtures.timing import (
 if TYPE_CHECKING:
     from harness import RankContext
 
+#: The timing bounds ([Note: overlap timing]) are calibrated for 2 rank processes.
+TIMED_AT = Exact(2, reason="a timing case: its bounds are calibrated at 2 ranks")
+
+
 def _passes(ran: int, case_settings: CaseSettings) -> str:
     """The medians' basis, for the report ([Note: decided median])."""
     return f"median of {ran} of up to {case_settings.timing_repeats} passes"
 
 
-@case("overlap/training_overlap", clause="C12", world_size=2, modes=("process",), timeout_s=300, timing=True)
+@case("overlap/training_overlap", clause="C12", world_size=TIMED_AT, modes=("process",), timeout_s=300, timing=True)
 def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """With prefetching, three sleeping units whose collectives are each delayed by ``comm_ms`` finish the
     median forward within comm + 3 * compute + buffer and forward+backward within that plus 2 * comm
@@ -74,7 +78,7 @@ def test_training_overlap(ctx: RankContext, impl: FSDPAdapter, case_settings: Ca
 
 @case(
     "overlap/no_overlap_detected", clause="C12",
-    world_size=2,
+    world_size=TIMED_AT,
     modes=("process",),
     timeout_s=300,
     timing=True,
@@ -97,7 +101,7 @@ def test_no_overlap_detected(ctx: RankContext, impl: FSDPAdapter, case_settings:
 
 @case(
     "overlap/post_optim_event_overlap", clause="C12",
-    world_size=2,
+    world_size=TIMED_AT,
     modes=("process",),
     gpus=distinct_gpus(2),  # timing: ranks sharing a GPU would share its time too
     timeout_s=300,

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.results import CaseReport
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
@@ -65,7 +65,7 @@ def _train_alike(ctx: RankContext, model: nn.Module, local: nn.Module, first: in
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
 
 
-@case("param_kinds/frozen", clause="C18", world_size=2, requires=REQUIRES)
+@case("param_kinds/frozen", clause="C18", world_size=TWO_OR_MORE, requires=REQUIRES)
 @pytest.mark.parametrize("position", ["whole_unit", "mixed_in_unit", "root"])
 def test_frozen(ctx: RankContext, impl: FSDPAdapter, position: str) -> None:
     """Frozen parameters (a whole unit, part of a unit, or the root's) get no gradient and keep their
@@ -94,7 +94,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return out
 
 
-@case("param_kinds/ignored", clause="C18", world_size=2, requires=REQUIRES + [Capability.IGNORED_MODULES])
+@case("param_kinds/ignored", clause="C18", world_size=TWO_OR_MORE, requires=REQUIRES + [Capability.IGNORED_MODULES])
 def test_ignored(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Ignored parameters stay whole plain tensors whose gradient is this rank's own, while every other
     gradient is the mean over ranks."""
@@ -122,7 +122,7 @@ def _share(model: Blocks, position: str) -> None:
         model.head.weight = model.b2.up.weight
 
 
-@case("param_kinds/shared", clause="C18", world_size=2, requires=REQUIRES)
+@case("param_kinds/shared", clause="C18", world_size=TWO_OR_MORE, requires=REQUIRES)
 @pytest.mark.parametrize("position", ["within_unit", "across_units"])
 def test_shared(ctx: RankContext, impl: FSDPAdapter, position: str) -> CaseReport:
     """A parameter used twice within a unit trains like the local model; across units the implementation

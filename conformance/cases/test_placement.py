@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from conformance.cases._rank_helpers import cpu_world_group, cuda_device
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import ANY_GPU, case, distinct_gpus, gpu_rows
+from conformance.contract.case import ANY_GPU, TWO_OR_MORE, Exact, case, distinct_gpus, gpu_rows
 from fixtures.misc_models import NoParamsModel, SeqAndLinear
 from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
 from fixtures.parity import assert_close_named, assert_runs_match, assert_same_across_ranks, run_steps
@@ -41,6 +41,10 @@ CPU = torch.device("cpu")
 COMPUTE = [Capability.COMPUTE_DEVICE]
 MESSAGES = [Capability.PLACEMENT_MESSAGES]
 SYNC_CPU_ERROR = "The module has CPU parameters or buffers when `sync_module_states=True`"
+#: A case with GPU rows only: no row of it has run at another size yet.
+GPU_ONLY = Exact(2, reason="GPU rows only, not yet run at another size")
+#: A module or a message that spans two GPUs, one per rank.
+TWO_GPUS = Exact(2, reason="two distinct GPUs, one per rank")
 
 
 def _assert_units_on(impl: FSDPAdapter, model: nn.Module, device: torch.device, what: str) -> None:
@@ -82,7 +86,7 @@ def _check_synced_buffers(ctx: RankContext, model: NestedModel, device: torch.de
         )
 
 
-@case("placement/cpu_init_with_sync_module_states", clause=("C14", "C6"), world_size=2, gpus=gpu_rows,
+@case("placement/cpu_init_with_sync_module_states", clause=("C14", "C6"), world_size=TWO_OR_MORE, gpus=gpu_rows,
       requires=[Capability.SYNC_MODULE_STATES, Capability.COMPUTE_DEVICE])
 @pytest.mark.parametrize("on", ["cpu", "gpu"])
 def test_cpu_init_with_sync_module_states(ctx: RankContext, impl: FSDPAdapter, on: str) -> None:
@@ -142,7 +146,7 @@ def _assert_shards_on(units: list, device: torch.device, what: str) -> None:
     assert not wrong, f"{what}: shards not on {device}: {wrong}"
 
 
-@case("placement/device_id_cpu_offload", clause="C14", world_size=2, gpus=gpu_rows,
+@case("placement/device_id_cpu_offload", clause="C14", world_size=TWO_OR_MORE, gpus=gpu_rows,
       requires=[Capability.CPU_OFFLOAD, Capability.COMPUTE_DEVICE])
 @pytest.mark.parametrize("on", ["cpu", "gpu"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -154,7 +158,7 @@ def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_par
         _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
 
 
-@case("placement/ignored_module_meta", clause="C14", world_size=2,
+@case("placement/ignored_module_meta", clause="C14", world_size=TWO_OR_MORE,
       requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE, Capability.PARAM_INIT_FN])
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
 def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
@@ -182,7 +186,7 @@ def _ignored_params_not_moved(impl: FSDPAdapter, device: torch.device, group: ob
     assert all(dev == CPU for dev, _ in after.values()), f"ignored tensors moved: {after}"
 
 
-@case("placement/ignored_params_not_moved", clause="C14", world_size=2, gpus=gpu_rows,
+@case("placement/ignored_params_not_moved", clause="C14", world_size=TWO_OR_MORE, gpus=gpu_rows,
       requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE])
 @pytest.mark.parametrize("on", ["cpu", "gpu"])
 def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter, on: str) -> None:
@@ -194,7 +198,8 @@ def test_ignored_params_not_moved(ctx: RankContext, impl: FSDPAdapter, on: str) 
         _ignored_params_not_moved(impl, CPU, cpu_world_group(ctx))
 
 
-@case("placement/no_params", clause="C14", world_size=2, requires=lambda p: COMPUTE if p["use_device_id"] else [])
+@case("placement/no_params", clause="C14", world_size=TWO_OR_MORE,
+      requires=lambda p: COMPUTE if p["use_device_id"] else [])
 @pytest.mark.parametrize("use_device_id", [False, True])
 def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> None:
     """A module with no parameters wraps without error and its forward gives exactly ``relu(input)``
@@ -210,7 +215,7 @@ def test_no_params(ctx: RankContext, impl: FSDPAdapter, use_device_id: bool) -> 
 NO_INDEX = WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), device_id=torch.device("cuda"))
 
 
-@case("placement/device_id", clause="C14", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
+@case("placement/device_id", clause="C14", world_size=GPU_ONLY, gpus=ANY_GPU, requires=COMPUTE)
 @pytest.mark.parametrize("use_index", [True, False])
 def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None:
     """``device_id`` given as the rank's GPU index or device puts every unit's compute device and local
@@ -224,7 +229,8 @@ def test_device_id(ctx: RankContext, impl: FSDPAdapter, use_index: bool) -> None
     _assert_units_on(impl, impl.wrap(NestedModel(seed=0), NO_INDEX), device, "device_id=cuda without index")
 
 
-@case("placement/device_id_without_index_warns", clause="C14", world_size=2, gpus=ANY_GPU, requires=COMPUTE + MESSAGES)
+@case("placement/device_id_without_index_warns", clause="C14", world_size=GPU_ONLY, gpus=ANY_GPU,
+      requires=COMPUTE + MESSAGES)
 def test_device_id_without_index_warns(ctx: RankContext, impl: FSDPAdapter) -> None:
     """``device_id=cuda`` without an index warns, as FSDP1 does, that it "does not have an explicit index"
     (where the module then lives is ``placement/device_id``)."""
@@ -234,7 +240,7 @@ def test_device_id_without_index_warns(ctx: RankContext, impl: FSDPAdapter) -> N
     assert _warned(caught, "does not have an explicit index"), [str(w.message) for w in caught]
 
 
-@case("placement/cpu_init_stays_on_cpu", clause="C14", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
+@case("placement/cpu_init_stays_on_cpu", clause="C14", world_size=GPU_ONLY, gpus=ANY_GPU, requires=MESSAGES)
 def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A CPU module wrapped without ``device_id`` on a GPU host warns that the passed-in module is on CPU
     and keeps its params on the CPU; moved to the GPU afterwards, it takes a CPU input, gives its output
@@ -252,7 +258,8 @@ def test_cpu_init_stays_on_cpu(ctx: RankContext, impl: FSDPAdapter) -> None:
     out.sum().backward()
 
 
-@case("placement/module_device_mismatches_device_id", world_size=2, gpus=distinct_gpus(2), requires=COMPUTE + MESSAGES,
+@case("placement/module_device_mismatches_device_id", world_size=TWO_GPUS, gpus=distinct_gpus(2),
+      requires=COMPUTE + MESSAGES,
       clause="C14")
 @pytest.mark.parametrize("has_params", [True, False])
 def test_module_device_mismatches_device_id(ctx: RankContext, impl: FSDPAdapter, has_params: bool) -> None:
@@ -274,7 +281,7 @@ def _cpu_gpu_module(device: torch.device) -> PairOfLinears:
     return model
 
 
-@case("placement/cpu_gpu_module", clause="C14", world_size=2, gpus=ANY_GPU, requires=COMPUTE)
+@case("placement/cpu_gpu_module", clause="C14", world_size=GPU_ONLY, gpus=ANY_GPU, requires=COMPUTE)
 def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A module with one submodule on the GPU and one on the CPU is moved wholly to ``device_id``."""
     device = cuda_device(ctx)
@@ -283,7 +290,8 @@ def test_cpu_gpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     assert devices == {device}, f"mixed module with device_id: params on {devices}, expected {device}"
 
 
-@case("placement/cpu_gpu_module_without_device_id_raises", clause="C14", world_size=2, gpus=ANY_GPU, requires=MESSAGES)
+@case("placement/cpu_gpu_module_without_device_id_raises", clause="C14", world_size=GPU_ONLY, gpus=ANY_GPU,
+      requires=MESSAGES)
 def test_cpu_gpu_module_without_device_id_raises(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A module with one submodule on the GPU and one on the CPU, wrapped without ``device_id``, raises
     FSDP1's RuntimeError asking to "please pass in device_id"."""
@@ -292,7 +300,7 @@ def test_cpu_gpu_module_without_device_id_raises(ctx: RankContext, impl: FSDPAda
         impl.wrap(_cpu_gpu_module(device), WrapSpec())
 
 
-@case("placement/multigpu_module", clause="C14", world_size=2, gpus=distinct_gpus(2), requires=MESSAGES)
+@case("placement/multigpu_module", clause="C14", world_size=TWO_GPUS, gpus=distinct_gpus(2), requires=MESSAGES)
 def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Wrapping a module whose two submodules sit on two different GPUs raises a RuntimeError "FSDP only
     supports single device modules"."""
@@ -304,7 +312,7 @@ def test_multigpu_module(ctx: RankContext, impl: FSDPAdapter) -> None:
         impl.wrap(model, WrapSpec())
 
 
-@case("placement/training_device_mismatch", clause="C14", world_size=1, gpus=ANY_GPU,
+@case("placement/training_device_mismatch", clause="C14", world_size=Exact(1, reason=GPU_ONLY.reason), gpus=ANY_GPU,
       requires=[Capability.PLACEMENT_MESSAGES, Capability.CPU_OFFLOAD])
 def test_training_device_mismatch(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Forward raises a RuntimeError naming the mismatch for a module wrapped on the CPU on a GPU host
@@ -345,7 +353,7 @@ def _device_id_auto_wrap(impl: FSDPAdapter, device: torch.device, group: object,
     _assert_units_on(impl, fsdp, device, f"auto wrap ({kind})")
 
 
-@case("placement/device_id_auto_wrap", clause="C14", world_size=2, gpus=gpu_rows, requires=COMPUTE)
+@case("placement/device_id_auto_wrap", clause="C14", world_size=TWO_OR_MORE, gpus=gpu_rows, requires=COMPUTE)
 @pytest.mark.parametrize("on", ["cpu", "gpu"])
 @pytest.mark.parametrize("kind", ["module_classes", "transformer"])
 def test_device_id_auto_wrap(ctx: RankContext, impl: FSDPAdapter, kind: str, on: str) -> None:

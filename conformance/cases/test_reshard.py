@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, unit_bytes
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, Scalable, case
 from conformance.contract.optional import set_modules_to_prefetch
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
@@ -82,7 +82,8 @@ def _recorded_step(ctx: RankContext, model: nn.Module, optim: torch.optim.Optimi
     return forward, backward
 
 
-@case("reshard/after_forward", clause="C11", world_size=4, requires=_after_forward_requires, strategies=())
+@case("reshard/after_forward", clause="C11", world_size=Scalable(default=4, minimum=2, multiple_of=2),
+      requires=_after_forward_requires, strategies=())
 @pytest.mark.parametrize("setting", [True, False, 2])
 def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int) -> None:
     """Backward all-gathers every unit again over the mesh (``True``), nothing (``False``) or over 2 ranks
@@ -106,7 +107,8 @@ def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int)
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
 
 
-@case("reshard/explicit_prefetch", world_size=2, requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH],
+@case("reshard/explicit_prefetch", world_size=TWO_OR_MORE,
+      requires=[Capability.FULLY_SHARD, Capability.EXPLICIT_PREFETCH],
       clause="C11",
       strategies=())
 def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:

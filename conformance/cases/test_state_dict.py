@@ -36,7 +36,7 @@ import torch.nn as nn
 from conformance.contract import registry
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
-from conformance.contract.case import case, not_applicable
+from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
@@ -91,7 +91,7 @@ def _differs(impl: FSDPAdapter, model: nn.Module, local: nn.Module) -> bool:
     return any(not torch.equal(params[n].cpu(), p.detach().cpu()) for n, p in local.named_parameters())
 
 
-@case("state_dict/roundtrip", clause="C4", world_size=2, requires=_requires)
+@case("state_dict/roundtrip", clause="C4", world_size=TWO_OR_MORE, requires=_requires)
 @pytest.mark.parametrize("kind", ["FULL", "SHARDED"])
 def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     """FULL or SHARDED model and optimizer state dicts saved after two Adam steps and loaded into a
@@ -119,7 +119,8 @@ def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     _assert_matches_local(ctx, impl, fresh, local, f"params two steps after {kind} load")
 
 
-@case("state_dict/load_in_loop", world_size=2, requires=[Capability.FULL_STATE_DICT], uses=[Capability.FLAT_PARAM],
+@case("state_dict/load_in_loop", world_size=TWO_OR_MORE, requires=[Capability.FULL_STATE_DICT],
+      uses=[Capability.FLAT_PARAM],
       clause="C4")
 @pytest.mark.parametrize("point", ["between_steps", "after_backward", "after_forward"])
 def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str) -> None:
@@ -173,7 +174,7 @@ def _cross_requires(params: Mapping[str, Any]) -> list[Capability]:
     return _requires({**params, "kind": "FULL"})
 
 
-@case("state_dict/cross_impl", clause=("C4", "C5"), world_size=2, requires=_cross_requires)
+@case("state_dict/cross_impl", clause=("C4", "C5"), world_size=TWO_OR_MORE, requires=_cross_requires)
 @pytest.mark.parametrize("dst", IMPLS)
 def test_cross_impl(ctx: RankContext, impl: FSDPAdapter, dst: str) -> None:
     """Saved by the row's implementation, loaded by ``dst``, trained on like the local model.

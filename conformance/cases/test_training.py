@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from conformance.cases._rank_helpers import cpu_world_group, hybrid_cpu_groups
 from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, Scalable, case
 from fixtures.baselines import cached
 from fixtures.models import (
     OptionalSecondOutputModel,
@@ -42,15 +42,16 @@ def _pg_tuple_for_hybrid(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.HYBRID_VIA_PG_TUPLE] if params["strategy"] in HYBRID_STRATEGIES else []
 
 
-@case("training/cpu_training_parity_vs_ddp", world_size=4, timeout_s=180.0, requires=_pg_tuple_for_hybrid,
+@case("training/cpu_training_parity_vs_ddp", world_size=Scalable(default=4, minimum=4, multiple_of=2),
+      timeout_s=180.0, requires=_pg_tuple_for_hybrid,
       clause=("C1", "C2"))
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
     """10 steps with ``device_id=cpu``: every step's loss equals DDP's on the same data.
 
-    Hybrid strategies run 2 (shard) x 2 (replicate) through an explicit group pair, and every unit
-    owning parameters must then report a replicate group of 2 ranks.
+    Hybrid strategies run 2 (shard) x world/2 (replicate) through an explicit group pair, and every unit
+    owning parameters must then report a replicate group of world/2 ranks.
     Adam as in the seed, and SGD with momentum, which a wrong gradient scale changes.
     """
     world = cpu_world_group(ctx)
@@ -79,10 +80,12 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
             for u in impl.units(fsdp)
             if u.local_shards
         }
-        assert sizes == {2}, f"{strategy}: replicate group sizes {sizes}, expected {{2}} (2 x 2 hybrid)"
+        replicas = ctx.world_size // 2
+        assert sizes == {replicas}, (f"{strategy}: replicate group sizes {sizes}, expected {{{replicas}}} "
+                                     f"(2 x {replicas} hybrid)")
 
 
-@case("training/module_no_compute_grad", clause=("C1", "C2"), world_size=2)
+@case("training/module_no_compute_grad", clause=("C1", "C2"), world_size=TWO_OR_MORE)
 @pytest.mark.parametrize("use_second_layer", [True, False])
 @pytest.mark.parametrize("strategy", ["NO_SHARD", None])
 def test_module_no_compute_grad(

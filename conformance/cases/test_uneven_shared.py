@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case
+from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.results import CaseReport
 from fixtures.models import UnevenTiedModel
@@ -55,7 +55,7 @@ def _wrap(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: WrapSpec) -> nn.M
     return impl.wrap(model, spec)
 
 
-@case("uneven_shared/train", clause=("C1", "C18"), world_size=2, uses=[Capability.FLAT_PARAM])
+@case("uneven_shared/train", clause=("C1", "C18"), world_size=TWO_OR_MORE, uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("tie", ["within_unit", "across_units"])
 def test_train(ctx: RankContext, impl: FSDPAdapter, tie: str) -> CaseReport | None:
     """Uneven shards, a one-element unit and a tied embedding/projection: params after wrap, each rank's

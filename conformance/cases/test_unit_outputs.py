@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import case, not_applicable
+from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import full_grads
 from fixtures.misc_models import OUTPUT_STRUCTURES, StructuredOutputModel
 from fixtures.models import (
@@ -91,7 +91,7 @@ def _regathered(ctx: RankContext, step: int, label: str) -> Callable[[Any], None
     return check
 
 
-@case("unit_outputs/caller_use", clause=("C20", "C2"), world_size=2)
+@case("unit_outputs/caller_use", clause=("C20", "C2"), world_size=TWO_OR_MORE)
 @pytest.mark.parametrize("use", list(OUTPUT_USES))
 def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
     """With the resharded ``head`` unit's output used through a view, in place, partly detached, or from a
@@ -108,7 +108,7 @@ def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
         _step_vs_local(ctx, impl, model, local, optims, step, label, _regathered(ctx, step, label))
 
 
-@case("unit_outputs/structured_outputs", clause=("C20", "C2"), world_size=2)
+@case("unit_outputs/structured_outputs", clause=("C20", "C2"), world_size=TWO_OR_MORE)
 @pytest.mark.parametrize("structure", list(OUTPUT_STRUCTURES))
 def test_structured_outputs(ctx: RankContext, impl: FSDPAdapter, structure: str) -> None:
     """A unit (``head``, resharded after forward) returning its two outputs in a namedtuple, dict, list,
@@ -165,7 +165,7 @@ def _train_two_outputs(ctx: RankContext, impl: FSDPAdapter, strategy: str,
     ctx.barrier()
 
 
-@case("unit_outputs/not_all_outputs_used_in_loss", clause=("C20", "C2"), world_size=2)
+@case("unit_outputs/not_all_outputs_used_in_loss", clause=("C20", "C2"), world_size=TWO_OR_MORE)
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     """Loss uses (a, b) for 2 steps, then only a for 4 (the seed's 6): after every SGD step the full
@@ -173,7 +173,7 @@ def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strat
     _train_two_outputs(ctx, impl, strategy)
 
 
-@case("unit_outputs/unused_outputs_resharded", world_size=2, requires=[Capability.RESHARD_INTROSPECTION],
+@case("unit_outputs/unused_outputs_resharded", world_size=TWO_OR_MORE, requires=[Capability.RESHARD_INTROSPECTION],
       clause=("C20", "C11"))
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_unused_outputs_resharded(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:

@@ -66,11 +66,12 @@ import pytest
 
 from conformance.contract.adapter import DEFAULT_STRATEGY, STRATEGIES, Capability
 from conformance.contract.clauses import ClauseRef, DocCitation, clause_refs
+from conformance.contract.world_size import TWO_OR_MORE, Exact, Scalable, WorldSizeNeed, world_size_need
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 from harness.rank_mode import SPAWNED, RankMode
 
 __all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "gpu_rows",
-           "ANY_GPU", "GpuNeed", "distinct_gpus", "DocCitation"]
+           "ANY_GPU", "GpuNeed", "distinct_gpus", "DocCitation", "Exact", "Scalable", "TWO_OR_MORE"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
@@ -110,7 +111,9 @@ class CaseSpec:
     """A case's declaration, validated when the module is imported."""
 
     id: str
-    world_size: int = 2
+    #: An exact size (``int`` or :class:`Exact`, with its reason) or the sizes the body is correct at
+    #: (:class:`Scalable`): [Note: world sizes] in :mod:`conformance.contract.world_size`.
+    world_size: int | Exact | Scalable = 2
     modes: tuple[RankMode, ...] = SPAWNED
     requires: Requires = ()
     #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``);
@@ -136,8 +139,10 @@ class CaseSpec:
         clause_refs(self.id, self.clauses)  # an unknown clause id fails at import
         if not _ID.match(self.id):
             raise ValueError(f"case id {self.id!r} must look like 'area/name' (lowercase, digits, _)")
-        if self.world_size < 1:
-            raise ValueError(f"case {self.id}: world_size must be >= 1, got {self.world_size}")
+        try:
+            world_size_need(self.world_size)
+        except ValueError as exc:
+            raise ValueError(f"case {self.id}: {exc}") from None
         bad = [m for m in self.modes if m not in SPAWNED]
         if bad or not self.modes:
             raise ValueError(f"case {self.id}: modes must be a non-empty subset of "
@@ -155,6 +160,11 @@ class CaseSpec:
         if not value > 0:
             raise ValueError(f"case {self.id}: timeout_s must be > 0, got {value!r}")
         return float(value)
+
+    @property
+    def need(self) -> WorldSizeNeed:
+        """The world sizes this case runs at ([Note: world sizes])."""
+        return world_size_need(self.world_size)
 
     @property
     def area(self) -> str:
@@ -197,15 +207,13 @@ class CaseSpec:
     def needs_text(self, params: Mapping[str, Any]) -> str:
         """The row's hardware needs as ``list`` shows them."""
         need = self.gpus_for(params)
-        if need is not None:
-            return f"{need.describe()}, ws {self.world_size}"
-        return f"cpu, ws {self.world_size}"
+        return f"{'cpu' if need is None else need.describe()}, {self.need.describe()}"
 
 
 def case(
     case_id: str,
     *,
-    world_size: int = 2,
+    world_size: int | Exact | Scalable = 2,
     modes: Iterable[RankMode | str] = SPAWNED,
     requires: Requires = (),
     gpus: Gpus = None,
@@ -226,6 +234,8 @@ def case(
     ([Note: a row's strategies]); ``()`` says the body never calls ``wrap``.
     ``draws_strategies``: strategies the body picks from, only among those the adapter supports.
     ``uses``: capabilities the body exercises only when the adapter declares them.
+    ``world_size``: an exact size (``2``, or ``Exact(4, reason=...)`` saying why the behaviour is that
+    size) or ``Scalable(default=2, minimum=2)``: the sizes the body is correct at ([Note: world sizes]).
     ``clause``: the contract clause(s) the case asserts: ids of ``docs/CONTRACT.md`` or
     :class:`DocCitation` values; an unknown id is a ValueError.
     """
@@ -252,7 +262,7 @@ def case(
         if spec.timing:
             fn = pytest.mark.timing(fn)
         return pytest.mark.ranks(
-            world_size=spec.world_size,
+            world_size=spec.need.default,  # the conformance plugin answers with the row's size
             modes=spec.modes,
             timeout_s=spec.timeout(CaseSettings()),  # the conformance plugin answers with the run's settings
             isolated=spec.isolated,

@@ -28,7 +28,7 @@ from harness.settings import choice, whole_number, word_or_whole_number
 
 __all__ = ["CASE_TIMEOUT_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV",
            "FUZZ_VERBOSE_ENV", "IMPL_ENV", "MAX_TIME_ENV", "OPTIONS", "Option", "RANK_MODE_ENV", "TIMING_REPEATS_ENV",
-           "usage_rows"]
+           "WORLD_SIZE_ENV", "usage_rows"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
@@ -39,6 +39,7 @@ FUZZ_VERBOSE_ENV = "FSDP_FUZZ_VERBOSE"
 CASE_TIMEOUT_ENV = "FSDP_CONFORMANCE_CASE_TIMEOUT"
 MAX_TIME_ENV = "FSDP_CONFORMANCE_MAX_TIME"
 FUZZ_STATEFUL_EXAMPLES_ENV = "FSDP_FUZZ_STATEFUL_EXAMPLES"
+WORLD_SIZE_ENV = "FSDP_WORLD_SIZE"
 #: Read by the harness's plugin (:mod:`harness.pytest_plugin`), which resolves the rank mode.
 RANK_MODE_ENV = "FSDP_RANK_MODE"
 
@@ -118,6 +119,11 @@ OPTIONS: tuple[Option, ...] = (
            "where rows compute: CPU rows always on the CPU; GPU rows on a GPU per rank, "
            "else shared GPUs, else skipped (auto); cpu skips GPU rows; cuda requires a GPU",
            "`auto`, `cpu` or `cuda` (see [Devices and placements](#devices-and-placements))", "`auto`"),
+    Option("world_size", "world size", "--world-size", "--fsdp-world-size", WORLD_SIZE_ENV, whole_number(1), None,
+           "N", "process and thread ranks run every row whose case accepts N ranks at N, and skip the others with "
+           "the case's requirement ('fsdp-conformance list' shows it); a launched job runs at its own size",
+           "ranks every row runs on; rows whose case does not accept it are skipped with the requirement (a "
+           "launched job runs at its own size)", "each case's own (`list` shows it; 2 for most)"),
     Option("timing_repeats", "timing repeats", "--timing-repeats", "--fsdp-timing-repeats", TIMING_REPEATS_ENV,
            whole_number(1), 3, "N", "timing cases (those that measure wall time, e.g. overlap/*; they run alone, "
            "after the rest) compare the median of N timings of each region with their bound, stopping early once "

@@ -35,7 +35,7 @@ from conformance.contract.declared import DeclaredAdapter
 from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from conformance.runner import baseline, budget, outputs, progress
+from conformance.runner import baseline, budget, outputs, progress, world_sizes
 from conformance.runner.findings import Finding, annotate, explaining
 from conformance.runner.options import OPTIONS
 from conformance.runner.reasons import failure_reason, skip_reason
@@ -66,8 +66,10 @@ class _ItemState:
     started: float = field(default_factory=time.perf_counter)
     report: CaseReport | None = None
     placement: str = ""
-    #: The skip raised is the plugin's own missing-hardware skip.
-    hardware_skip: bool = False
+    #: The ranks the row runs on ([Note: world sizes]); a row that does not run keeps its case's default.
+    world_size: int = 0
+    #: The skip raised is the plugin's own: missing hardware, or a world size the case does not accept.
+    own_skip: bool = False
     #: The registered finding that explains the row's failure, if one does.
     finding: Finding | None = None
 
@@ -114,6 +116,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if launched(config) and config.stash[SETTINGS_KEY].workers.value != 0:
             raise ValueError(f"-n {config.stash[SETTINGS_KEY].workers.value} with launched ranks: a launched "
                              "job's ranks run every case in lockstep; leave -n out")
+        if launched(config):
+            world_sizes.check_launched_size(config.stash[SETTINGS_KEY], os.environ.get("WORLD_SIZE"))
         device = config.stash[SETTINGS_KEY].device
         config.stash[_GPUS_KEY] = devices.visible_gpus() if device.value != "cpu" else 0
         devices.check_setting(device.value, device.source, config.stash[_GPUS_KEY])
@@ -205,7 +209,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     spec = case_spec(item)
     if spec is None:
         return
-    item.stash[_STATE_KEY] = _ItemState()
+    state = item.stash[_STATE_KEY] = _ItemState(world_size=spec.need.default)
     spent = budget.not_run_reason(item.config)
     if spent is not None:
         raise budget.NotRun(spent)
@@ -217,20 +221,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = impl.unavailable_reason()
     if reason is not None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
-    decision = _plan(item.config, spec, all_params(item))
-    item.stash[_STATE_KEY].placement = decision.placement or ""
+    size = world_sizes.row_world_size(spec, settings_of(item.config), launched=launched(item.config))
+    state.world_size = size.size or state.world_size
+    decision = _plan(item.config, spec, all_params(item), state.world_size)
+    state.placement = decision.placement or ""
     not_applicable = not_applicable_reason(spec, impl, all_params(item))
     if not_applicable is not None:
         raise NotApplicable(not_applicable)
-    if decision.placement is None:
-        item.stash[_STATE_KEY].hardware_skip = True
-        pytest.skip(decision.reason)
+    if size.size is None or decision.placement is None:
+        state.own_skip = True
+        pytest.skip(size.reason or decision.reason)
 
 
-def _plan(config: pytest.Config, spec: CaseSpec, params: dict[str, Any]) -> devices.Decision:
+def _plan(config: pytest.Config, spec: CaseSpec, params: dict[str, Any], world_size: int) -> devices.Decision:
     """Where this row runs ([Note: device setting] in :mod:`harness.devices`)."""
     return devices.decide(setting=settings_of(config).device.value, gpus=config.stash[_GPUS_KEY],
-                          world_size=spec.world_size, need=spec.gpus_for(params), nccl=devices.nccl_available())
+                          world_size=world_size, need=spec.gpus_for(params), nccl=devices.nccl_available())
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -261,6 +267,13 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl
+def pytest_ranks_world_size(item: pytest.Item) -> int | None:
+    """The world size decided for a conformance row in setup; other tests keep their marker's."""
+    state = item.stash.get(_STATE_KEY, None)
+    return (state.world_size or None) if state is not None else None
+
+
+@pytest.hookimpl
 def pytest_ranks_placement(item: pytest.Item) -> str | None:
     """The placement planned for a conformance row in setup; other tests keep the harness default."""
     state = item.stash.get(_STATE_KEY, None)
@@ -286,8 +299,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             state.outcome, state.reason = "n/a", reason
         elif excinfo is not None and isinstance(excinfo.value, budget.NotRun):
             state.outcome, state.reason = "not run", reason
-        elif state.hardware_skip or launched(item.config):
-            state.outcome, state.reason = "skip", reason  # missing hardware (or, launched, the job's size)
+        elif state.own_skip or launched(item.config):
+            state.outcome, state.reason = "skip", reason  # missing hardware, the world size, a launched rank's GPU
         else:
             state.outcome = "error"
             state.reason = f"skipped, but skip means missing hardware (use not_applicable() for n/a): {reason}"
@@ -337,7 +350,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         case=case_id,
         impl=impl_name,
         rank_mode=str(params["rank_mode"]),
-        world_size=spec.world_size,
+        world_size=state.world_size,
         outcome=state.outcome,
         reason=annotate(impl_name, case_id, reason, finding) if finding is not None else reason,
         duration_s=round(time.perf_counter() - state.started, 3),

@@ -80,13 +80,15 @@ class Settings:
     #: Seconds the run may take; rows not started by then are ``not run`` (``None``: no budget).
     max_time: Resolved[int | None]
     fuzz_stateful_examples: Resolved[int | None]
+    #: The ranks process and thread rows run on (``None``: each case's default; [Note: world sizes]).
+    world_size: Resolved[int | None]
     #: The environment-only settings (module docstring), each checked here and read where it acts.
     environment: tuple[Resolved[Any], ...] = ()
 
     def all(self) -> tuple[Resolved[Any], ...]:
         """Every setting, in the order :meth:`describe` shows them."""
-        return (self.impls, self.rank_mode, self.timing_repeats, self.workers, self.device, self.fuzz_examples,
-                self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples, self.case_timeout,
+        return (self.impls, self.rank_mode, self.world_size, self.timing_repeats, self.workers, self.device,
+                self.fuzz_examples, self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples, self.case_timeout,
                 self.max_time, *self.environment)
 
     def describe(self) -> str:
@@ -108,7 +110,7 @@ def resolve_settings(
 ) -> Settings:
     """Resolve every setting but the rank mode, which the harness resolved (``rank_mode``).
 
-    ``cli`` maps a setting (``impls``, ``timing_repeats``, ``workers``, ``device``, ``fuzz_examples``,
+    ``cli`` maps a setting (``impls``, ``world_size``, ``timing_repeats``, ``workers``, ``device``, ``fuzz_examples``,
     ``fuzz_seed``, ``fuzz_verbose``, ``fuzz_stateful_examples``, ``case_timeout``, ``max_time``) to
     ``(option as spelled, value or None)``, so errors name the
     option the user typed; ``env`` defaults to ``os.environ``. Raises :class:`SettingError` naming
