@@ -7,7 +7,9 @@ rank runs the same pytest session, so cases are collected in the same order
 and run in lockstep: each case body runs in-process on the job's default
 group, then all ranks exchange their outcomes over a separate gloo group, so
 every rank reports the same result for the case (and rank 0 writes the
-report). A case declared for another world size is skipped with the reason.
+report). A case runs at the job's size: a plugin answers ``pytest_ranks_world_size``
+with it for the rows that accept it and skips the others (the conformance suite:
+[Note: world sizes]); a ``ranks`` test run at another size is skipped with the reason.
 A rank blocked in a collective because a peer failed is released by the
 backend's timeout (``timeout_s`` of the first case initialises it).
 

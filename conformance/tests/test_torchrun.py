@@ -27,15 +27,21 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     reports.mkdir()
     work.mkdir()
     report = reports / "report.json"
-    cmd = [_torchrun(), "--nproc-per-node=2", "-m", "conformance", "run", "--rank-mode", "launched",
-           "--impl", "reference", "-k", "exec_order", "--json", str(report)]
+    # 3 ranks: exec_order's cases accept any world size from 2 and run at the job's; the world-size-1 case
+    # is skipped naming its requirement ([Note: world sizes]).
+    cmd = [_torchrun(), "--nproc-per-node=3", "-m", "conformance", "run", "--rank-mode", "launched",
+           "--impl", "reference", "-k", "exec_order or world_size_1", "--json", str(report)]
     # CPU rows: on a GPU machine the job hides CUDA, as docs/USAGE.md says.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(report.read_text())["rows"]
+    every = json.loads(report.read_text())["rows"]
+    rows = [r for r in every if r["case"].startswith("exec_order/")]
     assert len(rows) == 8 and {r["outcome"] for r in rows} == {"pass"}
-    assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {2}
+    assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {3}
+    skipped = {(r["outcome"], r["reason"]) for r in every if r not in rows}
+    assert skipped == {("skip", "needs world size 1 (the switch to NO_SHARD is world size 1's behaviour), the "
+                                "launched job has 3")}, skipped
     assert proc.stdout.count("conformance matrix") == 1, "only rank 0 prints the matrix"
     assert sorted(p.name for p in reports.iterdir()) == ["report.json"]
 

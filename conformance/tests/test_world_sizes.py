@@ -124,3 +124,17 @@ def test_world_size_setting_is_checked(suite: pytest.Pytester) -> None:
     result = pytester_run(suite, "--fsdp-world-size", "0")
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*--fsdp-world-size='0': expected a whole number >= 1*"])
+
+
+def test_a_launched_job_takes_no_other_world_size() -> None:
+    from conformance.runner.settings import resolve_settings
+    from conformance.runner.world_sizes import check_launched_size
+    from harness.settings import Resolved
+
+    launched = Resolved("rank mode", "launched", "--fsdp-rank-mode")
+    asked = resolve_settings({"world_size": ("--fsdp-world-size", "2")}, rank_mode=launched, env={})
+    check_launched_size(asked, "2")  # repeating the job's size is fine
+    with pytest.raises(ValueError, match=r"--fsdp-world-size 2 with launched ranks: a launched job runs its rows at "
+                                         r"its own size \(WORLD_SIZE=4\)"):
+        check_launched_size(asked, "4")
+    check_launched_size(resolve_settings({}, rank_mode=launched, env={}), "4")
