@@ -30,7 +30,7 @@ import pytest
 
 from conformance.contract import registry
 from conformance.contract.applicability import not_applicable_reason
-from conformance.contract.case import CaseSettings, CaseSpec, NotApplicable
+from conformance.contract.case import CaseSettings, NotApplicable
 from conformance.contract.declared import DeclaredAdapter
 from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
@@ -209,7 +209,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     spec = case_spec(item)
     if spec is None:
         return
-    state = item.stash[_STATE_KEY] = _ItemState(world_size=spec.need.default)
+    size = world_sizes.row_world_size(spec, settings_of(item.config), launched=launched(item.config))
+    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need.default)
     spent = budget.not_run_reason(item.config)
     if spent is not None:
         raise budget.NotRun(spent)
@@ -221,9 +222,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = impl.unavailable_reason()
     if reason is not None:
         pytest.fail(f"adapter {impl.name!r} is unavailable: {reason}", pytrace=False)
-    size = world_sizes.row_world_size(spec, settings_of(item.config), launched=launched(item.config))
-    state.world_size = size.size or state.world_size
-    decision = _plan(item.config, spec, all_params(item), state.world_size)
+    decision = devices.decide(setting=settings_of(item.config).device.value, gpus=item.config.stash[_GPUS_KEY],
+                              world_size=state.world_size, need=spec.gpus_for(all_params(item)),
+                              nccl=devices.nccl_available())  # where the row runs: [Note: device setting]
     state.placement = decision.placement or ""
     not_applicable = not_applicable_reason(spec, impl, all_params(item))
     if not_applicable is not None:
@@ -231,12 +232,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if size.size is None or decision.placement is None:
         state.own_skip = True
         pytest.skip(size.reason or decision.reason)
-
-
-def _plan(config: pytest.Config, spec: CaseSpec, params: dict[str, Any], world_size: int) -> devices.Decision:
-    """Where this row runs ([Note: device setting] in :mod:`harness.devices`)."""
-    return devices.decide(setting=settings_of(config).device.value, gpus=config.stash[_GPUS_KEY],
-                          world_size=world_size, need=spec.gpus_for(params), nccl=devices.nccl_available())
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -6,8 +6,6 @@ case's default; a launched job runs every row at the job's size, which the setti
 
 from __future__ import annotations
 
-import os
-
 from conformance.contract.case import CaseSpec
 from conformance.contract.world_size import SizeDecision, decide_world_size
 from conformance.runner.settings import Settings
@@ -27,5 +25,7 @@ def check_launched_size(settings: Settings, job_size: str | None) -> None:
 def row_world_size(spec: CaseSpec, settings: Settings, *, launched: bool) -> SizeDecision:
     """The ranks a row of ``spec`` runs on in this run, or why it is skipped."""
     if launched:
-        return decide_world_size(spec.need, launched_job=int(os.environ["WORLD_SIZE"]))
+        from harness.launched import job_env  # imports torch: only a launched job needs it
+
+        return decide_world_size(spec.need, launched_job=job_env()["WORLD_SIZE"])
     return decide_world_size(spec.need, requested=settings.world_size.value)
