@@ -168,8 +168,8 @@ def _cli(*args: str) -> MainResult:
 def test_cli_list_impls_and_empty_selection() -> None:
     listed = _cli("list", "-k", "exec_order")
     assert listed.returncode == 0
-    assert re.search(r"^exec_order/invalid_later_iter_order\[strategy=FULL_SHARD,iters_before_path_change=3\] "
-                     r"+cpu, ws >=2; modes process/thread; timeout 120 s; requires exec_order_validation, thread_ranks$",
+    assert re.search(r"^exec_order/invalid_later_iter_order\[strategy=FULL_SHARD,iters_before_path_change=3\] +cpu, "
+                     r"ws >=2; modes process/thread; timeout 120 s; requires exec_order_validation, thread_ranks$",
                      listed.stdout, re.M), listed.stdout
     assert listed.stdout.splitlines()[-1] == "8 cases"
     impls = _cli("impls")
