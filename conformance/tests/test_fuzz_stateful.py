@@ -27,6 +27,7 @@ from conformance.fuzz.ops import (
     Backward,
     Config,
     Forward,
+    GradientDivideFactor,
     GradSync,
     Load,
     NoSync,
@@ -35,6 +36,7 @@ from conformance.fuzz.ops import (
     Reshard,
     ReshardAfterBackward,
     Save,
+    SetReshardAfterForward,
     Step,
     Train,
     Unshard,
@@ -47,9 +49,11 @@ from conformance.selftest.fuzz_alone import reference_failures, verdicts
 from conformance.selftest.mutants import (
     FirstGradPieceOnly,
     GradSyncKeepsGradInParamDtype,
+    IgnoresGradientDivideFactor,
     MetaInitNotFollowed,
     NoGradDivide,
     NoNestedBackwardGuard,
+    ReshardsAfterForwardAnyway,
     Silent,
     UnshardWithoutGather,
 )
@@ -107,12 +111,18 @@ def test_unsupported_features_are_dropped_after_drawing() -> None:
     assert not any(isinstance(op, CONTROL_OPS) for p in bare for op in p.ops)
 
 
+def _all_but(*kinds: type) -> tuple[type, ...]:
+    return tuple(kind for kind in CONTROL_OPS if kind not in kinds)
+
+
 @pytest.mark.parametrize(
     ("features", "absent"),
     [
         ({"fully_shard"}, CONTROL_OPS),
-        ({"fully_shard", "explicit_prefetch"}, (Unshard, Reshard, GradSync, ReshardAfterBackward)),
-        ({"fully_shard", "fully_shard_controls"}, (Prefetch,)),
+        ({"fully_shard", "explicit_prefetch"}, _all_but(Prefetch)),
+        ({"fully_shard", "fully_shard_controls"}, (Prefetch, SetReshardAfterForward, GradientDivideFactor)),
+        ({"fully_shard", "set_reshard_after_forward"}, _all_but(SetReshardAfterForward)),
+        ({"fully_shard", "gradient_divide_factor"}, _all_but(GradientDivideFactor)),
     ],
 )
 def test_controls_are_drawn_only_where_declared(features: set[str], absent: tuple[type, ...]) -> None:
@@ -295,6 +305,12 @@ CONTROL_PROGRAMS = (
             (Prefetch(forward=2, backward=2), Forward(), Backward(), Step(), Prefetch(forward=0), Forward(),
              Backward())),
     stateful_cases.CONTROLS_PROGRAM,
+    stateful_cases.RESHARD_AFTER_FORWARD_PROGRAM,
+    stateful_cases.DIVIDE_FACTOR_PROGRAM,
+    # resharding after forward off for a nested unit alone; a factor set with a loss pending, another unit's after
+    Program(_fully_shard(model=ModelSpec(blocks=(Block(), Block()))),
+            (SetReshardAfterForward(unit="blocks.0"), Forward(grad=False), Train(), GradientDivideFactor(factor=4.0),
+             Forward(), GradientDivideFactor(factor=1.0, unit="blocks.0"), Backward(), Step(), Train())),
 )
 
 
@@ -310,6 +326,29 @@ def test_every_control_keeps_the_shadows_values(impl: FSDPAdapter, mode: str) ->
     """Each control alone, and all of them in one program, pass on the reference and on torch's FSDP2."""
     results = run(check_programs, world_size=2, mode=mode, timeout_s=240, args=(impl, CONTROL_PROGRAMS))
     assert results[0] == [None] * len(CONTROL_PROGRAMS), results[0]
+
+
+@pytest.mark.parametrize(("mutant", "program", "message"), [
+    (IgnoresGradientDivideFactor(), stateful_cases.DIVIDE_FACTOR_PROGRAM,
+     r"op 1 \(Train\(batch=0\)\), rank 0: params: params\[head.weight\]"),  # the root's, stepped with them
+    (ReshardsAfterForwardAnyway(), stateful_cases.RESHARD_AFTER_FORWARD_PROGRAM,
+     r"op 1 \(Train\(batch=0\)\), rank 0: all-gathers in backward: backward issued all-gathers over groups of "
+     r"\[2, 2, 2\] ranks, though reshard_after_forward=False keeps"),
+], ids=["ignores-gradient-divide-factor", "reshards-after-forward-anyway"])
+def test_each_setting_is_checked(mutant: FSDPAdapter, program: Program, message: str) -> None:
+    """A reference ignoring ``set_gradient_divide_factor`` (dividing by the world size) fails the fixed program
+    of ``GradientDivideFactor`` in the root's parameters, stepped with its gradients; one ignoring
+    ``set_reshard_after_forward(False)`` (resharding anyway) fails that of ``SetReshardAfterForward`` at the
+    all-gathers its backward issues (fresh rank processes: a mutant's patches stay where it ran)."""
+    got = run(check_program, world_size=2, mode="process", timeout_s=120, isolated=True, args=(mutant, program))
+    assert got[0] is not None and re.match(message, got[0]), got[0]
+
+
+def test_divide_factors_drawn_show() -> None:
+    """``GradientDivideFactor`` draws twice the world size and 1.0, each other than the mean's divisor there."""
+    factors = {op.factor for p in _drawn(5, 150, {"fully_shard", "gradient_divide_factor"}) for op in p.ops
+               if isinstance(op, GradientDivideFactor)}
+    assert factors == {4.0, 1.0}, factors
 
 
 class RaisesOnRankOneAfterForward(ReferenceAdapter):
