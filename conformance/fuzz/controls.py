@@ -7,7 +7,8 @@ paths bottom-up, each inside its activation-checkpoint wrapper if it has one,
 then the root; ``reshard_after_forward`` as drawn). Its operations may then use
 the sharded modules' controls (:attr:`Capability.FULLY_SHARD_CONTROLS`,
 :attr:`Capability.EXPLICIT_PREFETCH`), none of which changes a value a user
-reads, so the shadow ([Note: the shadow model]) does nothing for them:
+reads, so the shadow ([Note: the shadow model]) does nothing for them, and the
+memory and all-gather checks end at the first:
 
 * ``Unshard``: ``unshard()`` (or ``unshard(async_op=True)`` and ``wait()``) of one
   module, then a forward with gradients, whose outputs must be the shadow's;
