@@ -13,8 +13,10 @@ during a backward (``harness.recorder``, the same layer the cases read), a
 program checks that
 
 - keeping strategies, and every unit's resharding after forward turned off,
-  issue no all-gather in backward (with it off on some units only, where units
-  are not told apart, nothing is promised);
+  issue no all-gather in backward; with it off on some units only, no
+  all-gather over the whole world in backward is of the bytes a rank sends to
+  gather one of those units (a unit told by its size as [Note: prefetch lists
+  in order] tells it, judged where no other unit may send as many);
 - under an int ``reshard_after_forward`` every all-gather in backward is over a
   group of that many ranks, and there is one where a unit below the root with a
   trainable parameter takes part in the loss (its backward needs its parameters);
@@ -49,8 +51,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from conformance.fuzz.held import units_of
+from conformance.fuzz.held import shard_sizes, units_of
 from conformance.fuzz.ops import Config
+from conformance.fuzz.precision import dtype_of
 from harness.observe import group_name
 from harness.recorder import Call, describe, patch_collectives
 
@@ -148,6 +151,8 @@ class Gathers:
         if self.expected == "none" and sizes:
             raise AssertionError(f"backward issued all-gathers over groups of {sizes} ranks, though "
                                  f"{self._setting()} keeps the unsharded parameters from forward to backward")
+        if self.kept:
+            self._check_kept(calls)
         if isinstance(self.expected, int):
             other = [size for size in sizes if size != self.expected]
             if other or (not sizes and _needs_gather(self.model, self.config, self.kept)):
@@ -155,6 +160,21 @@ class Gathers:
                     f"backward issued all-gathers over groups of {sizes} ranks, though reshard_after_forward="
                     f"{self.expected} keeps each unit sharded over {self.expected} ranks after forward, from which a "
                     "unit taking part in the loss is gathered again")
+
+    def _check_kept(self, calls: list[Call]) -> None:
+        """No whole-world all-gather was of the size of a unit set_reshard_after_forward(False) keeps (the note)."""
+        world, policy = self.config.world_size, self.config.policy
+        size = None if policy is None else dtype_of(policy.param_dtype).itemsize
+        units = units_of(self.model, self.config)
+        sizes = {unit: set(shard_sizes(params, world, size)) for unit, params in units.items()
+                 if unit not in self.config.ignored}
+        told = {bytes_: unit for unit in self.kept if unit in sizes
+                for bytes_ in sizes[unit] - set().union(*(s for other, s in sizes.items() if other != unit))}
+        again = sorted({told[call.bytes] or "<root>" for call in calls
+                        if call.op in GATHERS and len(call.group_ranks) == world and call.bytes in told})
+        if again:
+            raise AssertionError(f"backward all-gathered {again} again over the whole world, though "
+                                 "set_reshard_after_forward(False) keeps their unsharded parameters after forward")
 
     def _setting(self) -> str:
         if self.config.api == "fully_shard":

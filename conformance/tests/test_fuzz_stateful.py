@@ -291,6 +291,12 @@ def _fully_shard(**fields: Any) -> Config:
     return Config(world_size=2, wrap=("blocks.0",), api="fully_shard", **fields)
 
 
+#: Resharding after forward off for one unit below the root alone; a factor set with a loss pending, another
+#: unit's after it.
+ONE_UNIT_KEPT = Program(_fully_shard(model=ModelSpec(blocks=(Block(), Block()))),
+                        (SetReshardAfterForward(unit="blocks.0"), Forward(grad=False), Train(),
+                         GradientDivideFactor(factor=4.0), Forward(), GradientDivideFactor(factor=1.0, unit="blocks.0"),
+                         Backward(), Step(), Train()))
 #: One program per control of a ``fully_shard``-ed model, and the case row's program of all of them.
 CONTROL_PROGRAMS = (
     Program(_fully_shard(), (Unshard(unit="blocks.0", async_op=True), Backward(), Step(), Unshard(batch=1),
@@ -307,10 +313,7 @@ CONTROL_PROGRAMS = (
     stateful_cases.CONTROLS_PROGRAM,
     stateful_cases.RESHARD_AFTER_FORWARD_PROGRAM,
     stateful_cases.DIVIDE_FACTOR_PROGRAM,
-    # resharding after forward off for a nested unit alone; a factor set with a loss pending, another unit's after
-    Program(_fully_shard(model=ModelSpec(blocks=(Block(), Block()))),
-            (SetReshardAfterForward(unit="blocks.0"), Forward(grad=False), Train(), GradientDivideFactor(factor=4.0),
-             Forward(), GradientDivideFactor(factor=1.0, unit="blocks.0"), Backward(), Step(), Train())),
+    ONE_UNIT_KEPT,
 )
 
 
@@ -334,12 +337,15 @@ def test_every_control_keeps_the_shadows_values(impl: FSDPAdapter, mode: str) ->
     (ReshardsAfterForwardAnyway(), stateful_cases.RESHARD_AFTER_FORWARD_PROGRAM,
      r"op 1 \(Train\(batch=0\)\), rank 0: all-gathers in backward: backward issued all-gathers over groups of "
      r"\[2, 2, 2\] ranks, though reshard_after_forward=False keeps"),
-], ids=["ignores-gradient-divide-factor", "reshards-after-forward-anyway"])
+    (ReshardsAfterForwardAnyway(), ONE_UNIT_KEPT,
+     r"op 2 \(Train\(batch=0\)\), rank 0: all-gathers in backward: backward all-gathered \['blocks.0'\] again"),
+], ids=["ignores-gradient-divide-factor", "reshards-after-forward-anyway", "reshards-one-unit-anyway"])
 def test_each_setting_is_checked(mutant: FSDPAdapter, program: Program, message: str) -> None:
     """A reference ignoring ``set_gradient_divide_factor`` (dividing by the world size) fails the fixed program
     of ``GradientDivideFactor`` in the root's parameters, stepped with its gradients; one ignoring
-    ``set_reshard_after_forward(False)`` (resharding anyway) fails that of ``SetReshardAfterForward`` at the
-    all-gathers its backward issues (fresh rank processes: a mutant's patches stay where it ran)."""
+    ``set_reshard_after_forward(False)`` (resharding anyway) fails that of ``SetReshardAfterForward``, and a
+    program turning it off for one unit alone, at the all-gathers its backward issues (fresh rank processes: a
+    mutant's patches stay where it ran)."""
     got = run(check_program, world_size=2, mode="process", timeout_s=120, isolated=True, args=(mutant, program))
     assert got[0] is not None and re.match(message, got[0]), got[0]
 
