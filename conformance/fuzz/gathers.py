@@ -119,7 +119,8 @@ class Gathers:
         """``set_reshard_after_forward`` changed units' settings (see the note); a pending loss's forward ran
         under the old ones."""
         self.expected, self.clean = promise(self.config, after_forward), False
-        self.kept = [unit for unit, on in after_forward.items() if on is False]
+        self.kept = [unit for unit in self.config.units()
+                     if after_forward.get(unit, self.config.reshard_after_forward) is False]
 
     @contextmanager
     def backward(self) -> Iterator[None]:
