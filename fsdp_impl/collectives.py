@@ -14,7 +14,8 @@ Gradients are reduced with SUM and divided explicitly by the data-parallel world
 size (shard size x replicate size) after the last reduction, never with
 ``ReduceOp.AVG`` (gloo does not implement it, and the thread group's AVG is not
 what DDP does). DDP divides the same way, so parity is exact for power-of-two
-world sizes and within float rounding otherwise.
+world sizes and within float rounding otherwise. A unit given a divide factor
+(``FSDPModule.set_gradient_divide_factor``) divides by it instead.
 """
 
 from __future__ import annotations

@@ -328,6 +328,11 @@ class FSDPModule:
         for state in self._units(recurse):
             state.controls.reshard_after_forward = reshard_after_forward
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's summed gradients by ``factor`` instead of the data-parallel world size (not
+        recursive, as torch's; [Note: gradient averaging] in ``collectives.py``)."""
+        self._own().controls.gradient_divide_factor = factor
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters (``False``: the next forward reuses them)."""
         for state in self._units(recurse):

@@ -372,7 +372,7 @@ def _finish_reductions(state: RootState) -> None:
     for reduction in state.reductions:
         assert reduction.pending is not None
         grad = reduction.pending.wait()
-        grad.div_(reduction.unit.groups.dp_world_size)
+        grad.div_(reduction.unit.controls.gradient_divide_factor or reduction.unit.groups.dp_world_size)
         assert reduction.unit.handle is not None
         reduction.unit.handle.accumulate_sharded_grad(grad)
     state.reductions.clear()

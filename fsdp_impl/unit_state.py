@@ -89,6 +89,7 @@ class UnitControls:
     requires_gradient_sync: bool = True  # False: backward keeps the unsharded gradient ([Note: no_sync])
     forward_prefetch: list[UnitState] | None = None  # all-gathers issued after this unit's (None: recorded order)
     backward_prefetch: list[UnitState] | None = None  # likewise in backward (None: BackwardPrefetch)
+    gradient_divide_factor: float | None = None  # summed gradients are divided by it (None: dp_world_size)
 
 
 @dataclass

@@ -68,3 +68,11 @@ class FullyShardMethods:
     def set_reshard_after_backward(self, module: nn.Module, on: bool) -> None:
         """``FSDPModule.set_reshard_after_backward(on)`` (recursive)."""
         cast(Any, module).set_reshard_after_backward(on)
+
+    def set_reshard_after_forward(self, module: nn.Module, on: bool, *, recurse: bool) -> None:
+        """``FSDPModule.set_reshard_after_forward(on, recurse=recurse)``."""
+        cast(Any, module).set_reshard_after_forward(on, recurse=recurse)
+
+    def set_gradient_divide_factor(self, module: nn.Module, factor: float) -> None:
+        """``FSDPModule.set_gradient_divide_factor(factor)`` (the module's own parameters)."""
+        cast(Any, module).set_gradient_divide_factor(factor)

@@ -58,6 +58,8 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.FULLY_SHARD_MIXED_PRECISION,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
+            Capability.SET_RESHARD_AFTER_FORWARD,
+            Capability.GRADIENT_DIVIDE_FACTOR,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }

@@ -71,6 +71,8 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD_MIXED_PRECISION,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
+            Capability.SET_RESHARD_AFTER_FORWARD,
+            Capability.GRADIENT_DIVIDE_FACTOR,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
             Capability.COMPUTE_DEVICE,
@@ -210,6 +212,15 @@ class TorchFSDP2Adapter(FullyShardMethods):
     def set_post_optim_event(self, model: nn.Module, event: torch.Event) -> None:
         """FSDP2's ``FSDPModule.set_post_optim_event``: the next all-gather waits on ``event``."""
         cast(Any, model).set_post_optim_event(event)
+
+    def set_gradient_divide_factor(self, module: nn.Module, factor: float) -> None:
+        """``FSDPModule.set_gradient_divide_factor(factor)``; on CPU over several ranks also
+        ``set_force_sum_reduction_for_comms(True)`` (torch's documented option for sum-only backends: gloo refuses
+        the ``PREMUL_SUM`` reduction torch uses otherwise; the sum divided by ``factor`` after it is the same value;
+        on one rank torch issues no collective, and forcing the sum would divide twice)."""
+        super().set_gradient_divide_factor(module, factor)
+        if dist.get_world_size() > 1 and any(param.device.type == "cpu" for param in module.parameters()):
+            cast(Any, module).set_force_sum_reduction_for_comms(True)
 
     # -- introspection ----------------------------------------------------------
     def units(self, model: nn.Module) -> list[UnitInfo]:

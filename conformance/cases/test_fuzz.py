@@ -1,40 +1,22 @@
-"""fuzz: the parity fuzzer as matrix rows, one per world size (see :mod:`conformance.fuzz`).
+"""fuzz: the parity fuzzer's rows, ``fuzz/parity_ws*``, and the stateful fuzzer's, ``fuzz/stateful_ws*``, one
+per world size (see :mod:`conformance.fuzz`), with reproducers pasted below them and fixed programs.
 
-Each row draws ``--fuzz-examples`` (``FSDP_FUZZ_EXAMPLES``) examples (default:
-12, 15 and 3 for world sizes 1, 2 and 4; a nightly run raises it) from
-``--fuzz-seed`` (``FSDP_FUZZ_SEED``, default 0), runs each on the
-implementation and on a local baseline, and on a mismatch fails with the
-shrunk example printed as a ready-to-paste case. Paste reproducers below the
-rows; they run against every implementation like any case (one with a
-mixed-precision policy requires the capabilities the policy needs).
+A parity row draws ``--fuzz-examples`` (``FSDP_FUZZ_EXAMPLES``) examples (default: 12, 15 and 3 for world sizes
+1, 2 and 4) from ``--fuzz-seed`` (``FSDP_FUZZ_SEED``, default 0), runs each on the implementation and on a local
+baseline, and on a mismatch fails with the shrunk example as a ready-to-paste case. A fifth to a third of the
+examples draw a mixed-precision policy (``conformance.fuzz.precision``, [Note: low-precision reductions in the
+fuzzer]); without ``Capability.MIXED_PRECISION`` (or ``MP_BUFFER_DTYPE``) the policy (or its buffer dtype) is
+dropped, the example runs in full precision, and the row's reason says so.
 
-A fifth to a third of the examples draw a mixed-precision policy
-(``conformance.fuzz.precision``; gradients reduced in low precision only where
-that has one correct value, [Note: low-precision reductions in the fuzzer]).
-For an implementation without ``Capability.MIXED_PRECISION`` (or without
-``MP_BUFFER_DTYPE``) the drawn policy (or its buffer dtype) is dropped: the
-example still runs, in full precision, and the row's reason says so.
-
-The stateful fuzzer's rows, ``fuzz/stateful_ws*``, one per world size (see :mod:`conformance.fuzz.stateful`).
-
-Each row draws ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``)
-programs (default: 5, 5 and 2 at world sizes 1, 2 and 4; a nightly run raises
-it) from ``--fuzz-seed``: a configuration (strategy, ``use_orig_params``,
-mixed precision, CPU offload, activation checkpointing, frozen and tied
-parameters; sharded by the adapter's ``wrap``, or by its ``fully_shard`` where it
-declares ``FULLY_SHARD``) and a random sequence of a user's operations on the model
-(on a ``fully_shard``-ed one also ``unshard``/``reshard``, gradient sync and
-reshard-after-backward switches and explicit prefetch, where declared)
-([Note: stateful programs] in :mod:`conformance.fuzz.ops`). Every
-operation runs on the implementation and on a local shadow model, and the
-user-visible state must agree after each one ([Note: stateful invariant]). A
-mismatch fails with the shrunk program printed as a ready-to-paste case; paste
-reproducers below the rows.
-
-What the adapter cannot express is left out and said in the row's reason:
-configuration features are dropped after drawing (as the parity fuzzer drops a
-policy), and operations it lacks (``no_sync``, state dicts a rank mode cannot
-take) are skipped on both sides.
+A stateful row draws ``--fuzz-stateful-examples`` (``FSDP_FUZZ_STATEFUL_EXAMPLES``) programs (default: 5, 5
+and 2) from ``--fuzz-seed``: a configuration (strategy, ``use_orig_params``, mixed precision, CPU offload,
+activation checkpointing, frozen and tied parameters; sharded by ``wrap``, or by ``fully_shard`` where declared)
+and a random sequence of a user's operations, on a ``fully_shard``-ed model also its controls where declared
+([Note: stateful programs] in :mod:`conformance.fuzz.ops`). Every operation runs on the implementation and on
+a local shadow model, and the user-visible state must agree after each one ([Note: stateful invariant]); a
+mismatch fails with the shrunk program as a ready-to-paste case. What the adapter cannot express is left out
+and said in the row's reason: configuration features are dropped after drawing, and operations it lacks
+(``no_sync``, state dicts a rank mode cannot take) are skipped on both sides.
 """
 
 from __future__ import annotations
@@ -52,6 +34,7 @@ from conformance.fuzz.ops import (
     Backward,
     Config,
     Forward,
+    GradientDivideFactor,
     GradSync,
     Load,
     NoSync,
@@ -60,6 +43,7 @@ from conformance.fuzz.ops import (
     Reshard,
     ReshardAfterBackward,
     Save,
+    SetReshardAfterForward,
     Step,
     Train,
     Unshard,
@@ -193,7 +177,7 @@ _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capab
                    Capability.HYBRID_VIA_PG_TUPLE, Capability.MP_CAST_FORWARD_INPUTS,
                    Capability.FULLY_SHARD, Capability.RESHARD_AFTER_FORWARD_INT, Capability.FULLY_SHARD_CONTROLS,
                    Capability.EXPLICIT_PREFETCH, Capability.IGNORED_MODULES, Capability.FULLY_SHARD_MIXED_PRECISION,
-                   *NEIGHBOURS_USE)
+                   Capability.SET_RESHARD_AFTER_FORWARD, Capability.GRADIENT_DIVIDE_FACTOR, *NEIGHBOURS_USE)
 
 
 @case("fuzz/stateful_ws1", world_size=1, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
@@ -240,6 +224,34 @@ def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
     mid-iteration, ``set_reshard_after_backward(False)`` and a backward without gradient sync change no value:
     outputs, losses, parameters and (after the synchronizing backward) gradients stay the shadow model's."""
     run_program(ctx, impl, CONTROLS_PROGRAM)
+
+
+_TWO_UNITS = Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"),
+                    api="fully_shard")
+#: Resharding after forward off everywhere (an iteration, a forward left gathered), back on for one unit, then all.
+RESHARD_AFTER_FORWARD_PROGRAM = Program(_TWO_UNITS, (
+    SetReshardAfterForward(), Train(), Forward(grad=False), Train(batch=1),
+    SetReshardAfterForward(unit="blocks.1", on=True, recurse=False), Train(), SetReshardAfterForward(on=True), Train()))
+#: Divide factors on the root and a unit, also over a backward without gradient sync.
+DIVIDE_FACTOR_PROGRAM = Program(_TWO_UNITS, (
+    GradientDivideFactor(factor=4.0), Train(), GradientDivideFactor(factor=1.0, unit="blocks.1"), Train(batch=1),
+    GradSync(), Train(), GradientDivideFactor(factor=4.0, unit="blocks.1"), GradSync(on=True), Train()))
+
+
+@case("fuzz/set_reshard_after_forward", clause=("C1", "C11"), world_size=2, uses=NEIGHBOURS_USE,
+      requires=[Capability.FULLY_SHARD, Capability.SET_RESHARD_AFTER_FORWARD])
+def test_set_reshard_after_forward(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """``set_reshard_after_forward`` off and on again changes no value, and a unit it turns off is not gathered
+    again in backward and may stay gathered after a forward, no more."""
+    run_program(ctx, impl, RESHARD_AFTER_FORWARD_PROGRAM)
+
+
+@case("fuzz/gradient_divide_factor", clause=("C2", "C11"), world_size=2, uses=NEIGHBOURS_USE,
+      requires=[Capability.FULLY_SHARD, Capability.GRADIENT_DIVIDE_FACTOR, Capability.FULLY_SHARD_CONTROLS])
+def test_gradient_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """After ``set_gradient_divide_factor(f)`` a module's own parameters get the sum of the ranks' gradients
+    over ``f`` (what backwards without sync kept included), its other modules' the mean."""
+    run_program(ctx, impl, DIVIDE_FACTOR_PROGRAM)
 
 
 # -- reproducers the stateful fuzzer found ----------------------------------------------------------------

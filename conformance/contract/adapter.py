@@ -164,29 +164,29 @@ class Capability(str, enum.Enum):
     FULLY_SHARD_CONTROLS = "fully_shard_controls"
     """A ``fully_shard``-ed module's own controls (FSDP2's ``FSDPModule`` methods): the adapter defines
     ``unshard(module, *, async_op)``, ``reshard(module)``, ``set_requires_gradient_sync(module, on)`` and
-    ``set_reshard_after_backward(module, on)`` (:func:`conformance.contract.optional.unshard` and the
-    functions after it). None of them changes a value a user reads: forwards, parameters and, once a
-    synchronizing backward has reduced them, gradients stay those of data-parallel training."""
+    ``set_reshard_after_backward(module, on)`` (:func:`conformance.contract.optional.unshard` and after). None
+    changes a value a user reads: forwards, parameters and, once reduced, gradients stay data-parallel training's."""
+    SET_RESHARD_AFTER_FORWARD = "set_reshard_after_forward"
+    """``set_reshard_after_forward(module, on, *, recurse)`` (FSDP2's ``FSDPModule`` method): whether the module
+    (``recurse``: and those under it) frees its unsharded parameters after forward; no value a user reads changes."""
+    GRADIENT_DIVIDE_FACTOR = "gradient_divide_factor"
+    """``set_gradient_divide_factor(module, factor)`` (FSDP2's ``FSDPModule`` method, the module's own
+    parameters only): their reduction divides the sum over ranks by ``factor`` instead of the world size."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""
     DCP_RESHARD = "dcp_reshard"
     """A ``fully_shard``-ed model and its optimizer, through ``torch.distributed.checkpoint.state_dict``'s
-    ``get_state_dict``/``set_state_dict``, save with ``torch.distributed.checkpoint`` on a mesh of one
-    size and load on a mesh of another."""
+    ``get_state_dict``/``set_state_dict``, save with DCP on a mesh of one size and load on another."""
     OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
-    """Deprecated, ignored: a declared :attr:`OPTIM_STATE_DICT` holds on thread ranks unless the adapter's
-    ``thread_rank_limits`` says otherwise."""
+    """Deprecated, ignored: a declared :attr:`OPTIM_STATE_DICT` holds on thread ranks unless ``thread_rank_limits``
+    says otherwise."""
     FULL_STATE_DICT_LOAD_ON_THREADS = "full_state_dict_load_on_threads"
-    """Deprecated, ignored: a declared :attr:`FULL_STATE_DICT` loads on thread ranks unless the adapter's
-    ``thread_rank_limits`` says otherwise."""
+    """Deprecated, ignored: a declared :attr:`FULL_STATE_DICT` loads on thread ranks unless ``thread_rank_limits``
+    says otherwise."""
     THREAD_RANKS = "thread_ranks"
-    """Runs under the harness's threaded process group (one process, N threads).
-
-    Every case needs it in the ``thread`` rank mode (:meth:`CaseSpec.required`);
-    an adapter without it gets ``n/a`` there instead of failures that say
-    nothing about FSDP.
-    """
+    """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
+    ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""
     def __str__(self) -> str:
         return self.value
 

@@ -21,6 +21,8 @@ adapter method (optional)                  default
 ``unshard(m, async_op)``, ``reshard(m)``   unsupported: the case is ``n/a``
 ``set_requires_gradient_sync(m, on)``      unsupported: the case is ``n/a``
 ``set_reshard_after_backward(m, on)``      unsupported: the case is ``n/a``
+``set_reshard_after_forward(m, on, recurse)`` unsupported: the case is ``n/a``
+``set_gradient_divide_factor(m, factor)``  unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -54,7 +56,9 @@ __all__ = [
     "reshard",
     "set_modules_to_prefetch",
     "set_requires_gradient_sync",
+    "set_gradient_divide_factor",
     "set_reshard_after_backward",
+    "set_reshard_after_forward",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -70,6 +74,8 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
     Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
                                       "set_reshard_after_backward"),
+    Capability.SET_RESHARD_AFTER_FORWARD: ("set_reshard_after_forward",),
+    Capability.GRADIENT_DIVIDE_FACTOR: ("set_gradient_divide_factor",),
 }
 
 
@@ -287,3 +293,17 @@ def set_reshard_after_backward(adapter: Any, module: nn.Module, on: bool) -> Non
     """Whether backward frees the unsharded parameters of ``module`` and every ``fully_shard``-ed module
     under it (off: the next forward may reuse them; FSDP2's ``set_reshard_after_backward``)."""
     _control(adapter, "set_reshard_after_backward")(module, on)
+
+
+def set_reshard_after_forward(adapter: Any, module: nn.Module, on: bool, *, recurse: bool = True) -> None:
+    """Whether forward frees the unsharded parameters of ``module`` (and, with ``recurse``, of every
+    ``fully_shard``-ed module under it): off, backward needs no all-gather for them (FSDP2's
+    ``set_reshard_after_forward``; :attr:`Capability.SET_RESHARD_AFTER_FORWARD`)."""
+    _control(adapter, "set_reshard_after_forward")(module, on, recurse=recurse)
+
+
+def set_gradient_divide_factor(adapter: Any, module: nn.Module, factor: float) -> None:
+    """The reduction of ``module``'s own parameters' gradients (not its submodules') divides the sum over ranks by
+    ``factor`` instead of the world size (FSDP2's ``set_gradient_divide_factor``;
+    :attr:`Capability.GRADIENT_DIVIDE_FACTOR`)."""
+    _control(adapter, "set_gradient_divide_factor")(module, factor)

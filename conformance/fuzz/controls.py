@@ -7,7 +7,8 @@ paths bottom-up, each inside its activation-checkpoint wrapper if it has one,
 then the root; ``reshard_after_forward`` as drawn). Its operations may then use
 the sharded modules' controls (:attr:`Capability.FULLY_SHARD_CONTROLS`,
 :attr:`Capability.EXPLICIT_PREFETCH`), none of which changes a value a user
-reads, so the shadow ([Note: the shadow model]) does nothing for them:
+reads, so the shadow ([Note: the shadow model]) does nothing for them, and the
+memory and all-gather checks end at the first:
 
 * ``Unshard``: ``unshard()`` (or ``unshard(async_op=True)`` and ``wait()``) of one
   module, then a forward with gradients, whose outputs must be the shadow's;
@@ -33,6 +34,18 @@ reads, so the shadow ([Note: the shadow model]) does nothing for them:
   synchronizing backward reduces what was kept (else a kept gradient that is
   lost, or reduced twice, would never be compared).
 
+Two controls are settings whose effect the program's checks model instead, each
+drawn where the adapter declares it (:attr:`Capability.SET_RESHARD_AFTER_FORWARD`,
+:attr:`Capability.GRADIENT_DIVIDE_FACTOR`):
+
+* ``SetReshardAfterForward``: ``set_reshard_after_forward`` on one module (with
+  ``recurse``, the modules under it too). No value changes; the units it turns
+  off are not gathered again in backward and may stay gathered after a forward
+  ([Note: all-gathers in backward], [Note: memory held between iterations]);
+* ``GradientDivideFactor``: ``set_gradient_divide_factor`` on one module, whose
+  own parameters' gradients are then the sum over ranks divided by the factor
+  ([Note: the shadow model]).
+
 ``NoSync`` (the adapter's ``no_sync``, defined on the root ``wrap`` returns) does
 nothing on a ``fully_shard``-ed model; ``GradSync`` is its counterpart there.
 
@@ -48,7 +61,7 @@ unsharded ones, the reference keeps the DTensors), so that is not read.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,19 +74,25 @@ from conformance.contract.optional import (
     activation_checkpoint_wrapper,
     fully_shard,
     reshard,
+    set_gradient_divide_factor,
     set_modules_to_prefetch,
     set_requires_gradient_sync,
     set_reshard_after_backward,
+    set_reshard_after_forward,
     unshard,
 )
 from conformance.fuzz.compare import unwrapped_names
+from conformance.fuzz.held import unit_of
 from conformance.fuzz.ops import (
     Config,
+    GradientDivideFactor,
     GradSync,
+    Op,
     Prefetch,
     Program,
     Reshard,
     ReshardAfterBackward,
+    SetReshardAfterForward,
     Unshard,
 )
 from conformance.fuzz.precision import mixed_precision_spec
@@ -88,7 +107,12 @@ __all__ = ["Controls", "fully_shard_features", "fully_shard_requires", "full_par
 _FEATURE_OF = {Capability.FULLY_SHARD: "fully_shard", Capability.RESHARD_AFTER_FORWARD_INT: "reshard_after_forward_int",
                Capability.FULLY_SHARD_CONTROLS: "fully_shard_controls",
                Capability.EXPLICIT_PREFETCH: "explicit_prefetch", Capability.META_INIT: "meta_init",
-               Capability.FULLY_SHARD_MIXED_PRECISION: "fully_shard_mixed_precision"}
+               Capability.FULLY_SHARD_MIXED_PRECISION: "fully_shard_mixed_precision",
+               Capability.SET_RESHARD_AFTER_FORWARD: "set_reshard_after_forward",
+               Capability.GRADIENT_DIVIDE_FACTOR: "gradient_divide_factor"}
+#: The modelled controls ([Note: fully_shard programs]) and what each needs.
+_SETTINGS = {SetReshardAfterForward: Capability.SET_RESHARD_AFTER_FORWARD,
+             GradientDivideFactor: Capability.GRADIENT_DIVIDE_FACTOR}
 
 
 def fully_shard_features(impl: FSDPAdapter) -> frozenset[str]:
@@ -108,6 +132,9 @@ def fully_shard_requires(program: Program) -> list[Capability]:
         needs.append(Capability.RESHARD_AFTER_FORWARD_INT)
     if any(isinstance(op, (Unshard, Reshard, GradSync, ReshardAfterBackward)) for op in program.ops):
         needs.append(Capability.FULLY_SHARD_CONTROLS)
+    for kind, capability in _SETTINGS.items():
+        if any(isinstance(op, kind) for op in program.ops):
+            needs.append(capability)
     if any(isinstance(op, Prefetch) for op in program.ops):
         needs.append(Capability.EXPLICIT_PREFETCH)
     if config.meta_init:
@@ -214,6 +241,8 @@ class Controls:
     unsynced: bool = False
     reshards_after_backward: bool = True
     kept: bool = False
+    after_forward: dict[str, bool] = field(default_factory=dict)  # units set_reshard_after_forward set
+    factors: dict[str, float] = field(default_factory=dict)  # units given a divide factor
 
     @classmethod
     def of(cls, impl: FSDPAdapter, model: nn.Module, clean: Any) -> Controls:
@@ -228,16 +257,30 @@ class Controls:
         if handle is not None:
             handle.wait()
 
-    def reshard(self, op: Reshard) -> None:
-        reshard(self.impl, module_at(self.model, op.unit))
+    def apply(self, op: Op, config: Config) -> None:
+        """Run control ``op`` (any but ``Unshard``, which a forward follows)."""
+        if isinstance(op, Reshard):
+            reshard(self.impl, module_at(self.model, op.unit))
+        elif isinstance(op, GradSync):
+            set_requires_gradient_sync(self.impl, self.model, op.on)
+            self.sync = op.on
+        elif isinstance(op, ReshardAfterBackward):
+            set_reshard_after_backward(self.impl, self.model, op.on)
+            self.reshards_after_backward = op.on
+        elif isinstance(op, Prefetch):
+            self.prefetch(op, config)
+        elif isinstance(op, SetReshardAfterForward):
+            set_reshard_after_forward(self.impl, module_at(self.model, op.unit), op.on, recurse=op.recurse)
+            under = [unit for unit in config.units() if unit == op.unit or op.recurse and
+                     (not op.unit or unit.startswith(op.unit + "."))]
+            self.after_forward.update(dict.fromkeys(under, op.on))
+        elif isinstance(op, GradientDivideFactor):
+            set_gradient_divide_factor(self.impl, module_at(self.model, op.unit), op.factor)
+            self.factors[op.unit] = op.factor
 
-    def grad_sync(self, op: GradSync) -> None:
-        set_requires_gradient_sync(self.impl, self.model, op.on)
-        self.sync = op.on
-
-    def reshard_after_backward(self, op: ReshardAfterBackward) -> None:
-        set_reshard_after_backward(self.impl, self.model, op.on)
-        self.reshards_after_backward = op.on
+    def divisors(self, config: Config) -> dict[str, float]:
+        """Each parameter of a module given a divide factor -> that factor."""
+        return {name: self.factors[unit] for name in self.params if (unit := unit_of(name, config)) in self.factors}
 
     def before_update(self, config: Config) -> None:
         """Before a step or load changes the shards: reshard every module if one may be kept unsharded."""

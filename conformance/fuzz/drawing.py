@@ -17,6 +17,7 @@ from conformance.fuzz.ops import (
     Backward,
     Config,
     Forward,
+    GradientDivideFactor,
     GradSync,
     Load,
     Mode,
@@ -27,6 +28,7 @@ from conformance.fuzz.ops import (
     Reshard,
     ReshardAfterBackward,
     Save,
+    SetReshardAfterForward,
     Step,
     Train,
     Unshard,
@@ -65,7 +67,15 @@ def _controls(config: Config) -> st.SearchStrategy[Op]:
         st.builds(Reshard, unit=units), st.builds(GradSync, on=st.booleans()),
         st.builds(ReshardAfterBackward, on=st.booleans()),
         st.builds(Prefetch, forward=st.integers(0, 2), backward=st.integers(0, 2)),
+        st.builds(SetReshardAfterForward, unit=units, on=st.booleans(), recurse=st.booleans().map(lambda b: not b)),
+        # a factor other than the world size shows (at one rank, 1.0 is the default: 2.0 shows there)
+        st.builds(GradientDivideFactor, factor=st.sampled_from((2.0 * config.world_size, 1.0)), unit=units),
     )
+
+
+#: A control -> the feature it needs, where that is not ``fully_shard_controls``.
+_NEEDS = {Prefetch: "explicit_prefetch", SetReshardAfterForward: "set_reshard_after_forward",
+          GradientDivideFactor: "gradient_divide_factor"}
 
 
 def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -247,5 +257,4 @@ def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
     with ``fully_shard``)."""
     if not isinstance(op, CONTROL_OPS):
         return True
-    needs = "explicit_prefetch" if isinstance(op, Prefetch) else "fully_shard_controls"
-    return config.api == "fully_shard" and needs in features
+    return config.api == "fully_shard" and _NEEDS.get(type(op), "fully_shard_controls") in features

@@ -4,13 +4,19 @@
 Where parameters are resharded after forward decides what backward must gather
 again, and torch documents it: ``SHARD_GRAD_OP`` (and its hybrid form) and
 ``fully_shard(reshard_after_forward=False)`` keep the unsharded parameters from
-forward to backward ("no all-gather in backward", the point of ZeRO-2), and an int
+forward to backward ("no all-gather in backward", the point of ZeRO-2), as does
+``set_reshard_after_forward(False)``, which changes that argument "at runtime"
+(``SetReshardAfterForward``, per unit: the program follows each unit's setting), and an int
 ``reshard_after_forward`` keeps each unit sharded over that many ranks, from
 which backward gathers it again. So, recording the collectives a rank issues
 during a backward (``harness.recorder``, the same layer the cases read), a
 program checks that
 
-- keeping strategies issue no all-gather in backward;
+- keeping strategies, and every unit's resharding after forward turned off,
+  issue no all-gather in backward; with it off on some units only, no
+  all-gather over the whole world in backward is of the bytes a rank sends to
+  gather one of those units (a unit told by its size as [Note: prefetch lists
+  in order] tells it, judged where no other unit may send as many);
 - under an int ``reshard_after_forward`` every all-gather in backward is over a
   group of that many ranks, and there is one where a unit below the root with a
   trainable parameter takes part in the loss (its backward needs its parameters);
@@ -32,20 +38,22 @@ per-module control used in between may legitimately reshard what backward then
 gathers, and so may a second forward (torch's FSDP2 reshards a unit after its
 backward through the first forward's graph and gathers it again for the second's).
 Collectives are recorded on more than one rank only, and not from a program's
-first per-module control on.
+first per-module control on (but ``SetReshardAfterForward`` and
+``GradientDivideFactor``, which the checks model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
 
-from conformance.fuzz.held import units_of
+from conformance.fuzz.held import shard_sizes, units_of
 from conformance.fuzz.ops import Config
+from conformance.fuzz.precision import dtype_of
 from harness.observe import group_name
 from harness.recorder import Call, describe, patch_collectives
 
@@ -57,21 +65,26 @@ REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
 KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward
 
 
-def promise(config: Config) -> str | int | None:
+def promise(config: Config, after_forward: Mapping[str, bool | int] | None = None) -> str | int | None:
     """``"none"``: backward gathers nothing; an int: it gathers over groups of that many ranks; ``None``: no
-    promise this note checks (resharding strategies, one rank)."""
+    promise this note checks (resharding strategies, one rank). ``after_forward``: units whose
+    ``set_reshard_after_forward`` changed their setting."""
     if config.world_size == 1:
         return None
     if config.api == "fully_shard":
-        raf = config.reshard_after_forward
-        return "none" if raf is False else None if raf is True else raf
+        settings = {(after_forward or {}).get(unit, config.reshard_after_forward) for unit in config.units()}
+        if True in settings:  # a resharding unit may gather anything
+            return None
+        ints = settings - {False}
+        return "none" if not ints else ints.pop()
     return "none" if config.strategy in KEEPING else None
 
 
-def _needs_gather(model: nn.Module, config: Config) -> bool:
-    """Whether a unit below the root with a trainable parameter takes part in the loss (not the unused block)."""
+def _needs_gather(model: nn.Module, config: Config, kept: Collection[str] = ()) -> bool:
+    """Whether a unit below the root with a trainable parameter takes part in the loss (not the unused block), but
+    those in ``kept``."""
     return any(unit and not unit.startswith("unused") and any(p.requires_grad for p in params)
-               for unit, params in units_of(model, config).items() if unit not in config.ignored)
+               for unit, params in units_of(model, config).items() if unit not in (*config.ignored, *kept))
 
 
 @dataclass
@@ -84,6 +97,7 @@ class Gathers:
     clean: bool = False  # the pending loss came from one forward with gradients alone
     shard_group: Any = None  # the shard group a hybrid program was given
     calls: list[Call] | None = None  # the all-gathers and reduce-scatters of the last judged backward, until checked
+    kept: list[str] = field(default_factory=list)  # units set_reshard_after_forward(False) keeps gathered
     judged: bool = True  # False once a per-module control was used
 
     def __post_init__(self) -> None:
@@ -100,6 +114,13 @@ class Gathers:
     def stop(self) -> None:
         """No more checks in this program (it used a per-module control)."""
         self.judged = False
+
+    def reshards_after_forward(self, after_forward: Mapping[str, bool | int]) -> None:
+        """``set_reshard_after_forward`` changed units' settings (see the note); a pending loss's forward ran
+        under the old ones."""
+        self.expected, self.clean = promise(self.config, after_forward), False
+        self.kept = [unit for unit in self.config.units()
+                     if after_forward.get(unit, self.config.reshard_after_forward) is False]
 
     @contextmanager
     def backward(self) -> Iterator[None]:
@@ -131,13 +152,30 @@ class Gathers:
         if self.expected == "none" and sizes:
             raise AssertionError(f"backward issued all-gathers over groups of {sizes} ranks, though "
                                  f"{self._setting()} keeps the unsharded parameters from forward to backward")
+        if self.kept:
+            self._check_kept(calls)
         if isinstance(self.expected, int):
             other = [size for size in sizes if size != self.expected]
-            if other or (not sizes and _needs_gather(self.model, self.config)):
+            if other or (not sizes and _needs_gather(self.model, self.config, self.kept)):
                 raise AssertionError(
                     f"backward issued all-gathers over groups of {sizes} ranks, though reshard_after_forward="
                     f"{self.expected} keeps each unit sharded over {self.expected} ranks after forward, from which a "
                     "unit taking part in the loss is gathered again")
+
+    def _check_kept(self, calls: list[Call]) -> None:
+        """No whole-world all-gather was of the size of a unit set_reshard_after_forward(False) keeps (the note)."""
+        world, policy = self.config.world_size, self.config.policy
+        size = None if policy is None else dtype_of(policy.param_dtype).itemsize
+        units = units_of(self.model, self.config)
+        sizes = {unit: set(shard_sizes(params, world, size)) for unit, params in units.items()
+                 if unit not in self.config.ignored}
+        told = {bytes_: unit for unit in self.kept if unit in sizes
+                for bytes_ in sizes[unit] - set().union(*(s for other, s in sizes.items() if other != unit))}
+        again = sorted({told[call.bytes] or "<root>" for call in calls
+                        if call.op in GATHERS and len(call.group_ranks) == world and call.bytes in told})
+        if again:
+            raise AssertionError(f"backward all-gathered {again} again over the whole world, though "
+                                 "set_reshard_after_forward(False) keeps their unsharded parameters after forward")
 
     def _setting(self) -> str:
         if self.config.api == "fully_shard":

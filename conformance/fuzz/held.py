@@ -26,10 +26,12 @@ model's buffers (kept, perhaps also cast). ``G`` is 0 after such a backward;
 after a forward no backward followed (one without gradients, or one a load
 abandoned) it is what torch lets a forward leave gathered
 (:func:`kept_after_forward`): the root's parameters, every unit's where the
-strategy does not reshard after forward (gathered: the shard count times the
+strategy does not reshard after forward, or ``set_reshard_after_forward(False)``
+turned it off (``SetReshardAfterForward``: gathered, the shard count times the
 padded shard, since a gather joins every rank's padding), and the smaller shards of an int
 ``reshard_after_forward``, in the policy's param dtype where there is one (what
-they are gathered in). Other operations leave ``G`` as it was.
+they are gathered in). Other operations leave ``G`` as it was (turning resharding
+on again frees what a forward left gathered only at the next forward or backward).
 
 ``S`` is what the rank holds right after wrapping (the implementation's own
 layout and padding), but never more than :func:`shard_bound` (every parameter's
@@ -53,9 +55,10 @@ implementation's and is left out (every storage reachable from them). Thread ran
 not checked: torch's threaded group keeps the tensors of a rank's collectives until other threads
 have run them, so what a thread holds at a given moment is not its own (a reference program held
 96 B more than the bound once, under load, and passed alone). Programs
-using FSDP2's per-module controls are not checked from their first control on:
-an explicit ``unshard``, ``reshard_after_backward=False`` or gradient sync turned
-off keeps unsharded state between operations on purpose.
+using FSDP2's per-module controls are not checked from their first control on
+(``SetReshardAfterForward`` and ``GradientDivideFactor`` aside, modelled above or
+changing no memory): an explicit ``unshard``, ``reshard_after_backward=False`` or
+gradient sync turned off keeps unsharded state between operations on purpose.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -80,7 +83,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["COPIES", "Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "units_of"]
+__all__ = ["COPIES", "Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "unit_of", "units_of"]
 
 #: A parameter's copies in the optimizer's state (its step count aside).
 COPIES = {"sgd": 1, "adam": 2}
@@ -98,7 +101,7 @@ def _shards(config: Config) -> int:
     return NODE if config.hybrid else config.world_size
 
 
-def _unit_of(name: str, config: Config) -> str:
+def unit_of(name: str, config: Config) -> str:
     """The unit (a wrapped path, else the root ``""``) or the ignored path that holds parameter ``name``."""
     owners = [path for path in (*config.wrap, *config.ignored) if name.startswith(path + ".")]
     return max(owners, key=len, default="")
@@ -108,7 +111,7 @@ def units_of(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
     """``model``'s parameters (the shadow's, unsharded) by the unit, or ignored path, that holds them."""
     units: dict[str, list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
-        units.setdefault(_unit_of(name, config), []).append(param)
+        units.setdefault(unit_of(name, config), []).append(param)
     return units
 
 
@@ -143,22 +146,24 @@ def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
     return least, most
 
 
-def kept_after_forward(model: nn.Module, config: Config) -> int:
+def kept_after_forward(model: nn.Module, config: Config, after_forward: Mapping[str, bool | int] | None = None) -> int:
     """Bytes of unsharded parameters a forward may leave gathered ([Note: memory held between
     iterations]): the root's (torch's FSDP1 and FSDP2 keep it for the backward that usually follows);
-    every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``), each
+    every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``, or
+    ``after_forward``: a unit's ``set_reshard_after_forward``), each
     the shard count times its padded shard (a gather joins every rank's shard, padding included);
     under an int ``reshard_after_forward`` each other unit's shards over that many ranks too. Under a policy
     they are gathered in its param dtype."""
     shards = _shards(config)
     if shards == 1:
         return 0
-    raf = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
+    default = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
     size = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
     kept = 0
     for unit, params in units_of(model, config).items():
         if unit in config.ignored:
             continue
+        raf = (after_forward or {}).get(unit, default)
         if unit == "" or raf is False:
             kept += shards * _padded(params, shards, size)  # gathered: every rank's padded shard
         elif not isinstance(raf, bool):
@@ -277,6 +282,10 @@ class Held:
     def stop(self) -> None:
         """No more checks in this program (it used a per-module control)."""
         self.gathered = None
+
+    def reshards_after_forward(self, shadow_model: nn.Module, after_forward: Mapping[str, bool | int]) -> None:
+        """``set_reshard_after_forward`` changed what the next forward may leave gathered (see the note)."""
+        self.kept = kept_after_forward(shadow_model, self.config, after_forward)
 
     def check(self, optim: torch.optim.Optimizer, buffers: int, *others: Any) -> None:
         """The rank holds no more than the note's bound; ``buffers``: the model's buffer bytes."""

@@ -44,16 +44,17 @@ __all__ = [
     "APIS", "FEATURES", "FULLY_SHARD_FEATURES", "BATCHES", "STRATEGIES", "HYBRID_OF", "NODE", "hybrid_fits",
     "Config", "Forward", "Backward", "Step", "ZeroGrad",
     "Mode", "Save", "Load", "NoSync", "Unshard", "Reshard", "GradSync", "ReshardAfterBackward", "Prefetch",
-    "CONTROL_OPS", "Op", "Program", "Train",
+    "SetReshardAfterForward", "GradientDivideFactor", "CONTROL_OPS", "MODELLED_CONTROLS", "Op", "Program", "Train",
 ]
 
 #: How a program shards its model: the adapter's ``wrap`` per unit, or its ``fully_shard`` bottom-up.
 APIS = ("wrap", "fully_shard")
 #: What a ``fully_shard`` program may draw, each where the adapter declares it: the API itself, an int
 #: ``reshard_after_forward``, the per-module controls, explicit prefetch lists, a meta-device model, a
-#: mixed-precision policy.
+#: mixed-precision policy, ``set_reshard_after_forward``, ``set_gradient_divide_factor``.
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
-                                  "explicit_prefetch", "meta_init", "fully_shard_mixed_precision"})
+                                  "explicit_prefetch", "meta_init", "fully_shard_mixed_precision",
+                                  "set_reshard_after_forward", "gradient_divide_factor"})
 #: Configuration features an adapter may lack (see :func:`conformance.fuzz.wrapping.features_of`).
 FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
                       "keep_low_precision_grads", "ignored_modules"}) | FULLY_SHARD_FEATURES
@@ -327,10 +328,45 @@ class Prefetch:
             raise ValueError(f"Prefetch(forward={self.forward}, backward={self.backward}): each in [0, 2]")
 
 
+@dataclass(frozen=True)
+class SetReshardAfterForward:
+    """``set_reshard_after_forward(on, recurse=recurse)`` of the ``fully_shard``-ed module at ``unit`` (``""``: the
+    root). torch 2.13 (``FSDPModule.set_reshard_after_forward``): it "sets if the module should reshard parameters
+    after forward", changing "the ``reshard_after_forward`` FSDP arg at runtime" (e.g. off "for running evals and
+    set back to ``True`` for training"), for "all FSDP submodules or just the passed-in module" (``recurse``).
+    No value changes; what a forward leaves gathered does: a module with it off is not gathered again in the
+    backward that follows and may hold its unsharded parameters after a forward, and turning it on again frees
+    them after the next ([Note: all-gathers in backward], [Note: memory held between iterations])."""
+
+    unit: str = ""
+    on: bool = False
+    recurse: bool = True
+
+
+@dataclass(frozen=True)
+class GradientDivideFactor:
+    """``set_gradient_divide_factor(factor)`` of the ``fully_shard``-ed module at ``unit`` (``""``: the root).
+    torch 2.13 (``FSDPModule.set_gradient_divide_factor``): "a custom divide factor for the gradient reduction",
+    set on the module's own parameter groups only (not recursive): their reduce-scatter divides the sum over ranks
+    by ``factor`` instead of the world size, in the reduce dtype (``foreach_reduce``), then casts to the
+    parameters' dtype, as without a factor ([Note: the shadow model])."""
+
+    factor: float = 1.0
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"GradientDivideFactor(factor={self.factor}): a positive factor")
+
+
 Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | Unshard | Reshard | GradSync | \
-    ReshardAfterBackward | Prefetch
+    ReshardAfterBackward | Prefetch | SetReshardAfterForward | GradientDivideFactor
 #: Operations only a ``fully_shard``-ed model has.
-CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch)
+CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch, SetReshardAfterForward, GradientDivideFactor)
+#: The controls whose effect the program's checks model ([Note: fully_shard programs]); the others end them.
+MODELLED_CONTROLS = (SetReshardAfterForward, GradientDivideFactor)
+#: Controls naming one sharded module.
+_ON_A_UNIT = (Unshard, Reshard, SetReshardAfterForward, GradientDivideFactor)
 
 
 @dataclass(frozen=True)
@@ -345,5 +381,5 @@ class Program:
         for op in self.ops:
             if isinstance(op, CONTROL_OPS) and self.config.api != "fully_shard":
                 raise ValueError(f"{op} needs Config(api='fully_shard')")
-            if isinstance(op, (Unshard, Reshard)) and op.unit not in units:
+            if isinstance(op, _ON_A_UNIT) and op.unit not in units:
                 raise ValueError(f"{op} names no sharded module; expected one of {units}")

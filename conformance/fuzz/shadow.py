@@ -13,6 +13,12 @@ ranks must look to a user:
 * a backward leaves, in every parameter's gradient, the mean over ranks of the
   gradient of each rank's pending loss (what DDP's averaging gives), added to
   what the gradient held (accumulation);
+* a parameter of a ``fully_shard``-ed module given a divide factor
+  (``GradientDivideFactor``: torch's ``set_gradient_divide_factor``, that
+  module's own parameters only) gets the sum over ranks divided by the factor
+  instead of the mean, in the reduce dtype under a policy; the factor in force
+  at a synchronizing backward divides what backwards without sync kept too
+  (they are reduced there, once);
 * a backward without gradient sync (``NoSync``'s first, or one after
   ``GradSync(on=False)``) keeps each rank's gradient unreduced, and the next
   synchronizing backward adds its own gradient to the kept one on each rank
@@ -57,9 +63,11 @@ reduced sum (one rounding of each rank's sum). Each API says which:
   param dtype (the reduction's dtype too). A ``fully_shard`` program's policy
   is FSDP2's (``Config``: no ``buffer_dtype`` or ``keep_low_precision_grads``).
 
-Without a policy the gradients are float32 throughout and the shadow adds each
+Without a policy, and while every reduction is a mean, the shadow adds each
 backward's mean at once: summing before or after averaging differs only in the
-order of float32 additions.
+order of additions in the model's dtype. Otherwise (gradients kept without
+sync, a divide factor) it keeps each rank's gradient in the model's dtype as
+under a policy and reduces the sum once.
 """
 
 from __future__ import annotations
@@ -75,7 +83,6 @@ from conformance.fuzz.model import build_model, loss_of, make_batch
 from conformance.fuzz.ops import Config
 from conformance.fuzz.optimizers import make_optimizer
 from conformance.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
-from fixtures.precision import average_grads
 
 __all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for", "unsynced_dtype"]
 
@@ -105,7 +112,9 @@ def unsynced_dtype(config: Config) -> torch.dtype:
     """The dtype each rank's unreduced gradient sum is kept in under ``config``'s policy ([Note: unsynced
     accumulation dtype])."""
     spec = mixed_precision_spec(config.policy)
-    assert spec is not None and spec.param_dtype is not None
+    if spec is None:
+        return dtype_of(config.dtype)
+    assert spec.param_dtype is not None
     if config.api == "fully_shard" and spec.reduce_dtype is not None:
         return spec.reduce_dtype
     return spec.param_dtype
@@ -132,6 +141,7 @@ class Shadow:
     unsynced: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per rank, kept by backwards without sync
     saved: tuple[dict[str, Any], dict[str, Any] | None] | None = None
     buffers_cast: bool = False  # the first forward happened (see the note on buffers)
+    divisors: dict[str, float] = field(default_factory=dict)  # a parameter -> its module's divide factor
 
     @classmethod
     def of(cls, config: Config, device: torch.device) -> Shadow:
@@ -175,24 +185,40 @@ class Shadow:
             self.pending.append((batch, loss))
         return output, value
 
+    def divide(self, names: list[str], factor: float) -> None:
+        """Reduce the gradients of the parameters ``names`` to their sum over ranks divided by ``factor``."""
+        self.divisors.update(dict.fromkeys(names, factor))
+
     def backward(self, *, sync: bool = True) -> bool:
-        """Add the mean over ranks of the pending losses' gradients (without ``sync``: keep each rank's
-        gradient for the next synchronizing backward); ``False`` if nothing was pending."""
+        """Add the mean over ranks of the pending losses' gradients (or their sum over a divide factor; without
+        ``sync``: keep each rank's gradient for the next synchronizing backward); ``False`` if nothing was pending."""
         if not self.pending:
             return False
-        model, per_rank = self._compute_model(), []
-        for rank in range(self.config.world_size):
-            total = sum(loss_for(model(self._input(b, rank)), kind) for b, kind in self.pending)
-            if self.low is None:  # float32 throughout (see [Note: unsynced accumulation dtype])
-                (total / self.config.world_size).backward()  # type: ignore[operator, union-attr]
-                continue
-            model.zero_grad(set_to_none=True)
-            total.backward()  # type: ignore[union-attr]
-            per_rank.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-        if per_rank:
-            self._accumulate(per_rank, sync)
+        model, world = self._compute_model(), self.config.world_size
+        if self.low is None and sync and not self.unsynced and not self.divisors:  # a mean, at once (the note)
+            for rank in range(world):
+                (self._total(model, rank) / world).backward()
+        else:
+            self._accumulate([self._rank_grads(model, rank) for rank in range(world)], sync)
         self.pending.clear()
         return True
+
+    def _total(self, model: nn.Module, rank: int) -> torch.Tensor:
+        total, *more = [loss_for(model(self._input(batch, rank)), kind) for batch, kind in self.pending]
+        for loss in more:
+            total = total + loss
+        return total
+
+    def _rank_grads(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+        """Rank ``rank``'s gradients of the pending losses alone; the gradients ``model`` held stay."""
+        held = {name: param.grad for name, param in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        self._total(model, rank).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if model is self.local:  # the low-precision copy holds nothing of its own
+            for name, param in model.named_parameters():
+                param.grad = held[name]
+        return grads
 
     def _accumulate(self, per_rank: list[dict[str, torch.Tensor]], sync: bool) -> None:
         """Add each rank's gradients to what it kept, in the kept dtype; reduce the sums if ``sync``."""
@@ -206,15 +232,16 @@ class Shadow:
             self._add_reduced(kept)
 
     def _add_reduced(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
+        """Each gradient's sum over ranks in the reduce dtype, over the world size or its divide factor, added."""
         spec = mixed_precision_spec(self.config.policy)
-        assert spec is not None and spec.param_dtype is not None
-        if not per_rank[0]:
-            return
-        reduced = average_grads(per_rank, spec.reduce_dtype or spec.param_dtype)
+        dtype = unsynced_dtype(self.config) if spec is None else spec.reduce_dtype or spec.param_dtype
+        keep_low = spec is not None and spec.keep_low_precision_grads
         for name, param in self.local.named_parameters():
-            if name not in reduced:
+            if name not in per_rank[0]:
                 continue
-            grad = reduced[name] if spec.keep_low_precision_grads else reduced[name].to(param.dtype)
+            summed = torch.stack([grads[name].to(dtype) for grads in per_rank]).sum(0)
+            reduced = summed / self.divisors.get(name, self.config.world_size)
+            grad = reduced if keep_low else reduced.to(param.dtype)
             if param.grad is not None:
                 param.grad.add_(grad)
             elif grad.dtype == param.dtype:

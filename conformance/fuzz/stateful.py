@@ -53,7 +53,7 @@ from conformance.fuzz.held import Held, left_alive
 from conformance.fuzz.neighbours import check_neighbours
 from conformance.fuzz.ops import (
     BATCHES,
-    CONTROL_OPS,
+    MODELLED_CONTROLS,
     Backward,
     Config,
     Forward,
@@ -62,11 +62,9 @@ from conformance.fuzz.ops import (
     Mode,
     NoSync,
     Op,
-    Prefetch,
     Program,
-    Reshard,
-    ReshardAfterBackward,
     Save,
+    SetReshardAfterForward,
     Step,
     Train,
     Unshard,
@@ -121,16 +119,25 @@ class _Machine:
         ([Note: fuzz verdicts agree across ranks])."""
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: self.forward, Backward: self.backward, Step: self.step, Train: self.train_iteration,
-            ZeroGrad: self.zero_grad,
-            Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync, Unshard: self.unshard,
-            Reshard: lambda op: self._controls().reshard(op), GradSync: lambda op: self._controls().grad_sync(op),
-            ReshardAfterBackward: lambda op: self._controls().reshard_after_backward(op),
-            Prefetch: lambda op: self._controls().prefetch(op, self.config),
+            ZeroGrad: self.zero_grad, Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync,
         }
-        if isinstance(op, CONTROL_OPS):
+        handlers.get(type(op), self.control)(op)
+
+    def control(self, op: Op) -> None:
+        """A control of a ``fully_shard``-ed model: the checks end, or follow what a modelled one set ([Note:
+        fully_shard programs]). ``Unshard`` is followed by a forward with gradients."""
+        controls = self._controls()
+        if not isinstance(op, MODELLED_CONTROLS):
             self.held.stop()
             self.gathers.stop()
-        handlers[type(op)](op)
+        if isinstance(op, Unshard):
+            controls.unshard(op)
+            self.forward(Forward(batch=op.batch))
+        controls.apply(op, self.config)
+        if isinstance(op, SetReshardAfterForward):
+            self.gathers.reshards_after_forward(controls.after_forward)
+            self.held.reshards_after_forward(self.shadow.local, controls.after_forward)
+        self.shadow.divisors = controls.divisors(self.config)
 
     def _forward(self, batch: int, *, grad: bool, loss: str) -> torch.Tensor:
         with nullcontext() if grad else torch.no_grad():
@@ -156,13 +163,8 @@ class _Machine:
         return self.controls is not None and self.controls.unsynced
 
     def closing(self) -> tuple[Op, ...]:
-        """What ends the program as its user's loop ends: where gradients are kept unreduced, sync turned back
-        on and a training iteration (see [Note: fully_shard programs]); else nothing."""
+        """How the user's loop ends: sync on and a ``Train`` where gradients are kept ([Note: fully_shard programs])."""
         return (GradSync(on=True), Train()) if self._unsynced() else ()
-
-    def unshard(self, op: Unshard) -> None:
-        self._controls().unshard(op)
-        self.forward(Forward(batch=op.batch))
 
     def forward(self, op: Forward) -> None:
         value = self._forward(op.batch, grad=op.grad, loss=op.loss)

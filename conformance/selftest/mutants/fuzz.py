@@ -1,5 +1,5 @@
 """Mutants the fuzzers must catch: mixed-precision training with the master weights broken, buffers
-rounded before the first forward, a ``fully_shard``-ed module's controls broken, the gradient kept
+rounded before the first forward, a ``fully_shard``-ed module's controls or settings broken, the gradient kept
 inside ``no_sync`` reduced apart or kept in another dtype."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from conformance.contract.adapter import WrapSpec
 from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["MasterRoundedToParamDtype", "AccumulatesInReduceDtype", "BuffersRoundedAtWrap", "UnshardWithoutGather",
-           "GradSyncForgetsKeptGrads", "NoSyncReducesKeptApart", "NoSyncKeepsGradInReduceDtype"]
+           "GradSyncForgetsKeptGrads", "NoSyncReducesKeptApart", "NoSyncKeepsGradInReduceDtype",
+           "IgnoresGradientDivideFactor", "ReshardsAfterForwardAnyway"]
 
 Fn = Callable[..., Any]
 
@@ -185,3 +186,31 @@ class NoSyncKeepsGradInReduceDtype(_Mutant):
     expect = Expect("repro_c8d7309a or unsynced_sums", "thread",
                     ("fuzz/repro_c8d7309a", "mixed_precision/unsynced_sums[api=wrap]"))
     patches = (Patch("fsdp_impl.unit:_with_unsynced_grad", _widen_kept),)
+
+
+def _ignored(_setter: Fn) -> Fn:
+    def ignored_setting(module: Any, *args: Any, **kwargs: Any) -> None:
+        # Accepts the setting and changes nothing.
+        return None
+
+    return ignored_setting
+
+
+class IgnoresGradientDivideFactor(_Mutant):
+    """``set_gradient_divide_factor`` changes nothing: the module's gradients are still divided by the world
+    size."""
+
+    name = "mutant-ignores-gradient-divide-factor"
+    breaks = "dividing a module's summed gradients by its divide factor"
+    expect = Expect("gradient_divide_factor", "thread", ("fuzz/gradient_divide_factor",))
+    patches = (Patch("fsdp_impl.composable:FSDPModule.set_gradient_divide_factor", _ignored),)
+
+
+class ReshardsAfterForwardAnyway(_Mutant):
+    """``set_reshard_after_forward(False)`` changes nothing: a module built to reshard after forward still does,
+    and backward gathers it again."""
+
+    name = "mutant-reshards-after-forward-anyway"
+    breaks = "keeping the unsharded parameters after forward once set_reshard_after_forward(False)"
+    expect = Expect("set_reshard_after_forward", "process", ("fuzz/set_reshard_after_forward",))
+    patches = (Patch("fsdp_impl.composable:FSDPModule.set_reshard_after_forward", _ignored),)
