@@ -3,8 +3,12 @@
 The document's fields, their meaning and the history of the format are in
 ``docs/REPORTS.md``; :data:`SCHEMA_VERSION` changes whenever a field is
 removed, renamed or changes meaning (adding a field does not change it).
-Every consumer in this repository reads reports through :func:`load_report`,
-which also reads schema 1, the bare list of rows older runs wrote.
+The runner, the benchmarks and the tests read reports through :func:`load_report`,
+which also reads schemas 2 and 1 (schema 1: the bare list of rows older runs
+wrote). The self-test may not import the runner (``test_structure``'s layers), so
+:mod:`conformance.selftest.session` and :mod:`conformance.selftest.torch_mutants`
+read the row fields they need (``case``, ``impl``, ``rank_mode``, ``outcome``)
+from the JSON itself; those fields are the same in every schema.
 """
 
 from __future__ import annotations
