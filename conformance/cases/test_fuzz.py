@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings, case
 from conformance.contract.results import CaseReport
-from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
+from conformance.fuzz.driver import FuzzSettings, found_example, fuzz, render_case
 from conformance.fuzz.example import FUZZ_STRATEGIES, Block, Example, ModelSpec, Policy
 from conformance.fuzz.neighbours import NEIGHBOURS_USE
 from conformance.fuzz.ops import (
@@ -72,7 +72,8 @@ def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Case
     if result.failing is not None:
         raise AssertionError(
             f"parity fuzzer (seed {config.seed}): {result.message}\n"
-            f"minimal reproducer after {result.runs} runs:\n{render_case(result.failing, result.message or '')}"
+            f"{found_example(config.shrink)} after {result.runs} runs:\n"
+            f"{render_case(result.failing, result.message or '')}"
         )
     note = precision_note(impl)
     policies = note or f"{result.mixed_precision} under a mixed-precision policy"
@@ -158,7 +159,8 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
         under = "" if policy is None else f", policy={policy}"
         raise AssertionError(
             f"stateful fuzzer (seed {settings.fuzz_seed}{under}): {result.message}\n"
-            f"minimal reproducer after {result.runs} runs:\n{render_program(result.failing, result.message or '')}"
+            f"{found_example(settings.fuzz_shrink)} after {result.runs} runs:\n"
+            f"{render_program(result.failing, result.message or '')}"
         )
     missing = missing_operations(impl, ctx.mode)
     dropped = sorted(FEATURES - features_of(impl))

@@ -97,6 +97,7 @@ class CaseSettings:
     ``fuzz_examples``: examples a fuzzer draws per world size (``None``: the main job's budget);
     ``fuzz_seed``: where it draws them from; ``fuzz_verbose``: print each example as it starts.
     ``fuzz_stateful_examples``: programs the stateful fuzzer draws per world size (``None``: the main job's).
+    ``fuzz_shrink``: whether a fuzzer shrinks the failure it found (else it reports the first one as drawn).
     """
 
     timing_repeats: int = 3
@@ -104,6 +105,7 @@ class CaseSettings:
     fuzz_seed: int = 0
     fuzz_verbose: bool = False
     fuzz_stateful_examples: int | None = None
+    fuzz_shrink: bool = True
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,17 @@ nightly job raises it without code changes. With ``--fuzz-verbose``
 (``FSDP_FUZZ_VERBOSE=1``) rank 0 prints each example before running it, so a
 run that dies (a crash cannot be shrunk) names the example it died in.
 
+[Note: unshrunk failures]
+A failure found is shrunk to a smallest failing value before the row reports
+it: that is the reproducer a user wants, and it can take minutes (each try
+runs a program on every rank). ``--fuzz-shrink 0`` (``FSDP_FUZZ_SHRINK=0``)
+reports the first failing value as drawn. The outcome is the same either way,
+because shrinking only ever replaces a failure with a smaller failure; the row
+says that its example was not shrunk. The mutant sessions
+(``conformance/tests/test_mutants.py``) run so: they ask whether a row FAILs
+against a mutant, never what the smallest program is, and the shrinking of
+their stateful rows was most of their time.
+
 Hypothesis keeps caches (e.g. the constants it collects from local source) in
 ``.hypothesis/`` under the working directory, which is the user's; it has no
 example database to keep here, so :func:`keep_hypothesis_out_of_cwd` points its
@@ -57,7 +68,8 @@ from harness import groups_scope
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "Search", "search", "fuzz", "hypothesis_home",
+__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "Search", "search", "found_example", "fuzz",
+           "hypothesis_home",
            "keep_hypothesis_out_of_cwd", "render_case"]
 
 #: Examples per world size in the main job, 30 in all; few at world size 4, where four
@@ -80,12 +92,13 @@ def keep_hypothesis_out_of_cwd() -> None:
 
 @dataclass(frozen=True)
 class FuzzSettings:
-    """How many examples to draw per world size (``None``: the main job's), from which seed, and
-    whether rank 0 prints each one as it starts."""
+    """How many examples to draw per world size (``None``: the main job's), from which seed, whether
+    rank 0 prints each one as it starts, and whether a failure found is shrunk ([Note: unshrunk failures])."""
 
     examples: int | None = None
     seed: int = 0
     verbose: bool = False
+    shrink: bool = True
 
     def __post_init__(self) -> None:
         if self.examples is not None and self.examples < 1:
@@ -98,7 +111,8 @@ class FuzzSettings:
     @classmethod
     def of(cls, settings: CaseSettings) -> FuzzSettings:
         """The fuzz budget of a run's settings."""
-        return cls(examples=settings.fuzz_examples, seed=settings.fuzz_seed, verbose=settings.fuzz_verbose)
+        return cls(examples=settings.fuzz_examples, seed=settings.fuzz_seed, verbose=settings.fuzz_verbose,
+                   shrink=settings.fuzz_shrink)
 
 
 @dataclass(frozen=True)
@@ -164,7 +178,8 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
             failures[value] = failure
         return failure is not None
 
-    options = settings(max_examples=budget, database=None, deadline=None, phases=(Phase.generate, Phase.shrink))
+    phases = (Phase.generate, Phase.shrink) if config.shrink else (Phase.generate,)
+    options = settings(max_examples=budget, database=None, deadline=None, phases=phases)
     result: Search | None = None
     keep_hypothesis_out_of_cwd()
     try:
@@ -243,6 +258,11 @@ def fuzz(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResul
     found = search(ctx, impl, drawn, check_example, budget=config.budget(ctx.world_size), config=config,
                    counted=lambda example: example.policy is not None)
     return FuzzResult(runs=found.runs, failing=found.failing, message=found.message, mixed_precision=found.counted)
+
+
+def found_example(shrunk: bool) -> str:
+    """What a fuzz row's failure text calls the example it reports ([Note: unshrunk failures])."""
+    return "minimal reproducer" if shrunk else "reproducer, the first failing example as drawn (not shrunk)"
 
 
 def render_case(example: Example, message: str) -> str:

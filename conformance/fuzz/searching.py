@@ -33,6 +33,6 @@ def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -
     """Draw, run and shrink programs on every rank (collective; every rank returns rank 0's result)."""
     strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
     drawn = programs(ctx.world_size, strategies, features_of(impl))
-    config = FuzzSettings(seed=settings.fuzz_seed, verbose=settings.fuzz_verbose)
+    config = FuzzSettings.of(settings)
     return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
                   counted=lambda program: len(program.ops))

@@ -27,8 +27,8 @@ from harness.rank_mode import SELECTIONS
 from harness.settings import choice, whole_number, word_or_whole_number
 
 __all__ = ["CASE_TIMEOUT_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV",
-           "FUZZ_VERBOSE_ENV", "IMPL_ENV", "MAX_TIME_ENV", "OPTIONS", "Option", "RANK_MODE_ENV", "TIMING_REPEATS_ENV",
-           "WORLD_SIZE_ENV", "usage_rows"]
+           "FUZZ_SHRINK_ENV", "FUZZ_VERBOSE_ENV", "IMPL_ENV", "MAX_TIME_ENV", "OPTIONS", "Option", "RANK_MODE_ENV",
+           "TIMING_REPEATS_ENV", "WORLD_SIZE_ENV", "usage_rows"]
 
 IMPL_ENV = "FSDP_CONFORMANCE_IMPL"
 TIMING_REPEATS_ENV = "FSDP_CONFORMANCE_TIMING_REPEATS"
@@ -39,6 +39,7 @@ FUZZ_VERBOSE_ENV = "FSDP_FUZZ_VERBOSE"
 CASE_TIMEOUT_ENV = "FSDP_CONFORMANCE_CASE_TIMEOUT"
 MAX_TIME_ENV = "FSDP_CONFORMANCE_MAX_TIME"
 FUZZ_STATEFUL_EXAMPLES_ENV = "FSDP_FUZZ_STATEFUL_EXAMPLES"
+FUZZ_SHRINK_ENV = "FSDP_FUZZ_SHRINK"
 WORLD_SIZE_ENV = "FSDP_WORLD_SIZE"
 #: Read by the harness's plugin (:mod:`harness.pytest_plugin`), which resolves the rank mode.
 RANK_MODE_ENV = "FSDP_RANK_MODE"
@@ -150,6 +151,11 @@ OPTIONS: tuple[Option, ...] = (
            "--fsdp-fuzz-stateful-examples", FUZZ_STATEFUL_EXAMPLES_ENV, whole_number(1), None, "N",
            "programs each stateful fuzz row draws", "programs each stateful fuzz row draws (`fuzz/stateful_ws*`; "
            "nightly: 40)", "5, 5, 2 at world size 1, 2, 4"),
+    Option("fuzz_shrink", "fuzz shrink", "--fuzz-shrink", "--fsdp-fuzz-shrink", FUZZ_SHRINK_ENV, _parse_flag, True,
+           "0|1", "1: a fuzz row that finds a failure shrinks it to a smallest failing example before reporting "
+           "it; 0: it reports the first failing example as drawn (the row FAILs either way; shrinking can take "
+           "minutes)", "`0`: report a fuzz row's first failing example as drawn, unshrunk (the row FAILs either "
+           "way)", "1"),
     Option("workers", "workers", "-n", "-n", None, word_or_whole_number(("auto",), 0), 0, "auto|N",
            "run cases on N pytest-xdist workers, timing cases alone at the end; auto fits N to the cores", "", "0, "
            "one process", owner="xdist"),

@@ -45,6 +45,7 @@ from conformance.runner.options import (
     DEVICE_ENV,
     FUZZ_EXAMPLES_ENV,
     FUZZ_SEED_ENV,
+    FUZZ_SHRINK_ENV,
     FUZZ_STATEFUL_EXAMPLES_ENV,
     FUZZ_VERBOSE_ENV,
     IMPL_ENV,
@@ -59,9 +60,9 @@ from harness.settings import (
     resolve,
 )
 
-__all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_VERBOSE_ENV",
-           "CASE_TIMEOUT_ENV", "MAX_TIME_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV", "Settings", "SettingError",
-           "environment_settings", "resolve_settings"]
+__all__ = ["IMPL_ENV", "TIMING_REPEATS_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_SHRINK_ENV",
+           "FUZZ_VERBOSE_ENV", "CASE_TIMEOUT_ENV", "MAX_TIME_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV", "Settings",
+           "SettingError", "environment_settings", "resolve_settings"]
 
 @dataclass(frozen=True)
 class Settings:
@@ -80,6 +81,8 @@ class Settings:
     #: Seconds the run may take; rows not started by then are ``not run`` (``None``: no budget).
     max_time: Resolved[int | None]
     fuzz_stateful_examples: Resolved[int | None]
+    #: Whether a fuzz row shrinks the failure it found before reporting it.
+    fuzz_shrink: Resolved[bool]
     #: The ranks process and thread rows run on (``None``: each case's default; [Note: world sizes]).
     world_size: Resolved[int | None]
     #: The environment-only settings (module docstring), each checked here and read where it acts.
@@ -88,8 +91,8 @@ class Settings:
     def all(self) -> tuple[Resolved[Any], ...]:
         """Every setting, in the order :meth:`describe` shows them."""
         return (self.impls, self.rank_mode, self.world_size, self.timing_repeats, self.workers, self.device,
-                self.fuzz_examples, self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples, self.case_timeout,
-                self.max_time, *self.environment)
+                self.fuzz_examples, self.fuzz_seed, self.fuzz_verbose, self.fuzz_stateful_examples, self.fuzz_shrink,
+                self.case_timeout, self.max_time, *self.environment)
 
     def describe(self) -> str:
         """One line, e.g. ``impls: ('reference',) (from default); rank mode: thread (from FSDP_RANK_MODE)``."""
@@ -99,7 +102,8 @@ class Settings:
         """What a case body may read of them (the ``case_settings`` fixture)."""
         return CaseSettings(timing_repeats=self.timing_repeats.value, fuzz_examples=self.fuzz_examples.value,
                             fuzz_seed=self.fuzz_seed.value, fuzz_verbose=self.fuzz_verbose.value,
-                            fuzz_stateful_examples=self.fuzz_stateful_examples.value)
+                            fuzz_stateful_examples=self.fuzz_stateful_examples.value,
+                            fuzz_shrink=self.fuzz_shrink.value)
 
 
 def resolve_settings(
@@ -111,7 +115,7 @@ def resolve_settings(
     """Resolve every setting but the rank mode, which the harness resolved (``rank_mode``).
 
     ``cli`` maps a setting (``impls``, ``world_size``, ``timing_repeats``, ``workers``, ``device``, ``fuzz_examples``,
-    ``fuzz_seed``, ``fuzz_verbose``, ``fuzz_stateful_examples``, ``case_timeout``, ``max_time``) to
+    ``fuzz_seed``, ``fuzz_verbose``, ``fuzz_stateful_examples``, ``fuzz_shrink``, ``case_timeout``, ``max_time``) to
     ``(option as spelled, value or None)``, so errors name the
     option the user typed; ``env`` defaults to ``os.environ``. Raises :class:`SettingError` naming
     the source of a bad value.

@@ -21,10 +21,12 @@ from conformance.contract.case import CaseSettings
 from conformance.fuzz.driver import (
     FuzzResult,
     FuzzSettings,
+    Search,
     _draws_from_the_seed_alone,
     fuzz,
     keep_hypothesis_out_of_cwd,
     render_case,
+    search,
 )
 from conformance.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
 from conformance.fuzz.model import build_model, loss_of, make_batch
@@ -132,6 +134,7 @@ def test_budget_from_the_run_s_settings() -> None:
     config = FuzzSettings.of(CaseSettings(fuzz_seed=7, fuzz_verbose=True))
     assert (config.budget(1), config.budget(2), config.budget(4), config.seed, config.verbose) == (12, 15, 3, 7, True)
     assert FuzzSettings.of(CaseSettings(fuzz_examples=200)).budget(4) == 200
+    assert FuzzSettings.of(CaseSettings()).shrink and not FuzzSettings.of(CaseSettings(fuzz_shrink=False)).shrink
     with pytest.raises(ValueError, match="fuzz examples must be >= 1, got 0"):
         FuzzSettings(examples=0)
 
@@ -154,6 +157,25 @@ def test_fuzzer_catches_missing_grad_divide_and_shrinks_it() -> None:
     case_text = render_case(result.failing, result.message)
     assert "run_example(ctx, impl, Example(world_size=2))" in case_text, case_text
     compile(case_text, "<reproducer>", "exec")
+
+
+def _at_least_1000(_ctx: RankContext, _impl: Any, value: int) -> str | None:
+    return f"{value} >= 1000" if value >= 1000 else None
+
+
+def search_integers(ctx: RankContext, shrink: bool) -> Search:
+    """Search integers for one of at least 1000 (module level, so ranks can import it)."""
+    return search(ctx, None, st.integers(0, 10**6), _at_least_1000, budget=50,  # type: ignore[arg-type]
+                  config=FuzzSettings(seed=3, shrink=shrink))
+
+
+def test_without_shrinking_the_first_failure_drawn_is_reported() -> None:
+    """[Note: unshrunk failures]: shrinking turns the first failure drawn into the smallest one, with more runs;
+    without it the search stops at the first failure, which still fails."""
+    shrunk, drawn = (run(search_integers, world_size=1, mode="thread", args=(shrink,))[0] for shrink in (True, False))
+    assert shrunk.failing == 1000 and shrunk.message == "1000 >= 1000", shrunk
+    assert drawn.failing is not None and drawn.failing > 1000 and drawn.message == f"{drawn.failing} >= 1000", drawn
+    assert drawn.runs < shrunk.runs, (drawn, shrunk)
 
 
 def shrink_and_replay(

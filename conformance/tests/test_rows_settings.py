@@ -140,7 +140,7 @@ def test_one_table_makes_both_command_lines_and_the_usage_rows() -> None:
     assert next(o for o in OPTIONS if o.name == "device").metavar == "|".join(SETTINGS)
     given = {"impls": ["reference", "torch-fsdp2"], "rank_mode": "thread", "device": "cpu", "timing_repeats": "5",
              "case_timeout": "9", "max_time": "99", "fuzz_examples": "2", "fuzz_seed": "3", "fuzz_verbose": True,
-             "fuzz_stateful_examples": "4", "workers": "2", "world_size": "3"}
+             "fuzz_stateful_examples": "4", "fuzz_shrink": "0", "workers": "2", "world_size": "3"}
     assert set(given) == {o.name for o in OPTIONS}
     argv = ["run"]
     for option in OPTIONS:
