@@ -49,9 +49,13 @@ def test_a_protocol_one_adapter_loads_with_defaults_and_warned_aliases(monkeypat
     monkeypatch.setenv(registry.ENV_VAR, f"protocol-one={__name__}:ProtocolOneAdapter")
     adapter = registry.load("protocol-one")
     assert optional.protocol_version(adapter) == 1
-    with pytest.warns(DeprecationWarning, match=r"deprecated Capability.DEVICE_ID; declare "
-                                                r"Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES"):
+    with pytest.warns(DeprecationWarning) as seen:
         caps = optional.capabilities_of(adapter)
+    messages = sorted(str(w.message).split("declares ", 1)[-1] for w in seen)
+    assert messages == ["deprecated Capability.DEVICE_ID; declare Capability.COMPUTE_DEVICE, "
+                        "Capability.PLACEMENT_MESSAGES instead",
+                        "deprecated Capability.FLAT_PARAM_INTROSPECTION; declare Capability.RESHARD_INTROSPECTION "
+                        "instead"], messages
     assert {Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES, Capability.RESHARD_INTROSPECTION} <= caps
     assert not caps & set(DEPRECATED_CAPABILITIES)
     module = nn.Linear(2, 2)
