@@ -13,6 +13,17 @@ with it for the rows that accept it and skips the others (the conformance suite:
 A rank blocked in a collective because a peer failed is released by the
 backend's timeout (``timeout_s`` of the first case initialises it).
 
+[Note: job layout]
+A launched job's ranks lie on nodes: torchrun starts one agent per node, each
+with ``LOCAL_WORLD_SIZE`` ranks, and numbers the nodes ``GROUP_RANK``. The
+layout is ``nodes x local ranks`` (:func:`job_layout`), what every rank's
+``RankContext`` carries (``local_rank``, ``local_world_size``) and what cases
+that place groups on nodes (hybrid sharding, 2-D meshes: [Note: hybrid layout]
+in :mod:`fixtures.meshes`) build from, so a job shards within a node and
+replicates across nodes. One box simulates several nodes with several agents
+(``--nnodes=2`` with a c10d rendezvous, each agent its own ``torchrun``);
+the report records the layout (``topology``).
+
 Placements ([Note: placements] in :mod:`harness.devices`): the job's default
 group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
 its own (it moves CPU and CUDA tensors), else ``gloo``; each case then
@@ -42,7 +53,7 @@ from harness.outcome import Outcome, capture, resolve
 from harness.rank_mode import RankMode
 from harness.reset import case_scope
 
-__all__ = ["run_launched", "job_env", "job_backend", "ENV_VARS"]
+__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "ENV_VARS"]
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _control: list[Any] = []
@@ -58,7 +69,20 @@ def job_env() -> dict[str, int]:
         )
     env = {name: int(os.environ[name]) for name in ENV_VARS}
     env["LOCAL_WORLD_SIZE"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+    env["GROUP_RANK"] = int(os.environ.get("GROUP_RANK", env["RANK"] // env["LOCAL_WORLD_SIZE"]))
     return env
+
+
+def job_layout(env: dict[str, int] | None = None) -> dict[str, int]:
+    """The job's ``nodes x local ranks`` ([Note: job layout]) and this rank's place in it; ValueError naming
+    a ``WORLD_SIZE`` that is not a whole number of nodes of ``LOCAL_WORLD_SIZE`` ranks."""
+    job = job_env() if env is None else env
+    world, local = job["WORLD_SIZE"], job["LOCAL_WORLD_SIZE"]
+    if local < 1 or world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local} ranks "
+                         "(nodes with different numbers of ranks are not supported)")
+    return {"nodes": world // local, "local_world_size": local, "world_size": world,
+            "node": job["GROUP_RANK"], "rank": job["RANK"], "local_rank": job["LOCAL_RANK"]}
 
 
 def _device(placement: str, local_rank: int, gpus: int) -> torch.device:
