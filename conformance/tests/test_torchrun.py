@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,37 @@ def test_a_launched_rank_that_sees_a_gpu_skips_cpu_rows(monkeypatch: pytest.Monk
         launched.run_launched(lambda ctx: None, world_size=2, timeout_s=5, args=(), kwargs={}, seed=0, env=None,
                               placement="cpu")
     assert not never["called"], "skipped before the job's group is made"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# The launcher's plumbing, not a torch verdict: on the first torch only ([Note: tests on the first torch]).
+@pytest.mark.first_torch
+def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
+    """Two torchrun agents on one box, a c10d rendezvous, gloo: a simulated job of 2 nodes x 2 ranks
+    ([Note: job layout] in harness.launched). The hybrid row shards within a node and replicates across the
+    agents, and the report records the layout; the fuzz row runs at the job's 4 ranks."""
+    report = tmp_path / "report.json"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [_torchrun(), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+           "--rdzv-id=two-agents", "-m", "conformance", "run", "--rank-mode", "launched", "--impl", "reference",
+           "-k", "hybrid_shard and sync_module_states or repro_d61e5cb1", "--json", str(report)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                               env=env) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    doc = json.loads(report.read_text())
+    assert doc["topology"] == {"nodes": 2, "local_world_size": 2, "world_size": 4}
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert sorted(rows) == ["fuzz/repro_d61e5cb1", "hybrid_shard/sync_module_states"], sorted(rows)
+    assert {(r["outcome"], r["world_size"], r["rank_mode"]) for r in rows.values()} == {("pass", 4, "launched")}
+    hybrid = rows["hybrid_shard/sync_module_states"]
+    assert hybrid["metrics"] == {"mesh_replicas": 2, "mesh_shards": 2}, hybrid
+    assert hybrid["reason"].startswith("mesh 2 replicas x 2 shards (shard within a node, replicate across 2 "
+                                       "launched agents)"), hybrid["reason"]
+    assert sum(out.count("conformance matrix") for out in outputs) == 1, "only rank 0 prints the matrix"
