@@ -21,7 +21,6 @@ and said in the row's reason: configuration features are dropped after drawing, 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from conformance.contract.adapter import Capability, FSDPAdapter
@@ -54,18 +53,6 @@ from conformance.fuzz.precision import precision_note
 from conformance.fuzz.searching import budget, stateful_fuzz
 from conformance.fuzz.stateful import run_program
 from conformance.fuzz.wrapping import features_of, missing_operations, render_program
-
-#: A program reducing in bfloat16 has one correct result at 2 ranks only ([Note: low-precision reductions in the
-#: fuzzer]); at more, its reduction order is the implementation's choice.
-LOW_PRECISION_REDUCTION = Exact(2, reason="a bfloat16 reduction has one correct value at 2 ranks only")
-
-
-def _at_job_size(ctx: RankContext, program: Program) -> Program:
-    """``program`` on this run's ranks ([Note: world sizes]): a program written for one world size is checked against
-    the shadow model, which follows the world size, so it holds at every size its case declares (reproducers below
-    build theirs at ``ctx.world_size`` likewise)."""
-    return replace(program, config=replace(program.config, world_size=ctx.world_size))
-
 
 #: What the parity fuzzer draws only where the adapter declares it (precision.precision_features).
 _DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
@@ -236,7 +223,7 @@ def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
     """On a ``fully_shard``-ed model, explicit prefetch, ``unshard()`` (also asynchronous), ``reshard()``
     mid-iteration, ``set_reshard_after_backward(False)`` and a backward without gradient sync change no value:
     outputs, losses, parameters and (after the synchronizing backward) gradients stay the shadow model's."""
-    run_program(ctx, impl, _at_job_size(ctx, CONTROLS_PROGRAM))
+    run_program(ctx, impl, CONTROLS_PROGRAM.at_world_size(ctx.world_size))
 
 
 _TWO_UNITS = Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"),
@@ -256,7 +243,7 @@ DIVIDE_FACTOR_PROGRAM = Program(_TWO_UNITS, (
 def test_set_reshard_after_forward(ctx: RankContext, impl: FSDPAdapter) -> None:
     """``set_reshard_after_forward`` off and on again changes no value, and a unit it turns off is not gathered
     again in backward and may stay gathered after a forward, no more."""
-    run_program(ctx, impl, _at_job_size(ctx, RESHARD_AFTER_FORWARD_PROGRAM))
+    run_program(ctx, impl, RESHARD_AFTER_FORWARD_PROGRAM.at_world_size(ctx.world_size))
 
 
 @case("fuzz/gradient_divide_factor", clause=("C2", "C11"), world_size=TWO_OR_MORE, uses=NEIGHBOURS_USE,
@@ -264,7 +251,7 @@ def test_set_reshard_after_forward(ctx: RankContext, impl: FSDPAdapter) -> None:
 def test_gradient_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
     """After ``set_gradient_divide_factor(f)`` a module's own parameters get the sum of the ranks' gradients
     over ``f`` (what backwards without sync kept included), its other modules' the mean."""
-    run_program(ctx, impl, _at_job_size(ctx, DIVIDE_FACTOR_PROGRAM))
+    run_program(ctx, impl, DIVIDE_FACTOR_PROGRAM.at_world_size(ctx.world_size))
 
 
 # -- reproducers the stateful fuzzer found ----------------------------------------------------------------
@@ -314,15 +301,14 @@ def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
 def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
     the state then equals the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size),
-                                   ops=(Forward(), Backward(), Save(), Load())))
+    run_program(ctx, impl, Program(Config(world_size=ctx.world_size), (Forward(), Backward(), Save(), Load())))
 
 
 # Found by the stateful fuzzer (seeds 0-3, 40 programs, world size 2; shrunk by hand to one unit and no optimizer
 # save) in the reference: a full state dict between forward and backward left the units gathering in full
 # precision, and backward raised (setStorage: "storage of size 0"). torch-fsdp1 and torch-fsdp2 pass.
-@case("fuzz/repro_445b0205", world_size=LOW_PRECISION_REDUCTION,
-      requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT],
+@case("fuzz/repro_445b0205", requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT],
+      world_size=Exact(2, reason="a bfloat16 reduction has one correct value at 2 ranks only"),
       clause=("C4", "C13"),
       uses=NEIGHBOURS_USE)
 def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
@@ -410,6 +396,5 @@ def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
 def test_repro_972f9ad8(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A block of the root unit checkpointing itself reentrantly, after a block whose backward needs the root's
     parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, model=ModelSpec(vocab=7, blocks=(Block(),
-                                                                                               Block(reentrant=True)))),
-                                   ops=(Train(),)))
+    model = ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))
+    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, model=model), ops=(Train(),)))
