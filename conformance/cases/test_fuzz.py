@@ -27,7 +27,7 @@ from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, CaseSettings, Exact, case
 from conformance.contract.results import CaseReport
 from conformance.fuzz.driver import FuzzSettings, fuzz, render_case
-from conformance.fuzz.example import FUZZ_STRATEGIES, Block, Example, ModelSpec, Policy
+from conformance.fuzz.example import FUZZ_STRATEGIES, ONE_RANK, ONE_RANK_BF16, Block, Example, ModelSpec, Policy
 from conformance.fuzz.neighbours import NEIGHBOURS_USE
 from conformance.fuzz.ops import (
     FEATURES,
@@ -110,7 +110,7 @@ def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
 
 # Found by the parity fuzzer (seed 1) in torch-fsdp1: after backward the unused unit's parameters are
 # missing from the module (docs/findings/fsdp1-no-shard-unused-unit-params.md).
-@case("fuzz/repro_8fc450e8", clause=("C1", "C2"), world_size=1)
+@case("fuzz/repro_8fc450e8", clause=("C1", "C2"), world_size=ONE_RANK)
 def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
     """One rank, use_orig_params: a unit the forward never uses keeps its parameters registered on the
     module after backward, and losses, grads and params after each step match the local model."""
@@ -133,7 +133,7 @@ def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the parity fuzzer (seed 0, 60 examples) in torch-fsdp1: with a bfloat16 reduction, NO_SHARD (what
 # FSDP1 runs at world size 1) adds a second backward's gradient to the first in bfloat16, where the sharded
 # strategies add in float32 (docs/findings/fsdp1-no-shard-low-precision-accumulation.md).
-@case("fuzz/repro_57555c45", clause=("C13", "C3"), world_size=1, requires=[Capability.MIXED_PRECISION])
+@case("fuzz/repro_57555c45", clause=("C13", "C3"), world_size=ONE_RANK, requires=[Capability.MIXED_PRECISION])
 def test_repro_57555c45(ctx: RankContext, impl: FSDPAdapter) -> None:
     """One rank, bfloat16 params and reduction, two backwards per step: outputs come out in bfloat16, and
     losses, grads (each backward's reduced gradient added to the float32 one, not summed in bfloat16) and
@@ -259,8 +259,8 @@ def test_gradient_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world sizes 2 and 4; simplified by hand to one rank and one
 # scale layer) in torch-fsdp1: with buffer_dtype=bfloat16 a full state dict taken before any forward holds the
 # buffers rounded to bfloat16 (docs/findings/fsdp1-buffer-dtype-rounds-saved-buffers.md).
-@case("fuzz/repro_6ec378a7", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE],
-      clause=("C13", "C4"),
+@case("fuzz/repro_6ec378a7", requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE],
+      clause=("C13", "C4"), world_size=ONE_RANK_BF16,
       uses=NEIGHBOURS_USE)
 def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict taken right after wrapping, before any forward,
@@ -321,7 +321,7 @@ def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seeds 0-3, 40 programs; shrunk by hand to one rank and one checkpointed scale
 # layer) in the reference: a full state dict after a forward held the buffers of an activation-checkpointed block
 # in the buffer dtype (bfloat16), not in the dtype they were built in. torch-fsdp1 passes.
-@case("fuzz/repro_5e69d8c9", clause=("C4", "C13"), world_size=1,
+@case("fuzz/repro_5e69d8c9", clause=("C4", "C13"), world_size=ONE_RANK_BF16,
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT],
       uses=NEIGHBOURS_USE)
 def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
@@ -349,7 +349,7 @@ def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # implementation, the reference included: it reduced the backward inside no_sync and the next one separately and
 # added the results in float32, where each rank's sum is rounded to the param dtype before the one reduction
 # ([Note: unsynced accumulation dtype] in conformance/fuzz/shadow.py).
-@case("fuzz/repro_27b1c63e", world_size=1, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
+@case("fuzz/repro_27b1c63e", world_size=ONE_RANK_BF16, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
       clause=("C3", "C13"),
       uses=NEIGHBOURS_USE)
 def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:

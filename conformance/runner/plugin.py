@@ -231,7 +231,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         raise NotApplicable(not_applicable)
     if size.size is None or decision.placement is None:
         state.own_skip = True
-        pytest.skip(size.reason or decision.reason)
+        pytest.skip(decision.reason if decision.placement is None else size.reason)  # missing hardware first
 
 
 @pytest.hookimpl(tryfirst=True)
