@@ -11,7 +11,8 @@ report). A case runs at the job's size: a plugin answers ``pytest_ranks_world_si
 with it for the rows that accept it and skips the others (the conformance suite:
 [Note: world sizes]); a ``ranks`` test run at another size is skipped with the reason.
 A rank blocked in a collective because a peer failed is released by the
-backend's timeout (``timeout_s`` of the first case initialises it).
+backend's timeout (``timeout_s`` of the first case initialises it); the
+outcomes are exchanged with a longer one, so the peers are still there.
 
 [Note: job layout]
 A launched job's ranks lie on nodes: torchrun starts one agent per node, each
@@ -22,7 +23,11 @@ that place groups on nodes (hybrid sharding, 2-D meshes: [Note: hybrid layout]
 in :mod:`fixtures.meshes`) build from, so a job shards within a node and
 replicates across nodes. One box simulates several nodes with several agents
 (``--nnodes=2`` with a c10d rendezvous, each agent its own ``torchrun``);
-the report records the layout (``topology``).
+the report records the layout (``topology``). A failure names each rank's
+place in it, ``rank 3 (node 1, local rank 1)``, and as for spawned ranks the
+collective the waiting ranks are in ([Note: collective mismatch] in
+:mod:`harness.sequence`): every rank counts its collectives in a slot and
+sends its position with its outcome.
 
 Placements ([Note: placements] in :mod:`harness.devices`): the job's default
 group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
@@ -49,14 +54,19 @@ import torch.distributed as dist
 
 from harness.context import RankContext
 from harness.devices import process_backend, rank_device, visible_gpus
+from harness.errors import RankError, RankFailure, make_failure
 from harness.outcome import Outcome, capture, resolve
 from harness.rank_mode import RankMode
+from harness.recorder import observe_thread, observing
 from harness.reset import case_scope
+from harness.sequence import SLOT_SIZE, Position, Slot, attributed
 
-__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "ENV_VARS"]
+__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "placed", "ENV_VARS"]
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _control: list[Any] = []
+#: This rank's position in its collective sequence ([Note: collective mismatch]), made on first use.
+_slot: list[Slot] = []
 
 
 def job_env() -> dict[str, int]:
@@ -102,7 +112,9 @@ def _ensure_initialised(timeout_s: float, job: dict[str, int], gpus: int) -> Any
         backend = job_backend(job["LOCAL_WORLD_SIZE"], gpus, dist.is_nccl_available())
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     if not _control:
-        _control.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        # Longer than the job's: a rank that left a collective early waits here for the ones it left behind
+        # until the backend's timeout releases them, then hears where they were.
+        _control.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * timeout_s + 60)))
     return _control[0]
 
 
@@ -122,11 +134,38 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
     ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
                       local_world_size=job["LOCAL_WORLD_SIZE"], device=device,
                       backend=dist.get_backend(), mode=RankMode.LAUNCHED, seed=seed)
+    outcome, position = _run_body(ctx, fn, args, kwargs, seed, env)
+    exchanged: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(exchanged, (outcome, position), group=control)
     try:
-        with case_scope(seed, env):
+        return resolve([o for o, _ in exchanged], world_size=ctx.world_size, mode=RankMode.LAUNCHED)
+    except RankFailure as failure:
+        raise placed(attributed(failure, {p.rank: p for _, p in exchanged}), ctx.local_world_size) from None
+
+
+def _run_body(ctx: RankContext, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              seed: int, env: Mapping[str, str] | None) -> tuple[Outcome, Position]:
+    """The body's outcome on this rank and where it left its collective sequence."""
+    if not _slot:
+        _slot.append(Slot(bytearray(SLOT_SIZE)))
+    slot = _slot[0]
+    slot.reset()
+    try:
+        with observing(), case_scope(seed, env):  # observing: this process's own collectives, none in flight
+            observe_thread(slot)
             outcome = Outcome(rank=ctx.rank, ok=True, value=fn(ctx, *args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001 - exchanged with the other ranks below
+    except BaseException as exc:  # noqa: BLE001 - exchanged with the other ranks
         outcome = capture(ctx.rank, exc)
-    outcomes: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(outcomes, outcome, group=control)
-    return resolve(outcomes, world_size=ctx.world_size, mode=RankMode.LAUNCHED)
+    finally:
+        observe_thread(None)
+    return outcome, slot.position(ctx.rank)
+
+
+def placed(failure: RankFailure, local_world_size: int) -> RankFailure:
+    """``failure`` with each rank's node and local rank named ([Note: job layout]): torchrun numbers a node's
+    ranks contiguously, so rank ``r`` is local rank ``r % local_world_size`` of node ``r // local_world_size``."""
+    errors = [RankError(f.rank, f.kind, f.summary, traceback=f.traceback, exitcode=f.exitcode,
+                        signal_name=f.signal_name, stack=f.stack, detected_at=f.detected_at,
+                        where=f"node {f.rank // local_world_size}, local rank {f.rank % local_world_size}")
+              for f in failure.failures]
+    return make_failure(errors, world_size=failure.world_size, mode=failure.mode)

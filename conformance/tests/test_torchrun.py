@@ -103,3 +103,17 @@ def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
     assert hybrid["reason"].startswith("mesh 2 replicas x 2 shards (shard within a node, replicate across 2 "
                                        "launched agents)"), hybrid["reason"]
     assert sum(out.count("conformance matrix") for out in outputs) == 1, "only rank 0 prints the matrix"
+
+
+def test_a_launched_failure_names_each_ranks_node_and_local_rank() -> None:
+    """torchrun numbers a node's ranks contiguously: with 2 ranks per node, rank 3 is node 1's local rank 1."""
+    from harness.errors import RankError, make_failure
+    from harness.launched import placed
+
+    failure = make_failure([RankError(3, "raised", "AssertionError: boom"),
+                            RankError(0, "aborted", "waiting in all_reduce #2 for rank 3")], world_size=4,
+                           mode="launched")
+    message = str(placed(failure, local_world_size=2))
+    assert message.startswith("rank 3 (node 1, local rank 1) raised AssertionError: boom (world_size=4, "
+                              "mode=launched)"), message
+    assert "also: rank 0 (node 0, local rank 0) aborted: waiting in all_reduce #2 for rank 3" in message, message
