@@ -117,3 +117,13 @@ def test_a_launched_failure_names_each_ranks_node_and_local_rank() -> None:
     assert message.startswith("rank 3 (node 1, local rank 1) raised AssertionError: boom (world_size=4, "
                               "mode=launched)"), message
     assert "also: rank 0 (node 0, local rank 0) aborted: waiting in all_reduce #2 for rank 3" in message, message
+
+
+def test_the_job_layout_is_nodes_of_local_ranks() -> None:
+    from harness.launched import job_layout
+
+    env = {"RANK": 5, "WORLD_SIZE": 8, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 4, "GROUP_RANK": 1}
+    assert job_layout(env) == {"nodes": 2, "local_world_size": 4, "world_size": 8, "node": 1, "rank": 5,
+                               "local_rank": 1}
+    with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a whole number of nodes of LOCAL_WORLD_SIZE=4 ranks"):
+        job_layout({**env, "WORLD_SIZE": 6})
