@@ -170,5 +170,5 @@ def test_replicas_match_baseline(
             group=replicate_group,
         )
     _check_unit_groups(ctx, impl.units(model), size)
-    return CaseReport(reason=f"mesh {size[1]} replicas x {size[0]} shards",
+    return CaseReport(reason=f"mesh {size[1]} replica{'s' * (size[1] > 1)} x {size[0]} shard{'s' * (size[0] > 1)}",
                       metrics={"mesh_replicas": size[1], "mesh_shards": size[0]})
