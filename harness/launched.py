@@ -27,7 +27,10 @@ the report records the layout (``topology``). A failure names each rank's
 place in it, ``rank 3 (node 1, local rank 1)``, and as for spawned ranks the
 collective the waiting ranks are in ([Note: collective mismatch] in
 :mod:`harness.sequence`): every rank counts its collectives in a slot and
-sends its position with its outcome.
+sends its position with its outcome. A rank that dies or leaves the job
+breaks the exchange: the row fails naming the ranks that never reported it
+(each rank marks its report in the job's store first), and the job stops
+before its next row, rank 0 writing its report.
 
 Placements ([Note: placements] in :mod:`harness.devices`): the job's default
 group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
@@ -44,6 +47,7 @@ test another placement than it names). A job started with
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -61,12 +65,15 @@ from harness.recorder import observe_thread, observing
 from harness.reset import case_scope
 from harness.sequence import SLOT_SIZE, Position, Slot, attributed
 
-__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "placed", "ENV_VARS"]
+__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "never_reported", "placed", "ENV_VARS"]
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _control: list[Any] = []
 #: This rank's position in its collective sequence ([Note: collective mismatch]), made on first use.
 _slot: list[Slot] = []
+#: Rows exchanged so far (the store's key of each row's reports), and why the job cannot go on, once it cannot.
+_reported = [0]
+_lost: list[str] = []
 
 
 def job_env() -> dict[str, int]:
@@ -129,18 +136,49 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
         raise pytest.skip.Exception(
             f"a CPU row, and this launched rank sees {gpus} GPU(s) it cannot hide (an implementation would pick "
             "one as its compute device); start the job with CUDA_VISIBLE_DEVICES= to run CPU rows")
+    if _lost:
+        pytest.exit(f"the launched job lost a rank ({_lost[0]}); its rows cannot run", returncode=1)
     control = _ensure_initialised(max(timeout_s, 60.0), job, gpus)
     device = _device(placement, job["LOCAL_RANK"], gpus)
     ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
                       local_world_size=job["LOCAL_WORLD_SIZE"], device=device,
                       backend=dist.get_backend(), mode=RankMode.LAUNCHED, seed=seed)
     outcome, position = _run_body(ctx, fn, args, kwargs, seed, env)
-    exchanged: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(exchanged, (outcome, position), group=control)
+    exchanged = _exchange(ctx, (outcome, position), control)
     try:
         return resolve([o for o, _ in exchanged], world_size=ctx.world_size, mode=RankMode.LAUNCHED)
     except RankFailure as failure:
         raise placed(attributed(failure, {p.rank: p for _, p in exchanged}), ctx.local_world_size) from None
+
+
+def _exchange(ctx: RankContext, mine: tuple[Outcome, Position], control: Any) -> list[Any]:
+    """Every rank's outcome and position. Each rank first says it reported in the job's store; when the
+    exchange fails (a rank died or left the job), the ranks that never said so are named, and the job stops
+    before its next row (every collective with a lost rank would wait for the backend's timeout)."""
+    _reported[0] += 1  # every rank runs the same rows in the same order
+    store, key = dist.distributed_c10d._get_default_store(), f"fsdp-conformance/reported/{_reported[0]}"
+    store.set(f"{key}/{ctx.rank}", "1")
+    exchanged: list[Any] = [None] * ctx.world_size
+    try:
+        dist.all_gather_object(exchanged, mine, group=control)
+    except RuntimeError as exc:  # torch's DistBackendError: a peer closed its connection or timed out
+        missing = never_reported(store, key, ctx.world_size)
+        where = ", ".join(f"rank {r} (node {r // ctx.local_world_size}, local rank {r % ctx.local_world_size})"
+                          for r in missing) or "none found"
+        _lost.append(f"never reported: {where}")
+        raise RuntimeError(f"ranks that never reported this row: {where}; the exchange of outcomes failed: "
+                           f"{exc}") from None
+    return exchanged
+
+
+def never_reported(store: Any, key: str, world_size: int, wait_s: float = 10.0) -> list[int]:
+    """The ranks whose report of this row is not in the store after up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.2)
 
 
 def _run_body(ctx: RankContext, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],

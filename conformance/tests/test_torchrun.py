@@ -127,3 +127,16 @@ def test_the_job_layout_is_nodes_of_local_ranks() -> None:
                                "local_rank": 1}
     with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a whole number of nodes of LOCAL_WORLD_SIZE=4 ranks"):
         job_layout({**env, "WORLD_SIZE": 6})
+
+
+def test_the_ranks_thatnever_reported_a_row_are_the_ones_missing_from_the_store() -> None:
+    import torch.distributed as dist
+
+    from harness.launched import never_reported
+
+    store = dist.HashStore()
+    for rank in (0, 1, 2):
+        store.set(f"row/{rank}", "1")
+    assert never_reported(store, "row", world_size=4, wait_s=0.0) == [3]
+    store.set("row/3", "1")
+    assert never_reported(store, "row", world_size=4, wait_s=0.0) == []
