@@ -48,12 +48,15 @@ def node_layout(ctx: RankContext) -> tuple[int, int]:
     return nodes, node
 
 
-def mesh_report(ctx: RankContext) -> CaseReport:
-    """The row's mesh, for the report: ``replicas x shards``, replicating across nodes."""
-    nodes, node = node_layout(ctx)
-    where = "launched agents" if ctx.mode is RankMode.LAUNCHED else "simulated nodes"
-    return CaseReport(reason=f"mesh {nodes} replicas x {node} shards (shard within a node, replicate across "
-                             f"{nodes} {where})", metrics={"mesh_replicas": nodes, "mesh_shards": node})
+def mesh_report(ctx: RankContext, node: int | None = None) -> CaseReport:
+    """The row's mesh, for the report: ``replicas x shards`` with ``node`` ranks per shard group (by default
+    the layout's), replicating across nodes."""
+    node = node_layout(ctx)[1] if node is None else node
+    nodes = ctx.world_size // node
+    where = "launched agents" if ctx.mode is RankMode.LAUNCHED else "nodes"
+    return CaseReport(reason=f"mesh {nodes} replica{'s' * (nodes > 1)} x {node} shard{'s' * (node > 1)} (shard "
+                             f"within a node, replicate across {nodes} {where})",
+                      metrics={"mesh_replicas": nodes, "mesh_shards": node})
 
 
 def expected_groups(ctx: RankContext, node: int) -> tuple[list[int], list[int]]:

@@ -18,10 +18,11 @@ a 2-D ``(replicate, shard)`` device mesh) except ``basic_setup`` with
 from the ranks on its node. On an accelerator host that is the seed's
 contract, the node's devices (one node of 4 GPUs: one shard group of 4,
 replicate groups of 1). On the CPU the node size is what a launcher such as
-torchrun reports, ``LOCAL_WORLD_SIZE``, which the case sets to 2 on every
-rank; an implementation that sizes nodes some other way (e.g. by counting
-accelerators where there are none) builds other groups and fails the group
-check, which is the point of the check.
+torchrun reports, ``LOCAL_WORLD_SIZE``, which the case sets to the layout's
+node size on every rank (2, or a launched job's own); an implementation that
+sizes nodes some other way (e.g. by counting accelerators where there are
+none) builds other groups and fails the group check, which is the point of
+the check.
 """
 
 from __future__ import annotations
@@ -129,14 +130,14 @@ def test_basic_setup(ctx: RankContext, impl: FSDPAdapter, strategy: str, mode: s
     in forward, one reduce-scatter per unit and one replicate all-reduce per hybrid unit in backward, and
     backward all-gathers that show HYBRID_SHARD re-gathering and _HYBRID_SHARD_ZERO2 not (per unit or per
     parameter alike: ``check_collectives``). For every parameter exposure the implementation offers."""
+    node = node_layout(ctx)[1] if use_device_mesh else node_size(ctx)
     for use_orig_params in parameter_exposures(impl):
         with under_exposure(use_orig_params):
-            _basic_setup(ctx, impl, Setup(strategy, mode, use_orig_params, use_device_mesh))
-    return mesh_report(ctx)
+            _basic_setup(ctx, impl, Setup(strategy, mode, use_orig_params, use_device_mesh), node)
+    return mesh_report(ctx, node)
 
 
-def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> None:
-    node = node_layout(ctx)[1] if setup.use_device_mesh else node_size(ctx)
+def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup, node: int) -> None:
     with env_on_all_ranks(ctx, "LOCAL_WORLD_SIZE", str(node)):
         model = build_hybrid_transformer(ctx, impl, setup)
     hybrid, full = split_units(ctx, impl.units(model), setup.mode)
