@@ -52,24 +52,28 @@ class RankError:
     stack: str = ""
     #: Wall-clock time (``time.time()``) at which the parent observed the failure.
     detected_at: float | None = None
+    #: Where the rank runs, when the run spans nodes: ``node 1, local rank 1`` ([Note: job layout] in
+    #: :mod:`harness.launched`); ``""`` for spawned ranks.
+    where: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"RankError.kind must be one of {KINDS}, got {self.kind!r}")
 
     def headline(self) -> str:
+        rank = f"rank {self.rank}" + (f" ({self.where})" if self.where else "")
         if self.kind == "raised":
-            return f"rank {self.rank} raised {self.summary}"
+            return f"{rank} raised {self.summary}"
         if self.kind == "died":
             how = f"signal {self.signal_name}" if self.signal_name else f"exit code {self.exitcode}"
-            return f"rank {self.rank} died ({how}){': ' + self.summary if self.summary else ''}"
+            return f"{rank} died ({how}){': ' + self.summary if self.summary else ''}"
         if self.kind == "timed_out":
-            return f"rank {self.rank} timed out: {self.summary}"
+            return f"{rank} timed out: {self.summary}"
         if self.kind == "skipped":
-            return f"rank {self.rank} skipped: {self.summary}"
+            return f"{rank} skipped: {self.summary}"
         if self.kind == "collective":
-            return f"rank {self.rank} {self.summary}"
-        return f"rank {self.rank} aborted: {self.summary}"
+            return f"{rank} {self.summary}"
+        return f"{rank} aborted: {self.summary}"
 
     def details(self) -> str:
         parts = [f"--- {self.headline()}"]

@@ -10,33 +10,63 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, UnitInfo, WrapSpec
+from conformance.contract.results import CaseReport
+from conformance.contract.world_size import Scalable
+from fixtures.meshes import SIMULATED_NODE, hybrid_ranks, ranks_per_node
 from fixtures.meshes import hybrid_groups as mesh_groups
-from fixtures.meshes import hybrid_ranks
 from fixtures.models import TiedTransformer
 from fixtures.seeding import generator, rank_seed
+from harness.rank_mode import RankMode
 
 if TYPE_CHECKING:
     from harness import RankContext
 
-WORLD = 4
-NODE = 2  # ranks per node; see [Note: hybrid layout on CPU]
+WORLD = 4  # the default world: 2 simulated nodes of NODE ranks
+NODE = SIMULATED_NODE  # ranks per node of process and thread ranks; see [Note: hybrid layout on CPU]
+#: Several nodes of NODE ranks: 4 by default, any even size from 4 (a launched job: its own nodes).
+NODES = Scalable(default=WORLD, minimum=2 * NODE, multiple_of=NODE)
 HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 LAYERS = AutoWrap((nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
 
 
-def expected_groups(rank: int, node: int = NODE) -> tuple[list[int], list[int]]:
-    """``(shard ranks, replicate ranks)`` of ``rank`` with ``node`` ranks per node ([Note: hybrid layout])."""
-    return hybrid_ranks(rank, WORLD, node)
+def node_layout(ctx: RankContext) -> tuple[int, int]:
+    """``(nodes, ranks per node)`` of the run ([Note: hybrid layout]): the replicate and shard sizes.
+
+    A hybrid case needs replication and sharding both: a launched job of one node, or of nodes of one
+    rank, is skipped naming its layout (the world size alone is not the reason)."""
+    node = ranks_per_node(ctx)
+    nodes = ctx.world_size // node
+    if nodes < 2 or node < 2:
+        pytest.skip(f"needs 2 nodes or more of 2 ranks or more (shard within a node, replicate across nodes); "
+                    f"the launched job is {nodes} node(s) of {node} rank(s)")
+    return nodes, node
+
+
+def mesh_report(ctx: RankContext, node: int | None = None) -> CaseReport:
+    """The row's mesh, for the report: ``replicas x shards`` with ``node`` ranks per shard group (by default
+    the layout's), replicating across nodes."""
+    node = node_layout(ctx)[1] if node is None else node
+    nodes = ctx.world_size // node
+    where = "launched agents" if ctx.mode is RankMode.LAUNCHED else "nodes"
+    return CaseReport(reason=f"mesh {nodes} replica{'s' * (nodes > 1)} x {node} shard{'s' * (node > 1)} (shard "
+                             f"within a node, replicate across {nodes} {where})",
+                      metrics={"mesh_replicas": nodes, "mesh_shards": node})
+
+
+def expected_groups(ctx: RankContext, node: int) -> tuple[list[int], list[int]]:
+    """``(shard ranks, replicate ranks)`` of this rank with ``node`` ranks per node ([Note: hybrid layout])."""
+    return hybrid_ranks(ctx.rank, ctx.world_size, node)
 
 
 def hybrid_groups(ctx: RankContext) -> tuple[Any, Any]:
-    """This rank's ``(shard, replicate)`` groups, ``NODE`` ranks per node ([Note: hybrid layout])."""
-    return mesh_groups(ctx, NODE)
+    """This rank's ``(shard, replicate)`` groups, one node's ranks per shard group ([Note: hybrid layout])."""
+    return mesh_groups(ctx, node_layout(ctx)[1])
 
 
 def ranks(group: Any) -> list[int]:
@@ -59,7 +89,7 @@ class Setup:
 def build_hybrid_transformer(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> nn.Module:
     """Encoder/decoder layers are units; the rest is hybrid or FULL_SHARD by ``mode``."""
     mesh = (
-        ctx.device_mesh((WORLD // NODE, NODE), ("replicate", "shard"))
+        ctx.device_mesh(node_layout(ctx), ("replicate", "shard"))
         if setup.use_device_mesh
         else None
     )
@@ -92,10 +122,12 @@ def fwd_bwd(ctx: RankContext, model: nn.Module) -> None:
 
 
 def node_size(ctx: RankContext) -> int:
-    """Ranks per node for automatic groups: the node's accelerators when ranks compute on
-    them (the seed's contract), else :data:`NODE`, reported as a launcher would
-    ([Note: hybrid layout on CPU])."""
-    return torch.cuda.device_count() if ctx.device.type == "cuda" else NODE
+    """Ranks per node for automatic groups: the node's accelerators when spawned ranks compute on
+    them (the seed's contract), else the layout's node (a launched job's own ``LOCAL_WORLD_SIZE``,
+    else :data:`NODE`, reported as a launcher would: [Note: hybrid layout on CPU])."""
+    if ctx.device.type == "cuda" and ctx.mode is not RankMode.LAUNCHED:
+        return torch.cuda.device_count()
+    return node_layout(ctx)[1]
 
 
 def split_units(
@@ -111,12 +143,12 @@ def split_units(
             f"shard groups {[ranks(u.shard_group) for u in full]})"
         )
     else:
-        _check_full_outside_hybrid(hybrid, full)
+        _check_full_outside_hybrid(hybrid, full, ctx.world_size)
     assert hybrid, f"{mode}: no hybrid unit owns parameters; units {[u.fqn for u in units]}"
     return hybrid, full
 
 
-def _check_full_outside_hybrid(hybrid: list[UnitInfo], full: list[UnitInfo]) -> None:
+def _check_full_outside_hybrid(hybrid: list[UnitInfo], full: list[UnitInfo], world: int) -> None:
     """MIXED_HYBRID_FULL: everything under ``transformer`` (wrapped hybrid) is hybrid, and the parameters
     outside it are sharded over the whole world.
 
@@ -129,9 +161,9 @@ def _check_full_outside_hybrid(hybrid: list[UnitInfo], full: list[UnitInfo]) -> 
 
     assert full, f"MIXED_HYBRID_FULL: no unit owning parameters shards over the world; hybrid {[u.fqn for u in hybrid]}"
     for unit in full:
-        assert ranks(unit.shard_group) == list(range(WORLD)), (
+        assert ranks(unit.shard_group) == list(range(world)), (
             f"FULL_SHARD unit {unit.fqn!r} shards over {ranks(unit.shard_group)}, "
-            f"expected the world {list(range(WORLD))}"
+            f"expected the world {list(range(world))}"
         )
     misplaced = [u.fqn for u in full if under(u.fqn)] + [u.fqn for u in hybrid if not under(u.fqn)]
     assert not misplaced, (
@@ -149,7 +181,7 @@ def check_strategies(hybrid: list[UnitInfo], full: list[UnitInfo], strategy: str
 
 
 def check_groups(ctx: RankContext, hybrid: list[UnitInfo], node: int) -> tuple[list[int], list[int]]:
-    want_shard, want_replicate = expected_groups(ctx.rank, node)
+    want_shard, want_replicate = expected_groups(ctx, node)
     for unit in hybrid:
         got = (ranks(unit.shard_group), ranks(unit.replicate_group))
         assert got == (want_shard, want_replicate), (
@@ -216,7 +248,7 @@ def check_collectives(
       The root may gather again under either strategy (FSDP1 keeps it, FSDP2 may free it).
     """
     shard, replicate = (tuple(g) for g in groups)
-    world = tuple(range(WORLD))
+    world = tuple(range(ctx.world_size))
     fwd, bwd = counted(forward), counted(backward)
     allowed = {("all-gather", shard), ("reduce-scatter", shard), ("all-reduce", replicate)}
     if full:

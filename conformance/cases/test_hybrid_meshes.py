@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
 from conformance.contract.case import Exact, case
+from conformance.contract.results import CaseReport
 from fixtures.baselines import cached
 from fixtures.meshes import hybrid_groups, hybrid_ranks
 from fixtures.optimizers import make_optim
@@ -141,7 +142,7 @@ def _check_unit_groups(ctx: RankContext, units: list[UnitInfo], shape: tuple[int
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_replicas_match_baseline(
     ctx: RankContext, impl: FSDPAdapter, shape: str, given: str, strategy: str
-) -> None:
+) -> CaseReport:
     """For every (shard, replicate) shape, given as groups or a mesh: shards differ within a shard group,
     each step's loss and full params equal a local model trained on every rank's data, local shards stay
     identical across the replicate group, and units report the shape's groups."""
@@ -169,3 +170,5 @@ def test_replicas_match_baseline(
             group=replicate_group,
         )
     _check_unit_groups(ctx, impl.units(model), size)
+    return CaseReport(reason=f"mesh {size[1]} replica{'s' * (size[1] > 1)} x {size[0]} shard{'s' * (size[0] > 1)}",
+                      metrics={"mesh_replicas": size[1], "mesh_shards": size[0]})

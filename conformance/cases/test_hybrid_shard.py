@@ -1,10 +1,16 @@
 """hybrid_shard: shard within a node, replicate across nodes.
 
 [Note: hybrid layout on CPU]
-Every case here runs on 4 ranks laid out as 2 "nodes" of 2 ranks:
+Every case here runs on nodes of ranks: by default 4 ranks laid out as 2 "nodes" of 2 ranks,
 
     shard (intra-node) groups      [0, 1]  [2, 3]
     replicate (inter-node) groups  [0, 2]  [1, 3]
+
+and at any even world size from 4: process and thread ranks in nodes of 2
+(``--world-size 8``: 4 nodes of 2), a launched job in its own nodes
+(``LOCAL_WORLD_SIZE``; 2 agents of 4 ranks: shard groups [0..3] [4..7],
+replicate groups [0, 4] ... [3, 7]). The expected groups, collectives and
+baselines follow the layout (``node_layout``); each row reports its mesh.
 
 Cases build this layout explicitly (a ``(shard, replicate)`` group tuple, or
 a 2-D ``(replicate, shard)`` device mesh) except ``basic_setup`` with
@@ -12,10 +18,11 @@ a 2-D ``(replicate, shard)`` device mesh) except ``basic_setup`` with
 from the ranks on its node. On an accelerator host that is the seed's
 contract, the node's devices (one node of 4 GPUs: one shard group of 4,
 replicate groups of 1). On the CPU the node size is what a launcher such as
-torchrun reports, ``LOCAL_WORLD_SIZE``, which the case sets to 2 on every
-rank; an implementation that sizes nodes some other way (e.g. by counting
-accelerators where there are none) builds other groups and fails the group
-check, which is the point of the check.
+torchrun reports, ``LOCAL_WORLD_SIZE``, which the case sets to the layout's
+node size on every rank (2, or a launched job's own); an implementation that
+sizes nodes some other way (e.g. by counting accelerators where there are
+none) builds other groups and fails the group check, which is the point of
+the check.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from conformance.cases._hybrid_helpers import (
     HYBRID,
     LAYERS,
     NODE,
+    NODES,
     WORLD,
     Setup,
     build_hybrid_transformer,
@@ -42,14 +50,17 @@ from conformance.cases._hybrid_helpers import (
     fwd_bwd,
     hybrid_groups,
     io,
+    mesh_report,
+    node_layout,
     node_size,
     ranks,
     split_units,
 )
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import Exact, Scalable, case
+from conformance.contract.case import Scalable, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.messages import INVALID_PG_ERROR, MANUAL_WRAP_ERROR
+from conformance.contract.results import CaseReport
 from fixtures.baselines import cached
 from fixtures.models import ThreeLinear, TiedTransformer
 from fixtures.optimizers import OPTIMIZERS, make_optim
@@ -69,8 +80,6 @@ if TYPE_CHECKING:
 __all__ = ["NODE", "WORLD", "Setup", "build_hybrid_transformer", "fwd_bwd"]  # the trace golden's imports
 
 STEPS = 5  # training steps of parity_with_fsdp
-#: [Note: hybrid layout on CPU]: the groups and meshes these cases build are of 4 ranks.
-TWO_NODES = Exact(WORLD, reason="2 nodes of 2 ranks")
 
 
 # -- manual wrapping and group validation -------------------------------------------------
@@ -108,25 +117,27 @@ def _setup_requires(params: Mapping[str, Any]) -> list[Capability]:
     return [Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS]
 
 
-@case("hybrid_shard/basic_setup", world_size=TWO_NODES, requires=_setup_requires, uses=[Capability.FLAT_PARAM],
+@case("hybrid_shard/basic_setup", world_size=NODES, requires=_setup_requires, uses=[Capability.FLAT_PARAM],
       clause="C15")
 @pytest.mark.parametrize("use_device_mesh", [False, True])
 @pytest.mark.parametrize("mode", ["ALL_HYBRID", "MIXED_HYBRID_FULL"])
 @pytest.mark.parametrize("strategy", HYBRID)
-def test_basic_setup(ctx: RankContext, impl: FSDPAdapter, strategy: str, mode: str, use_device_mesh: bool) -> None:
+def test_basic_setup(ctx: RankContext, impl: FSDPAdapter, strategy: str, mode: str,
+                     use_device_mesh: bool) -> CaseReport:
     """Each unit reports its strategy (hybrid or FULL_SHARD by ``mode``), hybrid units shard within a node
     and replicate across nodes, non-root hybrid units are resharded after forward iff HYBRID_SHARD, and in
     one forward/backward every collective is over the expected group, with at least one all-gather per unit
     in forward, one reduce-scatter per unit and one replicate all-reduce per hybrid unit in backward, and
     backward all-gathers that show HYBRID_SHARD re-gathering and _HYBRID_SHARD_ZERO2 not (per unit or per
     parameter alike: ``check_collectives``). For every parameter exposure the implementation offers."""
+    node = node_layout(ctx)[1] if use_device_mesh else node_size(ctx)
     for use_orig_params in parameter_exposures(impl):
         with under_exposure(use_orig_params):
-            _basic_setup(ctx, impl, Setup(strategy, mode, use_orig_params, use_device_mesh))
+            _basic_setup(ctx, impl, Setup(strategy, mode, use_orig_params, use_device_mesh), node)
+    return mesh_report(ctx, node)
 
 
-def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> None:
-    node = NODE if setup.use_device_mesh else node_size(ctx)
+def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup, node: int) -> None:
     with env_on_all_ranks(ctx, "LOCAL_WORLD_SIZE", str(node)):
         model = build_hybrid_transformer(ctx, impl, setup)
     hybrid, full = split_units(ctx, impl.units(model), setup.mode)
@@ -142,12 +153,12 @@ def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup) -> None:
 
 
 # -- training parity with FULL_SHARD -------------------------------------------------------
-@case("hybrid_shard/parity_with_fsdp", world_size=TWO_NODES, requires=[Capability.HYBRID_VIA_PG_TUPLE],
+@case("hybrid_shard/parity_with_fsdp", world_size=NODES, requires=[Capability.HYBRID_VIA_PG_TUPLE],
       clause=("C15", "C1"),
       uses=[Capability.FLAT_PARAM])
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", HYBRID)
-def test_parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
+def test_parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> CaseReport:
     """The seed's transformer (tied embedding/output weights, encoder and decoder layers
     as units): hybrid units replicate over more than one rank, and 5 steps of HSDP give FULL_SHARD's
     losses. Adam as in the seed, and SGD with momentum, which a wrong gradient scale on the replicate
@@ -155,6 +166,7 @@ def test_parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, op
     for use_orig_params in parameter_exposures(impl):
         with under_exposure(use_orig_params):
             _parity_with_fsdp(ctx, impl, strategy, use_orig_params, optim)
+    return mesh_report(ctx)
 
 
 def _parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, use_orig_params: bool, optim: str) -> None:
@@ -223,10 +235,10 @@ def _check_groups_used_as_given(impl: FSDPAdapter, model: nn.Module, groups: tup
         )
 
 
-@case("hybrid_shard/sharded_state_dict_roundtrip", clause=("C15", "C4"), world_size=TWO_NODES,
+@case("hybrid_shard/sharded_state_dict_roundtrip", clause=("C15", "C4"), world_size=NODES,
       strategies=["HYBRID_SHARD"],
       requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SHARDED_STATE_DICT, Capability.OPTIM_STATE_DICT])
-def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
+def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     """Units shard and replicate over the very (shard, replicate) group objects passed in; after one AdamW
     step, the sharded model and optimizer state dicts loaded into a differently seeded hybrid model give
     it the trained full params and local optimizer state, exactly."""
@@ -260,15 +272,16 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> No
         what=f"rank {ctx.rank}: local optimizer state after sharded load",
         exact=COPIED,
     )
+    return mesh_report(ctx)
 
 
 @case(
     "hybrid_shard/sync_module_states", clause=("C15", "C6"),
-    world_size=TWO_NODES,
+    world_size=NODES,
     requires=[Capability.HYBRID_VIA_PG_TUPLE, Capability.SYNC_MODULE_STATES],
     strategies=["HYBRID_SHARD"],
 )
-def test_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
+def test_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> CaseReport:
     """HYBRID_SHARD with ``sync_module_states=True`` over (shard, replicate) groups makes every rank's full
     params rank 0's: weights rank 0 filled with zeros, biases equal to rank 0's before wrapping."""
     module = ThreeLinear(seed=rank_seed(3, ctx.rank)).to(ctx.device)
@@ -299,3 +312,4 @@ def test_sync_module_states(ctx: RankContext, impl: FSDPAdapter) -> None:
         what=f"rank {ctx.rank}: biases vs rank 0's before wrapping",
         exact=COPIED,
     )
+    return mesh_report(ctx)

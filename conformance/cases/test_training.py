@@ -19,6 +19,7 @@ from conformance.cases._rank_helpers import cpu_world_group, hybrid_cpu_groups
 from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, Scalable, case
 from fixtures.baselines import cached
+from fixtures.meshes import ranks_per_node
 from fixtures.models import (
     OptionalSecondOutputModel,
     SumOfInputsModel,
@@ -50,12 +51,14 @@ def _pg_tuple_for_hybrid(params: Mapping[str, Any]) -> list[Capability]:
 def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strategy: str, optim: str) -> None:
     """10 steps with ``device_id=cpu``: every step's loss equals DDP's on the same data.
 
-    Hybrid strategies run 2 (shard) x world/2 (replicate) through an explicit group pair, and every unit
-    owning parameters must then report a replicate group of world/2 ranks.
+    Hybrid strategies shard within a node and replicate across nodes (``ranks_per_node``: nodes of 2, or a
+    launched job's own) through an explicit group pair, and every unit owning parameters must then report
+    a replicate group of one rank per node.
     Adam as in the seed, and SGD with momentum, which a wrong gradient scale changes.
     """
     world = cpu_world_group(ctx)
-    group: Any = hybrid_cpu_groups(ctx, shard_size=2) if strategy in HYBRID_STRATEGIES else world
+    node = ranks_per_node(ctx)
+    group: Any = hybrid_cpu_groups(ctx, shard_size=node) if strategy in HYBRID_STRATEGIES else world
     inp = torch.randn((2, 2), generator=generator(rank_seed(42, ctx.rank)))
     batches = [(inp, inp)] * 10
 
@@ -80,9 +83,9 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
             for u in impl.units(fsdp)
             if u.local_shards
         }
-        replicas = ctx.world_size // 2
+        replicas = ctx.world_size // node
         assert sizes == {replicas}, (f"{strategy}: replicate group sizes {sizes}, expected {{{replicas}}} "
-                                     f"(2 x {replicas} hybrid)")
+                                     f"({node} x {replicas} hybrid)")
 
 
 @case("training/module_no_compute_grad", clause=("C1", "C2"), world_size=TWO_OR_MORE)

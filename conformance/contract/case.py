@@ -70,6 +70,9 @@ from conformance.contract.world_size import TWO_OR_MORE, Exact, Scalable, WorldS
 from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
 from harness.rank_mode import SPAWNED, RankMode
 
+#: What a case (or one of its rows) declares as ``world_size=`` ([Note: world sizes]).
+WorldSize = int | Exact | Scalable
+
 __all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "gpu_rows",
            "ANY_GPU", "GpuNeed", "distinct_gpus", "DocCitation", "Exact", "Scalable", "TWO_OR_MORE"]
 
@@ -114,8 +117,9 @@ class CaseSpec:
 
     id: str
     #: An exact size (``int`` or :class:`Exact`, with its reason) or the sizes the body is correct at
-    #: (:class:`Scalable`): [Note: world sizes] in :mod:`conformance.contract.world_size`.
-    world_size: int | Exact | Scalable = 2
+    #: (:class:`Scalable`): [Note: world sizes] in :mod:`conformance.contract.world_size`; or a function of the
+    #: row's parameters giving one of those (:meth:`need_for`), where rows of one case differ.
+    world_size: WorldSize | Callable[[Mapping[str, Any]], WorldSize] = 2
     modes: tuple[RankMode, ...] = SPAWNED
     requires: Requires = ()
     #: ``None``: a CPU row; else what the row needs (:data:`ANY_GPU`, ``distinct_gpus(N)``);
@@ -141,10 +145,8 @@ class CaseSpec:
         clause_refs(self.id, self.clauses)  # an unknown clause id fails at import
         if not _ID.match(self.id):
             raise ValueError(f"case id {self.id!r} must look like 'area/name' (lowercase, digits, _)")
-        try:
-            world_size_need(self.world_size)
-        except ValueError as exc:
-            raise ValueError(f"case {self.id}: {exc}") from None
+        if not callable(self.world_size):
+            self.need_for({})
         bad = [m for m in self.modes if m not in SPAWNED]
         if bad or not self.modes:
             raise ValueError(f"case {self.id}: modes must be a non-empty subset of "
@@ -165,8 +167,19 @@ class CaseSpec:
 
     @property
     def need(self) -> WorldSizeNeed:
-        """The world sizes this case runs at ([Note: world sizes])."""
-        return world_size_need(self.world_size)
+        """The world sizes every row of this case runs at ([Note: world sizes]); ValueError for a case that
+        declares them per row (:meth:`need_for`)."""
+        if callable(self.world_size):
+            raise ValueError(f"case {self.id} declares its world sizes per row; ask need_for(params)")
+        return self.need_for({})
+
+    def need_for(self, params: Mapping[str, Any]) -> WorldSizeNeed:
+        """The world sizes the row with ``params`` runs at; ValueError naming a bad declaration."""
+        declared = self.world_size(params) if callable(self.world_size) else self.world_size
+        try:
+            return world_size_need(declared)
+        except ValueError as exc:
+            raise ValueError(f"case {self.id}: {exc}") from None
 
     @property
     def area(self) -> str:
@@ -209,13 +222,13 @@ class CaseSpec:
     def needs_text(self, params: Mapping[str, Any]) -> str:
         """The row's hardware needs as ``list`` shows them."""
         need = self.gpus_for(params)
-        return f"{'cpu' if need is None else need.describe()}, {self.need.describe()}"
+        return f"{'cpu' if need is None else need.describe()}, {self.need_for(params).describe()}"
 
 
 def case(
     case_id: str,
     *,
-    world_size: int | Exact | Scalable = 2,
+    world_size: WorldSize | Callable[[Mapping[str, Any]], WorldSize] = 2,
     modes: Iterable[RankMode | str] = SPAWNED,
     requires: Requires = (),
     gpus: Gpus = None,
@@ -236,8 +249,8 @@ def case(
     ([Note: a row's strategies]); ``()`` says the body never calls ``wrap``.
     ``draws_strategies``: strategies the body picks from, only among those the adapter supports.
     ``uses``: capabilities the body exercises only when the adapter declares them.
-    ``world_size``: an exact size (``2``, or ``Exact(4, reason=...)`` saying why the behaviour is that
-    size) or ``Scalable(default=2, minimum=2)``: the sizes the body is correct at ([Note: world sizes]).
+    ``world_size``: an exact size (``2``, ``Exact(4, reason=...)``), ``Scalable(default=2, minimum=2)`` (the sizes the
+    body is correct at), or a function of the row's parameters giving one of those ([Note: world sizes]).
     ``clause``: the contract clause(s) the case asserts: ids of ``docs/CONTRACT.md`` or
     :class:`DocCitation` values; an unknown id is a ValueError.
     """
@@ -264,7 +277,7 @@ def case(
         if spec.timing:
             fn = pytest.mark.timing(fn)
         return pytest.mark.ranks(
-            world_size=spec.need.default,  # the conformance plugin answers with the row's size
+            world_size=2 if callable(spec.world_size) else spec.need.default,  # the plugin answers per row
             modes=spec.modes,
             timeout_s=spec.timeout(CaseSettings()),  # the conformance plugin answers with the run's settings
             isolated=spec.isolated,

@@ -21,9 +21,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from conformance.contract.world_size import Exact
+
 __all__ = [
     "LAYERS", "OPTIMIZERS", "DTYPES", "LOW_DTYPES", "FUZZ_STRATEGIES", "PRECISION_FEATURES",
-    "exact_low_precision_reduction",
+    "exact_low_precision_reduction", "ONE_RANK", "ONE_RANK_BF16",
     "Block", "ModelSpec", "Policy", "Example", "examples", "models", "policies", "source",
 ]
 
@@ -165,6 +167,11 @@ def exact_low_precision_reduction(policy: Policy, world_size: int) -> bool:
     carries into the parameters. There the fuzzer reduces in float32.
     """
     return world_size == 1 or (world_size == 2 and policy.param_dtype == "bfloat16")
+
+
+#: Reproducers of one rank's behaviour ([Note: world sizes] in :mod:`conformance.contract.world_size`).
+ONE_RANK = Exact(1, reason="one rank, where torch-fsdp1 runs NO_SHARD")
+ONE_RANK_BF16 = Exact(1, reason="its bfloat16 reduction has one correct value at 1 rank (and 2), not more")
 
 
 @dataclass(frozen=True)

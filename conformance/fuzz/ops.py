@@ -29,7 +29,7 @@ first, then what the implementation cannot express is dropped
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conformance.fuzz.example import (
     DTYPES,
@@ -383,3 +383,8 @@ class Program:
                 raise ValueError(f"{op} needs Config(api='fully_shard')")
             if isinstance(op, _ON_A_UNIT) and op.unit not in units:
                 raise ValueError(f"{op} names no sharded module; expected one of {units}")
+
+    def at_world_size(self, world_size: int) -> Program:
+        """This program on ``world_size`` ranks: the shadow model follows the world size, so a program written for
+        one size is checked at any other its configuration allows ([Note: world sizes])."""
+        return replace(self, config=replace(self.config, world_size=world_size))

@@ -71,6 +71,9 @@ class RunFacts:
     adapters: Sequence[Mapping[str, Any]] = ()
     #: The run compared with ``--conformance-expect``'s baseline (:mod:`conformance.runner.expect`), or ``None``.
     expectation: Comparison | None = None
+    #: A launched job's layout ([Note: job layout] in :mod:`harness.launched`): ``nodes``,
+    #: ``local_world_size``, ``world_size``; ``None`` for process and thread ranks.
+    topology: Mapping[str, int] | None = None
 
     def incomplete_reason(self, rows: int) -> str | None:
         """Why a report of ``rows`` rows is not complete, or ``None`` when every selected row is in it and
@@ -136,6 +139,7 @@ def render_json(results: Sequence[Result], facts: RunFacts) -> str:
         "outcomes": list(OUTCOMES),
         "summary": summary(results),
         "expectation": _expectation(facts.expectation),
+        "topology": None if facts.topology is None else dict(facts.topology),
         "rows": [asdict(r) for r in results],
     }
     return json.dumps(document, indent=2) + "\n"

@@ -87,7 +87,18 @@ def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int
     return RunFacts(started_at=config.stash[_CLAIM_KEY].started_at, ended_at=now(),
                     settings={s.name.replace(" ", "_"): {"value": s.value, "source": s.source} for s in settings.all()},
                     machine=machine_facts(gpus, nccl_available()), interrupted_by=stopped, selected_rows=selected,
-                    adapters=adapter_facts(settings.impls.value), expectation=expectation)
+                    adapters=adapter_facts(settings.impls.value), expectation=expectation,
+                    topology=_topology(settings))
+
+
+def _topology(settings: Settings) -> dict[str, int] | None:
+    """The launched job's ``nodes x local ranks`` ([Note: job layout] in :mod:`harness.launched`), else ``None``."""
+    if settings.rank_mode.value != "launched":
+        return None
+    from harness.launched import job_layout
+
+    layout = job_layout()
+    return {name: layout[name] for name in ("nodes", "local_world_size", "world_size")}
 
 
 def _markdown(results: Sequence[Result], facts: RunFacts) -> str:

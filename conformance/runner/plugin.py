@@ -209,8 +209,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     spec = case_spec(item)
     if spec is None:
         return
-    size = world_sizes.row_world_size(spec, settings_of(item.config), launched=launched(item.config))
-    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need.default)
+    size = world_sizes.row_world_size(spec, all_params(item), settings_of(item.config), launched=launched(item.config))
+    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need_for(all_params(item)).default)
     spent = budget.not_run_reason(item.config)
     if spent is not None:
         raise budget.NotRun(spent)
@@ -231,7 +231,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         raise NotApplicable(not_applicable)
     if size.size is None or decision.placement is None:
         state.own_skip = True
-        pytest.skip(size.reason or decision.reason)
+        pytest.skip(decision.reason if decision.placement is None else size.reason)  # missing hardware first
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -6,6 +6,9 @@ case's default; a launched job runs every row at the job's size, which the setti
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from conformance.contract.case import CaseSpec
 from conformance.contract.world_size import SizeDecision, decide_world_size
 from conformance.runner.settings import Settings
@@ -22,10 +25,12 @@ def check_launched_size(settings: Settings, job_size: str | None) -> None:
                          f"own size (WORLD_SIZE={job_size}); leave it out")
 
 
-def row_world_size(spec: CaseSpec, settings: Settings, *, launched: bool) -> SizeDecision:
-    """The ranks a row of ``spec`` runs on in this run, or why it is skipped."""
+def row_world_size(spec: CaseSpec, params: Mapping[str, Any], settings: Settings, *,
+                   launched: bool) -> SizeDecision:
+    """The ranks the row of ``spec`` with ``params`` runs on in this run, or why it is skipped."""
+    need = spec.need_for(params)
     if launched:
         from harness.launched import job_env  # imports torch: only a launched job needs it
 
-        return decide_world_size(spec.need, launched_job=job_env()["WORLD_SIZE"])
-    return decide_world_size(spec.need, requested=settings.world_size.value)
+        return decide_world_size(need, launched_job=job_env()["WORLD_SIZE"])
+    return decide_world_size(need, requested=settings.world_size.value)

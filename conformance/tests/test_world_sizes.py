@@ -138,3 +138,12 @@ def test_a_launched_job_takes_no_other_world_size() -> None:
                                          r"its own size \(WORLD_SIZE=4\)"):
         check_launched_size(asked, "4")
     check_launched_size(resolve_settings({}, rank_mode=launched, env={}), "4")
+
+
+def test_a_case_may_declare_its_world_sizes_per_row() -> None:
+    spec = CaseSpec(id="a/b", world_size=lambda params: Scalable(default=2, minimum=2) if params["x"] else 2)
+    assert (spec.needs_text({"x": True}), spec.needs_text({"x": False})) == ("cpu, ws >=2", "cpu, ws 2")
+    with pytest.raises(ValueError, match=r"case a/b declares its world sizes per row; ask need_for\(params\)"):
+        _ = spec.need
+    with pytest.raises(ValueError, match="case a/b: world_size must be >= 1, got 0"):
+        CaseSpec(id="a/b", world_size=lambda params: 0).need_for({})
