@@ -72,8 +72,7 @@ def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Case
     if result.failing is not None:
         raise AssertionError(
             f"parity fuzzer (seed {config.seed}): {result.message}\n"
-            f"{found_example(config.shrink)} after {result.runs} runs:\n"
-            f"{render_case(result.failing, result.message or '')}"
+            + found_example(config.shrink, result.runs, render_case(result.failing, result.message or ""))
         )
     note = precision_note(impl)
     policies = note or f"{result.mixed_precision} under a mixed-precision policy"
@@ -159,8 +158,7 @@ def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> Ca
         under = "" if policy is None else f", policy={policy}"
         raise AssertionError(
             f"stateful fuzzer (seed {settings.fuzz_seed}{under}): {result.message}\n"
-            f"{found_example(settings.fuzz_shrink)} after {result.runs} runs:\n"
-            f"{render_program(result.failing, result.message or '')}"
+            + found_example(settings.fuzz_shrink, result.runs, render_program(result.failing, result.message or ""))
         )
     missing = missing_operations(impl, ctx.mode)
     dropped = sorted(FEATURES - features_of(impl))

@@ -260,9 +260,11 @@ def fuzz(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResul
     return FuzzResult(runs=found.runs, failing=found.failing, message=found.message, mixed_precision=found.counted)
 
 
-def found_example(shrunk: bool) -> str:
-    """What a fuzz row's failure text calls the example it reports ([Note: unshrunk failures])."""
-    return "minimal reproducer" if shrunk else "reproducer, the first failing example as drawn (not shrunk)"
+def found_example(shrunk: bool, runs: int, case_text: str) -> str:
+    """A fuzz row's failure text after its first line: the example it reports, named for whether it was
+    shrunk ([Note: unshrunk failures]), and ``case_text``, the example as a case to paste."""
+    found = "minimal reproducer" if shrunk else "reproducer, the first failing example as drawn (not shrunk)"
+    return f"{found} after {runs} runs:\n{case_text}"
 
 
 def render_case(example: Example, message: str) -> str:
