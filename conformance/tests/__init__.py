@@ -6,6 +6,17 @@ CLI and its usage errors, the pytest plugin, listing and selection, signals,
 xdist transport, the house rules on the code and the docs) over the reference
 on a handful of rows: its verdict does not depend on which torch runs the
 ranks. ``.ci/run`` runs the whole suite on the first torch it tests and leaves
-these (and the mutant runs) out on the others, which keeps a commit's CI within
-its budget; the nightly job (``tox -e nightly``) runs every test on every torch.
+these out on the others, which keeps a commit's CI within its budget; the
+nightly job (``tox -e nightly``) runs every test on every torch.
+
+[Note: nightly tests]
+A test marked ``nightly`` is slow and still needed: the mutant runs
+(``test_mutants_are_caught``, one pytest session per batch of mutants, each
+proving its cases can FAIL) and soak tests (fifty faulted runs in a row). A
+plain ``pytest`` run, the README's test command and so a commit's CI, leaves
+them out (the project's ``conftest.py`` deselects them and says so in the
+header); ``pytest --nightly`` runs them too, as the nightly jobs do
+(``tox -e nightly``, ``tox -e gpu``). A change to a case or a mutant is checked
+by hand with ``pytest --nightly conformance/tests/test_mutants.py -k <module>``
+(docs/TESTING.md).
 """

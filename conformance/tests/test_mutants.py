@@ -11,7 +11,9 @@ reference they expect. Batching spares each mutant a session's start-up (its
 interpreter's and its rank pool's torch imports, about 6 s on a 2-core box).
 ``-k <module>`` selects the batches holding a module's mutants (``-k runtime``; a
 batch's id names its modules and rank mode, e.g. ``precision+runtime+sharing-thread``).
-Patch targets and expectations are checked without running anything first.
+Patch targets and expectations are checked without running anything first. The
+batches are marked ``nightly`` ([Note: nightly tests] in ``conformance/tests/__init__.py``):
+``pytest --nightly`` runs them.
 
 Placement mutants are only visible on GPU rows: on a CPU-only machine the CPU is
 both where ``device_id`` points and where a module falls back to, so the CPU
@@ -79,8 +81,9 @@ class Batch:
     stateful_examples: int | None = None
 
     def marks(self) -> list[pytest.MarkDecorator]:
-        """gpu where the mutants need accelerators; timing where they run a timing case (alone under -n)."""
-        return [pytest.mark.gpu] * bool(self.accelerators) + [pytest.mark.timing] * self.timing
+        """nightly ([Note: nightly tests]); gpu where the mutants need accelerators; timing where they run a
+        timing case (alone under -n)."""
+        return [pytest.mark.nightly] + [pytest.mark.gpu] * bool(self.accelerators) + [pytest.mark.timing] * self.timing
 
     def keyword(self) -> str:
         """Each mutant's own rows: its adapter's name (in every row id) and its keyword."""

@@ -53,11 +53,14 @@ def _harness_dirs() -> set[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_fifty_faulted_runs_leave_nothing_behind() -> None:
+@pytest.mark.parametrize("runs", [4, pytest.param(50, marks=pytest.mark.nightly)])  # [Note: nightly tests]
+def test_faulted_runs_leave_nothing_behind(runs: int) -> None:
+    """Runs that fail (a rank raising or exiting, process and thread ranks in turn) leave no process, thread or
+    directory behind: four in every run of the tests (each kind of fault in each mode), fifty in a row nightly."""
     harness.shutdown_pools()
     dirs_before, threads_before = _harness_dirs(), threading.active_count()
     children_before = _children()
-    for i in range(50):
+    for i in range(runs):
         mode = "process" if i % 2 == 0 else "thread"
         with pytest.raises(harness.RankFailure):
             harness.run(FAULTY[(i // 2) % 2] if mode == "process" else _raise_on_rank_1,
