@@ -12,13 +12,15 @@ stay until :data:`REMOVED_IN` (docs/ADAPTER_GUIDE.md, section 8); the test of
 the stable surface imports each of them.
 
 A moved package (``conformance.cases.fuzz``, the fuzz engine that reproducers
-and users' scripts imported, now ``conformance.fuzz``) keeps its old directory
-of one-line modules, one per old submodule. Once the old package's name is the
-new package, importing ``old.sub`` would search the new package's directory
-and load a second copy of ``new.sub`` under the old name; :class:`_OldSubmodules`
-finds ``old.sub`` in the old directory instead, where its one line aliases it
-to the module :data:`MOVED` names (``conformance.cases.fuzz.runner`` ->
-``conformance.fuzz.parity``), and refuses a name the old package never had.
+and users' scripts imported, now ``conformance.fuzz``) has no old directory:
+its old path and its old submodules' are found by :class:`_MovedPackage`, which
+:func:`find_moved_package` puts first on ``sys.meta_path`` when the old
+parent package is imported (``conformance/cases/__init__.py`` calls it). It
+aliases ``old.sub`` to the module :data:`MOVED` names
+(``conformance.cases.fuzz.runner`` -> ``conformance.fuzz.parity``) with the
+same warning, and refuses a name the old package never had: once the old
+package's name is the new package, the ordinary finders would search the new
+package's directory and load a second copy of ``new.sub`` under the old name.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import warnings
 from collections.abc import Sequence
 from types import FrameType, ModuleType
 
-__all__ = ["MOVED", "REMOVED_IN", "alias"]
+__all__ = ["MOVED", "REMOVED_IN", "alias", "find_moved_package"]
 
 #: A published module path -> the module that took its place.
 MOVED: dict[str, str] = {
@@ -47,7 +49,7 @@ MOVED: dict[str, str] = {
     "conformance.findings": "conformance.runner.findings",
     "conformance.settings": "conformance.runner.settings",
     # The fuzz engine, a package of the case modules' until it became one of its own; ``runner`` is the
-    # parity fuzzer. Its old directory holds the one-line modules (see the module note).
+    # parity fuzzer. No directory is left under the old path: :func:`find_moved_package` (see the module note).
     "conformance.cases.fuzz": "conformance.fuzz",
     "conformance.cases.fuzz.controls": "conformance.fuzz.controls",
     "conformance.cases.fuzz.drawing": "conformance.fuzz.drawing",
@@ -70,8 +72,6 @@ MOVED: dict[str, str] = {
 }
 
 _IMPORTLIB = os.path.dirname(importlib.__file__)
-#: A moved package, once imported under its old name -> its old directory (``__path__``).
-_OLD_PATHS: dict[str, list[str]] = {}
 #: The first version without the paths of :data:`MOVED` (this one is 0.1).
 REMOVED_IN = "0.3"
 
@@ -79,17 +79,17 @@ REMOVED_IN = "0.3"
 def alias(old: str) -> None:
     """Make module ``old`` (the caller, while it is imported) the module :data:`MOVED` names, warning
     from the line that imported it."""
+    _redirect(old, _importer(sys._getframe(2)))
+
+
+def _redirect(old: str, importer: FrameType) -> None:
+    """Warn from ``importer``'s line that ``old`` moved, and put the new module in ``old``'s place."""
     new = MOVED[old]
-    importer = _importer(sys._getframe(2))
     warnings.warn_explicit(
         f"{old} moved to {new}: import {new} instead ({old} is removed in fsdp-conformance {REMOVED_IN})",
         DeprecationWarning, importer.f_code.co_filename, importer.f_lineno,
         module=importer.f_globals.get("__name__"), registry=importer.f_globals.setdefault("__warningregistry__", {}),
     )
-    old_path = sys._getframe(1).f_globals.get("__path__")
-    if old_path is not None:  # a package: its old submodules are found in its old directory
-        _OLD_PATHS[old] = list(old_path)
-        _put_first(_FINDER)
     sys.modules[old] = importlib.import_module(new)
 
 
@@ -104,28 +104,36 @@ def _importer(frame: FrameType) -> FrameType:
     return frame
 
 
-class _OldSubmodules(importlib.abc.MetaPathFinder):
-    """Finds ``old.sub`` of a moved package ``old`` in the old package's directory (the module note)."""
+class _MovedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds a moved package's old path and its old submodules' (the module note)."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        parent = fullname.rpartition(".")[0]
-        if parent not in _OLD_PATHS:
+        package = next((old for old in _PACKAGES if fullname == old or fullname.startswith(old + ".")), None)
+        if package is None:
             return None
         if fullname not in MOVED:
-            raise ModuleNotFoundError(f"No module named {fullname!r} ({parent} moved to {MOVED[parent]})",
+            raise ModuleNotFoundError(f"No module named {fullname!r} ({package} moved to {MOVED[package]})",
                                       name=fullname)
-        return importlib.machinery.PathFinder.find_spec(fullname, _OLD_PATHS[parent])
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module, replaced by the new one in exec_module
+
+    def exec_module(self, module: ModuleType) -> None:
+        _redirect(module.__name__, _importer(sys._getframe(1)))
 
 
-_FINDER = _OldSubmodules()
+_FINDER = _MovedPackage()
+#: The moved packages :data:`_FINDER` serves.
+_PACKAGES: set[str] = set()
 
 
-def _put_first(finder: importlib.abc.MetaPathFinder) -> None:
-    """``finder`` first on ``sys.meta_path``, ahead of finders that search the new package's directory (pytest's
-    assertion rewriter is one)."""
-    if sys.meta_path and sys.meta_path[0] is finder:
-        return
-    if finder in sys.meta_path:
-        sys.meta_path.remove(finder)
-    sys.meta_path.insert(0, finder)
+def find_moved_package(old: str) -> None:
+    """Let ``old`` (a moved package in :data:`MOVED`, with no directory left) and its old submodules import
+    as their new modules, with the warning."""
+    if old not in MOVED:
+        raise KeyError(f"{old} is not a moved module path")
+    _PACKAGES.add(old)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
