@@ -10,7 +10,8 @@
   that placement and the row's rank mode, as its report records them.
 
 A counting plugin (:data:`COUNTING`) wraps the functions that load, resolve,
-decide and run, and writes one line per call.
+decide and run, writes one line per call, and puts them back when its session
+ends.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any
 
 import pytest
 
+import harness
+from conformance.contract import registry
+from harness import devices
 from harness.tests.inprocess import pytester_run
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
@@ -67,12 +71,21 @@ def _counted(kind, fn, describe):
         return fn(*args, **kwargs)
     return wrapper
 
-registry.load = _counted("load", registry.load, lambda name: {"name": name})
-harness.pytest_plugin.resolve_selection = _counted(
-    "resolve_rank_mode", harness.pytest_plugin.resolve_selection, lambda **kw: {})
-devices.decide = _counted("decide_placement", devices.decide, lambda **kw: {})
-harness.run = _counted("run", harness.run, lambda fn, **kw: {"mode": str(kw["mode"].value),
-                                                              "placement": kw["placement"]})
+_PATCHED = [
+    (registry, "load", lambda name: {"name": name}),
+    (harness.pytest_plugin, "resolve_selection", lambda **kw: {}),
+    (devices, "decide", lambda **kw: {}),
+    (harness, "run", lambda fn, **kw: {"mode": str(kw["mode"].value), "placement": kw["placement"]}),
+]
+_ORIGINALS = [(owner, name, getattr(owner, name)) for owner, name, _ in _PATCHED]
+_KINDS = {"load": "load", "resolve_selection": "resolve_rank_mode", "decide": "decide_placement", "run": "run"}
+for owner, name, describe in _PATCHED:
+    setattr(owner, name, _counted(_KINDS[name], getattr(owner, name), describe))
+
+def pytest_unconfigure(config):
+    """Put the originals back: an in-process session shares these modules with the test that ran it."""
+    for owner, name, original in _ORIGINALS:
+        setattr(owner, name, original)
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
@@ -121,10 +134,12 @@ def _check_rows(calls: list[dict[str, Any]], report: Path) -> None:
 
 def test_a_serial_run_loads_resolves_and_decides_once(suite: pytest.Pytester) -> None:
     out = suite.path / "r.json"
+    before = (registry.load, devices.decide, harness.run)
     result = pytester_run(suite, "-p", "counting", *IMPLS, "--fsdp-rank-mode", "both",
                           "--conformance-json", str(out))
     assert result.ret == 0, result.stdout.str()[-3000:]
     calls = _counts(suite)
+    assert (registry.load, devices.decide, harness.run) == before, "the counting plugin must put the originals back"
     assert {c["pid"] for c in calls} == {os.getpid()}
     assert Counter(c["name"] for c in calls if c["kind"] == "load") == {"reference": 1, "bare": 1}
     assert sum(c["kind"] == "resolve_rank_mode" for c in calls) == 1
