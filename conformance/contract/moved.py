@@ -13,26 +13,28 @@ the stable surface imports each of them.
 
 A moved package (``conformance.cases.fuzz``, the fuzz engine that reproducers
 and users' scripts imported, now ``conformance.fuzz``) has no old directory:
-its old path and its old submodules' are found by :class:`_MovedPackage`, which
-:func:`find_moved_package` puts first on ``sys.meta_path`` when the old
+its old path and its old submodules' are found by a finder
+(:class:`harness.moved.MovedModules`) that :func:`find_moved_package` puts
+first on ``sys.meta_path`` when the old
 parent package is imported (``conformance/cases/__init__.py`` calls it). It
 aliases ``old.sub`` to the module :data:`MOVED` names
 (``conformance.cases.fuzz.runner`` -> ``conformance.fuzz.parity``) with the
 same warning, and refuses a name the old package never had: once the old
 package's name is the new package, the ordinary finders would search the new
 package's directory and load a second copy of ``new.sub`` under the old name.
+
+The harness's modules that moved into its subpackages (``harness.process`` ->
+``harness.ranks.process``) stay importable the same way until the same
+version: :data:`harness.moved.MOVED` lists them, and importing ``harness``
+puts their finder first. The mechanism lives in :mod:`harness.moved`, where
+the harness, which imports nothing above it, can use it too.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import os
 import sys
-import warnings
-from collections.abc import Sequence
-from types import FrameType, ModuleType
+
+from harness.moved import MovedModules, importer, install, redirect
 
 __all__ = ["MOVED", "REMOVED_IN", "alias", "find_moved_package"]
 
@@ -71,7 +73,6 @@ MOVED: dict[str, str] = {
     "conformance.cases.fuzz.wrapping": "conformance.fuzz.wrapping",
 }
 
-_IMPORTLIB = os.path.dirname(importlib.__file__)
 #: The first version without the paths of :data:`MOVED` (this one is 0.1).
 REMOVED_IN = "0.3"
 
@@ -79,61 +80,15 @@ REMOVED_IN = "0.3"
 def alias(old: str) -> None:
     """Make module ``old`` (the caller, while it is imported) the module :data:`MOVED` names, warning
     from the line that imported it."""
-    _redirect(old, _importer(sys._getframe(2)))
+    redirect(old, MOVED[old], REMOVED_IN, importer(sys._getframe(2)))
 
 
-def _redirect(old: str, importer: FrameType) -> None:
-    """Warn from ``importer``'s line that ``old`` moved, and put the new module in ``old``'s place."""
-    new = MOVED[old]
-    warnings.warn_explicit(
-        f"{old} moved to {new}: import {new} instead ({old} is removed in fsdp-conformance {REMOVED_IN})",
-        DeprecationWarning, importer.f_code.co_filename, importer.f_lineno,
-        module=importer.f_globals.get("__name__"), registry=importer.f_globals.setdefault("__warningregistry__", {}),
-    )
-    sys.modules[old] = importlib.import_module(new)
-
-
-def _importer(frame: FrameType) -> FrameType:
-    """The first frame from ``frame`` up that is not the import system's: importlib's (frozen or not,
-    ``import_module`` included), or a loader's ``exec_module`` (pytest's assertion rewriter is one)."""
-    while frame.f_back is not None:
-        code = frame.f_code
-        if not (code.co_filename.startswith(("<frozen importlib", _IMPORTLIB)) or code.co_name == "exec_module"):
-            break
-        frame = frame.f_back
-    return frame
-
-
-class _MovedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds a moved package's old path and its old submodules' (the module note)."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
-        package = next((old for old in _PACKAGES if fullname == old or fullname.startswith(old + ".")), None)
-        if package is None:
-            return None
-        if fullname not in MOVED:
-            raise ModuleNotFoundError(f"No module named {fullname!r} ({package} moved to {MOVED[package]})",
-                                      name=fullname)
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None  # the default module, replaced by the new one in exec_module
-
-    def exec_module(self, module: ModuleType) -> None:
-        _redirect(module.__name__, _importer(sys._getframe(1)))
-
-
-_FINDER = _MovedPackage()
-#: The moved packages :data:`_FINDER` serves.
-_PACKAGES: set[str] = set()
+#: Serves the moved packages that have no directory left (:func:`find_moved_package`).
+_FINDER = MovedModules(MOVED, REMOVED_IN)
 
 
 def find_moved_package(old: str) -> None:
     """Let ``old`` (a moved package in :data:`MOVED`, with no directory left) and its old submodules import
     as their new modules, with the warning."""
-    if old not in MOVED:
-        raise KeyError(f"{old} is not a moved module path")
-    _PACKAGES.add(old)
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    _FINDER.serve(old, package=True)
+    install(_FINDER)

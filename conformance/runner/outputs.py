@@ -79,7 +79,7 @@ def release(config: pytest.Config) -> None:
 
 def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int, selected: int | None,
            expectation: Comparison | None) -> RunFacts:
-    from harness.devices import nccl_available
+    from harness.ranks.devices import nccl_available
 
     stopped = signals.received() or ("interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else None)
     if exitstatus in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):

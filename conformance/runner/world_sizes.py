@@ -25,7 +25,7 @@ def check_launched_size(settings: Settings, job_size: str | None) -> None:
 def row_world_size(spec: CaseSpec, settings: Settings, *, launched: bool) -> SizeDecision:
     """The ranks a row of ``spec`` runs on in this run, or why it is skipped."""
     if launched:
-        from harness.launched import job_env  # imports torch: only a launched job needs it
+        from harness.ranks.launched import job_env  # imports torch: only a launched job needs it
 
         return decide_world_size(spec.need, launched_job=job_env()["WORLD_SIZE"])
     return decide_world_size(spec.need, requested=settings.world_size.value)

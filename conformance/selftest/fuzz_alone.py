@@ -27,7 +27,7 @@ from conformance.contract.registry import BUILTIN
 from conformance.selftest.declare import Expect
 from conformance.selftest.mutants import MUTANTS
 from conformance.selftest.session import run_session
-from harness import devices
+from harness.ranks import devices
 
 __all__ = ["main", "runnable_mutants", "verdicts"]
 

@@ -19,7 +19,7 @@ from conformance.contract.applicability import missing_reason
 from conformance.contract.declared import DeclaredAdapter, UndeclaredCapability
 from conformance.contract.optional import capabilities_of, thread_rank_limits
 from conformance.runner.listing import collect_rows
-from harness.rank_mode import RankMode
+from harness.ranks.rank_mode import RankMode
 from harness.tests.inprocess import pytester_run
 
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
@@ -98,7 +98,7 @@ def test_a_capability_new_to_the_enum_is_missing_for_every_adapter() -> None:
              module.__dict__)
         from conformance.contract import registry
         from conformance.contract.applicability import missing_reason
-        from harness.rank_mode import RankMode
+        from harness.ranks.rank_mode import RankMode
         new = module.Capability.BRAND_NEW
         print(json.dumps({n: missing_reason(registry.load(n), [new], RankMode.PROCESS) for n in registry.BUILTIN}))
     ''')

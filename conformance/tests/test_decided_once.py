@@ -5,7 +5,7 @@
   rows itself), and the controller, which collects nothing, loads none.
 * The rank-mode selection is resolved once per session process; a row's rank
   mode is its ``rank_mode`` parameter.
-* A row's placement is decided once (:func:`harness.devices.decide`, in the
+* A row's placement is decided once (:func:`harness.ranks.devices.decide`, in the
   conformance plugin's setup) and the harness runs the row's ranks once, under
   that placement and the row's rank mode, as its report records them.
 
@@ -26,7 +26,7 @@ import pytest
 
 import harness
 from conformance.contract import registry
-from harness import devices
+from harness.ranks import devices
 from harness.tests.inprocess import pytester_run
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
@@ -54,9 +54,9 @@ COUNTING = '''
 import json, os
 import pytest
 import harness
-import harness.pytest_plugin
+import harness.plugin.pytest_plugin
 from conformance.contract import registry
-from harness import devices
+from harness.ranks import devices
 
 _row = {"nodeid": None, "impl": None}
 
@@ -73,7 +73,7 @@ def _counted(kind, fn, describe):
 
 _PATCHED = [
     (registry, "load", lambda name: {"name": name}),
-    (harness.pytest_plugin, "resolve_selection", lambda **kw: {}),
+    (harness.plugin.pytest_plugin, "resolve_selection", lambda **kw: {}),
     (devices, "decide", lambda **kw: {}),
     (harness, "run", lambda fn, **kw: {"mode": str(kw["mode"].value), "placement": kw["placement"]}),
 ]

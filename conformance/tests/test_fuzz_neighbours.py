@@ -40,7 +40,7 @@ from conformance.selftest.mutants import (
     Zero2AsHybridShard,
 )
 from harness import RankContext, run
-from harness.errors import RankFailure
+from harness.ranks.errors import RankFailure
 
 _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()))
 _HYBRID = Config(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")

@@ -58,7 +58,7 @@ from conformance.selftest.mutants import (
     UnshardWithoutGather,
 )
 from harness import RankContext, run
-from harness.rank_mode import RankMode
+from harness.ranks.rank_mode import RankMode
 
 _NAMES = {**vars(example_mod), **vars(ops_mod)}
 

@@ -36,7 +36,7 @@ from conformance.contract.rows import parse_row_id
 from conformance.runner.cli import CASES_DIR
 from conformance.selftest import apply_patches, problems_of, revert_patches, run_session
 from conformance.selftest.mutants import MUTANTS, Expect, Patch, check_declaration
-from harness import devices
+from harness.ranks import devices
 
 #: mutant name -> the cases that must report FAIL against it (declared on each mutant).
 EXPECTED: dict[str, Expect] = {name: cls.expect for name, cls in MUTANTS.items()}
@@ -246,7 +246,7 @@ def test_the_first_patch_of_a_target_wins(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_patches_last_until_the_case_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness's per-case reset puts the originals back: the next mutant's case starts clean."""
-    from harness.reset import process_global_scope
+    from harness.ranks.reset import process_global_scope
 
     module = _probe_module(monkeypatch)
     original = module.f  # type: ignore[attr-defined]

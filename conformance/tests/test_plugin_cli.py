@@ -277,7 +277,7 @@ def test_rows_decided_before_ranks_start(suite: pytest.Pytester) -> None:
 
 def test_cli_forwards_the_rank_mode_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rank mode is resolved once, by the harness's plugin in the session: the CLI only forwards it."""
-    from harness import rank_mode
+    from harness.ranks import rank_mode
 
     def must_not_resolve(**_: object) -> None:
         raise AssertionError("the CLI resolved the rank mode itself")

@@ -132,7 +132,7 @@ def test_one_table_makes_both_command_lines_and_the_usage_rows() -> None:
 
     from conformance.runner import cli
     from conformance.runner.options import OPTIONS, usage_rows
-    from harness.devices import SETTINGS
+    from harness.ranks.devices import SETTINGS
 
     usage = (Path(__file__).resolve().parents[2] / "docs" / "USAGE.md").read_text()
     rows = usage_rows()

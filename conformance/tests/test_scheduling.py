@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from conformance.runner.settings import SettingError, resolve_settings
-from harness.scheduling import TimingLastScheduling
+from harness.plugin.scheduling import TimingLastScheduling
+from harness.plugin.workers import auto_workers
 from harness.settings import Resolved
-from harness.workers import auto_workers
 
 
 @dataclass(eq=False)

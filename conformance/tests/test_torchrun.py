@@ -47,7 +47,7 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
 
 
 def test_launched_mode_outside_a_job_explains_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    from harness.launched import job_env
+    from harness.ranks.launched import job_env
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -57,7 +57,7 @@ def test_launched_mode_outside_a_job_explains_itself(monkeypatch: pytest.MonkeyP
 
 def test_a_launched_rank_that_sees_a_gpu_skips_cpu_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """It cannot hide the GPU from the implementation, so the row would test another placement than it names."""
-    import harness.launched as launched
+    import harness.ranks.launched as launched
 
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
