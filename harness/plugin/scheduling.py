@@ -45,7 +45,7 @@ from typing import Any
 import pytest
 
 # pytest's JUnit writer has no public API for the order of its test cases; these two
-# internals (pytest 7.4 to 9.x) let the controller sort them. conformance/tests/test_parallel.py
+# internals (pytest 7.4 to 9.x) let the controller sort them. conformance/tests/runner/test_parallel.py
 # compares the JUnit XML of a serial and a parallel run, so a change in them shows there.
 from _pytest.junitxml import mangle_test_address, xml_key
 from xdist.scheduler import LoadScheduling

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conformance.tests.test_plugin_cli import ADAPTERS, CASES
+from conformance.tests.runner.test_plugin_cli import ADAPTERS, CASES
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 

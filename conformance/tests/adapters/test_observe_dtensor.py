@@ -1,6 +1,6 @@
 """A DTensor-based, per-parameter FSDP is seen as it is: its collectives recorded, delayed and measured.
 
-The implementation under test is :mod:`conformance.tests.toy_dtensor_fsdp`:
+The implementation under test is :mod:`conformance.tests.adapters.toy_dtensor_fsdp`:
 its collectives are functional collectives issued by DTensor, which never touch
 the ``torch.distributed`` functions ([Note: observing collectives]).
 """
@@ -22,10 +22,10 @@ import torch.nn as nn
 import fixtures.timing as timing
 import harness
 from conformance.contract.adapter import MixedPrecisionSpec, WrapSpec
-from conformance.tests.toy_dtensor_fsdp import ToyDTensorAdapter, ToySummingAdapter
+from conformance.tests.adapters.toy_dtensor_fsdp import ToyDTensorAdapter, ToySummingAdapter
 
 MODES = ["process", "thread"]
-TOY = "toy-dtensor=conformance.tests.toy_dtensor_fsdp:ToyDTensorAdapter"
+TOY = "toy-dtensor=conformance.tests.adapters.toy_dtensor_fsdp:ToyDTensorAdapter"
 
 
 def _model(ctx: harness.RankContext) -> nn.Module:

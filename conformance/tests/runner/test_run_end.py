@@ -229,7 +229,7 @@ def test_exit_codes_are_documented_in_help_and_usage_guide() -> None:
     proc = subprocess.run([sys.executable, "-m", "conformance", "run", "--help"], capture_output=True, text=True,
                           check=False, timeout=300)
     assert " ".join(exitcodes.HELP.split()) in " ".join(proc.stdout.split())
-    readme = (Path(__file__).resolve().parents[2] / "docs" / "USAGE.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "docs" / "USAGE.md").read_text()
     documented = dict(re.findall(r"^\| (\d) \| (\w[^|]*)\|", readme, flags=re.M))
     words = {exitcodes.PASS: "every selected row ran", exitcodes.FAIL: "FAIL", exitcodes.USAGE_ERROR: "usage error",
              exitcodes.INTERNAL_ERROR: "internal error", exitcodes.INTERRUPTED: "interrupted",

@@ -15,7 +15,7 @@ from conformance.runner.listing import CASES_DIR
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
-CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "CONTRACT.md"
+CONTRACT = Path(__file__).resolve().parents[3] / "docs" / "CONTRACT.md"
 _HEADING = re.compile(r"^## (C[0-9]+)\. (.+)$")
 
 

@@ -156,7 +156,7 @@ def test_finding_links_are_relative_to_the_page(tmp_path: Path) -> None:
     page_dir = tmp_path / "reports"
     page_dir.mkdir()
     href = finding_href(doc, page_dir)
-    assert (page_dir / href).resolve() == (Path(__file__).resolve().parents[2] / doc)
+    assert (page_dir / href).resolve() == (Path(__file__).resolve().parents[3] / doc)
     assert finding_href("https://example.org/x", page_dir) == "https://example.org/x"
     assert finding_href("docs/findings/not-there.md", page_dir) == "docs/findings/not-there.md"
     assert finding_href(doc, None) == doc

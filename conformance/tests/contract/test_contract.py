@@ -67,7 +67,7 @@ def test_a_protocol_one_adapter_runs_cases(pytester: pytest.Pytester, monkeypatc
     """The old adapter runs real cases whose helpers now go through optional methods (wrapped_module)."""
     monkeypatch.setenv(registry.ENV_VAR, f"protocol-one={__name__}:ProtocolOneAdapter")
     out = pytester.path / "r.json"
-    cases = Path(__file__).resolve().parents[1] / "cases" / "test_exec_order.py"
+    cases = Path(__file__).resolve().parents[2] / "cases" / "test_exec_order.py"
     pytester.runpytest_subprocess(str(cases), "-p", "conformance.pytest_plugin", "--fsdp-impl", "protocol-one",
                                   "--fsdp-rank-mode", "thread",
                                   "-k", "invalid_later_iter_order and FULL_SHARD-1", "-p", "no:cacheprovider",

@@ -13,7 +13,7 @@ from conformance.runner.results_doc import BLOCKS, main, publish, render_blocks,
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGE, REPORT = ROOT / "docs" / "CONFORMANCE.md", ROOT / "docs" / "results" / "cpu.json"
 
 

@@ -16,7 +16,7 @@ parity helper diagnoses. ``param_dtype`` casts the shard before gathering
 (all-gather and reduce-scatter then carry that dtype).
 
 Register it without packaging, e.g. for ``fsdp-conformance run``:
-``FSDP_CONFORMANCE_ADAPTERS="toy-dtensor=conformance.tests.toy_dtensor_fsdp:ToyDTensorAdapter"``.
+``FSDP_CONFORMANCE_ADAPTERS="toy-dtensor=conformance.tests.adapters.toy_dtensor_fsdp:ToyDTensorAdapter"``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ of buffers do not hang on a wrapper's attribute names ([Note: a row's strategies
 The acceptance test runs the rows that wrap with the default strategy (accumulation, state dicts, activation
 checkpointing, unit outputs, the fuzz reproducers) and the stateful fuzzer against a DDP-like adapter that
 refuses every sharding strategy and holds the model as ``self.module``
-(:mod:`conformance.tests.ddp_like_adapter`): none may fail for a strategy it refuses or for a name, and every
+(:mod:`conformance.tests.adapters.ddp_like_adapter`): none may fail for a strategy it refuses or for a name, and every
 row ``list --impl`` previews as ``n/a`` is ``n/a`` in the run.
 """
 
@@ -25,10 +25,10 @@ from conformance.contract.declared import DeclaredAdapter, UndeclaredStrategy
 from conformance.fuzz.controls import user_buffers
 from conformance.runner import cli
 from conformance.runner.listing import collect_rows
-from conformance.tests.ddp_like_adapter import REFUSED, DataParallelWrapper, DDPLikeAdapter
+from conformance.tests.adapters.ddp_like_adapter import REFUSED, DataParallelWrapper, DDPLikeAdapter
 from harness.tests.inprocess import run_main
 
-ADAPTERS = "ddp-like=conformance.tests.ddp_like_adapter:DDPLikeAdapter"
+ADAPTERS = "ddp-like=conformance.tests.adapters.ddp_like_adapter:DDPLikeAdapter"
 #: Rows that wrap with the default strategy, and the stateful fuzzer (buffer names behind ``self.module``).
 SELECTION = "grad_accumulation or state_dict or checkpoint or unit_outputs or repro or stateful"
 

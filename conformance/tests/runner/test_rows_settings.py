@@ -108,7 +108,7 @@ def test_the_usage_guide_lists_every_fsdp_variable_the_code_reads() -> None:
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     sources = [path for package in ("fsdp_impl", "harness", "conformance", "fixtures", "bench")
                for path in (root / package).rglob("*.py") if "tests" not in path.parts]
     texts = [path.read_text() for path in sources]
@@ -134,7 +134,7 @@ def test_one_table_makes_both_command_lines_and_the_usage_rows() -> None:
     from conformance.runner.options import OPTIONS, usage_rows
     from harness.ranks.devices import SETTINGS
 
-    usage = (Path(__file__).resolve().parents[2] / "docs" / "USAGE.md").read_text()
+    usage = (Path(__file__).resolve().parents[3] / "docs" / "USAGE.md").read_text()
     rows = usage_rows()
     assert "\n".join(rows) in usage, "docs/USAGE.md's settings rows differ from conformance.runner.options.usage_rows()"
     assert next(o for o in OPTIONS if o.name == "device").metavar == "|".join(SETTINGS)

@@ -33,5 +33,5 @@ def test_declarations_pass_with_a_third_party_adapter_installed(tmp_path: Path,
     listed = run_main(cli.main, "impls")
     assert "third-party" in listed.stdout, "the fake distribution must be visible, or this test proves nothing"
     run = run_main(pytest.main, "-q", "-p", "no:cacheprovider", "-p", "conformance.pytest_plugin",
-                   str(PROJECT / "conformance" / "tests" / "test_declarations.py"))
+                   str(PROJECT / "conformance" / "tests" / "contract" / "test_declarations.py"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -13,7 +13,7 @@ from conformance.fuzz.example import Block, ModelSpec
 from conformance.fuzz.ops import Config, GradSync, Program, Train
 from conformance.fuzz.stateful import check_program
 from conformance.selftest.mutants import GradSyncForgetsKeptGrads, NoRegatherForRecompute
-from conformance.tests.test_fuzz_stateful import _drawn
+from conformance.tests.fuzz.test_fuzz_stateful import _drawn
 from harness import run
 
 #: A checkpointed block whose nested block, run first, is a unit freed after forward: recomputing the block in

@@ -17,7 +17,7 @@ from conformance.surface.collect import installed_surfaces
 from conformance.surface.compare import problems
 from conformance.surface.render import render
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "SURFACE.md"
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "SURFACE.md"
 PERFORMANCE_KNOB = ("performance knob; no neutrality check yet (turning it on must not change outputs, gradients, "
                     "parameters or state dicts)")
 SURFACES = load()

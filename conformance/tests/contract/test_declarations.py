@@ -126,7 +126,7 @@ def test_known_findings_annotate_but_never_change_outcomes() -> None:
 
     from conformance.runner.findings import BUILTIN_FILE, annotate, load_file
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     builtin = load_file(BUILTIN_FILE)
     assert all((root / f.doc).is_file() for f in builtin), "a finding points at a missing write-up"
     assert all(f.reason for f in builtin), "a built-in finding without a reason labels every failure of its rows"
@@ -179,7 +179,7 @@ def test_each_case_file_is_one_area_listed_in_the_guide() -> None:
     strays = [(stem, spec.id) for stem, specs in by_file.items() for spec in specs
               if spec.area != stem.removeprefix("test_")]
     assert not strays, f"cases outside their file's area: {strays}"
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "ADDING_A_CASE.md").read_text()
+    guide = (Path(__file__).resolve().parents[3] / "docs" / "ADDING_A_CASE.md").read_text()
     section = guide.split("## 1. Pick the area file", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
     assert listed == {stem.removeprefix("test_") for stem in by_file}, listed
