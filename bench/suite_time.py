@@ -10,7 +10,7 @@ produce the same rows (ids, outcomes, order) and exit codes (``--impl all``
 has FAIL rows, the findings, so its runs exit 1); the script says so or exits 1.
 
 Critical path: timing cases run one after another, alone, at the end of a
-parallel run ([Note: timing phase] in ``harness/scheduling.py``), so a
+parallel run ([Note: timing phase] in ``harness/plugin/scheduling.py``), so a
 parallel run cannot take less than their summed time plus the longest other
 case; the slowest cases are listed from the runs' own ``--json`` durations.
 
@@ -77,7 +77,7 @@ class _TimingRows:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         from conformance.contract.rows import case_row_id
-        from harness.workers import is_timing
+        from harness.plugin.workers import is_timing
 
         self.rows |= {case_row_id(item) for item in session.items if is_timing(item)}
 

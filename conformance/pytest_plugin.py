@@ -45,7 +45,7 @@ pytest_plugins = [
     "conformance.runner.budget",
     "conformance.runner.progress",
     "conformance.runner.transport",
-    "harness.pytest_plugin",
-    "harness.scheduling",
+    "harness.plugin.pytest_plugin",
+    "harness.plugin.scheduling",
     "conformance.runner.signals",
 ]

@@ -3,13 +3,26 @@
 ``harness.run(fn, world_size=2, mode="process", placement="cpu")`` calls
 ``fn(ctx, ...)`` on every rank and returns the per-rank values, or raises a
 :class:`RankFailure` whose first line names the rank and what went wrong. See
-the module docs of :mod:`harness.devices` (placements), :mod:`harness.process`,
-:mod:`harness.thread_host`, :mod:`harness.threads` and :mod:`harness.launched`.
+the module docs of :mod:`harness.ranks.devices` (placements), :mod:`harness.ranks.process`,
+:mod:`harness.ranks.thread_host`, :mod:`harness.ranks.threads` and :mod:`harness.ranks.launched`.
 
-Imports point one way: ``runner`` (top) > ``launched``, ``process``,
-``thread_host`` > ``_host_main``, ``_rank_main``, ``threads`` > ``context``,
-``outcome``, ``reset``, ``errors``, ``devices``, ``cpu_budget``, ``_rank_state``
-(bottom). The package re-exports the public names.
+The package is grouped by its three jobs:
+
+* :mod:`harness.ranks`: running ranks (process, thread and launched), their
+  placement, their outcomes and failures;
+* :mod:`harness.collectives`: observing, recording and sequencing the
+  collectives ranks call;
+* :mod:`harness.plugin`: the pytest plugin (``@pytest.mark.ranks``, its hooks,
+  xdist scheduling);
+
+and shares :mod:`harness.settings` and :mod:`harness.environment` (settings and
+the variables they are resolved from). Inside ``ranks``, imports point one way:
+``runner`` (top) > ``launched``, ``process``, ``thread_host`` > ``_host_main``,
+``_rank_main``, ``threads`` > ``context``, ``outcome``, ``reset``, ``errors``,
+``devices``, ``cpu_budget``, ``_rank_state`` (bottom). The package re-exports
+the public names. The modules' paths before this grouping (``harness.process``)
+still import, with a ``DeprecationWarning`` naming the new one
+(:mod:`harness.moved`).
 """
 
 from __future__ import annotations
@@ -17,20 +30,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from harness.moved import serve_harness
+
 if TYPE_CHECKING:
-    from harness.context import RankContext
-    from harness.errors import InconsistentSkip, RankDied, RankError, RankFailure, RankRaised, RankTimedOut
-    from harness.rank_mode import RankMode
-    from harness.recorder import Call, Trace, patch_collectives
-    from harness.reset import groups_scope
-    from harness.runner import run, shutdown_pools
+    from harness.collectives.recorder import Call, Trace, patch_collectives
+    from harness.ranks.context import RankContext
+    from harness.ranks.errors import InconsistentSkip, RankDied, RankError, RankFailure, RankRaised, RankTimedOut
+    from harness.ranks.rank_mode import RankMode
+    from harness.ranks.reset import groups_scope
+    from harness.ranks.runner import run, shutdown_pools
 
 #: Public name -> the module that owns it. Imported on first use, so that importing a light module of
-#: the package (``harness.rank_mode``, ``harness.settings``) does not import torch.
+#: the package (``harness.ranks.rank_mode``, ``harness.settings``) does not import torch.
 _EXPORTS = {
-    "run": "harness.runner", "shutdown_pools": "harness.runner", "RankMode": "harness.rank_mode",
-    "RankContext": "harness.context", "patch_collectives": "harness.recorder", "Call": "harness.recorder",
-    "Trace": "harness.recorder", "groups_scope": "harness.reset", **{name: "harness.errors" for name in (
+    "run": "harness.ranks.runner", "shutdown_pools": "harness.ranks.runner", "RankMode": "harness.ranks.rank_mode",
+    "RankContext": "harness.ranks.context", "groups_scope": "harness.ranks.reset",
+    **{name: "harness.collectives.recorder" for name in ("patch_collectives", "Call", "Trace")},
+    **{name: "harness.ranks.errors" for name in (
         "RankFailure", "RankRaised", "RankTimedOut", "RankDied", "RankError", "InconsistentSkip")},
 }
 
@@ -43,6 +59,8 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
+serve_harness()
 
 __all__ = [
     "run",

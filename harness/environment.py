@@ -9,7 +9,7 @@ the session is configured: a bad value is a
 :class:`~harness.settings.SettingError` naming the variable before any row.
 (The harness's own, ``FSDP_CONCURRENT_WORKERS`` and
 ``FSDP_HARNESS_START_METHOD``, are resolved the same way in
-:mod:`harness.cpu_budget` and :mod:`harness.process`.)
+:mod:`harness.ranks.cpu_budget` and :mod:`harness.ranks.process`.)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the command line > an environment variable > an ini option > the default.
 :func:`resolve` applies it to one setting; a value that does not parse is a
 :class:`SettingError` naming the source and the value. :func:`choice` and
 :func:`whole_number` are the parsers every setting uses. The rank mode is
-resolved with them in :mod:`harness.rank_mode`; the conformance runner builds
+resolved with them in :mod:`harness.ranks.rank_mode`; the conformance runner builds
 its settings on the same functions (``conformance.runner.settings``).
 """
 

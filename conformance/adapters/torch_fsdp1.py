@@ -59,7 +59,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,
     #: whose set of running sections is a class attribute: on thread ranks, the second rank to enter
-    #: a section raises (reproduced in conformance/tests/test_adapter_capabilities.py).
+    #: a section raises (reproduced in conformance/tests/contract/test_adapter_capabilities.py).
     thread_rank_limits = {
         Capability.OPTIM_STATE_DICT: "its optimizer state-dict sections are timed by SimpleProfiler, "
         "whose running sections are shared by every thread, so a second rank entering one raises",

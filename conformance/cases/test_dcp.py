@@ -27,13 +27,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from conformance.cases._fsdp2_helpers import full_of, mesh_over, shard_blocks
 from conformance.contract import registry
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import Exact, case, not_applicable
 from fixtures.blocks import DIM, Blocks
 from fixtures.parity import COPIED, assert_close_named
 from fixtures.seeding import generator
+from fixtures.sharded_blocks import full_of, mesh_over, shard_blocks
 
 if TYPE_CHECKING:
     from harness import RankContext

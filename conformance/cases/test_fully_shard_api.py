@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
 from fixtures.blocks import Blocks
 from fixtures.parity import assert_close_named
+from fixtures.sharded_blocks import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
 
 if TYPE_CHECKING:
     from harness import RankContext

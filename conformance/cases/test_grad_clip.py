@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from conformance.cases._fsdp2_helpers import LR, full_of, mesh_over, shard_blocks
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
+from fixtures.sharded_blocks import LR, full_of, mesh_over, shard_blocks
 
 if TYPE_CHECKING:
     from harness import RankContext

@@ -35,7 +35,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._hybrid_helpers import (
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import Scalable, case
+from conformance.contract.exposures import parameter_exposures, under_exposure
+from conformance.contract.messages import INVALID_PG_ERROR, MANUAL_WRAP_ERROR
+from conformance.contract.results import CaseReport
+from fixtures.baselines import cached
+from fixtures.hybrid_shard import (
     HYBRID,
     LAYERS,
     NODE,
@@ -56,12 +62,6 @@ from conformance.cases._hybrid_helpers import (
     ranks,
     split_units,
 )
-from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import Scalable, case
-from conformance.contract.exposures import parameter_exposures, under_exposure
-from conformance.contract.messages import INVALID_PG_ERROR, MANUAL_WRAP_ERROR
-from conformance.contract.results import CaseReport
-from fixtures.baselines import cached
 from fixtures.models import ThreeLinear, TiedTransformer
 from fixtures.optimizers import OPTIMIZERS, make_optim
 from fixtures.parity import (

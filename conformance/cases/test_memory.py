@@ -41,13 +41,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._fsdp2_helpers import mesh_over
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
 from conformance.contract.results import CaseReport
 from fixtures.memory import LinearStack, kept_alive, track_storages
 from fixtures.seeding import generator, rank_seed
+from fixtures.sharded_blocks import mesh_over
 
 if TYPE_CHECKING:
     from harness import RankContext

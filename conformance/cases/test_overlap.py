@@ -119,7 +119,7 @@ def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inp = torch.randn(2, 4, device=ctx.device)
     comm_ms, compute_ms, buffer_ms, steps = COMM_MS / SCALE, COMPUTE_MS / SCALE, 4.0, 5
-    from harness.recorder import patch_collectives
+    from harness.collectives.recorder import patch_collectives
 
     def delayed(op: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if op == "all_gather_into_tensor":

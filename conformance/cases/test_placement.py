@@ -10,7 +10,7 @@ honoured) and/or :attr:`Capability.PLACEMENT_MESSAGES` (FSDP1's exact
 placement warnings and errors). Where a module ends up is checked in rows that
 need only the former; FSDP1's warning or error for the same setup is a row of
 its own (``..._warns``, ``..._raises``) that needs the latter; see
-[Note: CPU groups] in ``_rank_helpers.py`` for why, and for the
+[Note: CPU groups] in ``fixtures/cpu_groups.py`` for why, and for the
 gloo groups the CPU-pinned cases use.
 """
 
@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._rank_helpers import cpu_world_group, cuda_device
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import ANY_GPU, TWO_OR_MORE, Exact, case, distinct_gpus, gpu_rows
+from fixtures.cpu_groups import cpu_world_group, cuda_device
 from fixtures.misc_models import NoParamsModel, SeqAndLinear
 from fixtures.models import NestedModel, PairOfLinears, TiedTransformer
 from fixtures.parity import assert_close_named, assert_runs_match, assert_same_across_ranks, run_steps

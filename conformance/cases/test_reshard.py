@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.cases._fsdp2_helpers import LR, full_of, local_step, mesh_over, shard_blocks, unit_bytes
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, Scalable, case
 from conformance.contract.optional import set_modules_to_prefetch
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
+from fixtures.sharded_blocks import LR, full_of, local_step, mesh_over, shard_blocks, unit_bytes
 
 if TYPE_CHECKING:
     from harness import RankContext

@@ -3,7 +3,7 @@
 A wrapped model, trained on every rank's batch, matches DistributedDataParallel
 (or the local model) step for step, for every strategy and optimizer, and
 modules whose outputs need no gradient train their other parameters. Helpers
-and the note on CPU groups are in ``_rank_helpers.py`` ([Note: CPU groups]).
+and the note on CPU groups are in ``fixtures/cpu_groups.py`` ([Note: CPU groups]).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from conformance.cases._rank_helpers import cpu_world_group, hybrid_cpu_groups
 from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, Scalable, case
 from fixtures.baselines import cached
+from fixtures.cpu_groups import cpu_world_group, hybrid_cpu_groups
 from fixtures.meshes import ranks_per_node
 from fixtures.models import (
     OptionalSecondOutputModel,

@@ -13,7 +13,7 @@ from typing import Any
 from conformance.contract.adapter import Capability
 from conformance.contract.case import CaseSpec
 from conformance.contract.optional import capabilities_of, thread_rank_limits
-from harness.rank_mode import RankMode, excluded_reason
+from harness.ranks.rank_mode import RankMode, excluded_reason
 
 __all__ = ["missing_reason", "not_applicable_reason"]
 
@@ -22,7 +22,7 @@ def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any
     """Why this row (``params`` include ``rank_mode``) cannot run against ``adapter``, or ``None``.
 
     In order: the row's rank mode is one the case does not declare
-    ([Note: rank modes] in :mod:`harness.rank_mode`); a capability the row
+    ([Note: rank modes] in :mod:`harness.ranks.rank_mode`); a capability the row
     requires is not declared, or not on this rank mode (:func:`missing_reason`);
     a strategy the row wraps with (the default strategy for a row that declares none) is refused by
     ``adapter.supports_strategy``, or it supports none of those the row draws from

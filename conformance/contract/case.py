@@ -37,7 +37,7 @@ device check that expects ``cuda:{rank}``). Rows without ``gpus`` are CPU rows.
 Like ``requires``, ``gpus`` may be a function of the row's parameters, so one
 body checks one behaviour on CPU and GPU rows alike (a grid parameter
 ``on=["cpu", "gpu"]`` with ``gpus=gpu_rows``): no twin cases per placement.
-The plugin turns the need into a placement with :func:`harness.devices.decide`
+The plugin turns the need into a placement with :func:`harness.ranks.devices.decide`
 ([Note: placements]); the body reads its device from ``ctx.device``.
 
 Every case names the contract clause it asserts with ``clause=`` (one or several): a clause id
@@ -48,7 +48,7 @@ shows the clause beside what the row asserts.
 
 A case that measures wall time declares ``timing=True``: it gets the
 ``timing`` marker, so ``-n N`` runs it after every other case, alone
-([Note: timing phase] in :mod:`harness.scheduling`).
+([Note: timing phase] in :mod:`harness.plugin.scheduling`).
 
 None is ever reported as passed. A body may also raise
 :class:`NotApplicable` itself (via :func:`not_applicable`) when only the
@@ -67,8 +67,8 @@ import pytest
 from conformance.contract.adapter import DEFAULT_STRATEGY, STRATEGIES, Capability
 from conformance.contract.clauses import ClauseRef, DocCitation, clause_refs
 from conformance.contract.world_size import TWO_OR_MORE, Exact, Scalable, WorldSizeNeed, world_size_need
-from harness.devices import ANY_GPU, GpuNeed, distinct_gpus
-from harness.rank_mode import SPAWNED, RankMode
+from harness.ranks.devices import ANY_GPU, GpuNeed, distinct_gpus
+from harness.ranks.rank_mode import SPAWNED, RankMode
 
 #: What a case (or one of its rows) declares as ``world_size=`` ([Note: world sizes]).
 WorldSize = int | Exact | Scalable

@@ -4,7 +4,7 @@ citation of the implementation's own documentation.
 Every case names what it checks with ``@case(..., clause=...)``: a clause id of ``docs/CONTRACT.md``
 (``"C2"``) or a :class:`DocCitation` (document, section, torch version) of a promise the implementation
 documents itself. An unknown clause id fails the declaration. :data:`CLAUSES` holds each clause's
-title and where torch documents the corresponding promise; ``conformance/tests/test_clauses.py``
+title and where torch documents the corresponding promise; ``conformance/tests/contract/test_clauses.py``
 checks that it agrees with the headings of ``docs/CONTRACT.md``.
 """
 

@@ -29,7 +29,7 @@ runs a program on every rank). ``--fuzz-shrink 0`` (``FSDP_FUZZ_SHRINK=0``)
 reports the first failing value as drawn. The outcome is the same either way,
 because shrinking only ever replaces a failure with a smaller failure; the row
 says that its example was not shrunk. The mutant sessions
-(``conformance/tests/test_mutants.py``) run so: they ask whether a row FAILs
+(``conformance/tests/selftest/test_mutants.py``) run so: they ask whether a row FAILs
 against a mutant, never what the smallest program is, and the shrinking of
 their stateful rows was most of their time.
 

@@ -37,7 +37,7 @@ OPTIMIZERS = ("sgd", "adam")
 DTYPES = ("float32", "float64")
 #: Mixed-precision compute dtypes. float16 is drawn on every device, as the
 #: mixed_precision area runs it everywhere: every layer kind computes forward and
-#: backward in both on the CPU (``conformance/tests/test_fuzz.py`` checks that).
+#: backward in both on the CPU (``conformance/tests/fuzz/test_fuzz.py`` checks that).
 LOW_DTYPES = ("bfloat16", "float16")
 #: What of a mixed-precision policy :func:`examples` may draw: ``"mixed_precision"``
 #: (param and reduce dtypes), ``"buffer_dtype"`` (needs ``"mixed_precision"`` too).

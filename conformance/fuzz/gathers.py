@@ -9,7 +9,7 @@ forward to backward ("no all-gather in backward", the point of ZeRO-2), as does
 (``SetReshardAfterForward``, per unit: the program follows each unit's setting), and an int
 ``reshard_after_forward`` keeps each unit sharded over that many ranks, from
 which backward gathers it again. So, recording the collectives a rank issues
-during a backward (``harness.recorder``, the same layer the cases read), a
+during a backward (``harness.collectives.recorder``, the same layer the cases read), a
 program checks that
 
 - keeping strategies, and every unit's resharding after forward turned off,
@@ -54,12 +54,12 @@ import torch.nn as nn
 from conformance.fuzz.held import shard_sizes, units_of
 from conformance.fuzz.ops import Config
 from conformance.fuzz.precision import dtype_of
-from harness.observe import group_name
-from harness.recorder import Call, describe, patch_collectives
+from harness.collectives.observe import group_name
+from harness.collectives.recorder import Call, describe, patch_collectives
 
 __all__ = ["GATHERS", "REDUCTIONS", "Gathers", "assert_backward_prefetched", "promise"]
 
-#: The ops a recorded all-gather is (``harness.recorder`` names them so).
+#: The ops a recorded all-gather is (``harness.collectives.recorder`` names them so).
 GATHERS = ("all_gather_into_tensor", "all_gather")
 REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
 KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward

@@ -61,7 +61,7 @@ from conformance.fuzz.model import FuzzModel, holds_parameters, loss_of
 from conformance.fuzz.ops import Config
 from conformance.fuzz.shadow import batch_of
 from conformance.fuzz.wrapping import wrap_config
-from harness.recorder import Call, describe, patch_collectives
+from harness.collectives.recorder import Call, describe, patch_collectives
 
 if TYPE_CHECKING:
     from harness import RankContext

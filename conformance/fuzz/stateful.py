@@ -76,7 +76,7 @@ from conformance.fuzz.shadow import Shadow, batch_of, build, loss_for
 from conformance.fuzz.verdicts import agree, attempt, fail
 from conformance.fuzz.wrapping import assert_ignored_kept, given_groups, missing_operations, wrap_config
 from fixtures.parity import assert_close_named
-from harness.rank_mode import RankMode
+from harness.ranks.rank_mode import RankMode
 
 if TYPE_CHECKING:
     from harness import RankContext

@@ -32,7 +32,7 @@ from conformance.fuzz.ops import HYBRID_OF, NODE, Config, Program
 from conformance.fuzz.precision import mixed_precision_spec, precision_features, required
 from fixtures.meshes import hybrid_groups
 from fixtures.parity import assert_close_named
-from harness.rank_mode import RankMode
+from harness.ranks.rank_mode import RankMode
 
 if TYPE_CHECKING:
     from harness import RankContext

@@ -18,7 +18,7 @@ import pytest
 from conformance.contract.results import Result
 from conformance.runner.document import RunReport, load_baseline
 from conformance.runner.expect import Comparison, compare, render_text
-from harness.workers import is_worker
+from harness.plugin.workers import is_worker
 
 __all__ = ["OPTION", "show"]
 

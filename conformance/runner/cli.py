@@ -4,7 +4,7 @@ A thin layer over ``pytest.main`` and the conformance plugin: every option here
 maps onto a pytest option and is forwarded as given, so ``pytest conformance/cases
 --fsdp-impl X`` gives the same results. The settings are resolved once, by the
 plugins inside that session (:mod:`conformance.runner.settings`; the rank mode
-by the harness, [Note: rank modes] in :mod:`harness.rank_mode`), which print
+by the harness, [Note: rank modes] in :mod:`harness.ranks.rank_mode`), which print
 them with their sources; this module decides none of them.
 """
 

@@ -71,7 +71,7 @@ class RunFacts:
     adapters: Sequence[Mapping[str, Any]] = ()
     #: The run compared with ``--conformance-expect``'s baseline (:mod:`conformance.runner.expect`), or ``None``.
     expectation: Comparison | None = None
-    #: A launched job's layout ([Note: job layout] in :mod:`harness.launched`): ``nodes``,
+    #: A launched job's layout ([Note: job layout] in :mod:`harness.ranks.launched`): ``nodes``,
     #: ``local_world_size``, ``world_size``; ``None`` for process and thread ranks.
     topology: Mapping[str, int] | None = None
 

@@ -7,7 +7,7 @@ results between processes (parallel workers) implements it too and calls the
 hook with the results it receives.
 
 The conformance plugin in turn implements the harness's hook
-``pytest_ranks_returned`` (:mod:`harness.hookspecs`) to receive each case's
+``pytest_ranks_returned`` (:mod:`harness.plugin.hookspecs`) to receive each case's
 :class:`~conformance.contract.results.CaseReport`.
 """
 

@@ -11,7 +11,7 @@ forwarding (:mod:`conformance.runner.cli`), the plugin's pytest options
 docs/USAGE.md's settings table (:func:`usage_rows`, compared by
 ``test_rows_settings``) are all made from it, so a setting is declared once.
 Two options belong to other plugins and are only described here: the rank
-mode's pytest option is the harness's (:mod:`harness.pytest_plugin` resolves
+mode's pytest option is the harness's (:mod:`harness.plugin.pytest_plugin` resolves
 it), ``-n`` is pytest-xdist's. This module imports neither torch nor pytest
 (``fsdp-conformance --help`` reads it): parsers that need the registry or the
 devices import them when they run.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from harness.rank_mode import SELECTIONS
+from harness.ranks.rank_mode import SELECTIONS
 from harness.settings import choice, whole_number, word_or_whole_number
 
 __all__ = ["CASE_TIMEOUT_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV",
@@ -41,7 +41,7 @@ MAX_TIME_ENV = "FSDP_CONFORMANCE_MAX_TIME"
 FUZZ_STATEFUL_EXAMPLES_ENV = "FSDP_FUZZ_STATEFUL_EXAMPLES"
 FUZZ_SHRINK_ENV = "FSDP_FUZZ_SHRINK"
 WORLD_SIZE_ENV = "FSDP_WORLD_SIZE"
-#: Read by the harness's plugin (:mod:`harness.pytest_plugin`), which resolves the rank mode.
+#: Read by the harness's plugin (:mod:`harness.plugin.pytest_plugin`), which resolves the rank mode.
 RANK_MODE_ENV = "FSDP_RANK_MODE"
 
 
@@ -61,7 +61,7 @@ def _parse_impls(raw: Any) -> tuple[str, ...]:
 
 
 def _parse_device(raw: Any) -> str:
-    from harness.devices import SETTINGS
+    from harness.ranks.devices import SETTINGS
 
     return choice(SETTINGS)(raw)
 

@@ -79,7 +79,7 @@ def release(config: pytest.Config) -> None:
 
 def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int, selected: int | None,
            expectation: Comparison | None) -> RunFacts:
-    from harness.devices import nccl_available
+    from harness.ranks.devices import nccl_available
 
     stopped = signals.received() or ("interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else None)
     if exitstatus in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):
@@ -92,10 +92,11 @@ def _facts(config: pytest.Config, settings: Settings, gpus: int, exitstatus: int
 
 
 def _topology(settings: Settings) -> dict[str, int] | None:
-    """The launched job's ``nodes x local ranks`` ([Note: job layout] in :mod:`harness.launched`), else ``None``."""
+    """The launched job's ``nodes x local ranks`` ([Note: job layout] in :mod:`harness.ranks.launched`), else
+    ``None``."""
     if settings.rank_mode.value != "launched":
         return None
-    from harness.launched import job_layout
+    from harness.ranks.launched import job_layout
 
     layout = job_layout()
     return {name: layout[name] for name in ("nodes", "local_world_size", "world_size")}

@@ -9,11 +9,11 @@ works without the CLI; the CLI
 Settings (implementations, rank mode, timing repeats, device) come from
 :func:`conformance.runner.settings.resolve_settings`, which states the precedence.
 Each row's placement is decided in the parent before its ranks start
-(:func:`harness.devices.decide`, from the device setting, the GPUs visible
+(:func:`harness.ranks.devices.decide`, from the device setting, the GPUs visible
 and the case's ``gpus`` need), handed to the harness through its
 ``pytest_ranks_placement`` hook, and recorded in the row's result.
 The plugin meets the harness's plugin through declared hooks: it implements
-``pytest_ranks_returned`` (:mod:`harness.hookspecs`) to receive a case's
+``pytest_ranks_returned`` (:mod:`harness.plugin.hookspecs`) to receive a case's
 :class:`~conformance.contract.results.CaseReport`, and calls
 ``pytest_conformance_result`` (:mod:`conformance.runner.hookspecs`) once per cell.
 """
@@ -42,10 +42,10 @@ from conformance.runner.reasons import failure_reason, skip_reason
 from conformance.runner.report import summary_line
 from conformance.runner.settings import Settings, resolve_settings
 from conformance.runner.terminal import render_terminal, terminal_width
-from harness import devices
-from harness.pytest_plugin import rank_mode_setting, selected_modes
-from harness.rank_mode import RankMode
-from harness.workers import is_worker
+from harness.plugin.pytest_plugin import rank_mode_setting, selected_modes
+from harness.plugin.workers import is_worker
+from harness.ranks import devices
+from harness.ranks.rank_mode import RankMode
 
 __all__ = ["RESULTS_KEY", "SELECTED_KEY", "SETTINGS_KEY", "settings_of"]
 
@@ -138,7 +138,7 @@ def settings_of(config: pytest.Config) -> Settings:
 
 
 def launched(config: pytest.Config) -> bool:
-    """Whether this session is one rank of a launched job ([Note: rank modes] in :mod:`harness.rank_mode`)."""
+    """Whether this session is one rank of a launched job ([Note: rank modes] in :mod:`harness.ranks.rank_mode`)."""
     return RankMode.LAUNCHED in selected_modes(config)
 
 

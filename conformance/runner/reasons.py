@@ -9,7 +9,7 @@ __all__ = ["failure_reason", "skip_reason"]
 
 def failure_reason(call: pytest.CallInfo[None], report: pytest.TestReport) -> str:
     """First line of the failure; a rank failure's own summary already names the rank."""
-    from harness.errors import RankFailure
+    from harness.ranks.errors import RankFailure
 
     if call.excinfo is None:
         return _first_line(report.longreprtext)

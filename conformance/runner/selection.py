@@ -36,7 +36,7 @@ from _pytest.mark.expression import Expression  # what -k/-m compile with; no pu
 
 from conformance.contract.results import OUTCOMES
 from conformance.contract.rows import all_params, case_row_id, case_spec
-from harness.workers import is_controller, is_worker
+from harness.plugin.workers import is_controller, is_worker
 
 __all__ = ["DEFAULT_OUTCOMES", "Selection", "check_expressions", "report_cells", "selection_of"]
 

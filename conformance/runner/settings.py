@@ -16,7 +16,7 @@ The settings with no option (:func:`environment_settings`: extra adapters,
 findings files, the baseline cache and its log, concurrent workers, the rank
 processes' start method, the benchmarks' CPU log) are read where they act,
 each through its own function (:mod:`harness.environment`,
-:mod:`harness.cpu_budget`, :mod:`harness.process`,
+:mod:`harness.ranks.cpu_budget`, :mod:`harness.ranks.process`,
 :mod:`conformance.contract.registry`, :mod:`conformance.runner.findings`);
 :func:`resolve_settings` calls those same functions, so every ``FSDP_*``
 variable the suite reads is checked when the session is configured, before
@@ -53,7 +53,8 @@ from conformance.runner.options import (
     OPTIONS,
     TIMING_REPEATS_ENV,
 )
-from harness import cpu_budget, environment, process
+from harness import environment
+from harness.ranks import cpu_budget, process
 from harness.settings import (
     Resolved,
     SettingError,

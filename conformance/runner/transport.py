@@ -13,7 +13,7 @@ controller reads them in ``pytest_runtest_logreport`` and calls
 ``pytest_conformance_result`` with them, so the conformance plugin builds the
 matrix and prints progress lines there, as results arrive. Before anything is
 rendered the controller sorts the results by the collection index each report
-carries ([Note: collection order] in :mod:`harness.scheduling`): the order
+carries ([Note: collection order] in :mod:`harness.plugin.scheduling`): the order
 of a serial run.
 """
 
@@ -26,7 +26,7 @@ import pytest
 
 from conformance.contract.results import Result
 from conformance.runner.plugin import RESULTS_KEY, SELECTED_KEY
-from harness.workers import is_controller, is_worker, report_index
+from harness.plugin.workers import is_controller, is_worker, report_index
 
 __all__ = ["REPORT_ATTR", "SELECTED_OUTPUT"]
 

@@ -30,7 +30,7 @@ def row_world_size(spec: CaseSpec, params: Mapping[str, Any], settings: Settings
     """The ranks the row of ``spec`` with ``params`` runs on in this run, or why it is skipped."""
     need = spec.need_for(params)
     if launched:
-        from harness.launched import job_env  # imports torch: only a launched job needs it
+        from harness.ranks.launched import job_env  # imports torch: only a launched job needs it
 
         return decide_world_size(need, launched_job=job_env()["WORLD_SIZE"])
     return decide_world_size(need, requested=settings.world_size.value)

@@ -28,8 +28,8 @@ import torch.nn as nn
 
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.contract.adapter import WrapSpec
-from harness.rank_mode import SPAWNED
-from harness.reset import on_case_end
+from harness.ranks.rank_mode import SPAWNED
+from harness.ranks.reset import on_case_end
 
 __all__ = ["Expect", "Patch", "PatchedAdapter", "check_declaration", "apply_patches", "revert_patches", "_Mutant",
            "_state_of", "drop_grads"]

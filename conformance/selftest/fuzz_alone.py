@@ -12,7 +12,7 @@ cannot tell a mutant from the reference, so a FAIL there counts as nothing
 reference's reason. This is a
 measurement, not a test: a mutant the fuzzer misses is a gap to know about, not
 an error (each mutant's own cases are required to catch it by
-``conformance/tests/test_mutants.py``).
+``conformance/tests/selftest/test_mutants.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from conformance.contract.registry import BUILTIN
 from conformance.selftest.declare import Expect
 from conformance.selftest.mutants import MUTANTS
 from conformance.selftest.session import run_session
-from harness import devices
+from harness.ranks import devices
 
 __all__ = ["main", "runnable_mutants", "verdicts"]
 

@@ -24,7 +24,7 @@ does. Each surface is reached through the adapter named with it. A performance k
 for neutrality says so.
 
 Generated from `conformance/surface/classified.toml` by `python -m conformance.surface --write
-docs/SURFACE.md`; `conformance/tests/test_surface.py` checks that the classification names every public
+docs/SURFACE.md`; `conformance/tests/surface/test_surface.py` checks that the classification names every public
 name of the installed torch and nothing else, that every row cited exists and runs on the surface's
 adapter, and that this page is the generator's output
 ([TESTING.md](TESTING.md#the-public-surface-table)). A name one torch has and another lacks carries the

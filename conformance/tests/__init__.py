@@ -17,6 +17,6 @@ plain ``pytest`` run, the README's test command and so a commit's CI, leaves
 them out (the project's ``conftest.py`` deselects them and says so in the
 header); ``pytest --nightly`` runs them too, as the nightly jobs do
 (``tox -e nightly``, ``tox -e gpu``). A change to a case or a mutant is checked
-by hand with ``pytest --nightly conformance/tests/test_mutants.py -k <module>``
+by hand with ``pytest --nightly conformance/tests/selftest/test_mutants.py -k <module>``
 (docs/TESTING.md).
 """

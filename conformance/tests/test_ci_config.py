@@ -62,7 +62,7 @@ def test_gpu_check_fails_loudly_without_enough_devices() -> None:
 def test_gpu_env_checks_devices_then_runs_gpu_mutants_and_the_matrix() -> None:
     commands = [line.strip() for line in _tox()["testenv:gpu"]["commands"].splitlines() if line.strip()]
     assert commands[0].startswith("python -m conformance.runner.gpu_check"), commands
-    assert "pytest --nightly conformance/tests/test_mutants.py -m gpu" in commands, commands
+    assert "pytest --nightly conformance/tests/selftest/test_mutants.py -m gpu" in commands, commands
     assert commands[0] == "python -m conformance.runner.gpu_check --min-devices 1", "one GPU is enough (cuda-shared)"
     matrix = next(line for line in commands if line.startswith("fsdp-conformance run --impl all"))
     assert "--device cuda" in matrix and "-m gpu" in commands[commands.index(matrix) + 3], commands

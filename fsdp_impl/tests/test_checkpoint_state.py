@@ -20,7 +20,7 @@ from fixtures.checkpointing import FFN, CheckpointTower, ffn_layers
 from fsdp_impl import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 S = ShardingStrategy
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from fixtures.models import OptionalSecondOutputModel, PairOfLinears, SetattrLinear, TwoOutputModel
 from fsdp_impl import FSDP, CPUOffload, ShardingStrategy
 from fsdp_impl.wrap import ModuleWrapPolicy, always_wrap_policy
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 S = ShardingStrategy
 pytestmark = pytest.mark.ranks(world_size=1, modes=("thread", "process"))

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_impl import FSDP, CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdp_impl.tests.models import OddModel, batch, prefixed
 from fsdp_impl.unit_state import unit_state
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 AG, RS, AR = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"
 ShardFn = Callable[..., nn.Module]

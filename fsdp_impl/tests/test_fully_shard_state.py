@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fixtures.parity import COPIED
 from fsdp_impl import fully_shard
 from fsdp_impl.tests.models import batch, prefixed
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 IMPLS: dict[str, Callable[..., nn.Module]] = {"reference": fully_shard, "torch": torch_fully_shard}
 

@@ -16,7 +16,7 @@ from fsdp_impl.no_sync import INNER_UNIT_MESSAGE, no_sync
 from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.unit_state import unit_state
 from fsdp_impl.wrap import ModuleWrapPolicy
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 S = ShardingStrategy
 MICRO = 3  # backwards per accumulation: all but the last inside no_sync

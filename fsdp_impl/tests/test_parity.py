@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_impl import FSDP, BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp_impl.tests.models import Block, OddModel, batch, prefixed
 from fsdp_impl.wrap import ModuleWrapPolicy
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 S = ShardingStrategy
 

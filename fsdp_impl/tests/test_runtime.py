@@ -15,7 +15,7 @@ from fixtures.models import ExecOrderModel, TwoOutputModel
 from fsdp_impl import FSDP, BackwardPrefetch, ShardingStrategy
 from fsdp_impl.tests.models import Block, OddModel, batch
 from fsdp_impl.wrap import ModuleWrapPolicy, always_wrap_policy
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 S = ShardingStrategy
 

@@ -10,7 +10,7 @@ from fsdp_impl.construct import UnitArgs
 from fsdp_impl.init import Groups
 from fsdp_impl.unit_state import is_unit, named_unit_states, unit_state
 from fsdp_impl.wrap import ModuleWrapPolicy
-from harness.context import RankContext
+from harness.ranks.context import RankContext
 
 one_rank = pytest.mark.ranks(world_size=1, modes=("thread",))
 

@@ -56,7 +56,7 @@ PRELOAD = (
     "torch", "torch.distributed", "torch._dynamo", "multiprocessing.forkserver",
     "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
     "torch.distributed.device_mesh", "torch.testing",
-    "harness.process", "harness.runner", "harness._rank_main", "harness._host_main",
+    "harness.ranks.process", "harness.ranks.runner", "harness.ranks._rank_main", "harness.ranks._host_main",
 )
 
 

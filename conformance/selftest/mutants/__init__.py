@@ -4,7 +4,7 @@ Each mutant is a built-in adapter (the reference; torch-fsdp2 for what only it
 can express) with exactly one behaviour broken, declared as data in its class
 body (see :mod:`conformance.selftest.declare`): the ``fsdp_impl`` attributes it
 patches, named as strings, and the cases that must catch it (``expect``). The
-suite's own tests (``conformance/tests/test_mutants.py``) run those cases
+suite's own tests (``conformance/tests/selftest/test_mutants.py``) run those cases
 against each mutant and assert they report FAIL: a case that passes against a
 mutant it should catch is not testing what it claims.
 

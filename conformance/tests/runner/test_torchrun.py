@@ -1,0 +1,142 @@
+"""Launched mode: the suite runs in lockstep on the ranks of a torchrun job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_HAS_TORCHRUN = shutil.which("torchrun") is not None or Path(sys.executable).with_name("torchrun").exists()
+pytestmark = pytest.mark.skipif(not _HAS_TORCHRUN, reason="torchrun is not installed next to this interpreter")
+
+
+def _torchrun() -> str:
+    local = Path(sys.executable).with_name("torchrun")
+    return str(local) if local.exists() else "torchrun"
+
+
+def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
+    # The report alone in its folder; the job runs elsewhere, where pytest's plugins may leave their own files
+    # (pytest-benchmark's .benchmarks).
+    reports, work = tmp_path / "reports", tmp_path / "work"
+    reports.mkdir()
+    work.mkdir()
+    report = reports / "report.json"
+    # 3 ranks: exec_order's cases accept any world size from 2 and run at the job's; the world-size-1 case
+    # is skipped naming its requirement ([Note: world sizes]).
+    cmd = [_torchrun(), "--nproc-per-node=3", "-m", "conformance", "run", "--rank-mode", "launched",
+           "--impl", "reference", "-k", "exec_order or world_size_1", "--json", str(report)]
+    # CPU rows: on a GPU machine the job hides CUDA, as docs/USAGE.md says.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    every = json.loads(report.read_text())["rows"]
+    rows = [r for r in every if r["case"].startswith("exec_order/")]
+    assert len(rows) == 8 and {r["outcome"] for r in rows} == {"pass"}
+    assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {3}
+    skipped = {(r["outcome"], r["reason"]) for r in every if r not in rows}
+    assert skipped == {("skip", "needs world size 1 (the switch to NO_SHARD is world size 1's behaviour), the "
+                                "launched job has 3")}, skipped
+    assert proc.stdout.count("conformance matrix") == 1, "only rank 0 prints the matrix"
+    assert sorted(p.name for p in reports.iterdir()) == ["report.json"]
+
+
+def test_launched_mode_outside_a_job_explains_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.ranks.launched import job_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="launched mode needs RANK, WORLD_SIZE, LOCAL_RANK"):
+        job_env()
+
+
+def test_a_launched_rank_that_sees_a_gpu_skips_cpu_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It cannot hide the GPU from the implementation, so the row would test another placement than it names."""
+    import harness.ranks.launched as launched
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launched, "visible_gpus", lambda: 1)
+    never = {"called": False}
+    monkeypatch.setattr(launched, "_ensure_initialised", lambda *a: never.update(called=True))
+    with pytest.raises(pytest.skip.Exception, match=r"sees 1 GPU\(s\) it cannot hide .* CUDA_VISIBLE_DEVICES="):
+        launched.run_launched(lambda ctx: None, world_size=2, timeout_s=5, args=(), kwargs={}, seed=0, env=None,
+                              placement="cpu")
+    assert not never["called"], "skipped before the job's group is made"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# The launcher's plumbing, not a torch verdict: on the first torch only ([Note: tests on the first torch]).
+@pytest.mark.first_torch
+def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
+    """Two torchrun agents on one box, a c10d rendezvous, gloo: a simulated job of 2 nodes x 2 ranks
+    ([Note: job layout] in harness.ranks.launched). The hybrid row shards within a node and replicates across the
+    agents, and the report records the layout; the fuzz row runs at the job's 4 ranks."""
+    report = tmp_path / "report.json"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [_torchrun(), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+           "--rdzv-id=two-agents", "-m", "conformance", "run", "--rank-mode", "launched", "--impl", "reference",
+           "-k", "hybrid_shard and sync_module_states or repro_d61e5cb1", "--json", str(report)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                               env=env) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    doc = json.loads(report.read_text())
+    assert doc["topology"] == {"nodes": 2, "local_world_size": 2, "world_size": 4}
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert sorted(rows) == ["fuzz/repro_d61e5cb1", "hybrid_shard/sync_module_states"], sorted(rows)
+    assert {(r["outcome"], r["world_size"], r["rank_mode"]) for r in rows.values()} == {("pass", 4, "launched")}
+    hybrid = rows["hybrid_shard/sync_module_states"]
+    assert hybrid["metrics"] == {"mesh_replicas": 2, "mesh_shards": 2}, hybrid
+    assert hybrid["reason"].startswith("mesh 2 replicas x 2 shards (shard within a node, replicate across 2 "
+                                       "launched agents)"), hybrid["reason"]
+    assert sum(out.count("conformance matrix") for out in outputs) == 1, "only rank 0 prints the matrix"
+
+
+def test_a_launched_failure_names_each_ranks_node_and_local_rank() -> None:
+    """torchrun numbers a node's ranks contiguously: with 2 ranks per node, rank 3 is node 1's local rank 1."""
+    from harness.ranks.errors import RankError, make_failure
+    from harness.ranks.launched import placed
+
+    failure = make_failure([RankError(3, "raised", "AssertionError: boom"),
+                            RankError(0, "aborted", "waiting in all_reduce #2 for rank 3")], world_size=4,
+                           mode="launched")
+    message = str(placed(failure, local_world_size=2))
+    assert message.startswith("rank 3 (node 1, local rank 1) raised AssertionError: boom (world_size=4, "
+                              "mode=launched)"), message
+    assert "also: rank 0 (node 0, local rank 0) aborted: waiting in all_reduce #2 for rank 3" in message, message
+
+
+def test_the_job_layout_is_nodes_of_local_ranks() -> None:
+    from harness.ranks.launched import job_layout
+
+    env = {"RANK": 5, "WORLD_SIZE": 8, "LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 4, "GROUP_RANK": 1}
+    assert job_layout(env) == {"nodes": 2, "local_world_size": 4, "world_size": 8, "node": 1, "rank": 5,
+                               "local_rank": 1}
+    with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a whole number of nodes of LOCAL_WORLD_SIZE=4 ranks"):
+        job_layout({**env, "WORLD_SIZE": 6})
+
+
+def test_the_ranks_thatnever_reported_a_row_are_the_ones_missing_from_the_store() -> None:
+    import torch.distributed as dist
+
+    from harness.ranks.launched import never_reported
+
+    store = dist.HashStore()
+    for rank in (0, 1, 2):
+        store.set(f"row/{rank}", "1")
+    assert never_reported(store, "row", world_size=4, wait_s=0.0) == [3]
+    store.set("row/3", "1")
+    assert never_reported(store, "row", world_size=4, wait_s=0.0) == []

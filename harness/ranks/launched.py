@@ -1,0 +1,209 @@
+"""Launched ranks: this process already is one rank of a job (e.g. started by torchrun).
+
+[Note: launched mode]
+``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` and a rendezvous (``MASTER_ADDR``/``MASTER_PORT``). Every
+rank runs the same pytest session, so cases are collected in the same order
+and run in lockstep: each case body runs in-process on the job's default
+group, then all ranks exchange their outcomes over a separate gloo group, so
+every rank reports the same result for the case (and rank 0 writes the
+report). A case runs at the job's size: a plugin answers ``pytest_ranks_world_size``
+with it for the rows that accept it and skips the others (the conformance suite:
+[Note: world sizes]); a ``ranks`` test run at another size is skipped with the reason.
+A rank blocked in a collective because a peer failed is released by the
+backend's timeout (``timeout_s`` of the first case initialises it); the
+outcomes are exchanged with a longer one, so the peers are still there.
+
+[Note: job layout]
+A launched job's ranks lie on nodes: torchrun starts one agent per node, each
+with ``LOCAL_WORLD_SIZE`` ranks, and numbers the nodes ``GROUP_RANK``. The
+layout is ``nodes x local ranks`` (:func:`job_layout`), what every rank's
+``RankContext`` carries (``local_rank``, ``local_world_size``) and what cases
+that place groups on nodes (hybrid sharding, 2-D meshes: [Note: hybrid layout]
+in :mod:`fixtures.meshes`) build from, so a job shards within a node and
+replicates across nodes. One box simulates several nodes with several agents
+(``--nnodes=2`` with a c10d rendezvous, each agent its own ``torchrun``);
+the report records the layout (``topology``). A failure names each rank's
+place in it, ``rank 3 (node 1, local rank 1)``, and as for spawned ranks the
+collective the waiting ranks are in ([Note: collective mismatch] in
+:mod:`harness.collectives.sequence`): every rank counts its collectives in a slot and
+sends its position with its outcome. A rank that dies or leaves the job
+breaks the exchange: the row fails naming the ranks that never reported it
+(each rank marks its report in the job's store first), and the job stops
+before its next row, rank 0 writing its report.
+
+Placements ([Note: placements] in :mod:`harness.ranks.devices`): the job's default
+group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
+its own (it moves CPU and CUDA tensors), else ``gloo``; each case then
+computes on its placement's device (``cpu``; ``cuda:{local_rank}``; a shared
+GPU). Unlike a rank process, a launched rank already exists when the case
+starts, so the ``cpu`` placement cannot hide CUDA from it: where the rank sees a
+GPU, a CPU row is skipped with that reason (an implementation that picks its
+compute device from what it sees would compute on the GPU, and the row would
+test another placement than it names). A job started with
+``CUDA_VISIBLE_DEVICES=`` runs the CPU rows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.collectives.recorder import observe_thread, observing
+from harness.collectives.sequence import SLOT_SIZE, Position, Slot, attributed
+from harness.ranks.context import RankContext
+from harness.ranks.devices import process_backend, rank_device, visible_gpus
+from harness.ranks.errors import RankError, RankFailure, make_failure
+from harness.ranks.outcome import Outcome, capture, resolve
+from harness.ranks.rank_mode import RankMode
+from harness.ranks.reset import case_scope
+
+__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "never_reported", "placed", "ENV_VARS"]
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_control: list[Any] = []
+#: This rank's position in its collective sequence ([Note: collective mismatch]), made on first use.
+_slot: list[Slot] = []
+#: Rows exchanged so far (the store's key of each row's reports), and why the job cannot go on, once it cannot.
+_reported = [0]
+_lost: list[str] = []
+
+
+def job_env() -> dict[str, int]:
+    """The job's rank layout from the launcher's environment; a clear error when absent."""
+    missing = [name for name in ENV_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"launched mode needs {', '.join(ENV_VARS)} in the environment (missing {missing}); "
+            "start the suite with torchrun, e.g. torchrun --nproc-per-node=2 -m conformance run --rank-mode launched"
+        )
+    env = {name: int(os.environ[name]) for name in ENV_VARS}
+    env["LOCAL_WORLD_SIZE"] = int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+    env["GROUP_RANK"] = int(os.environ.get("GROUP_RANK", env["RANK"] // env["LOCAL_WORLD_SIZE"]))
+    return env
+
+
+def job_layout(env: dict[str, int] | None = None) -> dict[str, int]:
+    """The job's ``nodes x local ranks`` ([Note: job layout]) and this rank's place in it; ValueError naming
+    a ``WORLD_SIZE`` that is not a whole number of nodes of ``LOCAL_WORLD_SIZE`` ranks."""
+    job = job_env() if env is None else env
+    world, local = job["WORLD_SIZE"], job["LOCAL_WORLD_SIZE"]
+    if local < 1 or world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local} ranks "
+                         "(nodes with different numbers of ranks are not supported)")
+    return {"nodes": world // local, "local_world_size": local, "world_size": world,
+            "node": job["GROUP_RANK"], "rank": job["RANK"], "local_rank": job["LOCAL_RANK"]}
+
+
+def _device(placement: str, local_rank: int, gpus: int) -> torch.device:
+    device = rank_device(placement, local_rank, gpus)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def job_backend(local_world_size: int, gpus: int, nccl: bool) -> str:
+    """The launched job's default group: nccl for CUDA tensors only when every local rank has its own GPU."""
+    return process_backend("cuda" if gpus >= local_world_size and nccl else "cpu")
+
+
+def _ensure_initialised(timeout_s: float, job: dict[str, int], gpus: int) -> Any:
+    if not dist.is_initialized():
+        backend = job_backend(job["LOCAL_WORLD_SIZE"], gpus, dist.is_nccl_available())
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    if not _control:
+        # Longer than the job's: a rank that left a collective early waits here for the ones it left behind
+        # until the backend's timeout releases them, then hears where they were.
+        _control.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * timeout_s + 60)))
+    return _control[0]
+
+
+def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any], seed: int, env: Mapping[str, str] | None,
+                 placement: str = "cpu") -> list[Any]:
+    job = job_env()
+    if world_size != job["WORLD_SIZE"]:
+        raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}")
+    gpus = visible_gpus()
+    if placement == "cpu" and gpus:
+        raise pytest.skip.Exception(
+            f"a CPU row, and this launched rank sees {gpus} GPU(s) it cannot hide (an implementation would pick "
+            "one as its compute device); start the job with CUDA_VISIBLE_DEVICES= to run CPU rows")
+    if _lost:
+        pytest.exit(f"the launched job lost a rank ({_lost[0]}); its rows cannot run", returncode=1)
+    control = _ensure_initialised(max(timeout_s, 60.0), job, gpus)
+    device = _device(placement, job["LOCAL_RANK"], gpus)
+    ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
+                      local_world_size=job["LOCAL_WORLD_SIZE"], device=device,
+                      backend=dist.get_backend(), mode=RankMode.LAUNCHED, seed=seed)
+    outcome, position = _run_body(ctx, fn, args, kwargs, seed, env)
+    exchanged = _exchange(ctx, (outcome, position), control)
+    try:
+        return resolve([o for o, _ in exchanged], world_size=ctx.world_size, mode=RankMode.LAUNCHED)
+    except RankFailure as failure:
+        raise placed(attributed(failure, {p.rank: p for _, p in exchanged}), ctx.local_world_size) from None
+
+
+def _exchange(ctx: RankContext, mine: tuple[Outcome, Position], control: Any) -> list[Any]:
+    """Every rank's outcome and position. Each rank first says it reported in the job's store; when the
+    exchange fails (a rank died or left the job), the ranks that never said so are named, and the job stops
+    before its next row (every collective with a lost rank would wait for the backend's timeout)."""
+    _reported[0] += 1  # every rank runs the same rows in the same order
+    store, key = dist.distributed_c10d._get_default_store(), f"fsdp-conformance/reported/{_reported[0]}"
+    store.set(f"{key}/{ctx.rank}", "1")
+    exchanged: list[Any] = [None] * ctx.world_size
+    try:
+        dist.all_gather_object(exchanged, mine, group=control)
+    except RuntimeError as exc:  # torch's DistBackendError: a peer closed its connection or timed out
+        missing = never_reported(store, key, ctx.world_size)
+        where = ", ".join(f"rank {r} (node {r // ctx.local_world_size}, local rank {r % ctx.local_world_size})"
+                          for r in missing) or "none found"
+        _lost.append(f"never reported: {where}")
+        raise RuntimeError(f"ranks that never reported this row: {where}; the exchange of outcomes failed: "
+                           f"{exc}") from None
+    return exchanged
+
+
+def never_reported(store: Any, key: str, world_size: int, wait_s: float = 10.0) -> list[int]:
+    """The ranks whose report of this row is not in the store after up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.2)
+
+
+def _run_body(ctx: RankContext, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              seed: int, env: Mapping[str, str] | None) -> tuple[Outcome, Position]:
+    """The body's outcome on this rank and where it left its collective sequence."""
+    if not _slot:
+        _slot.append(Slot(bytearray(SLOT_SIZE)))
+    slot = _slot[0]
+    slot.reset()
+    try:
+        with observing(), case_scope(seed, env):  # observing: this process's own collectives, none in flight
+            observe_thread(slot)
+            outcome = Outcome(rank=ctx.rank, ok=True, value=fn(ctx, *args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - exchanged with the other ranks
+        outcome = capture(ctx.rank, exc)
+    finally:
+        observe_thread(None)
+    return outcome, slot.position(ctx.rank)
+
+
+def placed(failure: RankFailure, local_world_size: int) -> RankFailure:
+    """``failure`` with each rank's node and local rank named ([Note: job layout]): torchrun numbers a node's
+    ranks contiguously, so rank ``r`` is local rank ``r % local_world_size`` of node ``r // local_world_size``."""
+    errors = [RankError(f.rank, f.kind, f.summary, traceback=f.traceback, exitcode=f.exitcode,
+                        signal_name=f.signal_name, stack=f.stack, detected_at=f.detected_at,
+                        where=f"node {f.rank // local_world_size}, local rank {f.rank % local_world_size}")
+              for f in failure.failures]
+    return make_failure(errors, world_size=failure.world_size, mode=failure.mode)
