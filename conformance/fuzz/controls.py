@@ -82,7 +82,6 @@ from conformance.contract.optional import (
     unshard,
 )
 from conformance.fuzz.compare import unwrapped_names
-from conformance.fuzz.held import unit_of
 from conformance.fuzz.ops import (
     Config,
     GradientDivideFactor,
@@ -280,7 +279,7 @@ class Controls:
 
     def divisors(self, config: Config) -> dict[str, float]:
         """Each parameter of a module given a divide factor -> that factor."""
-        return {name: self.factors[unit] for name in self.params if (unit := unit_of(name, config)) in self.factors}
+        return {name: self.factors[unit] for name in self.params if (unit := config.unit_of(name)) in self.factors}
 
     def before_update(self, config: Config) -> None:
         """Before a step or load changes the shards: reshard every module if one may be kept unsharded."""

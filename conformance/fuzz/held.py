@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["COPIES", "Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "unit_of", "units_of"]
+__all__ = ["COPIES", "Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "units_of"]
 
 #: A parameter's copies in the optimizer's state (its step count aside).
 COPIES = {"sgd": 1, "adam": 2}
@@ -101,17 +101,11 @@ def _shards(config: Config) -> int:
     return NODE if config.hybrid else config.world_size
 
 
-def unit_of(name: str, config: Config) -> str:
-    """The unit (a wrapped path, else the root ``""``) or the ignored path that holds parameter ``name``."""
-    owners = [path for path in (*config.wrap, *config.ignored) if name.startswith(path + ".")]
-    return max(owners, key=len, default="")
-
-
 def units_of(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
     """``model``'s parameters (the shadow's, unsharded) by the unit, or ignored path, that holds them."""
     units: dict[str, list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
-        units.setdefault(unit_of(name, config), []).append(param)
+        units.setdefault(config.unit_of(name), []).append(param)
     return units
 
 

@@ -175,6 +175,11 @@ class Config:
         """Whether the module keeps its original parameters (``use_orig_params``, or ``fully_shard``)."""
         return self.use_orig_params or self.api == "fully_shard"
 
+    def unit_of(self, name: str) -> str:
+        """The unit (a wrapped path, else the root ``""``) or the ignored path that holds parameter ``name``."""
+        owners = [path for path in (*self.wrap, *self.ignored) if name.startswith(path + ".")]
+        return max(owners, key=len, default="")
+
     def ignorable(self) -> tuple[str, ...]:
         """The paths a program may ignore: frozen modules and the unused block, outside every unit but the
         root and every checkpointed block, outermost only.

@@ -221,6 +221,32 @@ def test_packages_import_only_lower_layers() -> None:
     assert not violations, "imports against conformance/tests/test_structure.py's LAYERS:\n" + "\n".join(violations)
 
 
+def longest_chain(graph: dict[str, set[str]], package: str) -> list[str]:
+    """The longest chain of imports inside ``package`` (its tests aside), importer first."""
+    inside = {m for m in graph if (m == package or m.startswith(package + ".")) and ".tests" not in m}
+    chains: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in chains:
+            below = [chain(n) for n in sorted(graph[module] & inside) if n != module]
+            chains[module] = [module, *max(below, key=len, default=[])]
+        return chains[module]
+
+    return max((chain(m) for m in sorted(inside)), key=len, default=[])
+
+
+def test_longest_chain_follows_imports_inside_the_package() -> None:
+    graph = {"p.a": {"p.b", "q.x"}, "p.b": {"p.c"}, "p.c": set(), "q.x": {"p.a"}, "p.tests.t": {"p.a"}}
+    assert longest_chain(graph, "p") == ["p.a", "p.b", "p.c"]
+
+
+def test_the_fuzz_engine_is_no_deeper_than_the_harness() -> None:
+    """A reader following the fuzz engine's imports meets no longer chain than in the harness's."""
+    graph = import_graph()
+    fuzz, harness = longest_chain(graph, "conformance.fuzz"), longest_chain(graph, "harness")
+    assert len(fuzz) <= len(harness), f"the fuzz engine's longest chain of imports: {' -> '.join(fuzz)}"
+
+
 def _readme_layout() -> list[str]:
     """fsdp_impl's modules in the order of its README's layout table (lowest first)."""
     text = (ROOT / "fsdp_impl" / "README.md").read_text()
