@@ -119,12 +119,16 @@ class _DeepSpeedZeroAdapter:
         if spec.mixed_precision is not None:  # DeepSpeed's bf16/fp16 configs keep no FSDP-style reduce dtype
             raise ValueError(f"{self.name} does not express MixedPrecisionSpec; use spec.extra['config']")
         deepspeed = _deepspeed()
+        if any(isinstance(m, deepspeed.DeepSpeedEngine) for m in module.modules()):
+            raise ValueError(f"{self.name}: DeepSpeed builds one engine per model; "
+                             "a module holding an engine cannot be wrapped again")
         if spec.device_id is not None and torch.device(spec.device_id).type != _device().type:
             raise ValueError(f"{self.name} computes on {_device()}, not on {spec.device_id}")
         if spec.process_group is not None and dist.get_world_size(spec.process_group) != dist.get_world_size():
             raise ValueError(f"{self.name} shards over the world group only; got a group of "
                              f"{dist.get_world_size(spec.process_group)} ranks")
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        _forget_destroyed_groups()
         make_optim = spec.extra.get("optimizer", lambda params: torch.optim.SGD(params, lr=0.0))
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optim(module.parameters()),
                                                config=self.config(spec))
@@ -139,6 +143,8 @@ class _DeepSpeedZeroAdapter:
             params = list(user.parameters())
             return [UnitInfo("", user, group, None, device, [p.detach() for p in params],
                              [p.grad for p in params], None)]
+        from deepspeed.utils import safe_get_local_grad
+
         out = []
         for fqn, owner in user.named_modules():
             params = list(owner.parameters(recurse=False))
@@ -146,7 +152,7 @@ class _DeepSpeedZeroAdapter:
                 continue
             shards = [getattr(p, "ds_tensor") for p in params]  # noqa: B009 - set by DeepSpeed
             out.append(UnitInfo(fqn, owner, group, None, device, shards,
-                                [None for _ in params], _released(params)))
+                                [safe_get_local_grad(p) for p in params], _released(params)))
         return out
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -197,6 +203,26 @@ class _DeepSpeedZeroAdapter:
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's cached groups once torch has destroyed them (see [Note: DeepSpeed groups])."""
+    from deepspeed.utils import groups
+
+    cached = groups._WORLD_GROUP
+    if cached is not None and cached not in dist.distributed_c10d._world.pg_map:
+        groups._release_process_group_references(None)
+
+
+# [Note: DeepSpeed groups]
+# DeepSpeed creates its groups once per process (a clone of the world group,
+# the data-parallel group) and keeps them in ``deepspeed.utils.groups``'s
+# module globals, forgetting them only when they are destroyed through
+# ``deepspeed.comm.destroy_process_group``. The suite destroys every group a
+# case created through ``torch.distributed`` and may run the next case in the
+# same process, whose engine would then broadcast over a destroyed clone
+# ("Group ... is not registered"). ``wrap`` forgets such groups first, as
+# DeepSpeed's own destroy would have.
 
 
 def _released(params: list[Any]) -> bool | None:
