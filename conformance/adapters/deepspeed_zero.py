@@ -132,7 +132,8 @@ class _DeepSpeedZeroAdapter:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         _forget_destroyed_groups()
         make_optim = spec.extra.get("optimizer", lambda params: torch.optim.SGD(params, lr=0.0))
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optim(module.parameters()),
+        params = list(module.parameters())  # a module without parameters gets no optimizer (torch refuses one)
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optim(params) if params else None,
                                                config=self.config(spec))
         return engine  # type: ignore[no-any-return]
 
