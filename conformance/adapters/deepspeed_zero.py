@@ -26,7 +26,7 @@ adapter              strategies accepted  what is partitioned
 through the optimizer it wraps, so ``wrap`` gives the engine a placeholder
 ``torch.optim.SGD(lr=0)`` (``spec.extra["optimizer"]``, a callable taking the
 parameters, replaces it; ``spec.extra["config"]`` is merged into the
-DeepSpeed config). The suite's cases build their own torch optimizer on
+DeepSpeed config); a module without parameters gets none. The suite's cases build their own torch optimizer on
 ``model.parameters()`` and call ``loss.backward()`` and ``optim.step()``;
 DeepSpeed does not support that loop (its gradients live in the ZeRO
 optimizer's partitions), so rows that train over several steps fail until the
@@ -36,7 +36,8 @@ Parameter resharding is DeepSpeed's parameter persistence: ZeRO-3 releases
 every gathered parameter after use when ``stage3_param_persistence_threshold``
 is 0 (set here; DeepSpeed's default keeps parameters under 100k elements
 whole). Accumulation is ``gradient_accumulation_steps`` in the config
-(``engine.no_sync`` exists at stage 1 only, so ``NO_SYNC`` is not declared).
+(``engine.no_sync`` refuses stages 2 and 3 by design; at stage 1 every row that
+uses it wraps with a sharding strategy, so ``NO_SYNC`` is not declared).
 Full parameters come from ``deepspeed.zero.GatheredParameters`` (stage 3) or
 the parameters themselves (stages 1, 2).
 
