@@ -104,7 +104,8 @@ class _DeepSpeedZeroAdapter:
         return strategy in self.strategies
 
     def config(self, spec: WrapSpec) -> dict[str, Any]:
-        """The DeepSpeed config for one wrap: this stage, one micro-step per step, every parameter released."""
+        """The DeepSpeed config for one wrap: this stage, one micro-step per step, no gradient clipping,
+        every parameter released."""
         zero: dict[str, Any] = {"stage": self.stage}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
@@ -112,6 +113,7 @@ class _DeepSpeedZeroAdapter:
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips to norm 1.0 unless told otherwise
             "zero_optimization": zero,
         }
         config.update(spec.extra.get("config", {}))
