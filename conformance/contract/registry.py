@@ -29,6 +29,9 @@ BUILTIN: dict[str, str] = {
     "torch-fsdp2": "conformance.adapters.torch_fsdp2:TorchFSDP2Adapter",
     "fairscale-fsdp": "conformance.adapters.fairscale_fsdp:FairScaleFSDPAdapter",
     "torchtitan-simple-fsdp": "conformance.adapters.torchtitan_simple_fsdp:TorchTitanSimpleFSDPAdapter",
+    "deepspeed-zero1": "conformance.adapters.deepspeed_zero:DeepSpeedZero1Adapter",
+    "deepspeed-zero2": "conformance.adapters.deepspeed_zero:DeepSpeedZero2Adapter",
+    "deepspeed-zero3": "conformance.adapters.deepspeed_zero:DeepSpeedZero3Adapter",
 }
 
 

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests o
 
 F = "docs/findings/"
 FSDP1, FSDP2, FAIRSCALE, TITAN = "torch-fsdp1", "torch-fsdp2", "fairscale-fsdp", "torchtitan-simple-fsdp"
+ZERO3 = "deepspeed-zero3"
 SYNC = ("rank 0 raised ValueError: The module has CPU parameters or buffers when `sync_module_states=True`, which "
         "requires them to be on GPU. Please specify the `device_id` argument or move the module to GPU before passing "
         "it to FSDP. (world_size=2, mode=process)")
@@ -185,7 +186,15 @@ def _others() -> list[tuple[str, str, str, str]]:
         (FAIRSCALE, "fuzz/stateful_ws1", cuda, STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="raised: KeyError: 'all_gather'")),
     ]
-    return fairscale + [
+    zero3 = [(ZERO3, "memory/dropped_model_freed[units=root,last=step,api=wrap]",
+              F + "deepspeed-zero3-destroy-keeps-model.md",
+              "rank 0 raised AssertionError: rank 0: the wrap model, dropped by its user after two training steps, "
+              "is still alive after gc.collect(), a LinearStack (held by objects of types ['DeepSpeedZeRoOffload', "
+              "'Init', 'cell', 'dict', 'list', 'method', 'tuple']): its parameters, gradients and process groups are "
+              "never freed (world_size=2, mode=process)"),
+             (ZERO3, "placement/no_params[use_device_id=False]", F + "deepspeed-zero3-no-params-indexerror.md",
+              "rank 0 raised IndexError: list index out of range (world_size=2, mode=process)")]
+    return fairscale + zero3 + [
         (TITAN, "training/cpu_training_parity_vs_ddp[strategy=FULL_SHARD,optim=SGD]", sums,
          "rank 0 raised AssertionError: torchtitan-simple-fsdp vs ddp at step 1: loss: Scalars are not close!"),
         (TITAN, "grad_accumulation/accumulate", sums, "rank 0 raised AssertionError: rank 0 step 0: grads after 3 "
