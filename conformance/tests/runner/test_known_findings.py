@@ -8,9 +8,14 @@ an error at another operation), which no registration may label.
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
-from conformance.runner.findings import BUILTIN_FILE, Finding, annotate, explaining, load_file
+from conformance.contract.rows import RENAMED_ROWS
+from conformance.runner.findings import BUILTIN_FILE, ENV_VAR, Finding, annotate, explaining, load_file
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
@@ -305,3 +310,20 @@ def test_no_registration_labels_a_failure_of_another_cause(impl: str, row: str) 
 def test_failures_once_mislabelled_are_not_labelled(impl: str, row: str, reason: str) -> None:
     """Failures the registrations used to label although their write-ups describe another cause."""
     assert explaining(impl, row, reason) is None
+
+
+def test_a_registration_naming_a_renamed_rows_old_id_applies_to_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: renamed rows]: a package's finding registered under a row's old id (with parameters or not), from a
+    file or built as a :class:`Finding`, explains that row's failures under its new id, warning naming it."""
+    old, new = "fuzz/repro_8fc450e8", RENAMED_ROWS["fuzz/repro_8fc450e8"]
+    listed = tmp_path / "findings.json"
+    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": old, "doc": "d.md"}]))
+    monkeypatch.setenv(ENV_VAR, str(listed))
+    with pytest.warns(DeprecationWarning, match=re.escape(f"finding for my-fsdp: row id '{old}' is renamed '{new}'")):
+        found = explaining("my-fsdp", new, "params differ")
+    assert found is not None and found.rows == new and found.doc == "d.md", found
+    with pytest.warns(DeprecationWarning, match=re.escape(f"row id '{old}[x=1]' is renamed '{new}[x=1]'")):
+        built = Finding("my-fsdp", f"{old}[x=1]", "d.md")
+    assert built.explains("my-fsdp", f"{new}[x=1,y=2]", "params differ")
+    assert not built.explains("my-fsdp", f"{new}[x=2]", "params differ")
