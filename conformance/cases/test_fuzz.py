@@ -110,8 +110,8 @@ def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
 
 # Found by the parity fuzzer (seed 1) in torch-fsdp1: after backward the unused unit's parameters are
 # missing from the module (docs/findings/fsdp1-no-shard-unused-unit-params.md).
-@case("fuzz/repro_8fc450e8", clause=("C1", "C2"), world_size=ONE_RANK)
-def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_no_shard_unused_unit_params", clause=("C1", "C2"), world_size=ONE_RANK)
+def test_repro_no_shard_unused_unit_params(ctx: RankContext, impl: FSDPAdapter) -> None:
     """One rank, use_orig_params: a unit the forward never uses keeps its parameters registered on the
     module after backward, and losses, grads and params after each step match the local model."""
     run_example(ctx, impl, Example(world_size=1, model=ModelSpec(blocks=(Block(inner=("linear",)),), unused=True),
@@ -123,8 +123,8 @@ def test_repro_8fc450e8(ctx: RankContext, impl: FSDPAdapter) -> None:
 # (docs/findings/fsdp1-summon-grads-float64-padding-shard.md). Written by hand from the finding: a crash
 # cannot be shrunk. On thread ranks torch-fsdp1 hangs instead of dying; the timeout leaves room for a fresh
 # pool of four ranks warming up on a loaded 2-core machine (about 30 s), not for the default 120 s.
-@case("fuzz/repro_d61e5cb1", clause=("C1", "C2"), world_size=4, timeout_s=90.0)
-def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_summon_grads_float64_padding_shard", clause=("C1", "C2"), world_size=4, timeout_s=90.0)
+def test_repro_summon_grads_float64_padding_shard(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Four ranks, a float64 unit whose last rank's shard is padding only: reading its full gradients
     works on every rank (no rank dies or hangs), and losses, grads and params match the local model."""
     run_example(ctx, impl, Example(world_size=4, wrap=("blocks.0",), use_orig_params=True, dtype="float64"))
@@ -133,8 +133,9 @@ def test_repro_d61e5cb1(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the parity fuzzer (seed 0, 60 examples) in torch-fsdp1: with a bfloat16 reduction, NO_SHARD (what
 # FSDP1 runs at world size 1) adds a second backward's gradient to the first in bfloat16, where the sharded
 # strategies add in float32 (docs/findings/fsdp1-no-shard-low-precision-accumulation.md).
-@case("fuzz/repro_57555c45", clause=("C13", "C3"), world_size=ONE_RANK, requires=[Capability.MIXED_PRECISION])
-def test_repro_57555c45(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_no_shard_low_precision_accumulation",
+      clause=("C13", "C3"), world_size=ONE_RANK, requires=[Capability.MIXED_PRECISION])
+def test_repro_no_shard_low_precision_accumulation(ctx: RankContext, impl: FSDPAdapter) -> None:
     """One rank, bfloat16 params and reduction, two backwards per step: outputs come out in bfloat16, and
     losses, grads (each backward's reduced gradient added to the float32 one, not summed in bfloat16) and
     params match the local mixed-precision baseline."""
@@ -259,10 +260,9 @@ def test_gradient_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world sizes 2 and 4; simplified by hand to one rank and one
 # scale layer) in torch-fsdp1: with buffer_dtype=bfloat16 a full state dict taken before any forward holds the
 # buffers rounded to bfloat16 (docs/findings/fsdp1-buffer-dtype-rounds-saved-buffers.md).
-@case("fuzz/repro_6ec378a7", requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE],
-      clause=("C13", "C4"), world_size=ONE_RANK_BF16,
-      uses=NEIGHBOURS_USE)
-def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_buffer_dtype_state_dict_before_forward", clause=("C13", "C4"), world_size=ONE_RANK_BF16,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE], uses=NEIGHBOURS_USE)
+def test_repro_buffer_dtype_state_dict_before_forward(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict taken right after wrapping, before any forward,
     holds the buffers at their full-precision values, as the shadow model's."""
     run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
@@ -272,8 +272,8 @@ def test_repro_6ec378a7(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp1: a no_grad forward between
 # backward and the optimizer step leaves the root's pre-step parameters unsharded, and the next forward and
 # summon_full_params use them (docs/findings/fsdp1-no-grad-forward-before-step-stale-params.md).
-@case("fuzz/repro_438854a6", clause=("C1", "C11"), world_size=TWO_OR_MORE, uses=NEIGHBOURS_USE)
-def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_no_grad_forward_before_step", clause=("C1", "C11"), world_size=TWO_OR_MORE, uses=NEIGHBOURS_USE)
+def test_repro_no_grad_forward_before_step(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A ``no_grad`` forward between backward and the optimizer step does not keep the pre-step
     parameters: after the step the full parameters and the next forward equal the shadow's."""
     run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size),
@@ -283,9 +283,9 @@ def test_repro_438854a6(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seed 0, 40 programs, world size 2) in torch-fsdp2: with reshard_after_forward=False
 # a no_grad forward after backward leaves the unsharded parameters registered, without gradients, and the next
 # forward after a step uses the pre-step values (docs/findings/fsdp2-no-grad-forward-unsharded-params.md).
-@case("fuzz/repro_3ff502a0", clause=("C1", "C11"), world_size=TWO_OR_MORE, strategies=("SHARD_GRAD_OP",),
-      uses=NEIGHBOURS_USE)
-def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_no_grad_forward_unsharded_params", clause=("C1", "C11"), world_size=TWO_OR_MORE,
+      strategies=("SHARD_GRAD_OP",), uses=NEIGHBOURS_USE)
+def test_repro_no_grad_forward_unsharded_params(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With SHARD_GRAD_OP (``reshard_after_forward=False``), a ``no_grad`` forward after backward keeps
     the gradients the user sees and the next forward uses the stepped parameters, as the shadow's."""
     run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, strategy="SHARD_GRAD_OP"),
@@ -296,9 +296,9 @@ def test_repro_3ff502a0(ctx: RankContext, impl: FSDPAdapter) -> None:
 # a full optimizer state dict saved before the first step cannot be loaded (set_optimizer_state_dict raises
 # "Expected device to be set"); torch.distributed.checkpoint.state_dict's, documented
 # (docs/findings/dcp-full-optim-load-with-grads-before-first-step.md).
-@case("fuzz/repro_49d9e993", clause="C4", world_size=TWO_OR_MORE, requires=[Capability.FULL_STATE_DICT],
-      uses=NEIGHBOURS_USE)
-def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_full_optim_load_before_first_step", clause="C4", world_size=TWO_OR_MORE,
+      requires=[Capability.FULL_STATE_DICT], uses=NEIGHBOURS_USE)
+def test_repro_full_optim_load_before_first_step(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
     the state then equals the shadow's."""
     run_program(ctx, impl, Program(Config(world_size=ctx.world_size), (Forward(), Backward(), Save(), Load())))
@@ -307,11 +307,10 @@ def test_repro_49d9e993(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seeds 0-3, 40 programs, world size 2; shrunk by hand to one unit and no optimizer
 # save) in the reference: a full state dict between forward and backward left the units gathering in full
 # precision, and backward raised (setStorage: "storage of size 0"). torch-fsdp1 and torch-fsdp2 pass.
-@case("fuzz/repro_445b0205", requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT],
-      world_size=Exact(2, reason="a bfloat16 reduction has one correct value at 2 ranks only"),
-      clause=("C4", "C13"),
-      uses=NEIGHBOURS_USE)
-def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_full_state_dict_mid_iteration_bf16", clause=("C4", "C13"), uses=NEIGHBOURS_USE,
+      requires=[Capability.MIXED_PRECISION, Capability.FULL_STATE_DICT],
+      world_size=Exact(2, reason="a bfloat16 reduction has one correct value at 2 ranks only"))
+def test_repro_full_state_dict_mid_iteration_bf16(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under a bfloat16 policy, a full state dict taken between forward and backward holds the shadow's
     values, and the backward that follows runs and gives the shadow's gradients."""
     run_program(ctx, impl, Program(config=Config(world_size=2, policy=Policy()),
@@ -321,10 +320,10 @@ def test_repro_445b0205(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Found by the stateful fuzzer (seeds 0-3, 40 programs; shrunk by hand to one rank and one checkpointed scale
 # layer) in the reference: a full state dict after a forward held the buffers of an activation-checkpointed block
 # in the buffer dtype (bfloat16), not in the dtype they were built in. torch-fsdp1 passes.
-@case("fuzz/repro_5e69d8c9", clause=("C4", "C13"), world_size=ONE_RANK_BF16,
+@case("fuzz/repro_buffer_dtype_checkpointed_state_dict", clause=("C4", "C13"), world_size=ONE_RANK_BF16,
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT],
       uses=NEIGHBOURS_USE)
-def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
+def test_repro_buffer_dtype_checkpointed_state_dict(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict after a forward holds the buffers of an
     activation-checkpointed block in float32, the dtype they were built in (as the shadow's)."""
     run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
@@ -336,9 +335,9 @@ def test_repro_5e69d8c9(ctx: RankContext, impl: FSDPAdapter) -> None:
 # a sharded state dict between forward and backward left a flat-parameter unit's modules without their parameter
 # attributes, and the recomputation of a checkpointed block in backward raised ("'Linear' object has no attribute
 # 'weight'"). torch-fsdp1 passes.
-@case("fuzz/repro_ff3cd83a", world_size=TWO_OR_MORE, requires=[Capability.SHARDED_STATE_DICT], uses=NEIGHBOURS_USE,
-      clause=("C4", "C17"))
-def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_sharded_state_dict_before_recompute", clause=("C4", "C17"), world_size=TWO_OR_MORE,
+      requires=[Capability.SHARDED_STATE_DICT], uses=NEIGHBOURS_USE)
+def test_repro_sharded_state_dict_before_recompute(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A sharded state dict taken between forward and backward leaves the backward that follows (recomputing
     an activation-checkpointed block) running, with the shadow's gradients."""
     run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, checkpoint=("blocks.0",)),
@@ -349,10 +348,9 @@ def test_repro_ff3cd83a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # implementation, the reference included: it reduced the backward inside no_sync and the next one separately and
 # added the results in float32, where each rank's sum is rounded to the param dtype before the one reduction
 # ([Note: unsynced accumulation dtype] in conformance/fuzz/shadow.py).
-@case("fuzz/repro_27b1c63e", world_size=ONE_RANK_BF16, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
-      clause=("C3", "C13"),
-      uses=NEIGHBOURS_USE)
-def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_no_sync_bf16_accumulation", clause=("C3", "C13"), world_size=ONE_RANK_BF16,
+      requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC], uses=NEIGHBOURS_USE)
+def test_repro_no_sync_bf16_accumulation(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and reduction, a backward inside ``no_sync`` and the next one: the gradient is their
     sum rounded to bfloat16 and reduced once, and the parameters after the step equal the shadow's."""
     run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(), Block())),
@@ -362,10 +360,9 @@ def test_repro_27b1c63e(ctx: RankContext, impl: FSDPAdapter) -> None:
 # Written from the program above with reduce_dtype=float32 on two ranks: torch-fsdp2 (whose no_sync is
 # set_requires_gradient_sync(False)) keeps the unsynced gradient in float32, where FSDP1's no_sync keeps it in
 # bfloat16 (docs/findings/fsdp2-no-sync-accumulates-in-reduce-dtype.md).
-@case("fuzz/repro_c8d7309a", world_size=TWO_OR_MORE, requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC],
-      clause=("C3", "C13"),
-      uses=NEIGHBOURS_USE)
-def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_no_sync_float32_reduce_accumulation", clause=("C3", "C13"), world_size=TWO_OR_MORE,
+      requires=[Capability.MIXED_PRECISION, Capability.NO_SYNC], uses=NEIGHBOURS_USE)
+def test_repro_no_sync_float32_reduce_accumulation(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and a float32 reduction, a backward inside ``no_sync`` and the next one: each rank's
     sum is kept in bfloat16 (FSDP1's ``no_sync``) and reduced once in float32; gradients and parameters after the
     step equal the shadow's."""
@@ -378,10 +375,9 @@ def test_repro_c8d7309a(ctx: RankContext, impl: FSDPAdapter) -> None:
 # shrunk by hand to the default configuration on two ranks) in torch-fsdp2: taking the optimizer state dict before
 # the first step runs a step on zero gradients, which counts for Adam, so the first real step is its second
 # (torch.distributed.checkpoint.state_dict's; docs/findings/dcp-optim-state-dict-steps-adam.md).
-@case("fuzz/repro_c34640a2", world_size=TWO_OR_MORE, requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT],
-      clause="C4",
-      uses=NEIGHBOURS_USE)
-def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_optim_state_dict_before_first_step_adam", clause="C4", world_size=TWO_OR_MORE,
+      requires=[Capability.FULL_STATE_DICT, Capability.OPTIM_STATE_DICT], uses=NEIGHBOURS_USE)
+def test_repro_optim_state_dict_before_first_step_adam(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Saving the model and Adam's state before the first step changes nothing: the first training
     iteration after it leaves the parameters the shadow's."""
     run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, optimizer="adam"), ops=(Save(), Train())))
@@ -392,8 +388,8 @@ def test_repro_c34640a2(ctx: RankContext, impl: FSDPAdapter) -> None:
 # sharded strategy frees the root's unsharded parameters when the nested backward delivers its piece of the root's
 # gradient, and the outer backward through blocks.0 then reads freed storage
 # (docs/findings/fsdp1-reentrant-checkpoint-frees-unit.md).
-@case("fuzz/repro_972f9ad8", clause=("C17", "C1"), world_size=TWO_OR_MORE, uses=NEIGHBOURS_USE)
-def test_repro_972f9ad8(ctx: RankContext, impl: FSDPAdapter) -> None:
+@case("fuzz/repro_reentrant_checkpoint_root_params", clause=("C17", "C1"), world_size=TWO_OR_MORE, uses=NEIGHBOURS_USE)
+def test_repro_reentrant_checkpoint_root_params(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A block of the root unit checkpointing itself reentrantly, after a block whose backward needs the root's
     parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""
     model = ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))

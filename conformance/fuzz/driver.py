@@ -276,6 +276,8 @@ def render_case(example: Example, message: str) -> str:
     requires = f", requires=[{needs}]" if needs else ""
     return (
         f"# Found by the parity fuzzer: {found}\n"
+        "# Name it by the behaviour it pins, fuzz/repro_<behaviour> (docs/ADDING_A_CASE.md): "
+        f"repro_{digest} is a placeholder\n"
         f'@case("fuzz/repro_{digest}", clause=("C1", "C2"), world_size={example.world_size}, '
         f'modes=("process",){requires})\n'
         f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"

@@ -122,6 +122,8 @@ def render_program(program: Program, message: str) -> str:
     requires = f", requires=[{', '.join(needs)}]" if needs else ""
     return (
         f"# Found by the stateful fuzzer: {found}\n"
+        "# Name it by the behaviour it pins, fuzz/repro_<behaviour> (docs/ADDING_A_CASE.md): "
+        f"repro_{digest} is a placeholder\n"
         f'@case("fuzz/repro_{digest}", clause=("C1", "C2"), world_size={program.config.world_size}{requires}, '
         f"uses=NEIGHBOURS_USE)\n"
         f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"

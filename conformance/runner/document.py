@@ -18,12 +18,13 @@ import os
 import platform
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conformance.contract.results import OUTCOMES, Result
+from conformance.contract.rows import current_row_id
 
 if TYPE_CHECKING:
     from conformance.runner.expect import Comparison
@@ -189,7 +190,8 @@ def load_report(path: Path) -> RunReport:
 
 def load_baseline(path: Path, flag: str) -> RunReport:
     """The report at ``path`` as a baseline to compare a run with ([Note: expected outcomes] in
-    :mod:`conformance.runner.expect`); ``ValueError`` naming ``flag`` and the path when it cannot serve."""
+    :mod:`conformance.runner.expect`), a renamed row under its new id ([Note: renamed rows] in
+    :mod:`conformance.contract.rows`); ``ValueError`` naming ``flag`` and the path when it cannot serve."""
     try:
         report = load_report(path)
     except ValueError as exc:
@@ -197,4 +199,5 @@ def load_baseline(path: Path, flag: str) -> RunReport:
     if not report.rows:
         raise ValueError(f"{flag} {str(path)!r}: not a baseline: the report has no rows to compare with; give "
                          "the JSON report of a run that ran rows")
-    return report
+    rows = [replace(row, case=current_row_id(row.case)) for row in report.rows]
+    return RunReport(report.schema_version, report.header, rows)

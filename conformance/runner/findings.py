@@ -7,7 +7,7 @@ case is right) so a reader does not have to rediscover it. A documented choice
 implementation does what its own documentation says, which is neither a pass
 nor a violation.
 
-Findings come from three places, all in one format (a JSON list of
+Findings share one format (a JSON list of
 ``{"impl": ..., "rows": ..., "doc": ...}``, ``rows`` a pattern as
 :func:`conformance.contract.rows.row_matches` reads it, ``doc`` a path or URL; an
 optional ``"reason"``, a regular expression, limits the finding to failures
@@ -18,7 +18,10 @@ implementation itself, e.g. ``"torch.distributed.checkpoint.state_dict"``; an
 optional ``"kind"`` is ``"bug"``, the default, or ``"documented"``: a
 limitation or design choice the implementation's own documentation states,
 which then needs ``"documentation"``, the citation (document, section or quote,
-version); the reason then says it is documented and cites where):
+version); the reason then says it is documented and cites where). A ``rows``
+naming a renamed row's old id applies to the row under its new id, with a
+``DeprecationWarning`` naming it ([Note: renamed rows] in
+:mod:`conformance.contract.rows`). They come from three places:
 
 - this suite's own, :data:`BUILTIN_FILE`;
 - packages, under the :data:`ENTRY_POINT_GROUP` entry-point group: the entry
@@ -38,7 +41,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from conformance.contract.rows import parse_row_id, row_matches
+from conformance.contract.rows import current_row_id, parse_row_id, row_matches
 
 __all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "KINDS", "Finding", "annotate", "explaining", "known",
            "load_file", "load_files"]
@@ -72,6 +75,8 @@ class Finding:
     documentation: str | None = None
 
     def __post_init__(self) -> None:
+        # a registration naming a renamed row's old id ([Note: renamed rows]); frozen, hence object.__setattr__
+        object.__setattr__(self, "rows", current_row_id(self.rows, f"finding for {self.impl}", stacklevel=4))
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if (self.kind == "documented") != (self.documentation is not None):
@@ -96,7 +101,8 @@ class Finding:
             except re.error as exc:
                 raise ValueError(f"{source}: reason {entry['reason']!r} is not a regular expression: {exc}") from None
         try:
-            return cls(entry["impl"], entry["rows"], entry["doc"], entry.get("reason"), entry.get("component"),
+            rows = current_row_id(entry["rows"], f"{source}: finding for {entry['impl']}", stacklevel=3)
+            return cls(entry["impl"], rows, entry["doc"], entry.get("reason"), entry.get("component"),
                        entry.get("kind", "bug"), entry.get("documentation"))
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}: {entry!r}") from None

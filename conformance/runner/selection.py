@@ -13,7 +13,10 @@ selected by their own options:
   report whose outcome is one of ``--fsdp-rows-outcome`` (default ``FAIL,error``):
   the same row, implementation and rank mode, nothing else.
 
-A row id the collection does not hold, or a report cell this run cannot
+A renamed row's old id selects the row under its new id ([Note: renamed rows]
+in :mod:`conformance.contract.rows`): ``--fsdp-row OLD`` with a
+``DeprecationWarning`` and a line on the terminal naming the new id, a
+report's rows silently. A row id the collection does not hold, or a report cell this run cannot
 reproduce (its implementation or rank mode is not selected), is a usage
 error naming it, raised before any case runs. ``-k`` and ``-m`` still apply
 on top. Under pytest-xdist the workers collect and the controller does not,
@@ -35,7 +38,7 @@ import pytest
 from _pytest.mark.expression import Expression  # what -k/-m compile with; no public spelling exists
 
 from conformance.contract.results import OUTCOMES
-from conformance.contract.rows import all_params, case_row_id, case_spec
+from conformance.contract.rows import all_params, case_row_id, case_spec, current_row_id, renamed_message, renamed_row
 from harness.plugin.workers import is_controller, is_worker
 
 __all__ = ["DEFAULT_OUTCOMES", "Selection", "check_expressions", "report_cells", "selection_of"]
@@ -47,6 +50,8 @@ DEFAULT_OUTCOMES = ("FAIL", "error")
 Cell = tuple[str, str, str]
 
 _SELECTION_KEY = pytest.StashKey["Selection | None"]()
+#: What the renamed row ids given to ``--fsdp-row`` warn, for the terminal ([Note: renamed rows]).
+_RENAMED_KEY = pytest.StashKey[list[str]]()
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ def report_cells(path: Path, outcomes: Iterable[str]) -> frozenset[Cell]:
     cells: set[Cell] = set()
     for index, row in enumerate(rows):
         try:
-            cell = (str(row["case"]), str(row["impl"]), str(row["rank_mode"]))
+            cell = (current_row_id(str(row["case"])), str(row["impl"]), str(row["rank_mode"]))
             outcome = row["outcome"]
         except (TypeError, KeyError) as exc:
             raise ValueError(f"--fsdp-rows-from {str(path)!r}: row {index} lacks {exc} (case, impl, rank_mode, "
@@ -129,7 +134,7 @@ def check_expressions(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     check_expressions(config)
-    rows = frozenset(config.getoption("--fsdp-row") or ())
+    rows = _given_rows(config)
     report = config.getoption("--fsdp-rows-from")
     flag = "--fsdp-rows-outcome"
     outcomes = _outcomes(config.getoption(flag), flag)
@@ -146,6 +151,29 @@ def pytest_configure(config: pytest.Config) -> None:
                         returncode=0)
     selected = rows or cells
     config.stash[_SELECTION_KEY] = Selection(rows, cells, f"--fsdp-rows-from {report}") if selected else None
+
+
+def _given_rows(config: pytest.Config) -> frozenset[str]:
+    """The ``--fsdp-row`` ids, a renamed one as its new id, warning naming it ([Note: renamed rows])."""
+    rows: set[str] = set()
+    messages: list[str] = []
+    for row in config.getoption("--fsdp-row") or ():
+        new = renamed_row(row)
+        if new is not None:
+            messages.append(renamed_message(row, new, "--row"))
+            if not is_worker(config):
+                config.issue_config_time_warning(DeprecationWarning(messages[-1]), stacklevel=2)
+        rows.add(new or row)
+    config.stash[_RENAMED_KEY] = messages
+    return frozenset(rows)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A line on the terminal for each renamed row id given, before any row runs."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not is_worker(session.config):
+        for message in session.config.stash.get(_RENAMED_KEY, []):
+            reporter.write_line(f"fsdp-conformance: {message}", yellow=True)
 
 
 def selection_of(config: pytest.Config) -> Selection | None:

@@ -46,7 +46,7 @@ class MasterRoundedToParamDtype(_Mutant):
 def _add_in_reduce_dtype(accumulate: Fn) -> Fn:
     def accumulate_in_reduce_dtype(handle: Any, grad: torch.Tensor) -> None:
         # Adds the new reduced gradient to the kept one in the reduction's dtype, then stores the
-        # rounded sum (torch FSDP1's NO_SHARD does this, see fuzz/repro_57555c45).
+        # rounded sum (torch FSDP1's NO_SHARD does this, see fuzz/repro_no_shard_low_precision_accumulation).
         previous = handle.sharded_grad()
         if previous is None or previous.dtype == grad.dtype:
             accumulate(handle, grad)
@@ -64,17 +64,19 @@ class AccumulatesInReduceDtype(_Mutant):
 
     name = "mutant-accumulates-in-reduce-dtype"
     breaks = "accumulating gradients across backwards in the parameters' dtype"
-    expect = Expect("repro_57555c45", "thread", ("fuzz/repro_57555c45",))
+    expect = Expect("repro_no_shard_low_precision_accumulation", "thread",
+                    ("fuzz/repro_no_shard_low_precision_accumulation",))
     patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _add_in_reduce_dtype),)
 
 
 class BuffersRoundedAtWrap(_Mutant):
     """With a ``buffer_dtype``, buffers take that dtype's values when the module is wrapped, before any
-    forward (torch's FSDP1 does so at its first state dict, see fuzz/repro_6ec378a7)."""
+    forward (torch's FSDP1 does so at its first state dict, see fuzz/repro_buffer_dtype_state_dict_before_forward)."""
 
     name = "mutant-buffers-rounded-at-wrap"
     breaks = "keeping buffers as built until the first forward"
-    expect = Expect("repro_6ec378a7", "thread", ("fuzz/repro_6ec378a7",))
+    expect = Expect("repro_buffer_dtype_state_dict_before_forward", "thread",
+                    ("fuzz/repro_buffer_dtype_state_dict_before_forward",))
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         low = None if spec.mixed_precision is None else spec.mixed_precision.buffer_dtype
@@ -161,7 +163,7 @@ class NoSyncReducesKeptApart(_Mutant):
 
     name = "mutant-no-sync-reduces-kept-apart"
     breaks = "reducing the sum of the gradient kept inside no_sync and the synchronizing backward's once"
-    expect = Expect("repro_27b1c63e", "thread", ("fuzz/repro_27b1c63e",))
+    expect = Expect("repro_no_sync_bf16_accumulation", "thread", ("fuzz/repro_no_sync_bf16_accumulation",))
     patches = (Patch("fsdp_impl.unit:_with_unsynced_grad", _reduce_kept_apart),)
 
 
@@ -179,12 +181,12 @@ def _widen_kept(add_kept: Fn) -> Fn:
 class NoSyncKeepsGradInReduceDtype(_Mutant):
     """Inside ``no_sync`` the kept gradient adds up in ``reduce_dtype`` (float32) rather than in ``param_dtype``,
     the dtype of the module variables FSDP1's ``no_sync`` accumulates in (FSDP2's behaviour, see
-    fuzz/repro_c8d7309a)."""
+    fuzz/repro_no_sync_float32_reduce_accumulation)."""
 
     name = "mutant-no-sync-keeps-grad-in-reduce-dtype"
     breaks = "accumulating the gradients kept inside no_sync in param_dtype"
-    expect = Expect("repro_c8d7309a or unsynced_sums", "thread",
-                    ("fuzz/repro_c8d7309a", "mixed_precision/unsynced_sums[api=wrap]"))
+    expect = Expect("repro_no_sync_float32_reduce_accumulation or unsynced_sums", "thread",
+                    ("fuzz/repro_no_sync_float32_reduce_accumulation", "mixed_precision/unsynced_sums[api=wrap]"))
     patches = (Patch("fsdp_impl.unit:_with_unsynced_grad", _widen_kept),)
 
 

@@ -31,8 +31,8 @@ Fn = Callable[..., Any]
 #: A reentrant checkpoint's nested backward hands a unit its gradient in pieces.
 #: And the stateful fuzzer's smallest program with a reentrant block ([Note: reentrant blocks]).
 _REENTRANT_CHECKPOINT = Expect(
-    "checkpoint_submodule or repro_972f9ad8", "thread",
-    ("checkpoint/checkpoint_submodule[use_reentrant=True]", "fuzz/repro_972f9ad8"),
+    "checkpoint_submodule or repro_reentrant_checkpoint_root_params", "thread",
+    ("checkpoint/checkpoint_submodule[use_reentrant=True]", "fuzz/repro_reentrant_checkpoint_root_params"),
 )
 
 
@@ -44,10 +44,10 @@ class NoGradDivide(_Mutant):
     # Adam is invariant to a uniform gradient scale: only the SGD rows of DDP parity see this.
     # And the stateful fuzzer at world sizes 2 and 4 with the main job's budget (seed 0): its first programs train.
     expect = Expect(
-        "not_all_outputs_used_in_loss or (cpu_training_parity_vs_ddp and SGD) or repro_d61e5cb1 "
-        "or stateful_ws2 or stateful_ws4", "thread",
+        "not_all_outputs_used_in_loss or (cpu_training_parity_vs_ddp and SGD) "
+        "or repro_summon_grads_float64_padding_shard or stateful_ws2 or stateful_ws4", "thread",
         ("unit_outputs/not_all_outputs_used_in_loss", "training/cpu_training_parity_vs_ddp[optim=SGD]",
-         "fuzz/repro_d61e5cb1", "fuzz/stateful_ws2", "fuzz/stateful_ws4"),
+         "fuzz/repro_summon_grads_float64_padding_shard", "fuzz/stateful_ws2", "fuzz/stateful_ws4"),
     )
 
     def _mutate_unit(self, unit: Any) -> None:
@@ -102,8 +102,8 @@ class NoReshardAfterBackward(_Mutant):
     breaks = "resharding at the end of backward"
     #: The fuzzer's reproducer: an unused unit's original parameters must be registered again.
     expect = Expect(
-        "unused_outputs_resharded or repro_8fc450e8", "thread",
-        ("unit_outputs/unused_outputs_resharded", "fuzz/repro_8fc450e8"),
+        "unused_outputs_resharded or repro_no_shard_unused_unit_params", "thread",
+        ("unit_outputs/unused_outputs_resharded", "fuzz/repro_no_shard_unused_unit_params"),
     )
     patches = (
         Patch("fsdp_impl.flat_param:FlatParamHandle.reshard", _reshard_outside_final_callback),

@@ -77,8 +77,9 @@ class NoGradForwardDropsGrads(_Mutant):
     #: Its reproducers, and the stateful fuzzer at world size 2 with the main job's budget (seed 0): a
     #: backward, then a forward without gradients, then a check that reads the gradients or a step before
     #: zero_grad (drawn again since the programs list NoSync, Save and Load after Train).
-    expect = Expect("repro_438854a6 or repro_3ff502a0 or stateful_ws2", "thread",
-                    ("fuzz/repro_438854a6", "fuzz/repro_3ff502a0", "fuzz/stateful_ws2"))
+    expect = Expect("repro_no_grad_forward_before_step or repro_no_grad_forward_unsharded_params or stateful_ws2",
+                    "thread", ("fuzz/repro_no_grad_forward_before_step", "fuzz/repro_no_grad_forward_unsharded_params",
+                               "fuzz/stateful_ws2"))
     patches = (Patch("fsdp_impl.unit:_pre_forward", _dropping_grads_without_grad),)
 
 
@@ -107,21 +108,23 @@ def _stepping_empty_state(save: Fn) -> Fn:
 
 class OptimSaveStepsEmptyState(_Mutant):
     """An optimizer state dict taken before the first step runs a step on zero gradients first, so
-    Adam's first real step is its second (torch-fsdp2's, see fuzz/repro_c34640a2)."""
+    Adam's first real step is its second (torch-fsdp2's, see fuzz/repro_optim_state_dict_before_first_step_adam)."""
 
     name = "mutant-optim-save-steps-empty-state"
     breaks = "leaving the optimizer as it was when saving its state before the first step"
-    expect = Expect("repro_c34640a2", "thread", ("fuzz/repro_c34640a2",))
+    expect = Expect("repro_optim_state_dict_before_first_step_adam", "thread",
+                    ("fuzz/repro_optim_state_dict_before_first_step_adam",))
     patches = (Patch("fsdp_impl.state_dict:optim_state_dict", _stepping_empty_state),)
 
 
 class OptimLoadNeedsState(_Mutant):
     """Refuses to load an optimizer state dict that holds no per-parameter state, as one saved before
-    the first step does (torch-fsdp2's full load, see fuzz/repro_49d9e993)."""
+    the first step does (torch-fsdp2's full load, see fuzz/repro_full_optim_load_before_first_step)."""
 
     name = "mutant-optim-load-needs-state"
     breaks = "loading an optimizer state dict saved before the first step"
-    expect = Expect("repro_49d9e993", "thread", ("fuzz/repro_49d9e993",))
+    expect = Expect("repro_full_optim_load_before_first_step", "thread",
+                    ("fuzz/repro_full_optim_load_before_first_step",))
     patches = (Patch("fsdp_impl.state_dict:optim_state_dict_to_load", _needing_state),)
 
 
@@ -146,7 +149,8 @@ class SummonKeepsFullPrecision(_Mutant):
 
     name = "mutant-summon-keeps-full-precision"
     breaks = "computing backward in the param dtype after a state dict between forward and backward"
-    expect = Expect("repro_445b0205", "thread", ("fuzz/repro_445b0205",))
+    expect = Expect("repro_full_state_dict_mid_iteration_bf16", "thread",
+                    ("fuzz/repro_full_state_dict_mid_iteration_bf16",))
     patches = (Patch("fsdp_impl.state_dict:summon_full_params", _staying_in_full_precision),)
 
 
@@ -156,7 +160,8 @@ class BuffersSavedInBufferDtype(_Mutant):
 
     name = "mutant-buffers-saved-in-buffer-dtype"
     breaks = "saving buffers in the dtype they were built in"
-    expect = Expect("repro_5e69d8c9", "thread", ("fuzz/repro_5e69d8c9",))
+    expect = Expect("repro_buffer_dtype_checkpointed_state_dict", "thread",
+                    ("fuzz/repro_buffer_dtype_checkpointed_state_dict",))
     patches = (Patch.instead("fsdp_impl.state_dict:_buffer_dtypes", lambda _root: {}),)
 
 
@@ -177,5 +182,6 @@ class ShardedSaveDropsAttributes(_Mutant):
 
     name = "mutant-sharded-save-drops-attributes"
     breaks = "a backward after a sharded state dict taken between forward and backward"
-    expect = Expect("repro_ff3cd83a", "thread", ("fuzz/repro_ff3cd83a",))
+    expect = Expect("repro_sharded_state_dict_before_recompute", "thread",
+                    ("fuzz/repro_sharded_state_dict_before_recompute",))
     patches = (Patch("fsdp_impl.state_dict:_unregister_orig", _dropping_attributes),)

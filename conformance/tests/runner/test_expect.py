@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from conformance.contract import registry
 from conformance.contract.results import Result
+from conformance.contract.rows import RENAMED_ROWS
 from conformance.runner import cli, findings
 from conformance.runner.document import RunFacts, load_baseline, render_json
 from conformance.runner.expect import Comparison, compare, normalise, render_text
@@ -123,6 +125,19 @@ def test_a_baseline_that_cannot_serve_is_refused_naming_its_path(tmp_path: Path,
     path.write_text(text)
     with pytest.raises(ValueError, match=f"--expect '{path}': "):
         load_baseline(path, "--expect")
+
+
+def test_a_baseline_written_before_a_rename_compares_cell_by_cell(tmp_path: Path) -> None:
+    """[Note: renamed rows]: a baseline's rows under a renamed row's old id (parameters kept) are that row's cells,
+    so a nightly baseline written before the rename shows no missing, new or changed cell."""
+    old, new = "fuzz/repro_8fc450e8", RENAMED_ROWS["fuzz/repro_8fc450e8"]
+    before = [_row(old, "FAIL", "params differ"), _row(f"{old}[n=1]", "pass"), _row("a/steady", "pass")]
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps({"schema_version": 3, "rows": [asdict(row) for row in before]}))
+    run = [_row(new, "FAIL", "params differ"), _row(f"{new}[n=1]", "pass"), _row("a/steady", "pass")]
+    comparison = compare(load_baseline(path, "--expect").rows, run, str(path))
+    assert comparison.changes == () and not comparison.changed, render_text(comparison)
+    assert (comparison.as_expected, comparison.expected_failures) == (3, 1), render_text(comparison)
 
 
 #: The reference and one mutant of it, registered in turn under the same name: their cells compare.

@@ -8,9 +8,14 @@ an error at another operation), which no registration may label.
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
-from conformance.runner.findings import BUILTIN_FILE, Finding, annotate, explaining, load_file
+from conformance.contract.rows import RENAMED_ROWS
+from conformance.runner.findings import BUILTIN_FILE, ENV_VAR, Finding, annotate, explaining, load_file
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
@@ -91,29 +96,32 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
     unused, reentrant = F + "fsdp1-no-shard-unused-unit-params.md", F + "fsdp1-reentrant-checkpoint-frees-unit.md"
     shadow = SHADOW.format(impl=FSDP1, op="{op}", what="{what}")
     return [
-        (FSDP1, "fuzz/repro_8fc450e8", unused, "rank 0 raised AssertionError: torch-fsdp1 differs from the local "
+        (FSDP1, "fuzz/repro_no_shard_unused_unit_params", unused,
+         "rank 0 raised AssertionError: torch-fsdp1 differs from the local "
          "baseline: step 0, rank 0: parameters registered after backward: the wrapped model has 6 parameters, "
          "the local model 8 (world_size=1, mode=process)"),
         (FSDP1, "fuzz/parity_ws1", unused, "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: "
          "parameters registered after backward: the wrapped model has 6 parameters, the local model 4"),
         (FSDP1, "fuzz/stateful_ws1", unused, STATEFUL.format(
             under="", op="1 (Backward())", what="parameters registered: the wrapped model has 6, the shadow 4")),
-        (FSDP1, "fuzz/repro_d61e5cb1", F + "fsdp1-summon-grads-float64-padding-shard.md",
+        (FSDP1, "fuzz/repro_summon_grads_float64_padding_shard", F + "fsdp1-summon-grads-float64-padding-shard.md",
          "rank 0 timed out: no result after 90 s"),
-        (FSDP1, "fuzz/repro_57555c45", F + "fsdp1-no-shard-low-precision-accumulation.md",
+        (FSDP1, "fuzz/repro_no_shard_low_precision_accumulation", F + "fsdp1-no-shard-low-precision-accumulation.md",
          "rank 0 raised AssertionError: torch-fsdp1 differs from the local baseline: step 0, rank 0: params after "
          "step: "
          f"params[blocks.0.layers.0.weight]: {NOT_CLOSE}"),
-        (FSDP1, "fuzz/repro_6ec378a7", F + "fsdp1-buffer-dtype-rounds-saved-buffers.md", shadow.format(
+        (FSDP1, "fuzz/repro_buffer_dtype_state_dict_before_forward", F + "fsdp1-buffer-dtype-rounds-saved-buffers.md",
+         shadow.format(
             op="0 (Save(sharded=False, optim=False))",
             what=f"full model state dict: state_dict[blocks.0.layers.0.scale]: {NOT_CLOSE}")),
         (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
             under="", op="3 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
             "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo']): nothing frees its "
             "parameters, gradients or process groups")),
-        (FSDP1, "fuzz/repro_438854a6", F + "fsdp1-no-grad-forward-before-step-stale-params.md", shadow.format(
+        (FSDP1, "fuzz/repro_no_grad_forward_before_step", F + "fsdp1-no-grad-forward-before-step-stale-params.md",
+         shadow.format(
             op="3 (Step())", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
-        (FSDP1, "fuzz/repro_972f9ad8", reentrant, shadow.format(
+        (FSDP1, "fuzz/repro_reentrant_checkpoint_root_params", reentrant, shadow.format(
             op="0 (Train(batch=0))", what="raised: RuntimeError: setStorage: sizes [2, 2], strides [2, 1], storage "
             "offset 14, and itemsize 4 requiring a storage size of 72 are out of bounds for storage of size 0")),
         (FSDP1, "fuzz/stateful_ws4", reentrant, STATEFUL.format(
@@ -145,15 +153,15 @@ def _fsdp2() -> list[tuple[str, str, str, str]]:
         (FSDP2, "placement/ignored_params_not_moved[on=gpu]", F + "fsdp2-ignored-module-buffers-moved.md",
          "rank 0 raised AssertionError: ignored module's tensors changed: before {1: (device(type='cpu'), 94)}, "
          "after {1: (device(type='cuda', index=0), 140)}"),
-        (FSDP2, "fuzz/repro_3ff502a0", nograd, shadow.format(
+        (FSDP2, "fuzz/repro_no_grad_forward_unsharded_params", nograd, shadow.format(
             op=no_grad_fwd, what=f"grads: grads[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
         (FSDP2, "fuzz/stateful_ws2", nograd, STATEFUL.format(
             under="", op=no_grad_fwd, what=f"grads: grads[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
-        (FSDP2, "fuzz/repro_49d9e993", dcp_load, shadow.format(
+        (FSDP2, "fuzz/repro_full_optim_load_before_first_step", dcp_load, shadow.format(
             op="3 (Load())", what="raised: AssertionError: Expected device to be set")),
         (FSDP2, "fuzz/stateful_ws4", dcp_load, STATEFUL.format(
             under="", op="3 (Load())", what="raised: AssertionError: Expected device to be set")),
-        (FSDP2, "fuzz/repro_c8d7309a", nosync, shadow.format(
+        (FSDP2, "fuzz/repro_no_sync_float32_reduce_accumulation", nosync, shadow.format(
             op="0 (NoSync(batch=0))", what=f"grads: grads[blocks.1.layers.0.weight]: {NOT_CLOSE}")),
         (FSDP2, "fuzz/stateful_ws1", nosync, STATEFUL.format(
             under=POLICY, op="0 (NoSync(batch=0))", what=f"grads: grads[blocks.1.layers.0.weight]: {NOT_CLOSE}")),
@@ -164,7 +172,7 @@ def _fsdp2() -> list[tuple[str, str, str, str]]:
         (FSDP2, "fuzz/stateful_ws2", F + "fsdp2-optim-load-refuses-params-without-state.md", STATEFUL.format(
             under="", op="4 (Load())", what="raised: RuntimeError: Missing optimizer state for parameter "
             "'unused.weight' in checkpoint. The parameter requires gradients but has no saved optimizer state.")),
-        (FSDP2, "fuzz/repro_c34640a2", dcp_adam, shadow.format(
+        (FSDP2, "fuzz/repro_optim_state_dict_before_first_step_adam", dcp_adam, shadow.format(
             op="1 (Train(batch=0))", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
         (FSDP2, "fuzz/stateful_ws4", dcp_adam, STATEFUL.format(
             under="", op="1 (Train(batch=0))", what=f"params: params[embed.weight]: {NOT_CLOSE}")),
@@ -314,3 +322,20 @@ def test_no_registration_labels_a_failure_of_another_cause(impl: str, row: str) 
 def test_failures_once_mislabelled_are_not_labelled(impl: str, row: str, reason: str) -> None:
     """Failures the registrations used to label although their write-ups describe another cause."""
     assert explaining(impl, row, reason) is None
+
+
+def test_a_registration_naming_a_renamed_rows_old_id_applies_to_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: renamed rows]: a package's finding registered under a row's old id (with parameters or not), from a
+    file or built as a :class:`Finding`, explains that row's failures under its new id, warning naming it."""
+    old, new = "fuzz/repro_8fc450e8", RENAMED_ROWS["fuzz/repro_8fc450e8"]
+    listed = tmp_path / "findings.json"
+    listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": old, "doc": "d.md"}]))
+    monkeypatch.setenv(ENV_VAR, str(listed))
+    with pytest.warns(DeprecationWarning, match=re.escape(f"finding for my-fsdp: row id '{old}' is renamed '{new}'")):
+        found = explaining("my-fsdp", new, "params differ")
+    assert found is not None and found.rows == new and found.doc == "d.md", found
+    with pytest.warns(DeprecationWarning, match=re.escape(f"row id '{old}[x=1]' is renamed '{new}[x=1]'")):
+        built = Finding("my-fsdp", f"{old}[x=1]", "d.md")
+    assert built.explains("my-fsdp", f"{new}[x=1,y=2]", "params differ")
+    assert not built.explains("my-fsdp", f"{new}[x=2]", "params differ")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.contract.rows import RENAMED_ROWS
 from harness.tests.inprocess import pytester_run
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
@@ -119,3 +120,27 @@ def test_malformed_keyword_is_a_usage_error(suite: pytest.Pytester, workers: lis
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*-k 'mixed and' is not a valid selection expression*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+
+
+def test_a_renamed_rows_old_id_selects_it_with_a_warning(suite: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: renamed rows]: ``--fsdp-row OLD`` runs the renamed row's cells, with a terminal line and a
+    DeprecationWarning naming the new id; a report's rows under the old id re-run the renamed row's cells."""
+    monkeypatch.setitem(RENAMED_ROWS, "demo/old_mixed", "demo/mixed")
+    out, again = suite.path / "out.json", suite.path / "again.json"
+    result = pytester_run(suite, "--fsdp-row", "demo/old_mixed[n=2]", "--fsdp-rank-mode", "both",
+                          "--conformance-json", str(out))
+    assert result.ret == 1
+    assert _cells(out) == {("demo/mixed[n=2]", "reference", "thread"): "FAIL",
+                           ("demo/mixed[n=2]", "reference", "process"): "pass"}
+    said = "--row: row id 'demo/old_mixed[n=2]' is renamed 'demo/mixed[n=2]'"
+    lines = result.stdout.lines
+    assert any(line.startswith(f"fsdp-conformance: {said}; ") for line in lines), lines
+    assert any(f"DeprecationWarning: {said}; " in line for line in lines), lines
+    report = suite.path / "old.json"
+    report.write_text(json.dumps([{**row, "case": row["case"].replace("demo/mixed", "demo/old_mixed")}
+                                  for row in json.loads(out.read_text())["rows"]]))
+    rerun = pytester_run(suite, "--fsdp-rows-from", str(report), "--conformance-json", str(again))
+    assert rerun.ret == 1
+    assert _cells(again) == {("demo/mixed[n=2]", "reference", "thread"): "FAIL"}
+    assert "is renamed" not in rerun.stdout.str()

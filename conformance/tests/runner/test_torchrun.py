@@ -87,7 +87,8 @@ def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [_torchrun(), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
            "--rdzv-id=two-agents", "-m", "conformance", "run", "--rank-mode", "launched", "--impl", "reference",
-           "-k", "hybrid_shard and sync_module_states or repro_d61e5cb1", "--json", str(report)]
+           "-k", "hybrid_shard and sync_module_states or repro_summon_grads_float64_padding_shard", "--json",
+           str(report)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
                                env=env) for _ in range(2)]
@@ -96,7 +97,8 @@ def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
     doc = json.loads(report.read_text())
     assert doc["topology"] == {"nodes": 2, "local_world_size": 2, "world_size": 4}
     rows = {r["case"]: r for r in doc["rows"]}
-    assert sorted(rows) == ["fuzz/repro_d61e5cb1", "hybrid_shard/sync_module_states"], sorted(rows)
+    expected = ["fuzz/repro_summon_grads_float64_padding_shard", "hybrid_shard/sync_module_states"]
+    assert sorted(rows) == expected, sorted(rows)
     assert {(r["outcome"], r["world_size"], r["rank_mode"]) for r in rows.values()} == {("pass", 4, "launched")}
     hybrid = rows["hybrid_shard/sync_module_states"]
     assert hybrid["metrics"] == {"mesh_replicas": 2, "mesh_shards": 2}, hybrid
