@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -60,7 +61,7 @@ from harness.collectives.recorder import observe_thread, observing
 from harness.collectives.sequence import SLOT_SIZE, Position, Slot, attributed
 from harness.ranks.context import RankContext
 from harness.ranks.devices import process_backend, rank_device, visible_gpus
-from harness.ranks.errors import RankError, RankFailure, make_failure
+from harness.ranks.errors import RankFailure, make_failure
 from harness.ranks.outcome import Outcome, capture, resolve
 from harness.ranks.rank_mode import RankMode
 from harness.ranks.reset import case_scope
@@ -163,8 +164,7 @@ def _exchange(ctx: RankContext, mine: tuple[Outcome, Position], control: Any) ->
         dist.all_gather_object(exchanged, mine, group=control)
     except RuntimeError as exc:  # torch's DistBackendError: a peer closed its connection or timed out
         missing = never_reported(store, key, ctx.world_size)
-        where = ", ".join(f"rank {r} (node {r // ctx.local_world_size}, local rank {r % ctx.local_world_size})"
-                          for r in missing) or "none found"
+        where = ", ".join(f"rank {r} ({_place(r, ctx.local_world_size)})" for r in missing) or "none found"
         _lost.append(f"never reported: {where}")
         raise RuntimeError(f"ranks that never reported this row: {where}; the exchange of outcomes failed: "
                            f"{exc}") from None
@@ -199,11 +199,13 @@ def _run_body(ctx: RankContext, fn: Callable[..., Any], args: tuple[Any, ...], k
     return outcome, slot.position(ctx.rank)
 
 
+def _place(rank: int, local_world_size: int) -> str:
+    """Where ``rank`` runs ([Note: job layout]): torchrun numbers a node's ranks contiguously, so rank ``r`` is
+    local rank ``r % local_world_size`` of node ``r // local_world_size``."""
+    return f"node {rank // local_world_size}, local rank {rank % local_world_size}"
+
+
 def placed(failure: RankFailure, local_world_size: int) -> RankFailure:
-    """``failure`` with each rank's node and local rank named ([Note: job layout]): torchrun numbers a node's
-    ranks contiguously, so rank ``r`` is local rank ``r % local_world_size`` of node ``r // local_world_size``."""
-    errors = [RankError(f.rank, f.kind, f.summary, traceback=f.traceback, exitcode=f.exitcode,
-                        signal_name=f.signal_name, stack=f.stack, detected_at=f.detected_at,
-                        where=f"node {f.rank // local_world_size}, local rank {f.rank % local_world_size}")
-              for f in failure.failures]
+    """``failure`` with each rank's node and local rank named (:func:`_place`)."""
+    errors = [replace(f, where=_place(f.rank, local_world_size)) for f in failure.failures]
     return make_failure(errors, world_size=failure.world_size, mode=failure.mode)
