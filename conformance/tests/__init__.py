@@ -2,8 +2,10 @@
 
 [Note: tests on the first torch]
 A test marked ``first_torch`` checks the suite's own plumbing (reports, the
-CLI and its usage errors, the pytest plugin, listing and selection, signals,
-xdist transport, the house rules on the code and the docs) over the reference
+CLI and its usage errors, the pytest plugins and hooks, listing and selection,
+signals, xdist transport, the main-module guard, the self-test API and how a
+mutant's patches are scoped, the stateful fuzzer's search and shrink, the house
+rules on the code and the docs) over the reference
 on a handful of rows: its verdict does not depend on which torch runs the
 ranks. ``.ci/run`` runs the whole suite on the first torch it tests and leaves
 these out on the others, which keeps a commit's CI within its budget; the

@@ -395,6 +395,7 @@ def fuzz_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSetting
     return result, check_program(ctx, mutant, result.failing)
 
 
+@pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 def test_a_broken_control_is_found_and_shrunk() -> None:
     """Against a reference whose ``unshard()`` gathers nothing, the fuzzer finds a ``fully_shard`` program
     whose ``Unshard`` gives the wrong outputs; it fails on the mutant again and passes on the reference

@@ -159,6 +159,7 @@ def test_mutants_are_caught(batch: Batch, tmp_path: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 def test_a_mutants_patches_end_with_its_row(tmp_path: Path) -> None:
     """In one session, a patching mutant's row is followed by the reference's, which must pass.
 

@@ -9,6 +9,8 @@ import pytest
 from conformance.selftest import uncaught
 from conformance.selftest.session import CASES_DIR
 
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
+
 TOOL = '''
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.selftest import Expect, PatchedAdapter

@@ -8,6 +8,7 @@ from harness.ranks.rank_mode import RankMode, excluded_reason, modes_of, resolve
 from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 PLUGIN = '''
 import json, pathlib

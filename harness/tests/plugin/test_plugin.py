@@ -7,6 +7,7 @@ import pytest
 from harness.tests.inprocess import pytester_run
 
 pytest_plugins = ["pytester", "harness.tests.inprocess"]
+pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 
 BODIES = '''
 import pytest, torch, torch.distributed as dist

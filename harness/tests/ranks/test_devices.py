@@ -157,6 +157,7 @@ def test_default(ctx):
 '''
 
 
+@pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 def test_a_plugin_places_ranks_tests_through_the_hook(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(PLACING_PLUGIN)
     pytester.makepyfile(test_bodies=PLACED_BODIES)
