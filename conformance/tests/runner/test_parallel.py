@@ -113,11 +113,14 @@ def test_cli_parallel_reports_equal_serial(tmp_path: Path) -> None:
 
 def test_pytest_parallel_transports_every_outcome(pytester: pytest.Pytester,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """FAIL, n/a, skip and their reasons arrive at the controller as a serial run writes them."""
+    """FAIL, n/a, skip and their reasons arrive at the controller as a serial run writes them; so do the run's
+    completeness (the controller learns how many rows the workers selected) and its terminal output (a progress
+    line per row with the total, the matrix within the terminal's width)."""
     pytester.makepyfile(demo_adapters=ADAPTERS, test_demo=CASES)
     monkeypatch.setenv("FSDP_CONFORMANCE_ADAPTERS", "bare=demo_adapters:Bare")
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    rows = {}
+    monkeypatch.setenv("COLUMNS", "60")
+    rows, runs = {}, {}
     for workers in ("0", "2"):
         out = pytester.path / f"r{workers}.json"
         result = pytester.runpytest_subprocess("-n", workers, "-p", "conformance.pytest_plugin",
@@ -126,9 +129,18 @@ def test_pytest_parallel_transports_every_outcome(pytester: pytest.Pytester,
                                                "--conformance-json", str(out))
         assert result.ret == 1
         result.stdout.fnmatch_lines(["*conformance matrix*", "conformance: *2 FAIL*"])
-        rows[workers] = [{k: v for k, v in r.items() if k != "duration_s"} for r in json.loads(out.read_text())["rows"]]
+        doc = json.loads(out.read_text())
+        rows[workers] = [{k: v for k, v in r.items() if k != "duration_s"} for r in doc["rows"]]
+        runs[workers] = (doc["complete"], doc["selected_rows"])
+        total = len(rows[workers])
+        progress = [ln[1:].split("]")[0].split("/") for ln in result.stdout.lines
+                    if ln.startswith("[") and "demo/" in ln]
+        assert sorted((int(done), int(of)) for done, of in progress) == [(i, total) for i in range(1, total + 1)]
+        matrix = result.stdout.str().split("conformance matrix")[1].split("conformance: ")[0]
+        assert max(len(line) for line in matrix.splitlines()[1:]) <= 60, matrix
     assert {r["outcome"] for r in rows["0"]} == {"pass", "FAIL", "n/a", "skip"}
     assert rows["2"] == rows["0"]
+    assert runs["2"] == runs["0"] == (True, len(rows["0"]))
 
 
 def test_other_distribution_modes_are_a_usage_error(pytester: pytest.Pytester) -> None:

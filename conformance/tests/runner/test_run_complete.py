@@ -96,8 +96,8 @@ def test_a_row_that_never_reaches_the_matrix_makes_the_run_incomplete(suite: pyt
 
 
 def test_under_workers_the_controller_learns_how_many_rows_were_selected(suite: pytest.Pytester) -> None:
-    doc = _report(suite, workers=("-n", "2"))
-    assert (doc["complete"], doc["selected_rows"], doc["summary"]["rows"]) == (True, 3, 3)
+    """A row lost on a worker leaves the run incomplete: the controller counts what the workers selected (a
+    complete run under ``-n 2`` is test_parallel's transport test)."""
     lost = suite.path / "conftest.py"
     lost.write_text(LOSES_A_ROW)
     doc = _report(suite, workers=("-n", "2"))

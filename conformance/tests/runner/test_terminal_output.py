@@ -71,14 +71,12 @@ def test_quick(ctx, impl, n):
 '''
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
-def test_a_line_per_case_with_the_total(preloaded: None, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-                                        workers: list[str]) -> None:
+def test_a_line_per_case_with_the_total(preloaded: None, pytester: pytest.Pytester,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a serial session; under ``-n 2``, test_parallel's transport test checks the same lines and width."""
     pytester.makepyfile(test_demo=CASES)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))  # for the xdist run's subprocess
     monkeypatch.setenv("COLUMNS", "60")
-    args = ("--conformance-progress", "-q")
-    result = pytester_run(pytester, *args, workers=workers)
+    result = pytester_run(pytester, "--conformance-progress", "-q")
     assert result.ret == 0
     lines = [ln for ln in result.stdout.lines if ln.startswith("[") and "demo/quick" in ln]
     assert len(lines) == 3, result.stdout.str()
