@@ -79,6 +79,10 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.IGNORED_MODULES,
         }
     )
+    #: FSDP2's options that promise speed or memory only ([Note: performance knobs] in
+    #: conformance.cases.test_neutrality), each turned on by :meth:`set_performance_knob`.
+    performance_knobs = frozenset({"share_comm_ctx", "separate_reduce_scatter_group", "reduce_scatter_input_buffers",
+                                   "allocate_from_process_group", "force_sum_reduction"})
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -212,6 +216,27 @@ class TorchFSDP2Adapter(FullyShardMethods):
     def set_post_optim_event(self, model: nn.Module, event: torch.Event) -> None:
         """FSDP2's ``FSDPModule.set_post_optim_event``: the next all-gather waits on ``event``."""
         cast(Any, model).set_post_optim_event(event)
+
+    def set_performance_knob(self, model: nn.Module, knob: str) -> None:
+        """Turn one of :attr:`performance_knobs` on for every ``fully_shard``-ed module of ``model``:
+        ``share_comm_ctx`` over them all, or the ``FSDPModule`` setter on each (two reduce-scatter input
+        buffers for ``reduce_scatter_input_buffers``)."""
+        from torch.distributed.fsdp import FSDPModule, share_comm_ctx
+
+        units = [cast(Any, unit) for unit in model.modules() if isinstance(unit, FSDPModule)]
+        if knob == "share_comm_ctx":
+            share_comm_ctx(units)
+            return
+        turn_on: dict[str, Callable[[Any], None]] = {
+            "separate_reduce_scatter_group": lambda unit: unit.set_separate_reduce_scatter_group(True, recurse=False),
+            "reduce_scatter_input_buffers": lambda unit: unit.set_reduce_scatter_max_input_buffers(2, recurse=False),
+            "allocate_from_process_group": lambda unit: unit.set_allocate_memory_from_process_group_for_comm(True),
+            "force_sum_reduction": lambda unit: unit.set_force_sum_reduction_for_comms(True),
+        }
+        if knob not in turn_on:
+            raise ValueError(f"torch-fsdp2 has no performance knob {knob!r}; it has {sorted(self.performance_knobs)}")
+        for unit in units:
+            turn_on[knob](unit)
 
     def set_gradient_divide_factor(self, module: nn.Module, factor: float) -> None:
         """``FSDPModule.set_gradient_divide_factor(factor)``; on CPU over several ranks also

@@ -92,6 +92,9 @@ CLAUSES: dict[str, Clause] = {c.id: c for c in (
            "FullyShardedDataParallel.clip_grad_norm_; torch.nn.utils.clip_grad_norm_"),
     Clause("C20", "A unit's outputs may be used as the caller pleases"),
     Clause("C21", "A module's own attribute assignment runs unless the user opts out"),
+    Clause("C22", "A performance option changes no value",
+           "torch.distributed.fsdp.BackwardPrefetch; FullyShardedDataParallel (forward_prefetch, limit_all_gathers); "
+           "FSDPModule.set_separate_reduce_scatter_group, set_force_sum_reduction_for_comms"),
 )}
 
 

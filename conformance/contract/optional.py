@@ -23,6 +23,8 @@ adapter method (optional)                  default
 ``set_reshard_after_backward(m, on)``      unsupported: the case is ``n/a``
 ``set_reshard_after_forward(m, on, recurse)`` unsupported: the case is ``n/a``
 ``set_gradient_divide_factor(m, factor)``  unsupported: the case is ``n/a``
+``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
+``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -52,9 +54,11 @@ __all__ = [
     "full_grads",
     "fully_shard",
     "no_sync",
+    "performance_knobs",
     "protocol_version",
     "reshard",
     "set_modules_to_prefetch",
+    "set_performance_knob",
     "set_requires_gradient_sync",
     "set_gradient_divide_factor",
     "set_reshard_after_backward",
@@ -307,3 +311,20 @@ def set_gradient_divide_factor(adapter: Any, module: nn.Module, factor: float) -
     ``factor`` instead of the world size (FSDP2's ``set_gradient_divide_factor``;
     :attr:`Capability.GRADIENT_DIVIDE_FACTOR`)."""
     _control(adapter, "set_gradient_divide_factor")(module, factor)
+
+
+def performance_knobs(adapter: Any) -> frozenset[str]:
+    """The names of the performance knobs the adapter turns on itself, after a wrap ([Note: performance knobs]
+    in :mod:`conformance.cases.test_neutrality`, which lists every name a row exists for); none by default."""
+    knobs: Any = getattr(adapter, "performance_knobs", frozenset())
+    if not isinstance(knobs, (set, frozenset)) or not all(isinstance(knob, str) for knob in knobs):
+        raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: performance_knobs must be a set of "
+                        f"knob names, got {knobs!r}")
+    return frozenset(knobs)
+
+
+def set_performance_knob(adapter: Any, model: nn.Module, knob: str) -> None:
+    """Turn ``knob`` (one of :func:`performance_knobs`) on for every unit of the wrapped ``model``."""
+    if knob not in performance_knobs(adapter):
+        raise ValueError(f"adapter {getattr(adapter, 'name', adapter)!r} offers no performance knob {knob!r}")
+    adapter.set_performance_knob(model, knob)

@@ -18,6 +18,7 @@ __all__ = [
     "NoPrefetch",
     "NoBackwardPrefetch",
     "AlwaysPrefetch",
+    "ForwardPrefetchGathersOwnShard",
     "HooksOnPlainTensorOutputsOnly",
     "ZeroGradForUnused",
     "FirstGradPieceOnly",
@@ -167,6 +168,32 @@ class AlwaysPrefetch(_Mutant):
     # The forward must come *under* its bound (about 0.98x): the default median of repeats.
     expect = Expect("no_overlap_detected", "process", ("overlap/no_overlap_detected",))
     spec_overrides = {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE"}
+
+
+def _own_shard_in_forward(prefetch_next: Fn) -> Fn:
+    def prefetch_next_own_shard(unit: Any, state: Any, explicit: Any, recorded: Any) -> None:
+        prefetch_next(unit, state, explicit, recorded)
+        if unit.training_state.name != "FORWARD":
+            return
+        for target in explicit if explicit is not None else [recorded]:
+            handle = None if target is None else target.handle
+            if handle is None or handle.state.name != "UNSHARDING" or handle.shard_size == 1:
+                continue
+            handle.wait_unshard()
+            shard = handle.flat_param.data.to(handle.full.device, handle.full.dtype)
+            handle.full.data.copy_(shard.repeat(handle.shard_size)[: handle.full.numel()])
+
+    return prefetch_next_own_shard
+
+
+class ForwardPrefetchGathersOwnShard(_Mutant):
+    """A unit prefetched in forward is filled from this rank's own shard, repeated, instead of every rank's: the
+    all-gather a ``forward_prefetch`` issues computes on the wrong parameters (the on-demand gather is right)."""
+
+    name = "mutant-forward-prefetch-gathers-own-shard"
+    breaks = "forward prefetch changing no value (a prefetched all-gather gathers what an on-demand one does)"
+    expect = Expect("neutrality", "process", ("neutrality/knob[knob=forward_prefetch]",))
+    patches = (Patch("fsdp_impl.unit:_prefetch_next", _own_shard_in_forward),)
 
 
 def _plain_tensors_only(tree: Any, is_leaf: Any = None) -> Any:

@@ -1,0 +1,118 @@
+"""neutrality: a performance knob changes no value a user can read.
+
+[Note: performance knobs]
+Some options promise speed or memory and nothing else: prefetching, rate
+limits, which process group or buffers carry a collective. Their effect on time
+is not observable on a CPU (the timing cases measure prefetch where it can be
+seen), but their *neutrality* is, on any machine: a model wrapped with the knob
+on must train exactly like the same model wrapped with it off. A row wraps two
+identically seeded models, one with the knob on, feeds both the same batches
+and compares, step by step, the losses, the full gradients (where the adapter
+exposes them), the full parameters after each optimizer step, and the full
+state dict at the end. The comparison uses torch's float32 tolerances rather
+than equality: a knob may legitimately reorder a reduction (a sum divided
+afterwards instead of pre-scaled), which changes rounding, not values.
+
+Knobs that :class:`~conformance.contract.adapter.WrapSpec` carries are turned on
+through it (any implementation accepts ``forward_prefetch`` and
+``limit_all_gathers`` as hints; backward prefetch other than the default needs
+``BACKWARD_PREFETCH``). The others belong to one implementation: the adapter
+lists them (``performance_knobs``) and turns one on after the wrap
+(``set_performance_knob``; :mod:`conformance.contract.optional`); a row whose
+knob the adapter does not list is ``n/a``.
+
+Cases:
+
+- ``knob``: one row per knob of :data:`KNOBS`; three Linear units of uneven
+  size (11 x 11 on two ranks), three SGD steps. Process ranks only: the knobs
+  act on real process groups (one asks the group's backend for an allocator,
+  which torch's threaded test group does not have), and whether a knob changes
+  values does not depend on how ranks are hosted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
+from conformance.contract.case import TWO_OR_MORE, case, not_applicable
+from conformance.contract.optional import capabilities_of, full_grads, performance_knobs, set_performance_knob
+from fixtures.models import ThreeLinear
+from fixtures.parity import assert_close_named, assert_close_seq
+from fixtures.seeding import generator
+
+if TYPE_CHECKING:
+    from harness import RankContext
+
+__all__ = ["KNOBS", "SPEC_KNOBS"]
+
+#: Knobs a :class:`WrapSpec` carries: the knob's name -> the spec's fields with it on.
+SPEC_KNOBS: dict[str, dict[str, Any]] = {
+    "forward_prefetch": {"forward_prefetch": True},
+    "backward_post": {"backward_prefetch": "BACKWARD_POST"},
+    "no_backward_prefetch": {"backward_prefetch": None},
+    "unlimited_all_gathers": {"limit_all_gathers": False},
+}
+#: Every knob a row exists for: :data:`SPEC_KNOBS`, then those an adapter turns on itself
+#: (``set_performance_knob``). torch's FSDP2 offers the latter through ``FSDPModule`` and
+#: ``torch.distributed.fsdp.share_comm_ctx``.
+KNOBS = (*SPEC_KNOBS, "share_comm_ctx", "separate_reduce_scatter_group", "reduce_scatter_input_buffers",
+         "allocate_from_process_group", "force_sum_reduction")
+STEPS = 3
+DIM = 11
+UNITS = AutoWrap((nn.Linear,))
+
+
+def _requires(params: Mapping[str, Any]) -> list[Capability]:
+    return WrapSpec(**SPEC_KNOBS.get(params["knob"], {})).required()
+
+
+def _wrap(ctx: RankContext, impl: FSDPAdapter, spec: WrapSpec) -> nn.Module:
+    return impl.wrap(ThreeLinear(seed=3, dim=DIM).to(ctx.device), spec)
+
+
+def _state(impl: FSDPAdapter, model: nn.Module) -> dict[str, Any]:
+    return {name: value for name, value in impl.full_state_dict(model).items() if isinstance(value, torch.Tensor)}
+
+
+@case("neutrality/knob", clause="C22", world_size=TWO_OR_MORE, modes=("process",), requires=_requires,
+      uses=[Capability.FULL_STATE_DICT])
+@pytest.mark.parametrize("knob", KNOBS)
+def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
+    """With the knob on, three SGD steps give the losses, full gradients, parameters and full state dict of
+    the same model wrapped with it off (float32 tolerances; [Note: performance knobs])."""
+    base = WrapSpec(auto_wrap=UNITS, use_orig_params=True)
+    if knob in SPEC_KNOBS:
+        off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, replace(base, **SPEC_KNOBS[knob]))
+    else:
+        offered = performance_knobs(impl)
+        if knob not in offered:
+            not_applicable(f"{impl.name} offers no performance knob {knob!r} (it offers {sorted(offered) or 'none'})")
+        off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, base)
+        set_performance_knob(impl, on, knob)
+    optims = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (off, on)]
+    gen = generator(11)
+    for step in range(STEPS):
+        batch = torch.randn((4, DIM), generator=gen).to(ctx.device)
+        losses = []
+        for model in (off, on):
+            loss = model(batch).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        what = f"rank {ctx.rank}, {knob} on against off, step {step}"
+        assert_close_seq(losses[1:], losses[:1], what=f"{what}: loss")
+        grads = [full_grads(impl, model) for model in (off, on)]
+        if grads[0] is not None and grads[1] is not None:
+            assert_close_named(grads[1], grads[0], what=f"{what}: full gradients")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        assert_close_named(impl.full_params(on), impl.full_params(off), what=f"{what}: parameters after the step")
+    if Capability.FULL_STATE_DICT in capabilities_of(impl):
+        assert_close_named(_state(impl, on), _state(impl, off), what=f"rank {ctx.rank}, {knob}: full state dict")
