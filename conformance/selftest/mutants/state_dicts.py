@@ -13,7 +13,8 @@ from conformance.selftest.declare import Expect, Patch, _Mutant, drop_grads
 
 __all__ = ["OptimStateNotLoaded", "LoadRefusedAfterForward", "NoGradForwardDropsGrads", "OptimLoadNeedsState",
            "OptimSaveStepsEmptyState",
-           "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype", "ShardedSaveDropsAttributes"]
+           "SummonKeepsFullPrecision", "BuffersSavedInBufferDtype", "ShardedSaveDropsAttributes",
+           "ShardedParamsClaimReplicated", "ShardedParamsAllTrainable"]
 
 Fn = Callable[..., Any]
 
@@ -185,3 +186,42 @@ class ShardedSaveDropsAttributes(_Mutant):
     expect = Expect("repro_sharded_state_dict_before_recompute", "thread",
                     ("fuzz/repro_sharded_state_dict_before_recompute",))
     patches = (Patch("fsdp_impl.state_dict:_unregister_orig", _dropping_attributes),)
+
+
+def _claiming_replicate(as_dtensor: Fn) -> Fn:
+    def as_replicated_dtensor(layout: Any, index: int, piece: Any, sharding: Any) -> Any:
+        from torch.distributed.tensor import Replicate
+
+        return as_dtensor(layout, index, piece, sharding._replace(placements=(Replicate(),) * len(sharding.placements)))
+
+    return as_replicated_dtensor
+
+
+class ShardedParamsClaimReplicated(_Mutant):
+    """``fully_shard``'s DTensor parameters hold this rank's piece but say ``Replicate``: whatever reads the
+    placements (``full_tensor()``, ``torch.distributed.checkpoint.state_dict``) takes a piece for the whole."""
+
+    name = "mutant-sharded-params-claim-replicated"
+    breaks = "the placements of fully_shard's DTensor parameters"
+    expect = Expect("state_dict_options", "thread", (
+        "state_dict_options/cpu_offload_full", "state_dict_options/broadcast_from_rank0",
+        "state_dict_options/strict[strict=False]"))
+    patches = (Patch("fsdp_impl.layout:ShardLayout.as_dtensor", _claiming_replicate),)
+
+
+def _all_trainable(install: Fn) -> Fn:
+    def install_trainable(handle: Any) -> None:
+        install(handle)
+        for slot in handle.slots:
+            slot.param.requires_grad_(True)
+
+    return install_trainable
+
+
+class ShardedParamsAllTrainable(_Mutant):
+    """Sharding drops ``requires_grad=False``: a frozen parameter comes back trainable."""
+
+    name = "mutant-sharded-params-all-trainable"
+    breaks = "frozen parameters staying frozen under fully_shard"
+    expect = Expect("ignore_frozen_params", "thread", ("state_dict_options/ignore_frozen_params",))
+    patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.install_sharded_params", _all_trainable),)
