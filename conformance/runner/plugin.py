@@ -72,6 +72,8 @@ class _ItemState:
     own_skip: bool = False
     #: The registered finding that explains the row's failure, if one does.
     finding: Finding | None = None
+    #: How a launched job ran a row smaller than itself, added to the row's reason ([Note: world sizes]).
+    size_note: str = ""
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -210,7 +212,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if spec is None:
         return
     size = world_sizes.row_world_size(spec, all_params(item), settings_of(item.config), launched=launched(item.config))
-    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need_for(all_params(item)).default)
+    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need_for(all_params(item)).default,
+                                                size_note=size.note)
     spent = budget.not_run_reason(item.config)
     if spent is not None:
         raise budget.NotRun(spent)
@@ -340,6 +343,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     reason = state.reason
     if state.outcome == "pass" and state.report is not None and state.report.reason:
         reason = state.report.reason
+    if state.size_note and state.outcome not in ("skip", "n/a", "not run"):
+        reason = f"{reason}; {state.size_note}" if reason else state.size_note
     finding = state.finding
     result = Result(
         case=case_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,7 +30,7 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     work.mkdir()
     report = reports / "report.json"
     # 3 ranks: exec_order's cases accept any world size from 2 and run at the job's; the world-size-1 case
-    # is skipped naming its requirement ([Note: world sizes]).
+    # runs on 1 process rank that rank 0 spawns ([Note: rows smaller than the job] in harness.ranks.launched).
     cmd = [_torchrun(), "--nproc-per-node=3", "-m", "conformance", "run", "--rank-mode", "launched",
            "--impl", "reference", "-k", "exec_order or world_size_1", "--json", str(report)]
     # CPU rows: on a GPU machine the job hides CUDA, as docs/USAGE.md says.
@@ -40,9 +41,11 @@ def test_exec_order_under_torchrun_writes_one_report(tmp_path: Path) -> None:
     rows = [r for r in every if r["case"].startswith("exec_order/")]
     assert len(rows) == 8 and {r["outcome"] for r in rows} == {"pass"}
     assert {r["rank_mode"] for r in rows} == {"launched"} and {r["world_size"] for r in rows} == {3}
-    skipped = {(r["outcome"], r["reason"]) for r in every if r not in rows}
-    assert skipped == {("skip", "needs world size 1 (the switch to NO_SHARD is world size 1's behaviour), the "
-                                "launched job has 3")}, skipped
+    smaller = {(r["outcome"], r["world_size"], r["rank_mode"], r["reason"]) for r in every if r not in rows}
+    assert smaller == {("pass", 1, "launched", "ran on 1 process rank spawned on node 0 (it needs world size 1 (the "
+                                               "switch to NO_SHARD is world size 1's behaviour); the launched job has "
+                                               "3, its other ranks waited)")}, smaller
+    assert len(every) == 12, [r["case"] for r in every]
     assert proc.stdout.count("conformance matrix") == 1, "only rank 0 prints the matrix"
     assert sorted(p.name for p in reports.iterdir()) == ["report.json"]
 
@@ -77,6 +80,36 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_DYING_ADAPTER = """
+import os
+
+import torch.distributed as dist
+
+from conformance.adapters.reference import ReferenceAdapter
+
+
+class DyingAdapter(ReferenceAdapter):
+    \"\"\"The reference, except that the job's last rank exits in its first wrap.\"\"\"
+
+    name = "dying"
+
+    def wrap(self, module, spec):
+        if dist.get_rank() == dist.get_world_size() - 1:
+            os._exit(3)
+        return super().wrap(module, spec)
+"""
+
+
+def _two_agents(tmp_path: Path, args: list[str], env: dict[str, str]) -> list[subprocess.Popen[str]]:
+    """Two torchrun agents of 2 ranks on a c10d rendezvous: a simulated job of 2 nodes x 2 ranks."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [_torchrun(), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+           "--rdzv-id=two-agents", "-m", "conformance", "run", "--rank-mode", "launched", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env}
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                             env=env) for _ in range(2)]
+
+
 # The launcher's plumbing, not a torch verdict: on the first torch only ([Note: tests on the first torch]).
 @pytest.mark.first_torch
 def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
@@ -84,14 +117,8 @@ def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
     ([Note: job layout] in harness.ranks.launched). The hybrid row shards within a node and replicates across the
     agents, and the report records the layout; the fuzz row runs at the job's 4 ranks."""
     report = tmp_path / "report.json"
-    endpoint = f"127.0.0.1:{_free_port()}"
-    cmd = [_torchrun(), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-           "--rdzv-id=two-agents", "-m", "conformance", "run", "--rank-mode", "launched", "--impl", "reference",
-           "-k", "hybrid_shard and sync_module_states or repro_summon_grads_float64_padding_shard", "--json",
-           str(report)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                               env=env) for _ in range(2)]
+    agents = _two_agents(tmp_path, ["--impl", "reference", "-k", "hybrid_shard and sync_module_states or "
+                                    "repro_summon_grads_float64_padding_shard", "--json", str(report)], {})
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(out[-3000:] for out in outputs)
     doc = json.loads(report.read_text())
@@ -105,6 +132,30 @@ def test_two_agents_make_a_two_node_job(tmp_path: Path) -> None:
     assert hybrid["reason"].startswith("mesh 2 replicas x 2 shards (shard within a node, replicate across 2 "
                                        "launched agents)"), hybrid["reason"]
     assert sum(out.count("conformance matrix") for out in outputs) == 1, "only rank 0 prints the matrix"
+
+
+# The launcher's plumbing, not a torch verdict: on the first torch only ([Note: tests on the first torch]).
+@pytest.mark.first_torch
+def test_a_rank_that_dies_in_a_launched_job_is_named_in_rank_0s_report(tmp_path: Path) -> None:
+    """Rank 3 (node 1, local rank 1) exits in its row: the row fails naming it as the rank that never reported,
+    with its node and local rank, and the collective rank 0 was in; rank 0's report holds the row and says it
+    is incomplete ([Note: job layout] in harness.ranks.launched)."""
+    (tmp_path / "dying_adapter.py").write_text(_DYING_ADAPTER)
+    report = tmp_path / "report.json"
+    env = {"FSDP_CONFORMANCE_ADAPTERS": "dying=dying_adapter:DyingAdapter",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    agents = _two_agents(tmp_path, ["--impl", "dying", "-k", "exec_order and train_eval", "--json", str(report)],
+                         env)
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert all(agent.returncode != 0 for agent in agents), "\n".join(out[-3000:] for out in outputs)
+    doc = json.loads(report.read_text())
+    assert not doc["complete"] and doc["topology"] == {"nodes": 2, "local_world_size": 2, "world_size": 4}
+    (row,) = doc["rows"]
+    assert row["outcome"] == "FAIL" and row["case"].startswith("exec_order/train_eval"), row
+    assert re.search(r"ranks that never reported this row: (rank 2 \(node 1, local rank 0\), )?rank 3 \(node 1, "
+                     r"local rank 1\);", row["reason"]), row["reason"]
+    assert re.search(r"rank 0 \(node 0, local rank 0\) (waited in|had left) [a-z_]+ #\d+", row["reason"]), row["reason"]
+    assert "exitcode  : 3" in "".join(outputs) or "exitcode: 3" in "".join(outputs), outputs[1][-3000:]
 
 
 def test_a_launched_failure_names_each_ranks_node_and_local_rank() -> None:
