@@ -57,6 +57,7 @@ test another placement than it names). A job started with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -193,10 +194,10 @@ def run_within_node(spawn: Callable[[], list[Any]], *, world_size: int, timeout_
         store.set(key, "done")
     else:
         mine = Outcome(rank=job["RANK"], ok=True)
-        try:  # the spawned ranks' timeout, their start and a margin; past it the exchange names a lost rank 0
+        # The spawned ranks' timeout, their start and a margin; past it (torch's DistStoreError: rank 0 is still
+        # running it, or gone) the exchange waits on, or names a lost rank 0.
+        with contextlib.suppress(RuntimeError):
             store.wait([key], timedelta(seconds=timeout_s + _SPAWN_MARGIN_S))
-        except RuntimeError:  # torch's DistStoreError: rank 0 is still running it, or gone
-            pass
     ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
                       local_world_size=job["LOCAL_WORLD_SIZE"], device=torch.device("cpu"),
                       backend=dist.get_backend(), mode=RankMode.LAUNCHED, seed=0)
