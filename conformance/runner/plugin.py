@@ -96,17 +96,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-markdown", metavar="PATH", help="write the matrix as markdown")
     group.addoption("--conformance-junit", metavar="PATH", help="write JUnit XML, one testcase per row")
     group.addoption("--conformance-html", metavar="PATH", help="write the matrix as one self-contained HTML page")
-    group.addoption(
-        "--conformance-progress",
-        action="store_true",
-        help="print one line per case as it finishes and the matrix at the end",
-    )
+    group.addoption("--conformance-progress", action="store_true",
+                    help="print one line per case as it finishes and the matrix at the end")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "conformance(spec): a conformance case (added by conformance.contract.case)"
-    )
+    config.addinivalue_line("markers", "conformance(spec): a conformance case (added by conformance.contract.case)")
     config.addinivalue_line("markers", "gpu: a GPU row or a mutant only GPUs expose; skipped with the reason "
                             "without a GPU, run by `tox -e gpu`")
     config.stash[RESULTS_KEY] = []
