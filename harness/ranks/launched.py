@@ -8,8 +8,10 @@ and run in lockstep: each case body runs in-process on the job's default
 group, then all ranks exchange their outcomes over a separate gloo group, so
 every rank reports the same result for the case (and rank 0 writes the
 report). A case runs at the job's size: a plugin answers ``pytest_ranks_world_size``
-with it for the rows that accept it and skips the others (the conformance suite:
-[Note: world sizes]); a ``ranks`` test run at another size is skipped with the reason.
+with it for the rows that accept it, and with a smaller size or a skip for the
+others (the conformance suite: [Note: world sizes]); a ``ranks`` test of a
+smaller size that fits on one node runs on node 0 as
+[Note: rows smaller than the job] says, one larger is skipped with the reason.
 A rank blocked in a collective because a peer failed is released by the
 backend's timeout (``timeout_s`` of the first case initialises it); the
 outcomes are exchanged with a longer one, so the peers are still there.

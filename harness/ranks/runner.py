@@ -66,7 +66,9 @@ def run(
     :class:`~harness.ranks.errors.RankFailure` (naming the rank, the kind and its
     traceback or stack) when a rank raises, dies or does not finish within
     ``timeout_s``; re-raises a skip that every rank raised. Bad arguments are
-    rejected before anything starts.
+    rejected before anything starts. Launched ranks run a ``world_size`` smaller
+    than their job's on process ranks that rank 0 spawns, when it fits on one
+    node ([Note: rows smaller than the job] in :mod:`harness.ranks.launched`).
     """
     kwargs = dict(kwargs or {})
     mode = _check_arguments(world_size, mode, placement, timeout_s)
