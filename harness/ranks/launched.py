@@ -149,8 +149,8 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
                  placement: str = "cpu") -> list[Any]:
     job = job_env()
     if world_size != job["WORLD_SIZE"]:
-        raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']} "
-                                    f"({_layout_text(job)}; a smaller row runs on node 0 when it fits there)")
+        more = f" ({_layout_text(job)}: more than a node's ranks)" if world_size < job["WORLD_SIZE"] else ""
+        raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}{more}")
     gpus = visible_gpus()
     if placement == "cpu" and gpus:
         raise pytest.skip.Exception(
@@ -226,9 +226,10 @@ def _layout_text(job: dict[str, int]) -> str:
 
 
 def _exchange(ctx: RankContext, mine: Any, control: Any) -> list[Any]:
-    """Every rank's outcome and position. Each rank first says it reported in the job's store; when the
-    exchange fails (a rank died or left the job), the ranks that never said so are named, and the job stops
-    before its next row (every collective with a lost rank would wait for the backend's timeout)."""
+    """Every rank's ``mine``: its outcome and collective position (its outcome alone for a row run on node 0).
+    Each rank first says it reported in the job's store; when the exchange fails (a rank died or left the
+    job), the ranks that never said so are named with where this rank was in its collectives, and the job
+    stops before its next row (every collective with a lost rank would wait for the backend's timeout)."""
     _reported[0] += 1  # every rank runs the same rows in the same order
     store, key = dist.distributed_c10d._get_default_store(), f"fsdp-conformance/reported/{_reported[0]}"
     store.set(f"{key}/{ctx.rank}", "1")
