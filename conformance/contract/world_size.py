@@ -12,6 +12,12 @@ Process and thread ranks run a row at its default, or at the run's ``--world-siz
 (``FSDP_WORLD_SIZE``); a launched job runs it at the job's size. A row whose declaration
 does not accept the size asked for is skipped with the requirement named
 (:func:`decide_world_size`); it never runs at a size it does not declare.
+
+A launched job whose size its declaration does not accept runs the row at the largest
+size it accepts that fits on one node (``Exact(1)``'s 1, ``Exact(2)``'s 2 on nodes of
+2 ranks or more): node 0's rank spawns its ranks ([Note: rows smaller than the job] in
+:mod:`harness.ranks.launched`), and the report says so. A row that fits on no node is
+skipped naming the layout.
 """
 
 from __future__ import annotations
@@ -104,25 +110,42 @@ def world_size_need(declared: int | Exact | Scalable) -> WorldSizeNeed:
 
 @dataclass(frozen=True)
 class SizeDecision:
-    """The size a row runs at, or (``size`` ``None``) why it is skipped."""
+    """The size a row runs at, or (``size`` ``None``) why it is skipped; ``note``: how a launched job runs a
+    row smaller than itself, for the report."""
 
     size: int | None
     reason: str = ""
+    note: str = ""
 
 
-def decide_world_size(need: WorldSizeNeed, *, requested: int | None = None,
-                      launched_job: int | None = None) -> SizeDecision:
+def _within_node(need: WorldSizeNeed, job: int, node_ranks: int) -> SizeDecision:
+    """A launched job of ``job`` ranks, ``node_ranks`` a node, that ``need`` does not accept: the largest size
+    it accepts that fits on one node, run there ([Note: world sizes]), else the skip naming the layout."""
+    fits = [size for size in range(min(job - 1, node_ranks), 0, -1) if need.accepts(size)]
+    if not fits:
+        reason = f"needs {need.requirement()}, the launched job has {job}"
+        if any(need.accepts(size) for size in range(1, job)):
+            reason += f" ({job // node_ranks} node(s) of {node_ranks} rank(s): a smaller row runs within one node)"
+        return SizeDecision(None, reason)
+    ranks = f"{fits[0]} process rank{'s' * (fits[0] > 1)}"
+    return SizeDecision(fits[0], note=f"ran on {ranks} spawned on node 0 (it needs {need.requirement()}; the "
+                                      f"launched job has {job}, its other ranks waited)")
+
+
+def decide_world_size(need: WorldSizeNeed, *, requested: int | None = None, launched_job: int | None = None,
+                      node_ranks: int | None = None) -> SizeDecision:
     """The world size a row runs at ([Note: world sizes]).
 
-    ``launched_job``: the size of the launched job this process is a rank of (it is the size asked for);
-    else ``requested``: the run's ``--world-size`` (``None``: the declaration's default).
+    ``launched_job``: the size of the launched job this process is a rank of (it is the size asked for), with
+    ``node_ranks`` ranks on each node (``None``: one node); else ``requested``: the run's ``--world-size``
+    (``None``: the declaration's default).
     """
     if launched_job is not None:
-        asked, who = launched_job, f"the launched job has {launched_job}"
-    elif requested is not None:
-        asked, who = requested, f"the run asks for {requested} (--world-size)"
-    else:
-        return SizeDecision(need.default)
-    if need.accepts(asked):
-        return SizeDecision(asked)
-    return SizeDecision(None, f"needs {need.requirement()}, {who}")
+        if not need.accepts(launched_job):
+            return _within_node(need, launched_job, launched_job if node_ranks is None else node_ranks)
+        return SizeDecision(launched_job)
+    if requested is not None:
+        if need.accepts(requested):
+            return SizeDecision(requested)
+        return SizeDecision(None, f"needs {need.requirement()}, the run asks for {requested} (--world-size)")
+    return SizeDecision(need.default)

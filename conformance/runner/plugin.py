@@ -72,6 +72,8 @@ class _ItemState:
     own_skip: bool = False
     #: The registered finding that explains the row's failure, if one does.
     finding: Finding | None = None
+    #: How a launched job ran a row smaller than itself, added to the row's reason ([Note: world sizes]).
+    size_note: str = ""
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -94,17 +96,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-markdown", metavar="PATH", help="write the matrix as markdown")
     group.addoption("--conformance-junit", metavar="PATH", help="write JUnit XML, one testcase per row")
     group.addoption("--conformance-html", metavar="PATH", help="write the matrix as one self-contained HTML page")
-    group.addoption(
-        "--conformance-progress",
-        action="store_true",
-        help="print one line per case as it finishes and the matrix at the end",
-    )
+    group.addoption("--conformance-progress", action="store_true",
+                    help="print one line per case as it finishes and the matrix at the end")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "conformance(spec): a conformance case (added by conformance.contract.case)"
-    )
+    config.addinivalue_line("markers", "conformance(spec): a conformance case (added by conformance.contract.case)")
     config.addinivalue_line("markers", "gpu: a GPU row or a mutant only GPUs expose; skipped with the reason "
                             "without a GPU, run by `tox -e gpu`")
     config.stash[RESULTS_KEY] = []
@@ -210,7 +207,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if spec is None:
         return
     size = world_sizes.row_world_size(spec, all_params(item), settings_of(item.config), launched=launched(item.config))
-    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need_for(all_params(item)).default)
+    state = item.stash[_STATE_KEY] = _ItemState(world_size=size.size or spec.need_for(all_params(item)).default,
+                                                size_note=size.note)
     spent = budget.not_run_reason(item.config)
     if spent is not None:
         raise budget.NotRun(spent)
@@ -340,6 +338,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     reason = state.reason
     if state.outcome == "pass" and state.report is not None and state.report.reason:
         reason = state.report.reason
+    if state.size_note and state.outcome not in ("skip", "n/a", "not run"):
+        reason = f"{reason}; {state.size_note}" if reason else state.size_note
     finding = state.finding
     result = Result(
         case=case_id,

@@ -32,5 +32,6 @@ def row_world_size(spec: CaseSpec, params: Mapping[str, Any], settings: Settings
     if launched:
         from harness.ranks.launched import job_env  # imports torch: only a launched job needs it
 
-        return decide_world_size(need, launched_job=job_env()["WORLD_SIZE"])
+        job = job_env()
+        return decide_world_size(need, launched_job=job["WORLD_SIZE"], node_ranks=job["LOCAL_WORLD_SIZE"])
     return decide_world_size(need, requested=settings.world_size.value)

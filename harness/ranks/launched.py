@@ -8,8 +8,10 @@ and run in lockstep: each case body runs in-process on the job's default
 group, then all ranks exchange their outcomes over a separate gloo group, so
 every rank reports the same result for the case (and rank 0 writes the
 report). A case runs at the job's size: a plugin answers ``pytest_ranks_world_size``
-with it for the rows that accept it and skips the others (the conformance suite:
-[Note: world sizes]); a ``ranks`` test run at another size is skipped with the reason.
+with it for the rows that accept it, and with a smaller size or a skip for the
+others (the conformance suite: [Note: world sizes]); a ``ranks`` test of a
+smaller size that fits on one node runs on node 0 as
+[Note: rows smaller than the job] says, one larger is skipped with the reason.
 A rank blocked in a collective because a peer failed is released by the
 backend's timeout (``timeout_s`` of the first case initialises it); the
 outcomes are exchanged with a longer one, so the peers are still there.
@@ -32,6 +34,17 @@ breaks the exchange: the row fails naming the ranks that never reported it
 (each rank marks its report in the job's store first), and the job stops
 before its next row, rank 0 writing its report.
 
+[Note: rows smaller than the job]
+A row whose size is below the job's and fits on one node (``world_size <=
+LOCAL_WORLD_SIZE``: a world-size-1 behaviour, a row whose expectations hold at
+one size only) runs as process ranks of its own size, spawned by rank 0 on
+node 0 (:func:`run_within_node`), as ``--rank-mode process`` runs it; the
+job's other ranks wait for it in the job's store, then every rank receives
+rank 0's outcome in the exchange, so all report the same result. A row larger
+than a node's ranks is skipped naming the layout. The spawned ranks are
+process ranks: they hide CUDA under the ``cpu`` placement, so a CPU row runs
+this way on a node whose launched ranks see GPUs.
+
 Placements ([Note: placements] in :mod:`harness.ranks.devices`): the job's default
 group is made once, ``cpu:gloo,cuda:nccl`` when every local rank has a GPU of
 its own (it moves CPU and CUDA tensors), else ``gloo``; each case then
@@ -46,7 +59,9 @@ test another placement than it names). A job started with
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -62,11 +77,12 @@ from harness.collectives.sequence import SLOT_SIZE, Position, Slot, attributed
 from harness.ranks.context import RankContext
 from harness.ranks.devices import process_backend, rank_device, visible_gpus
 from harness.ranks.errors import RankFailure, make_failure
-from harness.ranks.outcome import Outcome, capture, resolve
+from harness.ranks.outcome import Outcome, capture, resolve, skip_exception
 from harness.ranks.rank_mode import RankMode
 from harness.ranks.reset import case_scope
 
-__all__ = ["run_launched", "job_env", "job_backend", "job_layout", "never_reported", "placed", "ENV_VARS"]
+__all__ = ["run_launched", "run_within_node", "within_node", "job_env", "job_backend", "job_layout",
+           "never_reported", "placed", "ENV_VARS"]
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _control: list[Any] = []
@@ -75,6 +91,8 @@ _slot: list[Slot] = []
 #: Rows exchanged so far (the store's key of each row's reports), and why the job cannot go on, once it cannot.
 _reported = [0]
 _lost: list[str] = []
+#: How long past a smaller row's own timeout the job's other ranks wait for rank 0's spawned ranks (their start).
+_SPAWN_MARGIN_S = 90.0
 
 
 def job_env() -> dict[str, int]:
@@ -131,7 +149,8 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
                  placement: str = "cpu") -> list[Any]:
     job = job_env()
     if world_size != job["WORLD_SIZE"]:
-        raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}")
+        more = f" ({_layout_text(job)}: more than a node's ranks)" if world_size < job["WORLD_SIZE"] else ""
+        raise pytest.skip.Exception(f"needs world size {world_size}, the launched job has {job['WORLD_SIZE']}{more}")
     gpus = visible_gpus()
     if placement == "cpu" and gpus:
         raise pytest.skip.Exception(
@@ -152,10 +171,65 @@ def run_launched(fn: Callable[..., Any], *, world_size: int, timeout_s: float, a
         raise placed(attributed(failure, {p.rank: p for _, p in exchanged}), ctx.local_world_size) from None
 
 
-def _exchange(ctx: RankContext, mine: tuple[Outcome, Position], control: Any) -> list[Any]:
-    """Every rank's outcome and position. Each rank first says it reported in the job's store; when the
-    exchange fails (a rank died or left the job), the ranks that never said so are named, and the job stops
-    before its next row (every collective with a lost rank would wait for the backend's timeout)."""
+def within_node(world_size: int, env: dict[str, int] | None = None) -> bool:
+    """Whether a row of ``world_size`` ranks runs on node 0 as spawned process ranks ([Note: rows smaller than
+    the job]): it is smaller than the job and fits on one node."""
+    job = job_env() if env is None else env
+    return world_size < job["WORLD_SIZE"] and world_size <= job["LOCAL_WORLD_SIZE"]
+
+
+def run_within_node(spawn: Callable[[], list[Any]], *, world_size: int, timeout_s: float) -> list[Any]:
+    """``spawn()``'s per-rank values, run by rank 0 alone, on every rank of the job ([Note: rows smaller than
+    the job]); ``spawn`` runs the row on ``world_size`` process ranks. Raises what it raised on every rank."""
+    job = job_env()
+    if not within_node(world_size, job):
+        raise ValueError(f"world_size={world_size} does not run within a node of this job ({_layout_text(job)})")
+    if _lost:
+        pytest.exit(f"the launched job lost a rank ({_lost[0]}); its rows cannot run", returncode=1)
+    control = _ensure_initialised(max(timeout_s, 60.0), job, visible_gpus())
+    store, key = dist.distributed_c10d._get_default_store(), f"fsdp-conformance/within-node/{_reported[0] + 1}"
+    if job["RANK"] == 0:
+        try:
+            mine = Outcome(rank=0, ok=True, value=spawn())
+        except BaseException as exc:  # noqa: BLE001 - every rank raises it after the exchange
+            mine = capture(0, exc)
+        store.set(key, "done")
+    else:
+        mine = Outcome(rank=job["RANK"], ok=True)
+        # The spawned ranks' timeout, their start and a margin; past it (torch's DistStoreError: rank 0 is still
+        # running it, or gone) the exchange waits on, or names a lost rank 0.
+        with contextlib.suppress(RuntimeError):
+            store.wait([key], timedelta(seconds=timeout_s + _SPAWN_MARGIN_S))
+    ctx = RankContext(rank=job["RANK"], world_size=job["WORLD_SIZE"], local_rank=job["LOCAL_RANK"],
+                      local_world_size=job["LOCAL_WORLD_SIZE"], device=torch.device("cpu"),
+                      backend=dist.get_backend(), mode=RankMode.LAUNCHED, seed=0)
+    first: Outcome = _exchange(ctx, mine, control)[0]
+    if first.ok:
+        return list(first.value)
+    raise _reraised(first)
+
+
+def _reraised(outcome: Outcome) -> BaseException:
+    """The exception rank 0's failed ``outcome`` carries: its skip, its own exception when it unpickles, else
+    a RuntimeError with its text."""
+    if outcome.is_skip:
+        return skip_exception(outcome)
+    if outcome.exc_pickle is not None:
+        exc: BaseException = pickle.loads(outcome.exc_pickle)
+        return exc
+    return RuntimeError(f"{outcome.exc_type}: {outcome.message}")
+
+
+def _layout_text(job: dict[str, int]) -> str:
+    nodes = job["WORLD_SIZE"] // max(job["LOCAL_WORLD_SIZE"], 1)
+    return f"{nodes} node(s) of {job['LOCAL_WORLD_SIZE']} rank(s)"
+
+
+def _exchange(ctx: RankContext, mine: Any, control: Any) -> list[Any]:
+    """Every rank's ``mine``: its outcome and collective position (its outcome alone for a row run on node 0).
+    Each rank first says it reported in the job's store; when the exchange fails (a rank died or left the
+    job), the ranks that never said so are named with where this rank was in its collectives, and the job
+    stops before its next row (every collective with a lost rank would wait for the backend's timeout)."""
     _reported[0] += 1  # every rank runs the same rows in the same order
     store, key = dist.distributed_c10d._get_default_store(), f"fsdp-conformance/reported/{_reported[0]}"
     store.set(f"{key}/{ctx.rank}", "1")
@@ -166,9 +240,18 @@ def _exchange(ctx: RankContext, mine: tuple[Outcome, Position], control: Any) ->
         missing = never_reported(store, key, ctx.world_size)
         where = ", ".join(f"rank {r} ({_place(r, ctx.local_world_size)})" for r in missing) or "none found"
         _lost.append(f"never reported: {where}")
-        raise RuntimeError(f"ranks that never reported this row: {where}; the exchange of outcomes failed: "
+        mine_at = _collective_text(mine[1]) if isinstance(mine, tuple) else "ran no collective of the row"
+        raise RuntimeError(f"ranks that never reported this row: {where}; rank {ctx.rank} "
+                           f"({_place(ctx.rank, ctx.local_world_size)}) {mine_at}; the exchange of outcomes failed: "
                            f"{exc}") from None
     return exchanged
+
+
+def _collective_text(position: Position) -> str:
+    """Where a rank is in its collective sequence, for a failure: ``waited in all_reduce #2``."""
+    if not position.calls:
+        return "entered no collective"
+    return f"{'waited in' if position.inside else 'had left'} {position.op} #{position.calls}"
 
 
 def never_reported(store: Any, key: str, world_size: int, wait_s: float = 10.0) -> list[int]:

@@ -66,15 +66,27 @@ def run(
     :class:`~harness.ranks.errors.RankFailure` (naming the rank, the kind and its
     traceback or stack) when a rank raises, dies or does not finish within
     ``timeout_s``; re-raises a skip that every rank raised. Bad arguments are
-    rejected before anything starts.
+    rejected before anything starts. Launched ranks run a ``world_size`` smaller
+    than their job's on process ranks that rank 0 spawns, when it fits on one
+    node ([Note: rows smaller than the job] in :mod:`harness.ranks.launched`).
     """
     kwargs = dict(kwargs or {})
     mode = _check_arguments(world_size, mode, placement, timeout_s)
-    if mode is not RankMode.LAUNCHED:
-        check_main_guard(process.start_method())  # [Note: main-module guard]
+    if mode is RankMode.LAUNCHED and launched.within_node(world_size):  # [Note: rows smaller than the job]
+        return launched.run_within_node(
+            lambda: _spawned(fn, world_size, RankMode.PROCESS, placement, timeout_s, args, kwargs, isolated, seed,
+                             env), world_size=world_size, timeout_s=timeout_s)
     if mode is RankMode.LAUNCHED:
         return launched.run_launched(fn, world_size=world_size, timeout_s=timeout_s, args=args,
                                      kwargs=kwargs, seed=seed, env=env, placement=placement)
+    return _spawned(fn, world_size, mode, placement, timeout_s, args, kwargs, isolated, seed, env)
+
+
+def _spawned(fn: Callable[..., Any], world_size: int, mode: RankMode, placement: str, timeout_s: float,
+             args: tuple[Any, ...], kwargs: dict[str, Any], isolated: bool, seed: int,
+             env: Mapping[str, str] | None) -> list[Any]:
+    """:func:`run` on rank processes or threads this process starts."""
+    check_main_guard(process.start_method())  # [Note: main-module guard]
     gpus = visible_gpus() if placement != "cpu" else 0
     check_placement(placement, world_size, gpus, nccl_available())
     task = Task(fn_ref=_fn_ref(fn, mode), args=tuple(args), kwargs=kwargs, seed=seed, env=dict(env or {}))

@@ -76,17 +76,42 @@ def test_process_and_thread_rows_run_at_the_default_or_the_size_asked_for(
     [
         (Scalable(default=2, minimum=2, multiple_of=2), 4, SizeDecision(4)),
         (Scalable(default=2, minimum=2, multiple_of=2), 16, SizeDecision(16)),
-        (Scalable(default=2, minimum=2, multiple_of=2), 3,
-         SizeDecision(None, "needs a world size that is a multiple of 2 and >= 2, the launched job has 3")),
         (Scalable(default=2, minimum=2), 1, SizeDecision(None, "needs a world size >= 2, the launched job has 1")),
+        (Exact(4, reason="two nodes of two"), 2,
+         SizeDecision(None, "needs world size 4 (two nodes of two), the launched job has 2")),
         (Exact(2), 2, SizeDecision(2)),
-        (Exact(2), 4, SizeDecision(None, "needs world size 2, the launched job has 4")),
     ],
 )
 def test_a_launched_job_runs_a_row_at_its_own_size_when_the_case_accepts_it(
         need: Exact | Scalable, job: int, expected: SizeDecision) -> None:
     # the job's size decides, whatever the default: a row never runs at a size its case does not accept
     assert decide_world_size(need, requested=None, launched_job=job) == expected
+
+
+@pytest.mark.parametrize(
+    ("need", "job", "node_ranks", "size"),
+    [
+        (Exact(1), 4, 2, 1),
+        (Exact(2), 4, 2, 2),
+        (Exact(4), 8, 4, 4),
+        (Scalable(default=2, minimum=2, multiple_of=2), 3, 3, 2),
+        (Scalable(default=4, minimum=2, multiple_of=2), 7, 7, 6),
+    ],
+)
+def test_a_launched_job_runs_a_smaller_row_on_one_node_at_the_largest_size_that_fits(
+        need: Exact | Scalable, job: int, node_ranks: int, size: int) -> None:
+    decision = decide_world_size(need, launched_job=job, node_ranks=node_ranks)
+    assert decision.size == size and not decision.reason, decision
+    assert decision.note == (f"ran on {size} process rank{'s' * (size > 1)} spawned on node 0 (it needs "
+                             f"{need.requirement()}; the launched job has {job}, its other ranks waited)")
+
+
+def test_a_smaller_row_that_fits_on_no_node_is_skipped_naming_the_layout() -> None:
+    decision = decide_world_size(Exact(2), launched_job=4, node_ranks=1)
+    assert decision == SizeDecision(None, "needs world size 2, the launched job has 4 (4 node(s) of 1 rank(s): a "
+                                          "smaller row runs within one node)")
+    # no node given: the job is one node
+    assert decide_world_size(Exact(2), launched_job=4).size == 2
 
 
 @pytest.fixture
