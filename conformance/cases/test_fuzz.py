@@ -50,9 +50,9 @@ from conformance.fuzz.ops import (
 )
 from conformance.fuzz.parity import run_example
 from conformance.fuzz.precision import precision_note
-from conformance.fuzz.searching import budget, stateful_fuzz
+from conformance.fuzz.searching import budget, failure_text, stateful_fuzz
 from conformance.fuzz.stateful import run_program
-from conformance.fuzz.wrapping import features_of, missing_operations, render_program
+from conformance.fuzz.wrapping import features_of, missing_operations
 
 #: What the parity fuzzer draws only where the adapter declares it (precision.precision_features).
 _DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
@@ -153,14 +153,9 @@ def _stateful_timeout_s(settings: CaseSettings) -> float:
 
 def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
     result = stateful_fuzz(ctx, impl, settings)
-    if result.failing is not None:
-        # the policy on the first line: a row's reason is that line, and a finding may hinge on it
-        policy = result.failing.config.policy
-        under = "" if policy is None else f", policy={policy}"
-        raise AssertionError(
-            f"stateful fuzzer (seed {settings.fuzz_seed}{under}): {result.message}\n"
-            + found_example(settings.fuzz_shrink, result.runs, render_program(result.failing, result.message or ""))
-        )
+    failure = failure_text(settings, result)
+    if failure is not None:
+        raise AssertionError(failure)
     missing = missing_operations(impl, ctx.mode)
     dropped = sorted(FEATURES - features_of(impl))
     notes = [f"skipped {op} ({reason})" for op, reason in missing.items()]

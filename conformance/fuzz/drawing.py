@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import replace
+from typing import get_args
 
 from hypothesis import strategies as st
 
@@ -36,7 +37,13 @@ from conformance.fuzz.ops import (
     hybrid_fits,
 )
 
-__all__ = ["programs"]
+__all__ = ["OPERATIONS", "SET_ASIDE", "programs"]
+
+#: The names of the operations a program may hold (``Train``, ``Load``, ...).
+OPERATIONS = frozenset(kind.__name__ for kind in get_args(Op))
+#: What a search may set aside ([Note: known findings in a search] in :mod:`conformance.fuzz.searching`):
+#: configuration features and operations.
+SET_ASIDE = FEATURES | OPERATIONS
 
 
 #: A training iteration first: hypothesis draws and shrinks towards the first choice, so the simplest
@@ -83,7 +90,9 @@ def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @st.composite
-def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> Config:
+def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
+             features: Collection[str]) -> tuple[Config, bool]:
+    """A configuration, and whether it drew the ``fully_shard`` API (whatever ``features`` then made of it)."""
     model = draw(models())
     wrap = _subset(draw, model.wrappable())
     strategy, use_orig_params = _strategy(draw, world_size, strategies, features), draw(st.booleans())
@@ -108,14 +117,14 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
         ignore = cast_inputs and config.policy is None and "ignored_modules" in features
         return replace(config, model=_reentrant_blocks(config), ignored=config.ignorable() if ignore else (),
                        policy=_unused_draw_options(config.policy, raf, optimizer, features),
-                       saves_in_iteration=raf == 2)
+                       saves_in_iteration=raf == 2), api == "fully_shard"
     # fully_shard has no strategy or offload to express, and keeps the original parameters
     config = replace(config, strategy="FULL_SHARD", use_orig_params=False, cpu_offload=False, api=api,
                      policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
                      reshard_after_forward=_reshard_after_forward(raf, world_size, features),
                      meta_init=config.use_orig_params and "meta_init" in features)
     ignore = cast_inputs and config.policy is None and "ignored_modules" in features
-    return replace(config, ignored=config.ignorable() if ignore else ())
+    return replace(config, ignored=config.ignorable() if ignore else ()), True
 
 
 def _policy_features(features: Collection[str]) -> frozenset[str]:
@@ -235,20 +244,25 @@ def _reshard_after_forward(drawn: bool | int, world_size: int, features: Collect
 @st.composite
 def programs(
     draw: st.DrawFn, world_size: int, strategies: Collection[str] = FUZZ_STRATEGIES,
-    features: Collection[str] = FEATURES, max_ops: int = 12,
+    features: Collection[str] = FEATURES, max_ops: int = 12, set_aside: Collection[str] = (),
 ) -> Program:
     """Programs for ``world_size`` ranks over the given ``strategies`` and configuration ``features``
-    (of :data:`FEATURES`), with up to ``max_ops`` operations."""
+    (of :data:`FEATURES`), with up to ``max_ops`` operations, none of what ``set_aside`` names (of
+    :data:`SET_ASIDE`; read at each draw, so a search may add to it as it goes: the draws keep their shape,
+    what is set aside is dropped after drawing, as a feature the adapter lacks is)."""
     allowed = [s for s in FUZZ_STRATEGIES if s in strategies]  # hybrid ones: the "hybrid" feature
     if not allowed:
         raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
-    unknown = sorted(set(features) - FEATURES)
-    if unknown:
-        raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
-    config = draw(_configs(world_size, allowed, features))
-    drawn = st.one_of(*_OPS, _controls(config)) if config.api == "fully_shard" else st.one_of(*_OPS)
+    for names, vocabulary, what in ((features, FEATURES, "features"), (set_aside, SET_ASIDE, "names to set aside")):
+        unknown = sorted(set(names) - vocabulary)
+        if unknown:
+            raise ValueError(f"unknown {what} {unknown}; expected some of {sorted(vocabulary)}")
+    kept = frozenset(features) - frozenset(set_aside)
+    config, drew_fully_shard = draw(_configs(world_size, allowed, kept))
+    with_controls = drew_fully_shard and "fully_shard" in features  # set aside or not: the same draws
+    drawn = st.one_of(*_OPS, _controls(config)) if with_controls else st.one_of(*_OPS)
     ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
-    return Program(config, tuple(op for op in ops if _runs(op, config, features)))
+    return Program(config, tuple(op for op in ops if _runs(op, config, kept) and type(op).__name__ not in set_aside))
 
 
 def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
