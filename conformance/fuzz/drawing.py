@@ -16,8 +16,8 @@ from conformance.fuzz.ops import (
     FEATURES,
     HYBRID_OF,
     Backward,
-    Config,
     Forward,
+    FullyShardConfig,
     GradientDivideFactor,
     GradSync,
     Load,
@@ -26,6 +26,7 @@ from conformance.fuzz.ops import (
     Op,
     Prefetch,
     Program,
+    ProgramConfig,
     Reshard,
     ReshardAfterBackward,
     Save,
@@ -33,6 +34,7 @@ from conformance.fuzz.ops import (
     Step,
     Train,
     Unshard,
+    WrapConfig,
     ZeroGrad,
     hybrid_fits,
 )
@@ -65,7 +67,7 @@ _OPS = (
 )
 
 
-def _controls(config: Config) -> st.SearchStrategy[Op]:
+def _controls(config: ProgramConfig) -> st.SearchStrategy[Op]:
     """The controls of a ``fully_shard``-ed model on ``config``, drawn together as often as one other
     operation (such a program still trains, saves and loads as much as another)."""
     units = st.sampled_from(config.units())
@@ -91,7 +93,7 @@ def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
 
 @st.composite
 def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
-             features: Collection[str]) -> tuple[Config, bool]:
+             features: Collection[str]) -> tuple[ProgramConfig, bool]:
     """A configuration, and whether it drew the ``fully_shard`` API (whatever ``features`` then made of it)."""
     model = draw(models())
     wrap = _subset(draw, model.wrappable())
@@ -104,12 +106,12 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
     offload = draw(st.booleans())
     checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
     frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
-    config = Config(
-        world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
-        optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
-        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
-        seed=draw(st.integers(min_value=0, max_value=2**16)),
-    )
+    seed = draw(st.integers(min_value=0, max_value=2**16))
+    config = WrapConfig(world_size=world_size, model=model, wrap=wrap, strategy=strategy,
+                        use_orig_params=use_orig_params, optimizer=optimizer, dtype=dtype,
+                        policy=policy if dtype == "float32" else None,
+                        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
+                        seed=seed)
     config = replace(config, model=_units_first_when_recomputed(config))
     api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
     if api != "fully_shard" or "fully_shard" not in features:
@@ -119,12 +121,13 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
                        policy=_unused_draw_options(config.policy, raf, optimizer, features),
                        saves_in_iteration=raf == 2), api == "fully_shard"
     # fully_shard has no strategy or offload to express, and keeps the original parameters
-    config = replace(config, strategy="FULL_SHARD", use_orig_params=False, cpu_offload=False, api=api,
-                     policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
-                     reshard_after_forward=_reshard_after_forward(raf, world_size, features),
-                     meta_init=config.use_orig_params and "meta_init" in features)
-    ignore = cast_inputs and config.policy is None and "ignored_modules" in features
-    return replace(config, ignored=config.ignorable() if ignore else ()), True
+    sharded = FullyShardConfig(world_size=world_size, model=config.model, wrap=wrap, optimizer=optimizer, dtype=dtype,
+                               policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
+                               checkpoint=checkpoint, frozen=frozen, seed=seed,
+                               reshard_after_forward=_reshard_after_forward(raf, world_size, features),
+                               meta_init=use_orig_params and "meta_init" in features)
+    ignore = cast_inputs and sharded.policy is None and "ignored_modules" in features
+    return replace(sharded, ignored=sharded.ignorable() if ignore else ()), True
 
 
 def _policy_features(features: Collection[str]) -> frozenset[str]:
@@ -155,7 +158,7 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     and uses it only under ``fully_shard``, so policy options added later are read
     off that draw instead of drawing: ``False`` keeps low-precision gradients (the
     first choice, ``True``, where it shrinks to, leaves it off), and ``2`` takes
-    state dicts inside each training iteration (``Config.saves_in_iteration``,
+    state dicts inside each training iteration (``WrapConfig.saves_in_iteration``,
     set by the caller: it is no policy option, and holds without a policy).
     ``keep_low_precision_grads`` only with SGD:
     torch's Adam rejects float32 parameters with low-precision gradients, and
@@ -164,7 +167,7 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     program's policy; without a policy, ``True`` ignores what :meth:`Config.ignorable` allows (a
     ``fully_shard`` program's policy casts its inputs, FSDP2's default). A ``fully_shard`` program keeps
     the original parameters whatever ``use_orig_params`` drew: there ``True`` builds the model on the meta
-    device (``Config.meta_init``).
+    device (``FullyShardConfig.meta_init``).
     """
     if policy is None:
         return None
@@ -172,7 +175,7 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     return replace(policy, keep_low_precision_grads=keep_low) if keep_low else policy
 
 
-def _reentrant_blocks(config: Config) -> ModelSpec:
+def _reentrant_blocks(config: WrapConfig) -> ModelSpec:
     """The model of a ``wrap`` program, its blocks outside the checkpoint wrapper checkpointing themselves
     reentrantly where its seed is odd.
 
@@ -200,7 +203,7 @@ def _reentrant_blocks(config: Config) -> ModelSpec:
     return replace(config.model, blocks=blocks)
 
 
-def _units_first_when_recomputed(config: Config) -> ModelSpec:
+def _units_first_when_recomputed(config: ProgramConfig) -> ModelSpec:
     """The config's model, each checkpointed block whose nested block is a unit running that unit first.
 
     [Note: units recomputed first]
@@ -265,10 +268,10 @@ def programs(
     return Program(config, tuple(op for op in ops if _runs(op, config, kept) and type(op).__name__ not in set_aside))
 
 
-def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
+def _runs(op: Op, config: ProgramConfig, features: Collection[str]) -> bool:
     """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
     ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
     with ``fully_shard``)."""
     if not isinstance(op, CONTROL_OPS):
         return True
-    return config.api == "fully_shard" and _NEEDS.get(type(op), "fully_shard_controls") in features
+    return isinstance(config, FullyShardConfig) and _NEEDS.get(type(op), "fully_shard_controls") in features
