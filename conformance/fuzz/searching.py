@@ -5,7 +5,9 @@
 A row's search draws its whole budget, whatever registered findings it meets on
 the way. A program whose failure a finding registered for the row and
 implementation claims (its ``reason`` matches the row's reason that failure
-would give, :func:`headline`; ``CaseSettings.known_failures``) is recorded with
+would give, :func:`headline`, as the case raises it: without the ``rank 0
+raised AssertionError:`` the harness puts before it, so a pattern anchored on
+that claims nothing here; ``CaseSettings.known_failures``) is recorded with
 the finding, is no failure to shrink, and what the finding names in
 ``set_aside`` (configuration features and operations, :data:`SET_ASIDE`) is
 left out of every program drawn after it, as a feature the adapter lacks is: the
