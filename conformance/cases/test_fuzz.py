@@ -32,8 +32,8 @@ from conformance.fuzz.neighbours import NEIGHBOURS_USE
 from conformance.fuzz.ops import (
     FEATURES,
     Backward,
-    Config,
     Forward,
+    FullyShardConfig,
     GradientDivideFactor,
     GradSync,
     Load,
@@ -47,12 +47,13 @@ from conformance.fuzz.ops import (
     Step,
     Train,
     Unshard,
+    WrapConfig,
 )
 from conformance.fuzz.parity import run_example
 from conformance.fuzz.precision import precision_note
-from conformance.fuzz.searching import budget, stateful_fuzz
+from conformance.fuzz.searching import budget, failure_text, stateful_fuzz
 from conformance.fuzz.stateful import run_program
-from conformance.fuzz.wrapping import features_of, missing_operations, render_program
+from conformance.fuzz.wrapping import features_of, missing_operations
 
 #: What the parity fuzzer draws only where the adapter declares it (precision.precision_features).
 _DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
@@ -153,14 +154,9 @@ def _stateful_timeout_s(settings: CaseSettings) -> float:
 
 def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
     result = stateful_fuzz(ctx, impl, settings)
-    if result.failing is not None:
-        # the policy on the first line: a row's reason is that line, and a finding may hinge on it
-        policy = result.failing.config.policy
-        under = "" if policy is None else f", policy={policy}"
-        raise AssertionError(
-            f"stateful fuzzer (seed {settings.fuzz_seed}{under}): {result.message}\n"
-            + found_example(settings.fuzz_shrink, result.runs, render_program(result.failing, result.message or ""))
-        )
+    failure = failure_text(settings, result)
+    if failure is not None:
+        raise AssertionError(failure)
     missing = missing_operations(impl, ctx.mode)
     dropped = sorted(FEATURES - features_of(impl))
     notes = [f"skipped {op} ({reason})" for op, reason in missing.items()]
@@ -209,8 +205,8 @@ def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
 #: a backward without gradient sync, then one with it (after an asynchronous unshard); a backward keeping the
 #: unsharded parameters, with a reshard mid-iteration; a step after it; an unshard of the root.
 CONTROLS_PROGRAM = Program(
-    config=Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"),
-                  api="fully_shard", reshard_after_forward=False),
+    config=FullyShardConfig(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"),
+                            reshard_after_forward=False),
     ops=(Prefetch(), GradSync(), Forward(), Backward(), GradSync(on=True),
          Unshard(unit="blocks.1", async_op=True, batch=1), Backward(), Step(), ReshardAfterBackward(), Forward(),
          Reshard(unit="blocks.0"), Backward(), Step(), Unshard(), Backward()),
@@ -227,8 +223,7 @@ def test_fully_shard_controls(ctx: RankContext, impl: FSDPAdapter) -> None:
     run_program(ctx, impl, CONTROLS_PROGRAM.at_world_size(ctx.world_size))
 
 
-_TWO_UNITS = Config(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"),
-                    api="fully_shard")
+_TWO_UNITS = FullyShardConfig(world_size=2, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0", "blocks.1"))
 #: Resharding after forward off everywhere (an iteration, a forward left gathered), back on for one unit, then all.
 RESHARD_AFTER_FORWARD_PROGRAM = Program(_TWO_UNITS, (
     SetReshardAfterForward(), Train(), Forward(grad=False), Train(batch=1),
@@ -265,7 +260,7 @@ def test_gradient_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
 def test_repro_buffer_dtype_state_dict_before_forward(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict taken right after wrapping, before any forward,
     holds the buffers at their full-precision values, as the shadow model's."""
-    run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
                                                  policy=Policy(buffer_dtype="bfloat16")), ops=(Save(optim=False),)))
 
 
@@ -276,7 +271,7 @@ def test_repro_buffer_dtype_state_dict_before_forward(ctx: RankContext, impl: FS
 def test_repro_no_grad_forward_before_step(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A ``no_grad`` forward between backward and the optimizer step does not keep the pre-step
     parameters: after the step the full parameters and the next forward equal the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size),
                                    ops=(Forward(), Backward(), Forward(grad=False), Step())))
 
 
@@ -288,7 +283,7 @@ def test_repro_no_grad_forward_before_step(ctx: RankContext, impl: FSDPAdapter) 
 def test_repro_no_grad_forward_unsharded_params(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With SHARD_GRAD_OP (``reshard_after_forward=False``), a ``no_grad`` forward after backward keeps
     the gradients the user sees and the next forward uses the stepped parameters, as the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, strategy="SHARD_GRAD_OP"),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, strategy="SHARD_GRAD_OP"),
                                    ops=(Forward(), Backward(), Forward(grad=False))))
 
 
@@ -301,7 +296,7 @@ def test_repro_no_grad_forward_unsharded_params(ctx: RankContext, impl: FSDPAdap
 def test_repro_full_optim_load_before_first_step(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A full model and optimizer state dict saved before the first optimizer step loads back, and
     the state then equals the shadow's."""
-    run_program(ctx, impl, Program(Config(world_size=ctx.world_size), (Forward(), Backward(), Save(), Load())))
+    run_program(ctx, impl, Program(WrapConfig(world_size=ctx.world_size), (Forward(), Backward(), Save(), Load())))
 
 
 # Found by the stateful fuzzer (seeds 0-3, 40 programs, world size 2; shrunk by hand to one unit and no optimizer
@@ -313,7 +308,7 @@ def test_repro_full_optim_load_before_first_step(ctx: RankContext, impl: FSDPAda
 def test_repro_full_state_dict_mid_iteration_bf16(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under a bfloat16 policy, a full state dict taken between forward and backward holds the shadow's
     values, and the backward that follows runs and gives the shadow's gradients."""
-    run_program(ctx, impl, Program(config=Config(world_size=2, policy=Policy()),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=2, policy=Policy()),
                                    ops=(Forward(), Save(optim=False), Backward())))
 
 
@@ -326,7 +321,7 @@ def test_repro_full_state_dict_mid_iteration_bf16(ctx: RankContext, impl: FSDPAd
 def test_repro_buffer_dtype_checkpointed_state_dict(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``buffer_dtype=bfloat16``, a full state dict after a forward holds the buffers of an
     activation-checkpointed block in float32, the dtype they were built in (as the shadow's)."""
-    run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=1, model=ModelSpec(blocks=(Block(layers=("scale",)),)),
                                                  policy=Policy(buffer_dtype="bfloat16"), checkpoint=("blocks.0",)),
                                    ops=(Forward(), Save(optim=False))))
 
@@ -340,7 +335,7 @@ def test_repro_buffer_dtype_checkpointed_state_dict(ctx: RankContext, impl: FSDP
 def test_repro_sharded_state_dict_before_recompute(ctx: RankContext, impl: FSDPAdapter) -> None:
     """A sharded state dict taken between forward and backward leaves the backward that follows (recomputing
     an activation-checkpointed block) running, with the shadow's gradients."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, checkpoint=("blocks.0",)),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, checkpoint=("blocks.0",)),
                                    ops=(Forward(), Save(sharded=True, optim=False), Backward())))
 
 
@@ -353,7 +348,7 @@ def test_repro_sharded_state_dict_before_recompute(ctx: RankContext, impl: FSDPA
 def test_repro_no_sync_bf16_accumulation(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Under bfloat16 params and reduction, a backward inside ``no_sync`` and the next one: the gradient is their
     sum rounded to bfloat16 and reduced once, and the parameters after the step equal the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=1, model=ModelSpec(blocks=(Block(), Block())),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=1, model=ModelSpec(blocks=(Block(), Block())),
                                                  use_orig_params=True, policy=Policy()), ops=(NoSync(), Step())))
 
 
@@ -366,8 +361,9 @@ def test_repro_no_sync_float32_reduce_accumulation(ctx: RankContext, impl: FSDPA
     """Under bfloat16 params and a float32 reduction, a backward inside ``no_sync`` and the next one: each rank's
     sum is kept in bfloat16 (FSDP1's ``no_sync``) and reduced once in float32; gradients and parameters after the
     step equal the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, model=ModelSpec(blocks=(Block(), Block())),
-                                                 use_orig_params=True, policy=Policy(reduce_dtype="float32")),
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size,
+                                                     model=ModelSpec(blocks=(Block(), Block())),
+                                                     use_orig_params=True, policy=Policy(reduce_dtype="float32")),
                                    ops=(NoSync(), Step())))
 
 
@@ -380,7 +376,8 @@ def test_repro_no_sync_float32_reduce_accumulation(ctx: RankContext, impl: FSDPA
 def test_repro_optim_state_dict_before_first_step_adam(ctx: RankContext, impl: FSDPAdapter) -> None:
     """Saving the model and Adam's state before the first step changes nothing: the first training
     iteration after it leaves the parameters the shadow's."""
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, optimizer="adam"), ops=(Save(), Train())))
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, optimizer="adam"),
+                                   ops=(Save(), Train())))
 
 
 # Written by hand as the smallest program with a reentrant block ([Note: reentrant blocks] in
@@ -393,4 +390,4 @@ def test_repro_reentrant_checkpoint_root_params(ctx: RankContext, impl: FSDPAdap
     """A block of the root unit checkpointing itself reentrantly, after a block whose backward needs the root's
     parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""
     model = ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))
-    run_program(ctx, impl, Program(config=Config(world_size=ctx.world_size, model=model), ops=(Train(),)))
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, model=model), ops=(Train(),)))

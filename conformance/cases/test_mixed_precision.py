@@ -33,7 +33,7 @@ from conformance.contract.case import TWO_OR_MORE, Exact, Scalable, case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
 from conformance.contract.optional import full_grads
 from conformance.fuzz.example import ModelSpec, Policy
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import FullyShardConfig, WrapConfig
 from conformance.fuzz.unsynced import keeps_unsynced_sums
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss
@@ -265,5 +265,6 @@ def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtyp
     under ``fully_shard``) and the next one leave each rank's sum kept in the dtype the API documents: the
     param dtype for ``no_sync()``, ``reduce_dtype`` for FSDP2 ([Note: unsynced sums made to show] in
     conformance/fuzz/unsynced.py)."""
-    keeps_unsynced_sums(ctx, impl, Config(world_size=ctx.world_size, model=ModelSpec(width=4), api=api,
-                                          policy=Policy(param_dtype=param_dtype, reduce_dtype="float32")))
+    kind = WrapConfig if api == "wrap" else FullyShardConfig
+    keeps_unsynced_sums(ctx, impl, kind(world_size=ctx.world_size, model=ModelSpec(width=4),
+                                        policy=Policy(param_dtype=param_dtype, reduce_dtype="float32")))

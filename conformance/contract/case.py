@@ -73,8 +73,8 @@ from harness.ranks.rank_mode import SPAWNED, RankMode
 #: What a case (or one of its rows) declares as ``world_size=`` ([Note: world sizes]).
 WorldSize = int | Exact | Scalable
 
-__all__ = ["CaseSettings", "CaseSpec", "NotApplicable", "case", "not_applicable", "Requires", "gpu_rows",
-           "ANY_GPU", "GpuNeed", "distinct_gpus", "DocCitation", "Exact", "Scalable", "TWO_OR_MORE"]
+__all__ = ["CaseSettings", "CaseSpec", "KnownFailure", "NotApplicable", "case", "not_applicable", "Requires",
+           "gpu_rows", "ANY_GPU", "GpuNeed", "distinct_gpus", "DocCitation", "Exact", "Scalable", "TWO_OR_MORE"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_]+$")
@@ -93,6 +93,22 @@ def not_applicable(reason: str) -> None:
 
 
 @dataclass(frozen=True)
+class KnownFailure:
+    """A registered finding as a case body sees it: its write-up ``doc``, the regular expression ``reason``
+    a failure's reason matches for the finding to claim it (``None``: every failure of the row), and what a
+    fuzzer's search leaves out of the values it draws next once it met the finding (``set_aside``: names of
+    the fuzzer's configuration features or operations; empty: nothing, the search goes on drawing as before)."""
+
+    doc: str
+    reason: str | None = None
+    set_aside: tuple[str, ...] = ()
+
+    def claims(self, reason: str) -> bool:
+        """Whether this finding explains a failure whose reason is ``reason``."""
+        return self.reason is None or re.search(self.reason, reason) is not None
+
+
+@dataclass(frozen=True)
 class CaseSettings:
     """The run's settings a case body may read: its ``case_settings`` fixture (resolved by the runner).
 
@@ -101,6 +117,8 @@ class CaseSettings:
     ``fuzz_seed``: where it draws them from; ``fuzz_verbose``: print each example as it starts.
     ``fuzz_stateful_examples``: programs the stateful fuzzer draws per world size (``None``: the main job's).
     ``fuzz_shrink``: whether a fuzzer shrinks the failure it found (else it reports the first one as drawn).
+    ``known_failures``: the registered findings for this row and implementation, which a search may meet and
+    go past ([Note: known findings in a search] in :mod:`conformance.fuzz.known`).
     """
 
     timing_repeats: int = 3
@@ -109,6 +127,7 @@ class CaseSettings:
     fuzz_verbose: bool = False
     fuzz_stateful_examples: int | None = None
     fuzz_shrink: bool = True
+    known_failures: tuple[KnownFailure, ...] = ()
 
 
 @dataclass(frozen=True)

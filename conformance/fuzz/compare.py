@@ -22,7 +22,7 @@ import torch.nn as nn
 from conformance.contract.adapter import UnitInfo
 
 __all__ = ["assert_dtypes", "assert_no_grads_outside_the_loss", "assert_optim_state", "assert_same_dtypes",
-           "unwrapped_name", "unwrapped_names", "zeros_for_none"]
+           "tensors_of", "unwrapped_name", "unwrapped_names", "zeros_for_none"]
 
 
 def assert_same_dtypes(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]) -> None:
@@ -120,3 +120,8 @@ def zeros_for_none(
         peer = other.get(name)
         out[name] = torch.zeros_like(peer) if grad is None and peer is not None else grad
     return out
+
+
+def tensors_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of a state dict (its other entries left out)."""
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}

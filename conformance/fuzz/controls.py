@@ -1,7 +1,7 @@
 """A stateful program on a ``fully_shard``-ed model: sharding it, FSDP2's per-module controls, what a user reads.
 
 [Note: fully_shard programs]
-With ``Config(api="fully_shard")`` the program's model is sharded through the
+With a ``FullyShardConfig`` the program's model is sharded through the
 adapter's optional ``fully_shard`` (a 1-D mesh over the world; the config's
 paths bottom-up, each inside its activation-checkpoint wrapper if it has one,
 then the root; ``reshard_after_forward`` as drawn). Its operations may then use
@@ -72,6 +72,7 @@ from torch.utils._pytree import tree_map
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.optional import (
     activation_checkpoint_wrapper,
+    capabilities_of,
     fully_shard,
     reshard,
     set_gradient_divide_factor,
@@ -83,12 +84,13 @@ from conformance.contract.optional import (
 )
 from conformance.fuzz.compare import unwrapped_names
 from conformance.fuzz.ops import (
-    Config,
+    FullyShardConfig,
     GradientDivideFactor,
     GradSync,
     Op,
     Prefetch,
     Program,
+    ProgramConfig,
     Reshard,
     ReshardAfterBackward,
     SetReshardAfterForward,
@@ -116,15 +118,15 @@ _SETTINGS = {SetReshardAfterForward: Capability.SET_RESHARD_AFTER_FORWARD,
 
 def fully_shard_features(impl: FSDPAdapter) -> frozenset[str]:
     """What of a ``fully_shard`` program ``impl`` can run (nothing without ``fully_shard``)."""
-    if Capability.FULLY_SHARD not in impl.capabilities:
+    if Capability.FULLY_SHARD not in capabilities_of(impl):
         return frozenset()
-    return frozenset(feature for cap, feature in _FEATURE_OF.items() if cap in impl.capabilities)
+    return frozenset(feature for cap, feature in _FEATURE_OF.items() if cap in capabilities_of(impl))
 
 
 def fully_shard_requires(program: Program) -> list[Capability]:
     """The capabilities ``program``'s sharding and operations need."""
     config = program.config
-    if config.api != "fully_shard":
+    if not isinstance(config, FullyShardConfig):
         return []
     needs = [Capability.FULLY_SHARD]
     if not isinstance(config.reshard_after_forward, bool):
@@ -143,7 +145,7 @@ def fully_shard_requires(program: Program) -> list[Capability]:
     return needs
 
 
-def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config) -> nn.Module:
+def shard_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: FullyShardConfig) -> nn.Module:
     """Checkpoint the config's blocks, then ``fully_shard`` its paths deepest first (a checkpointed block
     inside its wrapper), then the root, over a 1-D mesh of the world, each ignoring the parameters of the
     config's ignored modules and given the config's policy."""
@@ -247,7 +249,7 @@ class Controls:
     def of(cls, impl: FSDPAdapter, model: nn.Module, clean: Any) -> Controls:
         return cls(impl, model, clean(dict(model.named_parameters())))
 
-    def units(self, config: Config) -> list[nn.Module]:
+    def units(self, config: ProgramConfig) -> list[nn.Module]:
         """The sharded modules in forward order (the root first)."""
         return [module_at(self.model, unit) for unit in config.units()]
 
@@ -256,7 +258,7 @@ class Controls:
         if handle is not None:
             handle.wait()
 
-    def apply(self, op: Op, config: Config) -> None:
+    def apply(self, op: Op, config: ProgramConfig) -> None:
         """Run control ``op`` (any but ``Unshard``, which a forward follows)."""
         if isinstance(op, Reshard):
             reshard(self.impl, module_at(self.model, op.unit))
@@ -277,18 +279,18 @@ class Controls:
             set_gradient_divide_factor(self.impl, module_at(self.model, op.unit), op.factor)
             self.factors[op.unit] = op.factor
 
-    def divisors(self, config: Config) -> dict[str, float]:
+    def divisors(self, config: ProgramConfig) -> dict[str, float]:
         """Each parameter of a module given a divide factor -> that factor."""
         return {name: self.factors[unit] for name in self.params if (unit := config.unit_of(name)) in self.factors}
 
-    def before_update(self, config: Config) -> None:
+    def before_update(self, config: ProgramConfig) -> None:
         """Before a step or load changes the shards: reshard every module if one may be kept unsharded."""
         if self.kept:
             for module in self.units(config):
                 reshard(self.impl, module)
             self.kept = False
 
-    def prefetch(self, op: Prefetch, config: Config) -> None:
+    def prefetch(self, op: Prefetch, config: ProgramConfig) -> None:
         """Each module prefetches the next ``op.forward`` in forward order and the next ``op.backward`` in
         backward order (the root first, then the others reversed)."""
         forward = self.units(config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import replace
+from typing import get_args
 
 from hypothesis import strategies as st
 
@@ -15,8 +16,8 @@ from conformance.fuzz.ops import (
     FEATURES,
     HYBRID_OF,
     Backward,
-    Config,
     Forward,
+    FullyShardConfig,
     GradientDivideFactor,
     GradSync,
     Load,
@@ -25,6 +26,7 @@ from conformance.fuzz.ops import (
     Op,
     Prefetch,
     Program,
+    ProgramConfig,
     Reshard,
     ReshardAfterBackward,
     Save,
@@ -32,11 +34,18 @@ from conformance.fuzz.ops import (
     Step,
     Train,
     Unshard,
+    WrapConfig,
     ZeroGrad,
     hybrid_fits,
 )
 
-__all__ = ["programs"]
+__all__ = ["OPERATIONS", "SET_ASIDE", "programs"]
+
+#: The names of the operations a program may hold (``Train``, ``Load``, ...).
+OPERATIONS = frozenset(kind.__name__ for kind in get_args(Op))
+#: What a search may set aside ([Note: known findings in a search] in :mod:`conformance.fuzz.searching`):
+#: configuration features and operations.
+SET_ASIDE = FEATURES | OPERATIONS
 
 
 #: A training iteration first: hypothesis draws and shrinks towards the first choice, so the simplest
@@ -58,7 +67,7 @@ _OPS = (
 )
 
 
-def _controls(config: Config) -> st.SearchStrategy[Op]:
+def _controls(config: ProgramConfig) -> st.SearchStrategy[Op]:
     """The controls of a ``fully_shard``-ed model on ``config``, drawn together as often as one other
     operation (such a program still trains, saves and loads as much as another)."""
     units = st.sampled_from(config.units())
@@ -83,7 +92,9 @@ def _subset(draw: st.DrawFn, paths: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @st.composite
-def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], features: Collection[str]) -> Config:
+def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
+             features: Collection[str]) -> tuple[ProgramConfig, bool]:
+    """A configuration, and whether it drew the ``fully_shard`` API (whatever ``features`` then made of it)."""
     model = draw(models())
     wrap = _subset(draw, model.wrappable())
     strategy, use_orig_params = _strategy(draw, world_size, strategies, features), draw(st.booleans())
@@ -95,12 +106,12 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
     offload = draw(st.booleans())
     checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
     frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
-    config = Config(
-        world_size=world_size, model=model, wrap=wrap, strategy=strategy, use_orig_params=use_orig_params,
-        optimizer=optimizer, dtype=dtype, policy=policy if dtype == "float32" else None,
-        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
-        seed=draw(st.integers(min_value=0, max_value=2**16)),
-    )
+    seed = draw(st.integers(min_value=0, max_value=2**16))
+    config = WrapConfig(world_size=world_size, model=model, wrap=wrap, strategy=strategy,
+                        use_orig_params=use_orig_params, optimizer=optimizer, dtype=dtype,
+                        policy=policy if dtype == "float32" else None,
+                        cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
+                        seed=seed)
     config = replace(config, model=_units_first_when_recomputed(config))
     api, raf = draw(st.sampled_from(APIS)), draw(st.sampled_from((True, False, 2)))
     if api != "fully_shard" or "fully_shard" not in features:
@@ -108,14 +119,15 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str], feat
         ignore = cast_inputs and config.policy is None and "ignored_modules" in features
         return replace(config, model=_reentrant_blocks(config), ignored=config.ignorable() if ignore else (),
                        policy=_unused_draw_options(config.policy, raf, optimizer, features),
-                       saves_in_iteration=raf == 2)
+                       saves_in_iteration=raf == 2), api == "fully_shard"
     # fully_shard has no strategy or offload to express, and keeps the original parameters
-    config = replace(config, strategy="FULL_SHARD", use_orig_params=False, cpu_offload=False, api=api,
-                     policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
-                     reshard_after_forward=_reshard_after_forward(raf, world_size, features),
-                     meta_init=config.use_orig_params and "meta_init" in features)
-    ignore = cast_inputs and config.policy is None and "ignored_modules" in features
-    return replace(config, ignored=config.ignorable() if ignore else ())
+    sharded = FullyShardConfig(world_size=world_size, model=config.model, wrap=wrap, optimizer=optimizer, dtype=dtype,
+                               policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
+                               checkpoint=checkpoint, frozen=frozen, seed=seed,
+                               reshard_after_forward=_reshard_after_forward(raf, world_size, features),
+                               meta_init=use_orig_params and "meta_init" in features)
+    ignore = cast_inputs and sharded.policy is None and "ignored_modules" in features
+    return replace(sharded, ignored=sharded.ignorable() if ignore else ()), True
 
 
 def _policy_features(features: Collection[str]) -> frozenset[str]:
@@ -146,7 +158,7 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     and uses it only under ``fully_shard``, so policy options added later are read
     off that draw instead of drawing: ``False`` keeps low-precision gradients (the
     first choice, ``True``, where it shrinks to, leaves it off), and ``2`` takes
-    state dicts inside each training iteration (``Config.saves_in_iteration``,
+    state dicts inside each training iteration (``WrapConfig.saves_in_iteration``,
     set by the caller: it is no policy option, and holds without a policy).
     ``keep_low_precision_grads`` only with SGD:
     torch's Adam rejects float32 parameters with low-precision gradients, and
@@ -155,7 +167,7 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     program's policy; without a policy, ``True`` ignores what :meth:`Config.ignorable` allows (a
     ``fully_shard`` program's policy casts its inputs, FSDP2's default). A ``fully_shard`` program keeps
     the original parameters whatever ``use_orig_params`` drew: there ``True`` builds the model on the meta
-    device (``Config.meta_init``).
+    device (``FullyShardConfig.meta_init``).
     """
     if policy is None:
         return None
@@ -163,7 +175,7 @@ def _unused_draw_options(policy: Policy | None, raf: bool | int, optimizer: str,
     return replace(policy, keep_low_precision_grads=keep_low) if keep_low else policy
 
 
-def _reentrant_blocks(config: Config) -> ModelSpec:
+def _reentrant_blocks(config: WrapConfig) -> ModelSpec:
     """The model of a ``wrap`` program, its blocks outside the checkpoint wrapper checkpointing themselves
     reentrantly where its seed is odd.
 
@@ -191,7 +203,7 @@ def _reentrant_blocks(config: Config) -> ModelSpec:
     return replace(config.model, blocks=blocks)
 
 
-def _units_first_when_recomputed(config: Config) -> ModelSpec:
+def _units_first_when_recomputed(config: ProgramConfig) -> ModelSpec:
     """The config's model, each checkpointed block whose nested block is a unit running that unit first.
 
     [Note: units recomputed first]
@@ -235,26 +247,31 @@ def _reshard_after_forward(drawn: bool | int, world_size: int, features: Collect
 @st.composite
 def programs(
     draw: st.DrawFn, world_size: int, strategies: Collection[str] = FUZZ_STRATEGIES,
-    features: Collection[str] = FEATURES, max_ops: int = 12,
+    features: Collection[str] = FEATURES, max_ops: int = 12, set_aside: Collection[str] = (),
 ) -> Program:
     """Programs for ``world_size`` ranks over the given ``strategies`` and configuration ``features``
-    (of :data:`FEATURES`), with up to ``max_ops`` operations."""
+    (of :data:`FEATURES`), with up to ``max_ops`` operations, none of what ``set_aside`` names (of
+    :data:`SET_ASIDE`; read at each draw, so a search may add to it as it goes: the draws keep their shape,
+    what is set aside is dropped after drawing, as a feature the adapter lacks is)."""
     allowed = [s for s in FUZZ_STRATEGIES if s in strategies]  # hybrid ones: the "hybrid" feature
     if not allowed:
         raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
-    unknown = sorted(set(features) - FEATURES)
-    if unknown:
-        raise ValueError(f"unknown features {unknown}; expected some of {sorted(FEATURES)}")
-    config = draw(_configs(world_size, allowed, features))
-    drawn = st.one_of(*_OPS, _controls(config)) if config.api == "fully_shard" else st.one_of(*_OPS)
+    for names, vocabulary, what in ((features, FEATURES, "features"), (set_aside, SET_ASIDE, "names to set aside")):
+        unknown = sorted(set(names) - vocabulary)
+        if unknown:
+            raise ValueError(f"unknown {what} {unknown}; expected some of {sorted(vocabulary)}")
+    kept = frozenset(features) - frozenset(set_aside)
+    config, drew_fully_shard = draw(_configs(world_size, allowed, kept))
+    with_controls = drew_fully_shard and "fully_shard" in features  # set aside or not: the same draws
+    drawn = st.one_of(*_OPS, _controls(config)) if with_controls else st.one_of(*_OPS)
     ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
-    return Program(config, tuple(op for op in ops if _runs(op, config, features)))
+    return Program(config, tuple(op for op in ops if _runs(op, config, kept) and type(op).__name__ not in set_aside))
 
 
-def _runs(op: Op, config: Config, features: Collection[str]) -> bool:
+def _runs(op: Op, config: ProgramConfig, features: Collection[str]) -> bool:
     """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
     ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
     with ``fully_shard``)."""
     if not isinstance(op, CONTROL_OPS):
         return True
-    return config.api == "fully_shard" and _NEEDS.get(type(op), "fully_shard_controls") in features
+    return isinstance(config, FullyShardConfig) and _NEEDS.get(type(op), "fully_shard_controls") in features

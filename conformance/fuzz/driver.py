@@ -68,8 +68,8 @@ from harness import groups_scope
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_EXAMPLES", "FuzzSettings", "FuzzResult", "Search", "search", "found_example", "fuzz",
-           "hypothesis_home",
+__all__ = ["MAIN_JOB_EXAMPLES", "Claim", "FuzzSettings", "FuzzResult", "Met", "Search", "search", "found_example",
+           "fuzz", "hypothesis_home",
            "keep_hypothesis_out_of_cwd", "render_case"]
 
 #: Examples per world size in the main job, 30 in all; few at world size 4, where four
@@ -134,17 +134,33 @@ def _broadcast(ctx: RankContext, message: Any) -> Any:
 #: What runs one drawn value on every rank: ``check(ctx, impl, value)``, the failure text (the same
 #: on every rank) or ``None``.
 Check = Callable[["RankContext", FSDPAdapter, Any], "str | None"]
+#: Which registered finding claims a failing value: ``claim(value, failure)``, the finding's write-up or ``None``
+#: ([Note: known findings in a search] in :mod:`conformance.fuzz.searching`).
+Claim = Callable[[Any, str], "str | None"]
+
+
+@dataclass(frozen=True)
+class Met:
+    """A failing value a registered finding claimed: the finding's write-up, which run met it (from 1), the
+    value and its failure text."""
+
+    doc: str
+    run: int
+    value: Any
+    failure: str
 
 
 @dataclass(frozen=True)
 class Search:
     """What one hypothesis search did: values run (drawn and shrinking tries), how many of them
-    ``counted`` held for, and the minimal failing value with its failure text, if any."""
+    ``counted`` held for, the minimal failing value with its failure text, if any, and the values registered
+    findings claimed before it (or in the whole search, without one)."""
 
     runs: int
     counted: int = 0
     failing: Any = None
     message: str | None = None
+    met: tuple[Met, ...] = ()
 
 
 def _checked(ctx: RankContext, impl: FSDPAdapter, check: Check, value: Any) -> str | None:
@@ -162,9 +178,10 @@ def _follow(ctx: RankContext, impl: FSDPAdapter, check: Check) -> Search:
 
 
 def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, budget: int,
-           config: FuzzSettings, counted: Callable[[Any], int]) -> Search:
+           config: FuzzSettings, counted: Callable[[Any], int], claim: Claim) -> Search:
     runs = tally = 0
     failures: dict[Any, str] = {}
+    met: list[Met] = []
 
     def fails(value: Any) -> bool:
         nonlocal runs, tally
@@ -174,9 +191,14 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
             print(f"fuzz example {runs}: {source(value)}", file=sys.stderr, flush=True)
         _broadcast(ctx, ("run", value))
         failure = _checked(ctx, impl, check, value)
-        if failure is not None:
+        if failure is None:
+            return False
+        doc = claim(value, failure)
+        if doc is None:
             failures[value] = failure
-        return failure is not None
+        elif not failures:  # a known finding, met while no other failure was found: recorded, and the search goes on
+            met.append(Met(doc, runs, value, failure))
+        return doc is None
 
     phases = (Phase.generate, Phase.shrink) if config.shrink else (Phase.generate,)
     options = settings(max_examples=budget, database=None, deadline=None, phases=phases)
@@ -185,22 +207,23 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
     try:
         with _draws_from_the_seed_alone():
             found = find(drawn, fails, settings=options, random=random.Random(config.seed))
-        result = Search(runs=runs, counted=tally, failing=found, message=failures[found])
+        result = Search(runs=runs, counted=tally, failing=found, message=failures[found], met=tuple(met))
     except NoSuchExample:
-        result = Search(runs=runs, counted=tally)
+        result = Search(runs=runs, counted=tally, met=tuple(met))
     finally:
         _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
     return result
 
 
 def search(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, *, budget: int,
-           config: FuzzSettings, counted: Callable[[Any], int] = lambda _value: False) -> Search:
+           config: FuzzSettings, counted: Callable[[Any], int] = lambda _value: False,
+           claim: Claim = lambda _value, _failure: None) -> Search:
     """Draw ``budget`` plain-data values from ``drawn`` on rank 0 (seeded by ``config``), run each on every
-    rank with ``check`` and shrink the first failure ([Note: hypothesis inside rank processes]).
-    Collective; every rank returns rank 0's result."""
+    rank with ``check`` and shrink the first failure ``claim`` leaves to no registered finding ([Note: hypothesis
+    inside rank processes]). Collective; every rank returns rank 0's result."""
     with _one_intra_op_thread():
         if ctx.rank == 0:
-            return _drive(ctx, impl, drawn, check, budget, config, counted)
+            return _drive(ctx, impl, drawn, check, budget, config, counted, claim)
         return _follow(ctx, impl, check)
 
 

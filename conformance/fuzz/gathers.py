@@ -52,7 +52,7 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.fuzz.held import shard_sizes, units_of
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.precision import dtype_of
 from harness.collectives.observe import group_name
 from harness.collectives.recorder import Call, describe, patch_collectives
@@ -65,22 +65,22 @@ REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter")
 KEEPING = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")  # the strategies that keep parameters from forward to backward
 
 
-def promise(config: Config, after_forward: Mapping[str, bool | int] | None = None) -> str | int | None:
+def promise(config: ProgramConfig, after_forward: Mapping[str, bool | int] | None = None) -> str | int | None:
     """``"none"``: backward gathers nothing; an int: it gathers over groups of that many ranks; ``None``: no
     promise this note checks (resharding strategies, one rank). ``after_forward``: units whose
     ``set_reshard_after_forward`` changed their setting."""
     if config.world_size == 1:
         return None
-    if config.api == "fully_shard":
+    if isinstance(config, FullyShardConfig):
         settings = {(after_forward or {}).get(unit, config.reshard_after_forward) for unit in config.units()}
         if True in settings:  # a resharding unit may gather anything
             return None
         ints = settings - {False}
         return "none" if not ints else ints.pop()
-    return "none" if config.strategy in KEEPING else None
+    return "none" if isinstance(config, WrapConfig) and config.strategy in KEEPING else None
 
 
-def _needs_gather(model: nn.Module, config: Config, kept: Collection[str] = ()) -> bool:
+def _needs_gather(model: nn.Module, config: ProgramConfig, kept: Collection[str] = ()) -> bool:
     """Whether a unit below the root with a trainable parameter takes part in the loss (not the unused block), but
     those in ``kept``."""
     return any(unit and not unit.startswith("unused") and any(p.requires_grad for p in params)
@@ -91,7 +91,7 @@ def _needs_gather(model: nn.Module, config: Config, kept: Collection[str] = ()) 
 class Gathers:
     """The check of one program on this rank ([Note: all-gathers in backward])."""
 
-    config: Config
+    config: ProgramConfig
     model: nn.Module  # the shadow's, unsharded
     expected: str | int | None = None
     clean: bool = False  # the pending loss came from one forward with gradients alone
@@ -119,8 +119,8 @@ class Gathers:
         """``set_reshard_after_forward`` changed units' settings (see the note); a pending loss's forward ran
         under the old ones."""
         self.expected, self.clean = promise(self.config, after_forward), False
-        self.kept = [unit for unit in self.config.units()
-                     if after_forward.get(unit, self.config.reshard_after_forward) is False]
+        default = self.config.reshard_after_forward if isinstance(self.config, FullyShardConfig) else True
+        self.kept = [unit for unit in self.config.units() if after_forward.get(unit, default) is False]
 
     @contextmanager
     def backward(self) -> Iterator[None]:
@@ -178,9 +178,9 @@ class Gathers:
                                  "set_reshard_after_forward(False) keeps their unsharded parameters after forward")
 
     def _setting(self) -> str:
-        if self.config.api == "fully_shard":
-            return "reshard_after_forward=False"
-        return self.config.strategy
+        if isinstance(self.config, WrapConfig):
+            return self.config.strategy
+        return "reshard_after_forward=False"
 
 
 def _check_given_group(calls: list[Call], given: str) -> None:

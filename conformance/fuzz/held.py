@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn as nn
 
-from conformance.fuzz.ops import NODE, Config
+from conformance.fuzz.ops import NODE, ProgramConfig, WrapConfig
 from conformance.fuzz.precision import dtype_of
 from fixtures.memory import StorageTracker, kept_alive, settle, storages_of
 
@@ -92,16 +92,16 @@ RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the strategies that reshard a uni
 _ALIGN = 16  # bytes a flat parameter aligns each original parameter to (torch FSDP1 with use_orig_params)
 
 
-def _shards(config: Config) -> int:
+def _shards(config: ProgramConfig) -> int:
     """How many ranks share a parameter: the world, a node of a hybrid strategy, or one without sharding."""
-    if config.api == "fully_shard":
+    if not isinstance(config, WrapConfig):
         return config.world_size
     if config.strategy == "NO_SHARD":
         return 1
     return NODE if config.hybrid else config.world_size
 
 
-def units_of(model: nn.Module, config: Config) -> dict[str, list[nn.Parameter]]:
+def units_of(model: nn.Module, config: ProgramConfig) -> dict[str, list[nn.Parameter]]:
     """``model``'s parameters (the shadow's, unsharded) by the unit, or ignored path, that holds them."""
     units: dict[str, list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
@@ -125,7 +125,7 @@ def shard_sizes(params: list[nn.Parameter], shards: int, size: int | None = None
     return unpadded * size, per_param * size, flat * size
 
 
-def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
+def shard_bound(model: nn.Module, config: ProgramConfig) -> tuple[int, int]:
     """(least, most) bytes of one rank's parameter shards for ``model`` (unsharded, the shadow's) under
     ``config``: the parameters over the shard count, and the larger of the two paddings in the note;
     ignored parameters count whole."""
@@ -140,7 +140,8 @@ def shard_bound(model: nn.Module, config: Config) -> tuple[int, int]:
     return least, most
 
 
-def kept_after_forward(model: nn.Module, config: Config, after_forward: Mapping[str, bool | int] | None = None) -> int:
+def kept_after_forward(model: nn.Module, config: ProgramConfig,
+                       after_forward: Mapping[str, bool | int] | None = None) -> int:
     """Bytes of unsharded parameters a forward may leave gathered ([Note: memory held between
     iterations]): the root's (torch's FSDP1 and FSDP2 keep it for the backward that usually follows);
     every unit's where the strategy does not reshard after forward (``SHARD_GRAD_OP``, ``False``, or
@@ -151,7 +152,7 @@ def kept_after_forward(model: nn.Module, config: Config, after_forward: Mapping[
     shards = _shards(config)
     if shards == 1:
         return 0
-    default = config.reshard_after_forward if config.api == "fully_shard" else config.strategy in RESHARDING
+    default = config.strategy in RESHARDING if isinstance(config, WrapConfig) else config.reshard_after_forward
     size = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
     kept = 0
     for unit, params in units_of(model, config).items():
@@ -202,7 +203,7 @@ def _tensors_in(value: Any, seen: set[int], out: list[torch.Tensor]) -> None:
 class Held:
     """The memory check of one program on this rank ([Note: memory held between iterations])."""
 
-    config: Config
+    config: ProgramConfig
     tracker: StorageTracker = field(default_factory=lambda: StorageTracker(peak=False))
     shard: int = 0  # S of the note, fixed by :meth:`wrapped`
     kept: int = 0  # what a forward may leave gathered (:func:`kept_after_forward`), fixed by :meth:`wrapped`

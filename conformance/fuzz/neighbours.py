@@ -93,11 +93,11 @@ from conformance.contract.messages import (
     ORDER_WARNING,
     UNSAFE_SETATTR,
 )
-from conformance.contract.optional import fully_shard
+from conformance.contract.optional import capabilities_of, fully_shard
 from conformance.fuzz.example import Block
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
 from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
@@ -125,7 +125,7 @@ _WITHOUT_SYNC = {"wrap": frozenset({Capability.MIXED_PRECISION, Capability.NO_SY
 SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
-def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str | None:
+def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig) -> str | None:
     """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); the first one ``impl`` got
     wrong, the same text on every rank, or ``None``. Ranks agree after each neighbour, and a neighbour raises
     only after its last collective ([Note: fuzz verdicts agree across ranks] in
@@ -137,24 +137,25 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> str
     return None
 
 
-def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: Config) -> list[tuple[str, Callable[[], None]]]:
+def _neighbours(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig) -> list[tuple[str, Callable[[], None]]]:
     """The neighbours ``config`` has where ``impl`` declares what they need, each named, a call that raises
     ``AssertionError`` naming what ``impl`` got wrong."""
 
     def fresh() -> FuzzModel:
         return build_model(config.model, config.seed, dtype_of(config.dtype), ctx.device)
 
-    steps = (_of_fully_shard if config.api == "fully_shard" else _of_wrap)(ctx, impl, config, fresh)
+    steps = _of_wrap(ctx, impl, config, fresh) if isinstance(config, WrapConfig) else \
+        _of_fully_shard(ctx, impl, config, fresh)
     if config.hybrid:
         return steps
     steps.append(("tied across units", lambda: keeps_or_refuses_tie(ctx, impl, config)))
-    steps += _options(ctx, impl, config, fresh) if config.api == "wrap" else []
-    if config.policy is not None and _WITHOUT_SYNC[config.api] <= impl.capabilities:
+    steps += _options(ctx, impl, config, fresh) if isinstance(config, WrapConfig) else []
+    if config.policy is not None and _WITHOUT_SYNC[config.api] <= capabilities_of(impl):
         steps.append(("unsynced sums", lambda: keeps_unsynced_sums(ctx, impl, config)))
     return steps
 
 
-def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: Config,
+def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: FullyShardConfig,
                     fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
     """The neighbours of a ``fully_shard`` program's API."""
     mesh = ctx.device_mesh((ctx.world_size,))
@@ -162,15 +163,15 @@ def _of_fully_shard(ctx: RankContext, impl: FSDPAdapter, config: Config,
         ("misuse", lambda: _refused("fully_shard on the model's blocks (an nn.ModuleList)", ValueError, "",
                                     lambda: fully_shard(impl, fresh().blocks, mesh=mesh))),
         ("misuse", lambda: _shard_twice(ctx, impl, fresh()))]
-    if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in impl.capabilities:
+    if ctx.world_size > 1 and Capability.EXPLICIT_PREFETCH in capabilities_of(impl):
         steps.append(("prefetch lists", lambda: prefetches_in_order(ctx, impl, fresh(), config)))
     return steps
 
 
-def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: Config,
+def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig,
              fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
     """The neighbours of a ``wrap`` program's strategy, parameter exposure and policy."""
-    caps = impl.capabilities
+    caps = capabilities_of(impl)
     steps: list[tuple[str, Callable[[], None]]] = []
     if config.hybrid and Capability.HYBRID_MANUAL_WRAP_CHECK in caps:
         bare = WrapSpec(strategy=config.strategy)
@@ -204,11 +205,11 @@ def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: Config,
     return steps
 
 
-def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
+def _options(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig,
              fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
     """The neighbours of a ``wrap`` program that is not hybrid setting an option it did not draw ([Note: options a
     neighbour sets] in :mod:`conformance.fuzz.options`)."""
-    caps = impl.capabilities
+    caps = capabilities_of(impl)
     steps: list[tuple[str, Callable[[], None]]] = []
     if Capability.SYNC_MODULE_STATES in caps:
         steps.append(("sync_module_states", lambda: syncs_module_states(ctx, impl, config)))
@@ -217,7 +218,7 @@ def _options(ctx: RankContext, impl: FSDPAdapter, config: Config,
     return steps
 
 
-def _keeping_form(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def _keeping_form(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """The program wrapped with ``_HYBRID_SHARD_ZERO2`` for its ``HYBRID_SHARD``: its backward keeps the promise of a
     strategy that keeps the unsharded parameters ([Note: all-gathers in backward] in
     :mod:`conformance.fuzz.gathers`)."""
@@ -240,13 +241,13 @@ def _shard_twice(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel) -> None:
     _refused("fully_shard on a module already sharded", Exception, "", lambda: fully_shard(impl, sharded, mesh=mesh))
 
 
-def _at_debug_detail(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+def _at_debug_detail(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig) -> None:
     """:func:`_order_changes` at debug level DETAIL, set before it wraps (an implementation may read it there)."""
     with setting_on_all_ranks(ctx, dist.get_debug_level, dist.set_debug_level, dist.DebugLevel.DETAIL):
         _order_changes(ctx, impl, config)
 
 
-def _full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def _full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """Wrapped with its policy under ``FSDP_USE_FULL_PREC_IN_EVAL=1``, an eval forward computes in full precision."""
     with env_on_all_ranks(ctx, FULL_PRECISION_IN_EVAL, "1"), ctx.catch_warnings():
         wrapped = impl.wrap(model, WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
@@ -260,7 +261,7 @@ def _full_precision_in_eval(ctx: RankContext, impl: FSDPAdapter, model: FuzzMode
                              f"returned {dtypes}: eval computes in full precision")
 
 
-def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """Wrapped as the program wraps under ``FSDP_USE_UNSAFE_SETATTR=1``, a forward with gradients calls no layer's
     ``__setattr__`` override (the calls of the wrap itself are not counted)."""
     layers = [module for module in model.modules() if any(True for _ in module.parameters(recurse=False))]
@@ -276,7 +277,7 @@ def _bypasses_setattr(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
                              f"overrides, setting {names}: the variable bypasses them")
 
 
-def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def _auto_wrap(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """An auto-wrap policy naming the block class makes every block a unit (see the note)."""
     blocks = [name for name, module in model.named_modules()
               if isinstance(module, FuzzBlock) and holds_parameters(module)]
@@ -302,7 +303,7 @@ class _TwoPaths(nn.Module):
         return (self.second if self.switched else self.first)(x)
 
 
-def _order_changes(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+def _order_changes(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig) -> None:
     """Ranks running their units in different orders (see the note): refused in the first forward; after it,
     each rank that changed is warned once, and eval forwards with the same order warn nobody. The model is the
     config's first block twice, each a unit, and ranks other than 0 run the second where rank 0 runs the first:
@@ -333,7 +334,7 @@ def _order_changes(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
     _order_warnings(after, "", "in the second iteration after a change of order (warned once already)")
 
 
-def _unit_per_block(ctx: RankContext, impl: FSDPAdapter, config: Config) -> tuple[nn.Module, _TwoPaths]:
+def _unit_per_block(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig) -> tuple[nn.Module, _TwoPaths]:
     """A fresh :class:`_TwoPaths` of the config's first block, each block a unit, wrapped; and the user's module."""
     user = _TwoPaths(config.model.blocks[0], config.model.width)
     seeded_init_(user, config.seed)
@@ -353,7 +354,7 @@ def _order_warnings(caught: list[Any], expected: str, when: str) -> None:
 
 
 def _forward_with_optimizer_in_backward(ctx: RankContext, impl: FSDPAdapter, model: nn.Module,
-                                        config: Config) -> Any:
+                                        config: WrapConfig) -> Any:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
     groups = given_groups(ctx, config)

@@ -41,7 +41,7 @@ from conformance.fuzz.compare import unwrapped_names
 from conformance.fuzz.controls import full_params_of
 from conformance.fuzz.example import Block
 from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import ProgramConfig, WrapConfig
 from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.shadow import batch_of
 from fixtures.seeding import seeded_init_
@@ -55,7 +55,7 @@ __all__ = ["keeps_low_precision_grads", "keeps_or_refuses_tie", "syncs_module_st
 _TIED = ("first.layers.0.weight", "second.layers.0.weight")
 
 
-def syncs_module_states(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+def syncs_module_states(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig) -> None:
     """A model of another seed on each rank, wrapped with ``sync_module_states=True``, holds rank 0's (see the note)."""
     model = build_model(config.model, config.seed + 1 + ctx.rank, dtype_of(config.dtype), ctx.device)
     rank0 = build_model(config.model, config.seed + 1, dtype_of(config.dtype), ctx.device)
@@ -71,7 +71,7 @@ def syncs_module_states(ctx: RankContext, impl: FSDPAdapter, config: Config) -> 
                              "from rank 0's parameters")
 
 
-def keeps_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def keeps_low_precision_grads(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """Wrapped with its policy, reducing in the param dtype and keeping low-precision gradients, a backward leaves
     the optimizer's gradients in the param dtype (see the note)."""
     assert config.policy is not None
@@ -100,7 +100,7 @@ class _TiedAcrossUnits(nn.Module):
         return self.second(self.first(x))
 
 
-def keeps_or_refuses_tie(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+def keeps_or_refuses_tie(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig) -> None:
     """A weight tied across two units is refused on every rank, or kept one through an iteration (see the note)."""
     dtype, width = dtype_of(config.dtype), config.model.width
     user = _TiedAcrossUnits(width, config.seed).to(ctx.device, dtype)
@@ -121,20 +121,20 @@ def keeps_or_refuses_tie(ctx: RankContext, impl: FSDPAdapter, config: Config) ->
 
 
 def _trained_tie(ctx: RankContext, impl: FSDPAdapter, user: _TiedAcrossUnits, batch: torch.Tensor,
-                 config: Config) -> dict[str, torch.Tensor]:
+                 config: ProgramConfig) -> dict[str, torch.Tensor]:
     """``user`` sharded (each block a unit, then the root) after an iteration and an SGD step: the full values of
     the tied weight's names it still lists."""
-    if config.api == "fully_shard":
-        mesh = ctx.device_mesh((ctx.world_size,))
-        first, second = fully_shard(impl, user.first, mesh=mesh), fully_shard(impl, user.second, mesh=mesh)
-        user.first, user.second = first, second  # type: ignore[assignment]
-        model = fully_shard(impl, user, mesh=mesh)
-    else:
+    if isinstance(config, WrapConfig):
         spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params)
         with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
             first, second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
             user.first, user.second = first, second  # type: ignore[assignment]
             model = impl.wrap(user, spec)
+    else:
+        mesh = ctx.device_mesh((ctx.world_size,))
+        first, second = fully_shard(impl, user.first, mesh=mesh), fully_shard(impl, user.second, mesh=mesh)
+        user.first, user.second = first, second  # type: ignore[assignment]
+        model = fully_shard(impl, user, mesh=mesh)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of(model(batch)).backward()
     optim.step()

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, FSDPAdapter, MixedPrecisionSpec
+from conformance.contract.optional import capabilities_of
 from conformance.fuzz.example import PRECISION_FEATURES, Policy
 from conformance.fuzz.model import loss_of
 from fixtures.precision import average_grads, low_precision_copy
@@ -93,9 +94,10 @@ def required(policy: Policy | None) -> list[Capability]:
 
 def precision_features(impl: FSDPAdapter) -> frozenset[str]:
     """The :data:`~conformance.fuzz.example.PRECISION_FEATURES` ``impl`` supports."""
-    if Capability.MIXED_PRECISION not in impl.capabilities:
+    caps = capabilities_of(impl)
+    if Capability.MIXED_PRECISION not in caps:
         return frozenset()
-    if Capability.MP_BUFFER_DTYPE not in impl.capabilities:
+    if Capability.MP_BUFFER_DTYPE not in caps:
         return frozenset({"mixed_precision"})
     return PRECISION_FEATURES
 

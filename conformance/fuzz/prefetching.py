@@ -58,7 +58,7 @@ from conformance.fuzz.controls import module_at, shard_config
 from conformance.fuzz.gathers import GATHERS, REDUCTIONS, assert_backward_prefetched
 from conformance.fuzz.held import shard_sizes, units_of
 from conformance.fuzz.model import FuzzModel, holds_parameters, loss_of
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.shadow import batch_of
 from conformance.fuzz.wrapping import wrap_config
 from harness.collectives.recorder import Call, describe, patch_collectives
@@ -71,7 +71,7 @@ __all__ = ["fetches_when_used", "prefetches_backward", "prefetches_in_order"]
 _LISTED = 2  # units in each list
 
 
-def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: FullyShardConfig) -> None:
     """``model`` (a fresh copy) sharded as ``config`` says, with every unit's prefetch lists the next two units:
     each pass all-gathers the units in order (see the note)."""
     spans = _spans(model, config)
@@ -94,7 +94,7 @@ def prefetches_in_order(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, c
     _in_order(_gathered(backward_calls.calls, spans, ctx.world_size), backward, "backward")
 
 
-def _spans(model: FuzzModel, config: Config) -> dict[str, frozenset[int]] | None:
+def _spans(model: FuzzModel, config: ProgramConfig) -> dict[str, frozenset[int]] | None:
     """Each unit of ``model`` (not sharded yet) with parameters, in forward order -> the bytes a rank may send to
     its all-gather; ``None`` where two units may send as many (see the note)."""
     units = units_of(model, config)
@@ -132,7 +132,7 @@ def _in_order(gathered: list[str], order: list[str], what: str) -> None:
                              f"the units in the order {names}, not {[path or '<root>' for path in expected]}")
 
 
-def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """``model`` (a fresh copy) wrapped as ``config`` says (no forward prefetch): in a second iteration's forward
     each unit is all-gathered after the forward of the one before it began ([Note: prefetch as by default])."""
     spans = _spans(model, config)
@@ -163,7 +163,7 @@ def fetches_when_used(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, con
                              f"unit before each began (in order: {events}; the root is '')")
 
 
-def prefetches_backward(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: Config) -> None:
+def prefetches_backward(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, config: WrapConfig) -> None:
     """``model`` (a fresh copy), every block holding parameters a unit under the root with the program's strategy and
     exposure: a second iteration's backward prefetches ([Note: prefetch as by default])."""
     blocks = [index for index, block in enumerate(model.blocks) if holds_parameters(block)]

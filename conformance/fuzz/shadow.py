@@ -61,7 +61,7 @@ reduced sum (one rounding of each rank's sum). Each API says which:
   ``MixedPrecisionPolicy`` documents that with gradient reduction disabled FSDP
   "will accumulate gradients using ``reduce_dtype``"; without one it is the
   param dtype (the reduction's dtype too). A ``fully_shard`` program's policy
-  is FSDP2's (``Config``: no ``buffer_dtype`` or ``keep_low_precision_grads``).
+  is FSDP2's (``FullyShardConfig``: no ``buffer_dtype`` or ``keep_low_precision_grads``).
 
 Without a policy, and while every reduction is a mean, the shadow adds each
 backward's mean at once: summing before or after averaging differs only in the
@@ -80,7 +80,7 @@ import torch
 import torch.nn as nn
 
 from conformance.fuzz.model import build_model, loss_of, make_batch
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import ProgramConfig
 from conformance.fuzz.optimizers import make_optimizer
 from conformance.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
 
@@ -89,7 +89,7 @@ __all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for", "unsyn
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def build(config: Config, device: torch.device) -> nn.Module:
+def build(config: ProgramConfig, device: torch.device) -> nn.Module:
     """The config's model, initialised from its seed, with its frozen paths frozen."""
     model = build_model(config.model, config.seed, dtype_of(config.dtype), device)
     freeze(model, config.frozen)
@@ -103,12 +103,12 @@ def freeze(model: nn.Module, paths: tuple[str, ...]) -> None:
             param.requires_grad_(False)
 
 
-def batch_of(config: Config, batch: int, rank: int, device: torch.device) -> torch.Tensor:
+def batch_of(config: ProgramConfig, batch: int, rank: int, device: torch.device) -> torch.Tensor:
     """Rank ``rank``'s input number ``batch`` (the same on every rank that builds it)."""
     return make_batch(config.model, (config.seed * 16 + batch) * 8 + rank, dtype_of(config.dtype), device)
 
 
-def unsynced_dtype(config: Config) -> torch.dtype:
+def unsynced_dtype(config: ProgramConfig) -> torch.dtype:
     """The dtype each rank's unreduced gradient sum is kept in under ``config``'s policy ([Note: unsynced
     accumulation dtype])."""
     spec = mixed_precision_spec(config.policy)
@@ -132,7 +132,7 @@ def loss_for(output: Output, loss: str) -> torch.Tensor:
 class Shadow:
     """The local model and optimizer standing for what the ranks train ([Note: the shadow model])."""
 
-    config: Config
+    config: ProgramConfig
     device: torch.device
     local: nn.Module
     optim: torch.optim.Optimizer
@@ -144,7 +144,7 @@ class Shadow:
     divisors: dict[str, float] = field(default_factory=dict)  # a parameter -> its module's divide factor
 
     @classmethod
-    def of(cls, config: Config, device: torch.device) -> Shadow:
+    def of(cls, config: ProgramConfig, device: torch.device) -> Shadow:
         local = build(config, device)
         return cls(config, device, local, make_optimizer(config.optimizer, local.parameters()),
                    low=low_precision_model(local, config.policy))

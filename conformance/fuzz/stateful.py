@@ -43,10 +43,12 @@ from conformance.fuzz.compare import (
     assert_no_grads_outside_the_loss,
     assert_optim_state,
     assert_same_dtypes,
+    tensors_of,
     unwrapped_name,
     unwrapped_names,
     zeros_for_none,
 )
+from conformance.fuzz.configs import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.held import Held, left_alive
@@ -55,7 +57,6 @@ from conformance.fuzz.ops import (
     BATCHES,
     MODELLED_CONTROLS,
     Backward,
-    Config,
     Forward,
     GradSync,
     Load,
@@ -89,7 +90,7 @@ class _Machine:
 
     ctx: RankContext
     impl: FSDPAdapter
-    config: Config
+    config: ProgramConfig
     model: nn.Module
     optim: torch.optim.Optimizer
     shadow: Shadow
@@ -199,14 +200,14 @@ class _Machine:
 
     def train_iteration(self, op: Train) -> None:
         self.forward(Forward(batch=op.batch))
-        if self.config.saves_in_iteration:
+        if isinstance(self.config, WrapConfig) and self.config.saves_in_iteration:
             self._save_in_iteration()
         self.backward(Backward())
         self.step(Step())
         self.trains += 1
 
     def _save_in_iteration(self) -> None:
-        """``Config.saves_in_iteration``: a full state dict (compared with the shadow's) in a program's first
+        """``WrapConfig.saves_in_iteration``: a full state dict (compared with the shadow's) in a program's first
         ``Train``, a sharded one in the second, and so on (a full one reshards the units, so a sharded one after
         it would find none still gathered from the forward); kept nowhere: a ``Load`` loads the last ``Save``."""
         sharded = self.trains % 2 == 1
@@ -216,7 +217,7 @@ class _Machine:
         if sharded:
             self.impl.sharded_state_dict(self.model)
         else:
-            self._compare_saved(_tensors(self.impl.full_state_dict(self.model)), None)
+            self._compare_saved(tensors_of(self.impl.full_state_dict(self.model)), None)
 
     def zero_grad(self, op: ZeroGrad) -> None:
         if self._unsynced():
@@ -250,7 +251,7 @@ class _Machine:
         self.saved = (copy.deepcopy(state), copy.deepcopy(optim), op.sharded)
         self.shadow.save(op.optim)
         if not op.sharded:
-            self._compare_saved(_tensors(state), None if optim is None else optim["state"])
+            self._compare_saved(tensors_of(state), None if optim is None else optim["state"])
 
     def _save_fully_sharded(self, op: Save) -> None:
         """The model's and optimizer's ``state_dict()`` (see [Note: fully_shard programs])."""
@@ -259,7 +260,7 @@ class _Machine:
         self.saved = (state, optim, op.sharded)
         self.shadow.save(op.optim)
         if not op.sharded:
-            self._compare_saved({name: full_value(v) for name, v in _tensors(state).items()},
+            self._compare_saved({name: full_value(v) for name, v in tensors_of(state).items()},
                                 None if optim is None else controls.full_optim_state(optim))
 
     def _compare_saved(self, state: dict[str, torch.Tensor], optim: dict[str, Any] | None) -> None:
@@ -324,23 +325,20 @@ class _Machine:
                          in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
 
 
-def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
-
-
-def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _Machine:
+def _setup(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig, held: Held) -> _Machine:
     shadow = Shadow.of(config, ctx.device)
-    built = build(config, torch.device("meta") if config.meta_init else ctx.device)
+    meta = isinstance(config, FullyShardConfig) and config.meta_init
+    built = build(config, torch.device("meta") if meta else ctx.device)
     ignored, groups = {path: built.get_submodule(path) for path in config.ignored}, None
     user_modules = weakref.WeakKeyDictionary({module: path for path, module in built.named_modules()})
-    if config.api == "fully_shard":
-        model = shard_config(ctx, impl, built, config)
-        if config.meta_init:
-            materialize(model, ctx.device, shadow.local, unwrapped_name)
-        controls: Controls | None = Controls.of(impl, model, unwrapped_names)
-    else:
+    if isinstance(config, WrapConfig):
         groups = given_groups(ctx, config)
         model, controls = wrap_config(ctx, impl, built, config, groups), None
+    else:
+        model = shard_config(ctx, impl, built, config)
+        if meta:
+            materialize(model, ctx.device, shadow.local, unwrapped_name)
+        controls = Controls.of(impl, model, unwrapped_names)
     machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
                        missing_operations(impl, ctx.mode), held,
                        Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored,

@@ -40,7 +40,7 @@ import torch.nn as nn
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard, no_sync, set_requires_gradient_sync
 from conformance.fuzz.controls import full_params_of
-from conformance.fuzz.ops import Config
+from conformance.fuzz.ops import ProgramConfig, WrapConfig
 from conformance.fuzz.precision import dtype_of, mixed_precision_spec
 from conformance.fuzz.shadow import unsynced_dtype
 from fixtures.precision import average_grads
@@ -59,7 +59,7 @@ _DOCUMENTED = {"wrap": "no_sync() accumulates in the parameters the backward com
                               "reduce_dtype"}
 
 
-def keeps_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, config: Config) -> None:
+def keeps_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig) -> None:
     """With the program's API and policy, reducing in ``float32``, a backward without gradient sync and the next
     one leave the mean over ranks of each rank's sum kept in the API's dtype (see the note)."""
     assert config.policy is not None
@@ -88,9 +88,9 @@ def keeps_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, config: Config) -> 
             f"{str(kept).removeprefix('torch.')} ({_DOCUMENTED[config.api]}): {exc}") from None
 
 
-def _sharded(ctx: RankContext, impl: FSDPAdapter, user: nn.Module, config: Config) -> nn.Module:
+def _sharded(ctx: RankContext, impl: FSDPAdapter, user: nn.Module, config: ProgramConfig) -> nn.Module:
     spec = mixed_precision_spec(config.policy)
-    if config.api == "fully_shard":
+    if not isinstance(config, WrapConfig):
         return fully_shard(impl, user, mesh=ctx.device_mesh((ctx.world_size,)), mixed_precision=spec)
     with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
         return impl.wrap(user, WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,

@@ -25,10 +25,10 @@ import torch.nn as nn
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.messages import NO_SHARD_SWITCH
-from conformance.contract.optional import activation_checkpoint_wrapper
+from conformance.contract.optional import activation_checkpoint_wrapper, capabilities_of
 from conformance.fuzz.controls import fully_shard_features, fully_shard_requires
 from conformance.fuzz.example import source
-from conformance.fuzz.ops import HYBRID_OF, NODE, Config, Program
+from conformance.fuzz.ops import HYBRID_OF, NODE, Program, ProgramConfig, WrapConfig
 from conformance.fuzz.precision import mixed_precision_spec, precision_features, required
 from fixtures.meshes import hybrid_groups
 from fixtures.parity import assert_close_named
@@ -43,7 +43,7 @@ __all__ = ["assert_ignored_kept", "features_of", "given_groups", "missing_operat
 
 def features_of(impl: FSDPAdapter) -> frozenset[str]:
     """The configuration :data:`~conformance.fuzz.ops.FEATURES` ``impl`` can express."""
-    caps = impl.capabilities
+    caps = capabilities_of(impl)
     cpu_offload = {"cpu_offload"} if Capability.CPU_OFFLOAD in caps else set()
     cast = {"cast_forward_inputs"} if {Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS} <= caps else set()
     hybrid = Capability.HYBRID_VIA_PG_TUPLE in caps and all(
@@ -64,12 +64,12 @@ def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
     return {op: reason for op, reason in reasons.items() if reason is not None}
 
 
-def given_groups(ctx: RankContext, config: Config) -> tuple[Any, Any] | None:
+def given_groups(ctx: RankContext, config: ProgramConfig) -> tuple[Any, Any] | None:
     """The ``(shard, replicate)`` groups of a hybrid program ([Note: hybrid programs]), made anew; else ``None``."""
     return hybrid_groups(ctx, NODE) if config.hybrid else None
 
 
-def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: Config,
+def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: WrapConfig,
                 groups: tuple[Any, Any] | None) -> nn.Module:
     """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
     unit), then wrap the root; a hybrid strategy with ``groups`` (:func:`given_groups`). At world
@@ -86,8 +86,8 @@ def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: C
     with ctx.catch_warnings() as caught:
         root = impl.wrap(model, replace(spec, ignored_modules=tuple(model.get_submodule(p) for p in config.ignored)))
     switched = [w for w in caught if str(w.message).startswith(NO_SHARD_SWITCH)]
-    if ctx.world_size == 1 and config.strategy != "NO_SHARD" and Capability.WORLD_SIZE_1_SWITCH in impl.capabilities \
-            and not switched:
+    declared = Capability.WORLD_SIZE_1_SWITCH in capabilities_of(impl)
+    if ctx.world_size == 1 and config.strategy != "NO_SHARD" and declared and not switched:
         raise AssertionError(f"wrapping at world size 1 with {config.strategy} did not warn {NO_SHARD_SWITCH!r}..., "
                              "as the adapter declares (Capability.WORLD_SIZE_1_SWITCH)")
     return root
@@ -95,7 +95,7 @@ def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: C
 
 def assert_ignored_kept(ignored: dict[str, nn.Module], local: nn.Module) -> None:
     """Each ignored module (the user's object) still holds its own full parameters, equal to the shadow's
-    ([Note: ignored modules in programs] in :mod:`conformance.fuzz.ops`)."""
+    ([Note: ignored modules in programs] in :mod:`conformance.fuzz.configs`)."""
     for path, module in ignored.items():
         got = {name: param.detach() for name, param in module.named_parameters()}
         want = {name: param.detach() for name, param in local.get_submodule(path).named_parameters()}
@@ -113,9 +113,9 @@ def render_program(program: Program, message: str) -> str:
     """A ready-to-paste case reproducing ``program`` (for ``conformance/cases/test_fuzz.py``)."""
     digest = hashlib.sha1(repr(program).encode()).hexdigest()[:8]
     found = " ".join(message.split())[:300]
-    wrap_policy = program.config.policy if program.config.api == "wrap" else None  # fully_shard's: below
-    needs = [f"Capability.{cap.name}" for cap in required(wrap_policy)]
-    needs += ["Capability.CPU_OFFLOAD"] * program.config.cpu_offload
+    wrapped = program.config if isinstance(program.config, WrapConfig) else None  # fully_shard's needs: below
+    needs = [f"Capability.{cap.name}" for cap in required(wrapped.policy if wrapped else None)]
+    needs += ["Capability.CPU_OFFLOAD"] * bool(wrapped and wrapped.cpu_offload)
     needs += ["Capability.HYBRID_VIA_PG_TUPLE"] * program.config.hybrid
     needs += ["Capability.IGNORED_MODULES"] * bool(program.config.ignored)
     needs += [f"Capability.{cap.name}" for cap in fully_shard_requires(program)]

@@ -18,7 +18,13 @@ implementation itself, e.g. ``"torch.distributed.checkpoint.state_dict"``; an
 optional ``"kind"`` is ``"bug"``, the default, or ``"documented"``: a
 limitation or design choice the implementation's own documentation states,
 which then needs ``"documentation"``, the citation (document, section or quote,
-version); the reason then says it is documented and cites where). A ``rows``
+version); the reason then says it is documented and cites where; an optional
+``"set_aside"``, a list of names, is what a fuzzer row's search leaves out of the
+programs it draws once it met the finding, so that it reaches past it (the
+stateful fuzzer's configuration features and operations, e.g. ``["cpu_offload"]``
+or ``["Load"]``: [Note: known findings in a search] in
+:mod:`conformance.fuzz.known`); without it nothing is set aside and the search
+goes on drawing as it would have). A ``rows``
 naming a renamed row's old id applies to the row under its new id, with a
 ``DeprecationWarning`` naming it ([Note: renamed rows] in
 :mod:`conformance.contract.rows`). They come from three places:
@@ -41,10 +47,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from conformance.contract.rows import current_row_id, parse_row_id, row_matches
+from conformance.contract.case import KnownFailure
+from conformance.contract.rows import all_params, case_row_id, case_spec, current_row_id, parse_row_id, row_matches
 
 __all__ = ["BUILTIN_FILE", "ENTRY_POINT_GROUP", "ENV_VAR", "KINDS", "Finding", "annotate", "explaining", "known",
-           "load_file", "load_files"]
+           "load_file", "load_files", "registered_for"]
 
 BUILTIN_FILE = Path(__file__).with_name("known_findings.json")
 ENTRY_POINT_GROUP = "fsdp_conformance.findings"
@@ -52,7 +59,7 @@ ENV_VAR = "FSDP_CONFORMANCE_FINDINGS"
 
 
 _REQUIRED = frozenset({"impl", "rows", "doc"})
-_OPTIONAL = frozenset({"reason", "component", "kind", "documentation"})
+_OPTIONAL = frozenset({"reason", "component", "kind", "documentation", "set_aside"})
 #: ``kind``: an implementation's (or ``component``'s) bug, or a limitation its documentation states.
 KINDS = ("bug", "documented")
 
@@ -73,6 +80,8 @@ class Finding:
     #: For ``kind="documented"``: where the implementation documents the behaviour (document, section or
     #: quote, version).
     documentation: str | None = None
+    #: What a fuzzer's search leaves out of later draws once it met this finding (see the module docstring).
+    set_aside: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # a registration naming a renamed row's old id ([Note: renamed rows]); frozen, hence object.__setattr__
@@ -88,9 +97,13 @@ class Finding:
         """Validate one entry; errors name ``source`` and the entry."""
         if not isinstance(entry, Mapping) or not _REQUIRED <= set(entry) <= _REQUIRED | _OPTIONAL:
             raise ValueError(f"{source}: a finding is {{'impl', 'rows', 'doc'}} and optionally 'reason', "
-                             f"'component', 'kind' and 'documentation', got {entry!r}")
-        if not all(isinstance(v, str) and v for v in entry.values()):
-            raise ValueError(f"{source}: every field of a finding must be a non-empty string, got {entry!r}")
+                             f"'component', 'kind', 'documentation' and 'set_aside', got {entry!r}")
+        if not all(isinstance(v, str) and v for k, v in entry.items() if k != "set_aside"):
+            raise ValueError(f"{source}: every field of a finding but 'set_aside' must be a non-empty string, "
+                             f"got {entry!r}")
+        set_aside = entry.get("set_aside", [])
+        if not isinstance(set_aside, list) or not all(isinstance(name, str) and name for name in set_aside):
+            raise ValueError(f"{source}: 'set_aside' must be a list of non-empty names, got {set_aside!r}: {entry!r}")
         try:
             parse_row_id(entry["rows"])  # a malformed pattern fails here, not when a case fails
         except ValueError as exc:
@@ -103,9 +116,14 @@ class Finding:
         try:
             rows = current_row_id(entry["rows"], f"{source}: finding for {entry['impl']}", stacklevel=3)
             return cls(entry["impl"], rows, entry["doc"], entry.get("reason"), entry.get("component"),
-                       entry.get("kind", "bug"), entry.get("documentation"))
+                       entry.get("kind", "bug"), entry.get("documentation"), tuple(set_aside))
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}: {entry!r}") from None
+
+    def known_failure(self) -> KnownFailure:
+        """This finding as a case body sees it (:attr:`CaseSettings.known_failures
+        <conformance.contract.case.CaseSettings.known_failures>`)."""
+        return KnownFailure(self.doc, self.reason, self.set_aside)
 
     def label(self) -> str:
         """How a reason it explains starts: ``known finding``, the component at fault, and for a documented
@@ -158,6 +176,16 @@ def known() -> list[Finding]:
     for part in filter(None, os.environ.get(ENV_VAR, "").split(os.pathsep)):
         found += load_file(Path(part))
     return found
+
+
+def registered_for(item: Any) -> tuple[KnownFailure, ...]:
+    """The findings registered for a conformance row's implementation and row (its ``case_settings``), whatever
+    the reason, as its body sees them; none for a test that is no conformance row."""
+    impl = getattr(all_params(item).get("impl"), "name", None)
+    if impl is None or case_spec(item) is None:
+        return ()
+    case = case_row_id(item)
+    return tuple(f.known_failure() for f in known() if f.impl == impl and row_matches(case, f.rows))
 
 
 def explaining(impl: str, case: str, reason: str) -> Finding | None:

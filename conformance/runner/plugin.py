@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -36,7 +36,7 @@ from conformance.contract.optional import capabilities_of
 from conformance.contract.results import CaseReport, Result
 from conformance.contract.rows import all_params, case_row_id, case_spec
 from conformance.runner import baseline, budget, outputs, progress, world_sizes
-from conformance.runner.findings import Finding, annotate, explaining
+from conformance.runner.findings import Finding, annotate, explaining, registered_for
 from conformance.runner.options import OPTIONS
 from conformance.runner.reasons import failure_reason, skip_reason
 from conformance.runner.report import summary_line
@@ -159,8 +159,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.fixture
 def case_settings(request: pytest.FixtureRequest) -> CaseSettings:
-    """The run's settings a case body may read (timing repeats, the fuzz budget)."""
-    return settings_of(request.config).for_cases()
+    """The run's settings a case body may read (timing repeats, the fuzz budget, its row's findings)."""
+    return replace(settings_of(request.config).for_cases(), known_failures=registered_for(request.node))
 
 
 @pytest.hookimpl

@@ -140,7 +140,7 @@ def test_a_finding_with_a_reason_explains_only_that_cause(tmp_path: Path, monkey
     with pytest.raises(ValueError, match=r"reason '\(' is not a regular expression"):
         annotate("my-fsdp", "fuzz/parity_ws1", "boom")
     listed.write_text(json.dumps([{"impl": "my-fsdp", "rows": "fuzz/parity_ws1", "doc": "d.md", "why": "x"}]))
-    with pytest.raises(ValueError, match=r"optionally 'reason', 'component', 'kind' and 'documentation', got"):
+    with pytest.raises(ValueError, match=r"optionally 'reason', 'component', 'kind', 'documentation' and 'set_aside'"):
         annotate("my-fsdp", "fuzz/parity_ws1", "boom")
 
 

@@ -12,7 +12,7 @@ from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import FSDPAdapter
 from conformance.fuzz.example import Block, ModelSpec
 from conformance.fuzz.gathers import promise
-from conformance.fuzz.ops import Backward, Config, Forward, Program, Train
+from conformance.fuzz.ops import Backward, Forward, FullyShardConfig, Program, Train, WrapConfig
 from conformance.selftest.mutants import NoBackwardPrefetch, RegroupsGivenGroups, ReshardIntAsFalse, Zero2AsHybridShard
 from harness import RankContext, run
 
@@ -20,21 +20,22 @@ _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()), unuse
 _UNITS = ("blocks.0", "blocks.1", "unused")
 #: A plain iteration, then one whose loss sums two forwards (not judged: see the note), then one more.
 _OPS = (Train(), Forward(), Forward(batch=1), Backward(), Train(batch=2))
-_INT = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, api="fully_shard", reshard_after_forward=2,
+_INT = Program(FullyShardConfig(world_size=4, model=_MODEL, wrap=_UNITS, reshard_after_forward=2,
                       checkpoint=("blocks.1",)), _OPS)
-_KEEP = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, api="fully_shard", reshard_after_forward=False), _OPS)
-_ZERO2 = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, strategy="_HYBRID_SHARD_ZERO2"), _OPS)
-_HYBRID = Program(Config(world_size=4, model=_MODEL, wrap=_UNITS, strategy="HYBRID_SHARD", use_orig_params=True), _OPS)
-_FULL = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, checkpoint=("blocks.1",)), _OPS)
-_SGO = Program(Config(world_size=2, model=_MODEL, wrap=_UNITS, strategy="SHARD_GRAD_OP", use_orig_params=True,
+_KEEP = Program(FullyShardConfig(world_size=2, model=_MODEL, wrap=_UNITS, reshard_after_forward=False), _OPS)
+_ZERO2 = Program(WrapConfig(world_size=4, model=_MODEL, wrap=_UNITS, strategy="_HYBRID_SHARD_ZERO2"), _OPS)
+_HYBRID = Program(WrapConfig(world_size=4, model=_MODEL, wrap=_UNITS, strategy="HYBRID_SHARD", use_orig_params=True),
+                  _OPS)
+_FULL = Program(WrapConfig(world_size=2, model=_MODEL, wrap=_UNITS, checkpoint=("blocks.1",)), _OPS)
+_SGO = Program(WrapConfig(world_size=2, model=_MODEL, wrap=_UNITS, strategy="SHARD_GRAD_OP", use_orig_params=True,
                       checkpoint=("blocks.0",)), _OPS)
 
 
 def test_what_resharding_promises() -> None:
     assert promise(_INT.config) == 2 and promise(_KEEP.config) == "none" and promise(_ZERO2.config) == "none"
-    assert promise(Config(world_size=2, api="fully_shard")) is None  # resharding: backward gathers what it needs
-    assert promise(Config(world_size=1, strategy="SHARD_GRAD_OP")) is None  # nothing to gather on one rank
-    assert promise(Config(world_size=2, strategy="FULL_SHARD")) is None
+    assert promise(FullyShardConfig(world_size=2)) is None  # resharding: backward gathers what it needs
+    assert promise(WrapConfig(world_size=1, strategy="SHARD_GRAD_OP")) is None  # nothing to gather on one rank
+    assert promise(WrapConfig(world_size=2, strategy="FULL_SHARD")) is None
 
 
 def _verdicts(ctx: RankContext, impl: FSDPAdapter, program: Program) -> str | None:

@@ -15,15 +15,18 @@ from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import FSDPAdapter
 from conformance.fuzz.example import Block, ModelSpec
 from conformance.fuzz.held import Held, kept_after_forward, shard_bound
-from conformance.fuzz.ops import Config, Forward, Program, Train
+from conformance.fuzz.ops import Forward, FullyShardConfig, Program, Train, WrapConfig
 from conformance.fuzz.shadow import build
 from conformance.selftest.mutants import HooksHoldTheirUnit, KeepFullGradients, NeverReshard
 from harness import RankContext, run
 
 #: Two units and the root: blocks.0 has 40 parameters (two 4x4 linears with biases), blocks.1 and the root's
 #: head 20 each, all float32.
-_FULLY_SHARD = Config(world_size=4, model=ModelSpec(width=4, blocks=(Block(layers=("linear", "linear")), Block())),
-                      wrap=("blocks.0", "blocks.1"), api="fully_shard", reshard_after_forward=2)
+_FULLY_SHARD = FullyShardConfig(world_size=4,
+                                model=ModelSpec(width=4, blocks=(Block(layers=("linear", "linear")), Block())),
+                                wrap=("blocks.0", "blocks.1"), reshard_after_forward=2)
+#: The same model and units wrapped (FULL_SHARD).
+_WRAPPED = WrapConfig(world_size=4, model=_FULLY_SHARD.model, wrap=_FULLY_SHARD.wrap)
 
 
 def test_shard_and_forward_bounds_follow_the_layout() -> None:
@@ -33,7 +36,7 @@ def test_shard_and_forward_bounds_follow_the_layout() -> None:
     assert shard_bound(model, _FULLY_SHARD) == ((10 + 5 + 5) * 4, (14 + 7 + 7) * 4)
     # the root whole (20 + 8 aligned), each other unit over reshard_after_forward=2 ranks: (40 + 16) / 2, 28 / 2
     assert kept_after_forward(model, _FULLY_SHARD) == (28 + 28 + 14) * 4
-    wrapped = replace(_FULLY_SHARD, api="wrap", reshard_after_forward=True)
+    wrapped = _WRAPPED
     assert kept_after_forward(model, wrapped) == 28 * 4  # FULL_SHARD reshards all but the root
     assert kept_after_forward(model, replace(wrapped, strategy="SHARD_GRAD_OP")) == (28 + 56 + 28) * 4
     assert shard_bound(model, replace(wrapped, strategy="NO_SHARD")) == (80 * 4, (56 + 28 + 28) * 4)
@@ -43,7 +46,7 @@ def test_shard_and_forward_bounds_follow_the_layout() -> None:
 
 def test_a_storage_kept_past_a_backward_is_reported() -> None:
     """The check counts what the rank created and still holds, less what the others named hold."""
-    held = Held(replace(_FULLY_SHARD, world_size=1, api="wrap", reshard_after_forward=True))
+    held = Held(replace(_WRAPPED, world_size=1))
     model = build(held.config, torch.device("cpu"))  # 80 parameters, all on the one rank
     optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)  # no state: no copies counted
     with held.tracker:
@@ -74,12 +77,12 @@ def _verdicts(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -
     return [check_program(ctx, impl, program) for program in drawn]
 
 
-_TRAIN = Program(Config(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(inner=("linear",)))),
+_TRAIN = Program(WrapConfig(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(inner=("linear",)))),
                         wrap=("blocks.1",), use_orig_params=True), (Train(), Train()))
 _INT = Program(_FULLY_SHARD, (Forward(grad=False), Train(), Forward(grad=False)))
 #: One unit of 3 x 30 width-5 parameters kept gathered: 4 padded shards of 192 B, more than the parameters padded once.
-_GATHERED = Program(Config(world_size=4, model=ModelSpec(width=5, blocks=(Block(), Block(), Block())),
-                           api="fully_shard", reshard_after_forward=False), (Forward(grad=False),))
+_GATHERED = Program(FullyShardConfig(world_size=4, model=ModelSpec(width=5, blocks=(Block(), Block(), Block())),
+                                     reshard_after_forward=False), (Forward(grad=False),))
 
 
 @pytest.mark.parametrize(("impl", "program"), [(ReferenceAdapter(), _TRAIN), (ReferenceAdapter(), _INT),
@@ -120,7 +123,7 @@ def _late_release(ctx: RankContext, release_after_s: float | None, settle_s: flo
     keeps it would). ``settle_s`` stands for :data:`SETTLE_S`."""
     import fixtures.memory as memory
 
-    held = Held(replace(_FULLY_SHARD, world_size=1, api="wrap", reshard_after_forward=True))
+    held = Held(replace(_WRAPPED, world_size=1))
     model = build(held.config, torch.device("cpu"))  # 80 float32 parameters: S = 320 B
     optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     backend: list[torch.Tensor] = []  # the worker's reference

@@ -15,7 +15,7 @@ from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import FSDPAdapter
 from conformance.fuzz.example import Block, ModelSpec, Policy
 from conformance.fuzz.neighbours import _neighbours, _refused
-from conformance.fuzz.ops import Config, Program, Train
+from conformance.fuzz.ops import Config, FullyShardConfig, Program, Train, WrapConfig
 from conformance.fuzz.verdicts import agree, attempt
 from conformance.selftest.mutants import (
     AlwaysPrefetch,
@@ -43,22 +43,24 @@ from harness import RankContext, run
 from harness.ranks.errors import RankFailure
 
 _MODEL = ModelSpec(width=4, blocks=(Block(("linear", "linear")), Block()))
-_HYBRID = Config(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")
-_FLAT = Config(world_size=2, model=_MODEL, wrap=("blocks.0",))
-_MIXED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), policy=Policy(reduce_dtype="float32", cast_inputs=True))
+_HYBRID = WrapConfig(world_size=4, model=_MODEL, wrap=("blocks.0",), strategy="HYBRID_SHARD")
+_FLAT = WrapConfig(world_size=2, model=_MODEL, wrap=("blocks.0",))
+_MIXED = WrapConfig(world_size=2, model=_MODEL, wrap=("blocks.0",),
+                    policy=Policy(reduce_dtype="float32", cast_inputs=True))
 #: A first block of buffers only: its units gather nothing, so no order is checked (nothing to refuse).
-_BUFFERS_ONLY = Config(world_size=2, model=ModelSpec(blocks=(Block(("scale",)),)))
-_ORDERED = Config(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
-_SHARDED = Config(world_size=2, model=_MODEL, wrap=("blocks.0",), api="fully_shard")
+_BUFFERS_ONLY = WrapConfig(world_size=2, model=ModelSpec(blocks=(Block(("scale",)),)))
+_ORDERED = WrapConfig(world_size=2, model=_MODEL, strategy="SHARD_GRAD_OP", use_orig_params=True)
+_SHARDED = FullyShardConfig(world_size=2, model=_MODEL, wrap=("blocks.0",))
 _SHARDED_MIXED = replace(_SHARDED, policy=Policy(reduce_dtype="float32", cast_inputs=True))
 #: Four units whose all-gathers differ in size, so their order can be told ([Note: prefetch lists in order]).
-_PREFETCHED = Config(world_size=2, model=ModelSpec(width=4, vocab=7, blocks=(Block(("linear",)), Block(("conv3",)),
-                                                                             Block(("norm",)))),
-                     wrap=("blocks.0", "blocks.1", "blocks.2"), api="fully_shard")
-_UNPREFETCHED = Config(world_size=2, model=_PREFETCHED.model, wrap=_PREFETCHED.wrap)
+_PREFETCHED = FullyShardConfig(world_size=2, model=ModelSpec(width=4, vocab=7,
+                                                             blocks=(Block(("linear",)), Block(("conv3",)),
+                                                                     Block(("norm",)))),
+                     wrap=("blocks.0", "blocks.1", "blocks.2"))
+_UNPREFETCHED = WrapConfig(world_size=2, model=_PREFETCHED.model, wrap=_PREFETCHED.wrap)
 #: The last unit frozen: the program's own backward gathers it and reduces nothing, so its first two all-gathers
 #: come before any reduce-scatter with or without prefetch; the neighbour's copy has nothing frozen.
-_LAST_FROZEN = Config(world_size=2, model=_PREFETCHED.model, wrap=_PREFETCHED.wrap, frozen=("blocks.2",))
+_LAST_FROZEN = WrapConfig(world_size=2, model=_PREFETCHED.model, wrap=_PREFETCHED.wrap, frozen=("blocks.2",))
 
 
 #: The neighbours torch's FSDP1 fails on the CPU by a registered finding (conformance/runner/known_findings.json):
@@ -178,7 +180,7 @@ def test_prefetch_order_is_judged_only_where_units_differ_in_size() -> None:
         return _spans(build_model(config.model, 0, torch.float32, torch.device("cpu")), config)
 
     assert spans(_PREFETCHED) is not None
-    same = Config(world_size=2, model=ModelSpec(width=4, vocab=7, blocks=(Block(), Block(), Block(("norm",)))),
-                  wrap=("blocks.0", "blocks.1", "blocks.2"), api="fully_shard")
+    model = ModelSpec(width=4, vocab=7, blocks=(Block(), Block(), Block(("norm",))))
+    same = FullyShardConfig(world_size=2, model=model, wrap=("blocks.0", "blocks.1", "blocks.2"))
     assert spans(same) is None
-    assert spans(Config(world_size=2, model=_PREFETCHED.model, wrap=("blocks.1",), api="fully_shard")) is None
+    assert spans(FullyShardConfig(world_size=2, model=_PREFETCHED.model, wrap=("blocks.1",))) is None

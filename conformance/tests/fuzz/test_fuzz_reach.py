@@ -10,7 +10,7 @@ import pytest
 
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.fuzz.example import Block, ModelSpec
-from conformance.fuzz.ops import Config, GradSync, Program, Train
+from conformance.fuzz.ops import FullyShardConfig, GradSync, Program, Train, WrapConfig
 from conformance.fuzz.stateful import check_program
 from conformance.selftest.mutants import GradSyncForgetsKeptGrads, NoRegatherForRecompute
 from conformance.tests.fuzz.test_fuzz_stateful import _drawn
@@ -19,11 +19,11 @@ from harness import run
 #: A checkpointed block whose nested block, run first, is a unit freed after forward: recomputing the block in
 #: backward runs the unit's forward before the unit's own backward has gathered it.
 _RECOMPUTED = Program(
-    Config(world_size=2, model=ModelSpec(width=4, blocks=(Block(inner=("linear",), inner_first=True),)),
+    WrapConfig(world_size=2, model=ModelSpec(width=4, blocks=(Block(inner=("linear",), inner_first=True),)),
            wrap=("blocks.0.inner",), checkpoint=("blocks.0",)),
     (Train(),))
 #: A backward with gradient sync off, and nothing after it: the closing iteration reduces what it kept.
-_UNSYNCED = Program(Config(world_size=2, wrap=("blocks.0",), api="fully_shard"), (GradSync(on=False), Train()))
+_UNSYNCED = Program(FullyShardConfig(world_size=2, wrap=("blocks.0",)), (GradSync(on=False), Train()))
 
 
 def test_checkpointed_blocks_run_their_nested_unit_first() -> None:

@@ -27,6 +27,7 @@ from conformance.fuzz.ops import (
     Backward,
     Config,
     Forward,
+    FullyShardConfig,
     GradientDivideFactor,
     GradSync,
     Load,
@@ -40,6 +41,7 @@ from conformance.fuzz.ops import (
     Step,
     Train,
     Unshard,
+    WrapConfig,
     ZeroGrad,
 )
 from conformance.fuzz.searching import budget, stateful_fuzz
@@ -95,9 +97,9 @@ def test_drawing_is_deterministic_and_varied() -> None:
     assert kinds - controls == plain, kinds
     assert kinds & controls, kinds  # every one of them: test_controls_are_drawn_only_where_declared
     configs = [p.config for p in first]
-    assert any(c.policy for c in configs) and any(c.cpu_offload for c in configs), configs
+    assert any(c.policy for c in configs) and any(isinstance(c, WrapConfig) and c.cpu_offload for c in configs)
     assert any(c.checkpoint for c in configs) and any(c.frozen for c in configs), configs
-    assert any(c.api == "fully_shard" for c in configs) and any(c.api == "wrap" for c in configs), configs
+    assert {type(c) for c in configs} == {WrapConfig, FullyShardConfig}, configs
 
 
 def test_unsupported_features_are_dropped_after_drawing() -> None:
@@ -106,8 +108,8 @@ def test_unsupported_features_are_dropped_after_drawing() -> None:
     uses it or its controls."""
     full, plain, bare = _drawn(3, 40), _drawn(3, 40, FULLY_SHARD_FEATURES), _drawn(3, 40, ())
     assert [p.ops for p in plain] == [p.ops for p in full]
-    assert not any(p.config.policy and p.config.api == "wrap" or p.config.cpu_offload for p in plain)
-    assert not any(p.config.api == "fully_shard" or p.config.policy or p.config.cpu_offload for p in bare)
+    assert not any(isinstance(p.config, WrapConfig) and (p.config.policy or p.config.cpu_offload) for p in plain)
+    assert all(isinstance(p.config, WrapConfig) and not (p.config.policy or p.config.cpu_offload) for p in bare)
     assert not any(isinstance(op, CONTROL_OPS) for p in bare for op in p.ops)
 
 
@@ -136,8 +138,10 @@ def test_controls_are_drawn_only_where_declared(features: set[str], absent: tupl
 
 def test_an_int_reshard_after_forward_is_drawn_only_where_declared() -> None:
     """``reshard_after_forward=2`` at four ranks needs ``reshard_after_forward_int``; else it is ``True``."""
-    with_int = {p.config.reshard_after_forward for p in _drawn(3, 100, FULLY_SHARD_FEATURES, world_size=4)}
-    without = {p.config.reshard_after_forward for p in _drawn(3, 100, {"fully_shard"}, world_size=4)}
+    with_int = {p.config.reshard_after_forward for p in _drawn(3, 100, FULLY_SHARD_FEATURES, world_size=4)
+                if isinstance(p.config, FullyShardConfig)}
+    without = {p.config.reshard_after_forward for p in _drawn(3, 100, {"fully_shard"}, world_size=4)
+               if isinstance(p.config, FullyShardConfig)}
     assert 2 in with_int and 2 not in without and False in without, (with_int, without)
 
 
@@ -145,18 +149,18 @@ def test_state_dicts_inside_iterations_are_drawn_for_wrap_programs_only() -> Non
     """``saves_in_iteration`` is read off a ``wrap`` program's unused ``reshard_after_forward`` draw
     ([Note: options from an unused draw]): some ``wrap`` programs take it, no ``fully_shard`` one."""
     drawn = _drawn(3, 100, FULLY_SHARD_FEATURES)
-    by_api = {api: {p.config.saves_in_iteration for p in drawn if p.config.api == api}
-              for api in ("wrap", "fully_shard")}
-    assert by_api == {"wrap": {True, False}, "fully_shard": {False}}, by_api
+    assert {p.config.saves_in_iteration for p in drawn if isinstance(p.config, WrapConfig)} == {True, False}
+    assert any(isinstance(p.config, FullyShardConfig) for p in drawn)  # which have no such field
 
 
 def test_meta_init_is_drawn_for_fully_shard_programs_only() -> None:
     """``meta_init`` is read off a ``fully_shard`` program's unused ``use_orig_params`` draw ([Note: options from
     an unused draw]), and only where the adapter declares it."""
     drawn = _drawn(3, 100, FULLY_SHARD_FEATURES)
-    by_api = {api: {p.config.meta_init for p in drawn if p.config.api == api} for api in ("wrap", "fully_shard")}
-    assert by_api == {"wrap": {False}, "fully_shard": {True, False}}, by_api
-    assert not any(p.config.meta_init for p in _drawn(3, 100, FULLY_SHARD_FEATURES - {"meta_init"}))
+    assert {p.config.meta_init for p in drawn if isinstance(p.config, FullyShardConfig)} == {True, False}
+    assert any(isinstance(p.config, WrapConfig) for p in drawn)  # which have no such field
+    assert not any(isinstance(p.config, FullyShardConfig) and p.config.meta_init
+                   for p in _drawn(3, 100, FULLY_SHARD_FEATURES - {"meta_init"}))
 
 
 def test_fsdp2s_policy_alone_is_drawn_for_fully_shard_programs_only() -> None:
@@ -191,28 +195,27 @@ def test_reentrant_blocks_are_drawn_for_wrap_programs_with_an_odd_seed() -> None
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: Config(world_size=2, model=ModelSpec(blocks=(Block(reentrant=True),)), api="fully_shard"),
+        (lambda: FullyShardConfig(world_size=2, model=ModelSpec(blocks=(Block(reentrant=True),))),
          r"reentrant blocks \['blocks.0'\] are for wrap programs"),
-        (lambda: Config(world_size=2, model=ModelSpec(blocks=(Block(reentrant=True),)), checkpoint=("blocks.0",)),
+        (lambda: WrapConfig(world_size=2, model=ModelSpec(blocks=(Block(reentrant=True),)), checkpoint=("blocks.0",)),
          "outside the checkpoint wrapper"),
-        (lambda: Config(world_size=2, wrap=("blocks.3",)), r"Config.wrap names \['blocks.3'\]"),
-        (lambda: Config(world_size=2, checkpoint=("blocks.0.inner",)), "Config.checkpoint names"),
-        (lambda: Config(world_size=2, strategy="HYBRID_SHARD"), "strategy='HYBRID_SHARD'"),
-        (lambda: Config(world_size=0), "world_size must be >= 1, got 0"),
-        (lambda: Config(world_size=2, dtype="float64", policy=Policy()), "dtype='float64'"),
-        (lambda: Config(world_size=4, policy=Policy()), "give reduce_dtype='float32'"),
-        (lambda: Config(world_size=2, model=ModelSpec(unused=True), frozen=("unused",)), "frozen path must be"),
+        (lambda: WrapConfig(world_size=2, wrap=("blocks.3",)), r"WrapConfig.wrap names \['blocks.3'\]"),
+        (lambda: FullyShardConfig(world_size=2, checkpoint=("blocks.0.inner",)), "FullyShardConfig.checkpoint names"),
+        (lambda: WrapConfig(world_size=2, strategy="HYBRID_SHARD"), "strategy='HYBRID_SHARD'"),
+        (lambda: WrapConfig(world_size=2, strategy="ZERO3"), r"WrapConfig.strategy='ZERO3'; expected one of"),
+        (lambda: WrapConfig(world_size=0), "world_size must be >= 1, got 0"),
+        (lambda: WrapConfig(world_size=2, dtype="float64", policy=Policy()), "dtype='float64'"),
+        (lambda: WrapConfig(world_size=4, policy=Policy()), "give reduce_dtype='float32'"),
+        (lambda: WrapConfig(world_size=2, model=ModelSpec(unused=True), frozen=("unused",)), "frozen path must be"),
         (lambda: Forward(batch=3), r"Forward\(batch=3"),
         (lambda: Forward(loss="aux"), "loss='aux'"),
         (lambda: NoSync(batch=-1), r"NoSync\(batch=-1\)"),
         (lambda: Config(world_size=2, api="fsdp3"), "Config.api='fsdp3'"),
-        (lambda: Config(world_size=2, api="fully_shard", strategy="NO_SHARD"), "takes no strategy"),
-        (lambda: Config(world_size=4, api="fully_shard", reshard_after_forward=4), "proper factor"),
-        (lambda: Config(world_size=2, reshard_after_forward=False), "the strategy decides resharding"),
-        (lambda: Config(world_size=2, meta_init=True), "meta_init is fully_shard's"),
-        (lambda: Config(world_size=2, api="fully_shard", saves_in_iteration=True), "or saves_in_iteration"),
-        (lambda: Program(Config(world_size=2), (GradSync(),)), r"needs Config\(api='fully_shard'\)"),
-        (lambda: Program(Config(world_size=2, api="fully_shard"), (Reshard(unit="blocks.0"),)), "no sharded module"),
+        (lambda: FullyShardConfig(world_size=4, reshard_after_forward=4), "proper factor"),
+        (lambda: FullyShardConfig(world_size=2, policy=Policy(reduce_dtype="float32", buffer_dtype="bfloat16")),
+         "buffer_dtype and keep_low_precision_grads are FSDP1's"),
+        (lambda: Program(WrapConfig(world_size=2), (GradSync(),)), r"needs a FullyShardConfig"),
+        (lambda: Program(FullyShardConfig(world_size=2), (Reshard(unit="blocks.0"),)), "no sharded module"),
         (lambda: Unshard(batch=3), r"Unshard\(batch=3\)"),
         (lambda: Prefetch(forward=3), r"Prefetch\(forward=3"),
     ],
@@ -220,6 +223,28 @@ def test_reentrant_blocks_are_drawn_for_wrap_programs_with_an_odd_seed() -> None
 def test_bad_programs_name_the_bad_value(build: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: FullyShardConfig(world_size=2, strategy="NO_SHARD"), "strategy"),
+    (lambda: FullyShardConfig(world_size=2, saves_in_iteration=True), "saves_in_iteration"),
+    (lambda: WrapConfig(world_size=2, reshard_after_forward=False), "reshard_after_forward"),
+    (lambda: WrapConfig(world_size=2, meta_init=True), "meta_init"),
+])
+def test_a_field_of_the_other_kind_is_no_field(build: Any, field: str) -> None:
+    """Each kind of program has only its own fields: what only the other API has is refused by the type."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{field}'"):
+        build()
+
+
+@pytest.mark.parametrize(("api", "kind"), [("wrap", WrapConfig), ("fully_shard", FullyShardConfig)])
+def test_the_old_spelling_builds_the_kind_it_names_and_warns(api: str, kind: type) -> None:
+    """``Config(..., api=...)``, as reproducers pasted before the two kinds wrote it, builds that kind, warning."""
+    with pytest.warns(DeprecationWarning, match=f"Config\\(api='{api}', ...\\) is deprecated: .* {kind.__name__}"):
+        built = Config(world_size=2, wrap=("blocks.0",), api=api)
+    assert built == kind(world_size=2, wrap=("blocks.0",)) and type(built) is kind
+    with pytest.warns(DeprecationWarning):
+        assert type(Config(world_size=2)) is WrapConfig
 
 
 def test_budget_and_skipped_operations() -> None:
@@ -279,7 +304,7 @@ def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
     # order reaches it for the current draw: a training iteration, a NoSync, or a forward and its backward.
     minimal = {"(Train(),)", "(NoSync(),)", "(Forward(), Backward())"}
     shrunk = source(result.failing)
-    assert shrunk in {f"Program(config=Config(world_size=2), ops={ops})" for ops in minimal}, shrunk
+    assert shrunk in {f"Program(config=WrapConfig(world_size=2), ops={ops})" for ops in minimal}, shrunk
     assert result.message is not None and ("grads" in result.message or "params" in result.message), result.message
     assert again is not None and reference is None, (again, reference)
     case_text = render_program(result.failing, result.message)
@@ -288,7 +313,7 @@ def test_a_mismatch_shrinks_to_a_minimal_program() -> None:
 
 
 def _fully_shard(**fields: Any) -> Config:
-    return Config(world_size=2, wrap=("blocks.0",), api="fully_shard", **fields)
+    return FullyShardConfig(world_size=2, wrap=("blocks.0",), **fields)
 
 
 #: Resharding after forward off for one unit below the root alone; a factor set with a loss pending, another
@@ -422,7 +447,7 @@ def test_a_reentrant_block_needs_every_gradient_piece_and_the_parameters_after_i
     """The smallest program with a reentrant block ([Note: reentrant blocks]) fails on a reference that reduces
     only a unit's first gradient piece, and on one that reshards after a nested backward's piece (fresh rank
     processes: a mutant's patches stay where it ran); the reference passes it in both rank modes."""
-    program = Program(Config(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))),
+    program = Program(WrapConfig(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))),
                       (Train(),))
     got = run(check_program, world_size=2, mode="process", timeout_s=120, isolated=True, args=(mutant, program))
     assert got[0] is not None and re.match(message, got[0]), got
@@ -460,12 +485,12 @@ def test_only_modules_without_gradients_outside_units_are_ignorable() -> None:
     """Frozen modules and the unused block, outermost, with no unit or checkpoint wrapper in or above them."""
     model = ModelSpec(blocks=(Block(inner=("linear",)), Block()), unused=True)
     frozen = ("blocks.0", "blocks.0.inner", "blocks.1")
-    assert Config(2, model, use_orig_params=True, frozen=frozen).ignorable() == ("blocks.0", "blocks.1", "unused")
-    assert Config(2, model, wrap=("blocks.0.inner",), use_orig_params=True, frozen=frozen,
+    assert WrapConfig(2, model, use_orig_params=True, frozen=frozen).ignorable() == ("blocks.0", "blocks.1", "unused")
+    assert WrapConfig(2, model, wrap=("blocks.0.inner",), use_orig_params=True, frozen=frozen,
                   checkpoint=("blocks.1",)).ignorable() == ("unused",)
     with pytest.raises(ValueError, match=r"Config\(ignored=\('blocks.1',\)\) needs no policy and paths among "
                                          r"\('unused',\)"):
-        Config(2, model, wrap=("blocks.1",), ignored=("blocks.1",))
+        WrapConfig(2, model, wrap=("blocks.1",), ignored=("blocks.1",))
 
 
 def test_an_ignored_module_that_lost_its_parameters_is_reported() -> None:
@@ -481,7 +506,7 @@ def test_an_ignored_module_that_lost_its_parameters_is_reported() -> None:
 
 
 _TIED = ModelSpec(vocab=5, tie_head=True, blocks=(Block(("linear", "scale")), Block(("linear", "linear"), tie=True)))
-_META = Program(Config(world_size=2, model=_TIED, wrap=("blocks.0", "blocks.1"), api="fully_shard", meta_init=True,
+_META = Program(FullyShardConfig(world_size=2, model=_TIED, wrap=("blocks.0", "blocks.1"), meta_init=True,
                        checkpoint=("blocks.1",)), (Train(), Save(), Train(), Load(), Train()))
 
 
@@ -497,8 +522,8 @@ def test_a_model_built_on_meta_trains_as_the_shadow(impl: FSDPAdapter) -> None:
         assert got is None, got
 
 
-_SHARDED_LOW = Program(Config(world_size=2, model=ModelSpec(blocks=(Block(), Block(("linear", "scale")))),
-                              wrap=("blocks.0",), api="fully_shard", policy=Policy(reduce_dtype="float32")),
+_SHARDED_LOW = Program(FullyShardConfig(world_size=2, model=ModelSpec(blocks=(Block(), Block(("linear", "scale")))),
+                              wrap=("blocks.0",), policy=Policy(reduce_dtype="float32")),
                        (Train(), GradSync(on=False), Train(), GradSync(on=True), Train(), Save(), Train(), Load(),
                         Train()))
 
@@ -520,7 +545,8 @@ def test_a_sharded_model_under_fsdp2s_policy_trains_as_the_shadow(impl: FSDPAdap
         assert got[0] is None, got[0]
 
 
-_ONE_RANK = Program(Config(world_size=1, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0",)), (Train(),))
+_ONE_RANK = Program(WrapConfig(world_size=1, model=ModelSpec(blocks=(Block(), Block())), wrap=("blocks.0",)),
+                    (Train(),))
 
 
 @pytest.mark.parametrize("impl", [ReferenceAdapter(), Silent()], ids=["reference", "mutant-silent"])
