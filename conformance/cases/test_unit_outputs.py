@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import full_grads
 from fixtures.misc_models import OUTPUT_STRUCTURES, StructuredOutputModel
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 STEPS = 2
+#: ``head`` its own unit under the root.
+HEAD_UNIT = AutoWrap(kind="module_names", module_names=("head",))
+#: ``lin1`` its own unit under the root.
+LIN1_UNIT = AutoWrap(kind="module_names", module_names=("lin1",))
 
 
 def _step_vs_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local: Any,
@@ -97,9 +101,8 @@ def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
     """With the resharded ``head`` unit's output used through a view, in place, partly detached, or from a
     container or namedtuple, backward issues an all-gather, and full grads and params after each of two SGD
     steps match the local baseline (n/a where the adapter exposes no full grads)."""
-    spec = WrapSpec(use_orig_params=True)
+    spec = WrapSpec(use_orig_params=True, auto_wrap=HEAD_UNIT)
     inner = OutputUseModel(use, seed=0).to(ctx.device)
-    inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
     model = impl.wrap(inner, spec)
     local = OutputUseModel(use, seed=0).to(ctx.device)
     optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
@@ -115,9 +118,8 @@ def test_structured_outputs(ctx: RankContext, impl: FSDPAdapter, structure: str)
     dataclass or nested containers: the caller gets the same structure (the same type) back, backward
     all-gathers again, and full grads and params after each of two SGD steps match the local model's (n/a
     without full grads)."""
-    spec = WrapSpec(use_orig_params=True)
+    spec = WrapSpec(use_orig_params=True, auto_wrap=HEAD_UNIT)
     inner = StructuredOutputModel(structure, seed=0).to(ctx.device)
-    inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
     model = impl.wrap(inner, spec)
     local = StructuredOutputModel(structure, seed=0).to(ctx.device)
     optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
@@ -137,9 +139,7 @@ def _train_two_outputs(ctx: RankContext, impl: FSDPAdapter, strategy: str,
     runs after each backward."""
     local = TwoOutputModel(seed=0).to(ctx.device)
     model = TwoOutputModel(seed=0).to(ctx.device)
-    spec = WrapSpec(strategy=strategy)
-    model.lin1 = impl.wrap(model.lin1, spec)
-    fsdp = impl.wrap(model, spec)
+    fsdp = impl.wrap(model, WrapSpec(strategy=strategy, auto_wrap=LIN1_UNIT))
     assert_close_named(impl.full_params(fsdp), dict(local.named_parameters()), what="params after wrap")
     optim = torch.optim.SGD(fsdp.parameters(), lr=1e-3)
     local_optim = torch.optim.SGD(local.parameters(), lr=1e-3)

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.contract.plan import AutoWrap
+
 __all__ = [
     "PROTOCOL_VERSION",
     "DEPRECATED_CAPABILITIES",
@@ -64,6 +66,10 @@ class Capability(str, enum.Enum):
     """Checks, with debug level DETAIL, that ranks all-gather units in the same order."""
     FLAT_PARAM = "flat_param"
     """Can expose one flat parameter per unit (``use_orig_params=False``)."""
+    MANUAL_NESTING = "manual_nesting"
+    """FSDP1's manual nesting: ``wrap`` called on a submodule and then on a module holding it (each call
+    with its own spec) nests the first unit in the second. A case that only needs units describes them as
+    a plan (``WrapSpec.auto_wrap``) instead, which every adapter realises."""
     FLAT_PARAM_INTROSPECTION = "flat_param_introspection"
     """Deprecated (protocol 1): :attr:`RESHARD_INTROSPECTION`."""
     RESHARD_INTROSPECTION = "reshard_introspection"
@@ -201,26 +207,6 @@ DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability] | str] = {
     Capability.OPTIM_STATE_DICT_ON_THREADS: _THREAD_RANK_LIMITS,
     Capability.FULL_STATE_DICT_LOAD_ON_THREADS: _THREAD_RANK_LIMITS,
 }
-
-
-@dataclass(frozen=True)
-class AutoWrap:
-    """Which submodules become their own unit.
-
-    ``module_classes``: every instance of these classes (ModuleWrapPolicy).
-    ``transformer``: the same set, but through ``transformer_auto_wrap_policy``
-    (a callable policy), to check implementations accept both forms.
-    ``always``: every submodule (``always_wrap_policy``).
-    """
-
-    module_classes: tuple[type[nn.Module], ...] = ()
-    kind: str = "module_classes"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("module_classes", "transformer", "always"):
-            raise ValueError(f"AutoWrap.kind must be module_classes|transformer|always, got {self.kind!r}")
-        if self.kind != "always" and not self.module_classes:
-            raise ValueError(f"AutoWrap(kind={self.kind!r}) needs at least one module class")
 
 
 @dataclass(frozen=True)
