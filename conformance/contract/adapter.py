@@ -182,8 +182,9 @@ class Capability(str, enum.Enum):
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""
     DCP_RESHARD = "dcp_reshard"
-    """A ``fully_shard``-ed model and its optimizer, through ``torch.distributed.checkpoint.state_dict``'s
-    ``get_state_dict``/``set_state_dict``, save with DCP on a mesh of one size and load on another."""
+    """A model the adapter sharded (``fully_shard`` where it declares :attr:`FULLY_SHARD`, else ``wrap``) and
+    its optimizer, through ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict``/``set_state_dict``,
+    save with DCP on one number of ranks and load on another."""
     OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
     """Deprecated, ignored: a declared :attr:`OPTIM_STATE_DICT` holds on thread ranks unless ``thread_rank_limits``
     says otherwise."""
