@@ -311,7 +311,11 @@ class UnitInfo:
     """One FSDP unit as a case sees it.
 
     ``shard_group`` is the group parameters are sharded over (the replicate
-    group is ``None`` unless the strategy is hybrid). ``resharded`` is ``None``
+    group is ``None`` unless the strategy is hybrid). ``resharded``: the unit
+    holds only the parameter storage it keeps between iterations: its shards,
+    every unsharded copy freed; for a strategy that never shards parameters
+    (``NO_SHARD``, an engine keeping them whole), its full parameters with no
+    other copy beside them (a low-precision one for compute, say). ``None``
     when the implementation cannot tell (no introspection capability).
     ``local_shards`` are this rank's sharded parameter storage (one flat shard
     for flat-parameter implementations, one local tensor per parameter for
