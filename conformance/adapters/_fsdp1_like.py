@@ -43,7 +43,7 @@ class FSDP1LikeAdapter:
 
     name = "fsdp1-like"
     capabilities: frozenset[Capability] = frozenset()
-    protocol_version = 2
+    protocol_version = 3
 
     # -- subclass hooks ---------------------------------------------------
     def _api(self) -> ModuleType:

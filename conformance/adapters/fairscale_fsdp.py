@@ -46,7 +46,7 @@ class FairScaleFSDPAdapter:
     """``fairscale.nn.data_parallel.FullyShardedDataParallel`` (see [Note: FairScale mapping])."""
 
     name = "fairscale-fsdp"
-    protocol_version = 2
+    protocol_version = 3
     #: No THREAD_RANKS: FairScale keeps process-global state (the auto-wrap context is a class attribute),
     #: so ranks that are threads of one process collide.
     capabilities = frozenset({Capability.FLAT_PARAM, Capability.NO_SYNC})

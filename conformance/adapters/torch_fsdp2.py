@@ -51,7 +51,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
     """``torch.distributed.fsdp.fully_shard`` over a DeviceMesh."""
 
     name = "torch-fsdp2"
-    protocol_version = 2
+    protocol_version = 3
     capabilities = frozenset(
         {
             Capability.HYBRID_VIA_PG_TUPLE,

@@ -48,7 +48,9 @@ __all__ = [
 
 #: Version of the adapter protocol this suite speaks. 1: the methods of :class:`FSDPAdapter`.
 #: 2: optional methods (:mod:`conformance.contract.optional`), fine-grained capabilities.
-PROTOCOL_VERSION = 2
+#: 3: ``WrapSpec.auto_wrap`` plans by submodule name (:class:`AutoWrap`, [Note: plans for older adapters]
+#: in :mod:`conformance.contract.declared`).
+PROTOCOL_VERSION = 3
 
 #: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

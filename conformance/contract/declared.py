@@ -29,17 +29,29 @@ manual nesting, which not every implementation has; a row doing it without decla
 :attr:`Capability.MANUAL_NESTING` raises :class:`UndeclaredCapability` here, before the adapter is
 called, so that the reference's own run catches the case. Wrapping disjoint submodules and leaving
 the root unwrapped is no nesting.
+
+[Note: plans for older adapters]
+Plans by submodule name (``AutoWrap(kind="module_names")``) are protocol 3. An adapter declaring an
+older ``protocol_version`` was written before them, when cases nested ``wrap`` calls themselves; it
+gets such a plan realised here as those calls: each unit wrapped with the spec (no plan; the ignored
+modules inside it), deepest first, put back where it was, then the root, until fsdp-conformance 0.3
+(docs/ADAPTER_GUIDE.md, section 8).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, WrapSpec
+from conformance.contract.optional import protocol_version
+
+#: The protocol version that brought plans by submodule name ([Note: plans for older adapters]).
+NAME_PLANS_SINCE = 3
 
 __all__ = ["DeclaredAdapter", "UndeclaredCapability", "UndeclaredStrategy"]
 
@@ -97,9 +109,26 @@ class DeclaredAdapter:
             )
         self._check_strategy(spec.strategy)
         self._check_nesting(module)
-        wrapped: nn.Module = self._adapter.wrap(module, spec)
+        by_name = spec.auto_wrap is not None and spec.auto_wrap.kind == "module_names"
+        if by_name and protocol_version(self._adapter) < NAME_PLANS_SINCE:
+            wrapped = self._nested_by_hand(module, spec)
+        else:
+            wrapped = self._adapter.wrap(module, spec)
         self._wrapped.update((module, wrapped))
         return wrapped
+
+    def _nested_by_hand(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        """[Note: plans for older adapters]."""
+        assert spec.auto_wrap is not None
+        names = {id(sub): name for name, sub in module.named_modules()}
+        units = spec.auto_wrap.units_under(module, spec.ignored_modules)
+        for unit in sorted(units, key=lambda sub: names[id(sub)].count("."), reverse=True):
+            inside = {id(sub) for sub in unit.modules()}
+            ignored = tuple(sub for sub in spec.ignored_modules if id(sub) in inside)
+            parent_path, _, attr = names[id(unit)].rpartition(".")
+            parent = module.get_submodule(parent_path) if parent_path else module
+            setattr(parent, attr, self._adapter.wrap(unit, replace(spec, auto_wrap=None, ignored_modules=ignored)))
+        return self._adapter.wrap(module, replace(spec, auto_wrap=None))  # type: ignore[no-any-return]
 
     def _check_nesting(self, module: nn.Module) -> None:
         """[Note: manual nesting is declared]."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.nn as nn
 
-from conformance.contract.adapter import AutoWrap, Capability, WrapSpec
+from conformance.contract.adapter import PROTOCOL_VERSION, AutoWrap, Capability, WrapSpec
 from conformance.contract.declared import DeclaredAdapter, UndeclaredCapability
 from conformance.runner import cli
 from conformance.tests.adapters.class_list_adapter import ClassListAdapter
@@ -59,6 +59,7 @@ class _Recording:
 
     name = "recording"
     capabilities = frozenset({Capability.MANUAL_NESTING})
+    protocol_version = PROTOCOL_VERSION
 
     def __init__(self) -> None:
         self.wrapped: list[nn.Module] = []
@@ -91,6 +92,25 @@ def test_a_plan_is_no_nesting() -> None:
     guarded = DeclaredAdapter(_Recording(), [], "demo/plans")
     guarded.wrap(model, WrapSpec(auto_wrap=AutoWrap(kind="module_names", module_names=("lin2",))))
     assert guarded.unwrapped.wrapped == [model]
+
+
+class _Protocol2(_Recording):
+    """The recording adapter as written before plans by name (protocol 2)."""
+
+    protocol_version = 2
+
+    def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        assert spec.auto_wrap is None, "a protocol-2 adapter must never see a plan by name"
+        return super().wrap(module, spec)
+
+
+def test_an_older_adapter_gets_a_plan_by_name_as_nested_calls_deepest_first() -> None:
+    model = nn.Sequential(ThreeLinear(seed=0), nn.Linear(2, 2))
+    ignored = model[0].lin1
+    guarded = DeclaredAdapter(_Protocol2(), [Capability.IGNORED_MODULES], "demo/old")
+    plan = AutoWrap(kind="module_names", module_names=("0", "0.lin2", "1"))
+    guarded.wrap(model, WrapSpec(auto_wrap=plan, ignored_modules=[ignored]))
+    assert guarded.unwrapped.wrapped == [model[0].lin2, model[0], model[1], model]
 
 
 def test_the_class_list_adapter_realises_a_plan_by_name_with_one_call() -> None:
