@@ -43,7 +43,7 @@ class FSDP1LikeAdapter:
 
     name = "fsdp1-like"
     capabilities: frozenset[Capability] = frozenset()
-    protocol_version = 2
+    protocol_version = 3
 
     # -- subclass hooks ---------------------------------------------------
     def _api(self) -> ModuleType:
@@ -72,9 +72,9 @@ class FSDP1LikeAdapter:
 
     def wrap(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
         api = self._api()
-        return api.FullyShardedDataParallel(module, **self._wrap_kwargs(spec))
+        return api.FullyShardedDataParallel(module, **self._wrap_kwargs(spec, module))
 
-    def _wrap_kwargs(self, spec: WrapSpec) -> dict[str, Any]:
+    def _wrap_kwargs(self, spec: WrapSpec, module: nn.Module) -> dict[str, Any]:
         api = self._api()
         kwargs: dict[str, Any] = {
             "use_orig_params": spec.use_orig_params,
@@ -88,7 +88,7 @@ class FSDP1LikeAdapter:
         if spec.strategy is not None:
             kwargs["sharding_strategy"] = api.ShardingStrategy[spec.strategy]
         if spec.auto_wrap is not None:
-            kwargs["auto_wrap_policy"] = self._policy(spec)
+            kwargs["auto_wrap_policy"] = self._policy(spec, module)
         if spec.process_group is not None:
             kwargs["process_group"] = spec.process_group
         if spec.device_mesh is not None:
@@ -113,10 +113,12 @@ class FSDP1LikeAdapter:
         kwargs.update(spec.extra)
         return kwargs
 
-    def _policy(self, spec: WrapSpec) -> Any:
+    def _policy(self, spec: WrapSpec, module: nn.Module) -> Any:
         wrap = self._wrap_api()
         auto = spec.auto_wrap
         assert auto is not None
+        if auto.kind == "module_names":
+            return functools.partial(_select, frozenset(map(id, auto.units_under(module, spec.ignored_modules))))
         if auto.kind == "always":
             return wrap.always_wrap_policy
         if auto.kind == "transformer":
@@ -193,3 +195,8 @@ class FSDP1LikeAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _select(chosen: frozenset[int], module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **_: Any) -> bool:
+    """An auto-wrap policy (FSDP1's callable form) making units of the modules whose ids are ``chosen``."""
+    return recurse or id(module) in chosen

@@ -84,7 +84,7 @@ class _DeepSpeedZeroAdapter:
 
     name = "deepspeed-zero"
     stage = 0
-    protocol_version = 2
+    protocol_version = 3
     strategies: tuple[str | None, ...] = ()
     #: Stages 1 and 2 declare nothing: every row of a declarable capability wraps with a strategy that
     #: shards parameters, which they refuse (test_capabilities_closed).

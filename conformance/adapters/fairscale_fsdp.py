@@ -46,7 +46,7 @@ class FairScaleFSDPAdapter:
     """``fairscale.nn.data_parallel.FullyShardedDataParallel`` (see [Note: FairScale mapping])."""
 
     name = "fairscale-fsdp"
-    protocol_version = 2
+    protocol_version = 3
     #: No THREAD_RANKS: FairScale keeps process-global state (the auto-wrap context is a class attribute),
     #: so ranks that are threads of one process collide.
     capabilities = frozenset({Capability.FLAT_PARAM, Capability.NO_SYNC})
@@ -72,7 +72,7 @@ class FairScaleFSDPAdapter:
         if spec.auto_wrap is None:
             return FSDP(module, **kwargs)
         with enable_wrap(wrapper_cls=FSDP, **kwargs):
-            inner = auto_wrap(module, auto_wrap_policy=_policy(spec))
+            inner = auto_wrap(module, auto_wrap_policy=_policy(spec, module))
         return FSDP(inner, **kwargs)
 
     @staticmethod
@@ -142,15 +142,14 @@ class FairScaleFSDPAdapter:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-def _policy(spec: WrapSpec) -> Any:
+def _policy(spec: WrapSpec, root: nn.Module) -> Any:
     auto = spec.auto_wrap
     assert auto is not None
+    chosen = {id(module) for module in auto.units_under(root, spec.ignored_modules)}
 
     def select(module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool = False) -> bool:
         if recurse:
             return True
-        if module_is_root:
-            return False
-        return auto.kind == "always" or isinstance(module, auto.module_classes)
+        return not module_is_root and id(module) in chosen
 
     return select

@@ -26,6 +26,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         {
             Capability.EXEC_ORDER_VALIDATION,
             Capability.FLAT_PARAM,
+            Capability.MANUAL_NESTING,
             Capability.RESHARD_INTROSPECTION,
             Capability.HYBRID_VIA_PG_TUPLE,
             Capability.HYBRID_AUTO_GROUPS,

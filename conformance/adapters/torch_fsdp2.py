@@ -51,7 +51,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
     """``torch.distributed.fsdp.fully_shard`` over a DeviceMesh."""
 
     name = "torch-fsdp2"
-    protocol_version = 2
+    protocol_version = 3
     capabilities = frozenset(
         {
             Capability.HYBRID_VIA_PG_TUPLE,
@@ -63,6 +63,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULL_STATE_DICT,
             Capability.SHARDED_STATE_DICT,
             Capability.THREAD_RANKS,
+            Capability.MANUAL_NESTING,
             Capability.OPTIM_STATE_DICT,
             Capability.MIXED_PRECISION,
             Capability.MP_CAST_FORWARD_INPUTS,
@@ -118,22 +119,9 @@ class TorchFSDP2Adapter(FullyShardMethods):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
         kwargs.update(spec.extra)
         if spec.auto_wrap is not None:
-            for submodule in reversed(list(self._selected(module, spec))):
+            for submodule in reversed(spec.auto_wrap.units_under(module, spec.ignored_modules)):
                 fully_shard(submodule, **kwargs)
         return cast(nn.Module, fully_shard(module, **kwargs))
-
-    @staticmethod
-    def _selected(module: nn.Module, spec: WrapSpec) -> list[nn.Module]:
-        auto = spec.auto_wrap
-        assert auto is not None
-        ignored = {id(m) for ig in spec.ignored_modules for m in ig.modules()}
-        chosen = []
-        for child in module.modules():
-            if child is module or id(child) in ignored:
-                continue
-            if auto.kind == "always" or isinstance(child, auto.module_classes):
-                chosen.append(child)
-        return chosen
 
     @staticmethod
     def _device(spec: WrapSpec) -> torch.device:

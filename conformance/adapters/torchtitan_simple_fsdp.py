@@ -78,7 +78,7 @@ class TorchTitanSimpleFSDPAdapter:
     """``torchtitan``'s ``simple_fsdp.data_parallel`` (see [Note: SimpleFSDP mapping])."""
 
     name = "torchtitan-simple-fsdp"
-    protocol_version = 2
+    protocol_version = 3
     capabilities = frozenset(
         {
             Capability.COMPUTE_DEVICE,

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -34,7 +35,7 @@ import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as ckpt_wrapp
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.optional import activation_checkpoint_wrapper
@@ -189,6 +190,30 @@ def _train_side_by_side(
             _assert_same_step(ctx, step, names, results, modules)
 
 
+#: Builds a model given ``unit``, what to make of each module that is to be a unit.
+_Builder = Callable[[Callable[[Callable[[nn.Module], nn.Module]], nn.Module]], nn.Module]
+
+
+def _roots(impl: FSDPAdapter, spec: WrapSpec) -> _Builder:
+    """Each module ``unit`` is given is wrapped as a root of its own."""
+    return lambda make: make(lambda module: impl.wrap(module, spec))
+
+
+def _nested(impl: FSDPAdapter, spec: WrapSpec) -> _Builder:
+    """The model is wrapped once, with each module ``unit`` was given a unit under the root (a plan)."""
+    def build(make: Callable[[Callable[[nn.Module], nn.Module]], nn.Module]) -> nn.Module:
+        chosen: list[nn.Module] = []
+
+        def keep(module: nn.Module) -> nn.Module:
+            chosen.append(module)
+            return module
+
+        model = make(keep)
+        return impl.wrap(model, replace(spec, auto_wrap=AutoWrap.submodules(model, chosen)))
+
+    return build
+
+
 # -- cases -------------------------------------------------------------------------------------
 @case("checkpoint/checkpoint_fsdp_wrapping", world_size=TWO_OR_MORE, requires=_requires, uses=[Capability.FLAT_PARAM],
       clause="C17")
@@ -211,17 +236,12 @@ def test_checkpoint_fsdp_wrapping(
     wrapper = _activation_wrapper(impl, offload_activations)
     for use_orig_params in parameter_exposures(impl):
         spec = WrapSpec(cpu_offload=cpu_offload, use_orig_params=use_orig_params)
-
-        def unit(layer: nn.Module, spec: WrapSpec = spec) -> nn.Module:
-            return impl.wrap(layer, spec)
-
-        def top(model: nn.Module, spec: WrapSpec = spec) -> nn.Module:
-            return impl.wrap(model, spec) if nesting == "under_root" else model
-
+        build = _nested(impl, spec) if nesting == "under_root" else _roots(impl, spec)
         models = {
-            "wrapper outside units": top(wrapper(FFN(_layers(ctx.device), unit))),
-            "wrapper inside each unit": top(FFN(_layers(ctx.device), lambda layer: unit(wrapper(layer)))),
-            "units only": top(FFN(_layers(ctx.device), unit)),
+            "wrapper outside units": build(lambda unit: wrapper(FFN(_layers(ctx.device), unit))),
+            "wrapper inside each unit": build(
+                lambda unit: FFN(_layers(ctx.device), lambda layer: unit(wrapper(layer)))),
+            "units only": build(lambda unit: FFN(_layers(ctx.device), unit)),
         }
         with under_exposure(use_orig_params):
             _train_side_by_side(ctx, models, 2, lambda name: offload_activations and name != "units only")

@@ -72,7 +72,7 @@ HOMOGENEOUS_ATTRS = ["_use_orig_params", "limit_all_gathers", "_use_full_prec_in
 
 
 @case("construction/homogeneous_attributes", clause="C7", world_size=TWO_OR_MORE,
-      requires=[Capability.HOMOGENEOUS_ATTRIBUTES])
+      requires=[Capability.HOMOGENEOUS_ATTRIBUTES, Capability.MANUAL_NESTING])
 @pytest.mark.parametrize("attr", HOMOGENEOUS_ATTRS)
 def test_homogeneous_attributes(ctx: RankContext, impl: FSDPAdapter, attr: str) -> None:
     """Inner unit False, outer unit True for an attribute that must agree: the first forward raises a

@@ -1,7 +1,9 @@
 """dcp: a ``torch.distributed.checkpoint`` checkpoint saved on one mesh size loads on another.
 
 - ``reshard[sizes=4to2|2to4, loader=self|other]`` (4 ranks): :class:`fixtures.blocks.Blocks`,
-  every block and the root ``fully_shard``-ed over a mesh of the first size, trains two Adam steps;
+  every block a unit under the root, sharded over the first size of ranks (by ``fully_shard``
+  where the implementation declares it, bottom-up, else by ``wrap`` with that plan and the
+  original parameters exposed: DCP needs no particular sharding API), trains two Adam steps;
   its model and optimizer state (``get_state_dict``) are saved with ``dcp.save``. A model of the
   second size (sharded by the row's implementation, ``self``, or by ``other``: torch-fsdp2 for the
   reference, the reference for everyone else) built from other values loads them (``dcp.load``,
@@ -28,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from conformance.contract import registry
-from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import Exact, case, not_applicable
 from fixtures.blocks import DIM, Blocks
 from fixtures.parity import COPIED, assert_close_named
@@ -38,7 +40,9 @@ from fixtures.sharded_blocks import full_of, mesh_over, shard_blocks
 if TYPE_CHECKING:
     from harness import RankContext
 
-REQUIRES = [Capability.FULLY_SHARD, Capability.DCP_RESHARD]
+REQUIRES = [Capability.DCP_RESHARD]
+#: Every block a unit under the root, for an implementation sharding through ``wrap``.
+BLOCK_UNITS = AutoWrap(kind="module_names", module_names=("b1", "b2", "b3"))
 ROWS = 4
 SIZES = {"4to2": (4, 2), "2to4": (2, 4)}
 
@@ -70,12 +74,24 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, part: i
         optim.step()
 
 
-def _side(ctx: RankContext, size: int, pairs: list[dist.ProcessGroup]) -> tuple[Any, dist.ProcessGroup | None, int]:
-    """This rank's mesh of ``size`` ranks, its group (None: the world) and this rank's place in it."""
+def _side(ctx: RankContext, size: int, pairs: list[dist.ProcessGroup]) -> tuple[dist.ProcessGroup | None, int]:
+    """This rank's group of ``size`` ranks (None: the world) and this rank's place in it."""
     if size == ctx.world_size:
-        return mesh_over(ctx), None, ctx.rank
-    pair = pairs[ctx.rank // 2]
-    return mesh_over(ctx, pair), pair, ctx.rank % 2
+        return None, ctx.rank
+    return pairs[ctx.rank // 2], ctx.rank % 2
+
+
+def _sharded(ctx: RankContext, impl: FSDPAdapter, seed: int, group: dist.ProcessGroup | None) -> nn.Module:
+    """``Blocks(seed)``, every block a unit under the root, sharded over ``group`` (see the module docstring)."""
+    model = Blocks(seed=seed).to(ctx.device)
+    if Capability.FULLY_SHARD in impl.capabilities:
+        return shard_blocks(impl, model, mesh_over(ctx, group))
+    return impl.wrap(model, WrapSpec(auto_wrap=BLOCK_UNITS, process_group=group, use_orig_params=True))
+
+
+def _full(impl: FSDPAdapter, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (collective): gathered from a ``fully_shard``-ed model's DTensors, else the adapter's."""
+    return full_of(model) if Capability.FULLY_SHARD in impl.capabilities else impl.full_params(model)
 
 
 def _loader(impl: FSDPAdapter, loader: str, rank_mode: str) -> FSDPAdapter:
@@ -96,17 +112,17 @@ def _save(ctx: RankContext, impl: FSDPAdapter, size: int, pairs: list[dist.Proce
     """Ranks of the saving mesh train two steps and save; every rank gets the saver's parameters."""
     saved = None
     if size == ctx.world_size or ctx.rank < size:
-        mesh, group, part = _side(ctx, size, pairs)
-        model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh)
+        group, part = _side(ctx, size, pairs)
+        model = _sharded(ctx, impl, 0, group)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         _train(model, optim, range(2), part, size, ctx.device)
         model_state, optim_state = get_state_dict(model, optim)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path, process_group=group)
-        saved = {name: value.cpu() for name, value in full_of(model).items()}
+        saved = {name: value.cpu() for name, value in _full(impl, model).items()}
     return ctx.all_gather_object(saved)[0]
 
 
-@case("dcp/reshard", clause="C5", requires=REQUIRES, timeout_s=240, strategies=(),
+@case("dcp/reshard", clause="C5", requires=REQUIRES, uses=[Capability.FULLY_SHARD], timeout_s=240,
       world_size=Exact(4, reason="saves on 4 ranks and loads on the pairs [0, 1], [2, 3], and back"))
 @pytest.mark.parametrize("loader", ["self", "other"])
 @pytest.mark.parametrize("sizes", list(SIZES))
@@ -119,18 +135,18 @@ def test_reshard(ctx: RankContext, impl: FSDPAdapter, sizes: str, loader: str) -
     label = f"rank {ctx.rank}: {impl.name} at {save_size} -> {loading.name} at {load_size}"
     with _shared_dir(ctx) as path:
         saved = _save(ctx, impl, save_size, pairs, path)
-        mesh, group, part = _side(ctx, load_size, pairs)
-        model = shard_blocks(loading, Blocks(seed=1).to(ctx.device), mesh)
+        group, part = _side(ctx, load_size, pairs)
+        model = _sharded(ctx, loading, 1, group)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         model_state, optim_state = get_state_dict(model, optim)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=path, process_group=group)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded = {name: value.cpu() for name, value in full_of(model).items()}
+    loaded = {name: value.cpu() for name, value in _full(loading, model).items()}
     assert_close_named(loaded, saved, what=f"{label}: parameters after load", exact=COPIED)
     _train(model, optim, range(2, 4), part, load_size, ctx.device)
     local = Blocks(seed=0).to(ctx.device)
     _train(local, torch.optim.Adam(local.parameters(), lr=1e-2), range(4), 0, 1, ctx.device)
-    assert_close_named(full_of(model), dict(local.named_parameters()),
+    assert_close_named(_full(loading, model), dict(local.named_parameters()),
                        what=f"{label}: parameters two steps after load vs an unsaved local run")
 

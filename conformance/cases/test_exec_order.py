@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.messages import ORDER_CHANGED, ORDER_ERROR, ORDER_WARNING
 from conformance.contract.optional import wrapped_module
@@ -32,13 +32,10 @@ REQUIRES = [Capability.EXEC_ORDER_VALIDATION]
 
 
 def _wrap(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> nn.Module:
-    """The seed's manual nesting: layer1 and layer2 are their own units under a root unit."""
+    """The seed's nesting: layer1 and layer2 are their own units under a root unit."""
     dist.set_debug_level(dist.DebugLevel.DETAIL)
-    spec = WrapSpec(strategy=strategy)
-    model = ExecOrderModel(seed=0)
-    model.layer1 = impl.wrap(model.layer1, spec)
-    model.layer2 = impl.wrap(model.layer2, spec)
-    return impl.wrap(model, spec).to(ctx.device)
+    spec = WrapSpec(strategy=strategy, auto_wrap=AutoWrap(kind="module_names", module_names=("layer1", "layer2")))
+    return impl.wrap(ExecOrderModel(seed=0), spec).to(ctx.device)
 
 
 def _inner(impl: FSDPAdapter, model: nn.Module) -> ExecOrderModel:

@@ -114,7 +114,10 @@ def test_invalid_pg_specification(ctx: RankContext, impl: FSDPAdapter) -> None:
 
 # -- basic setup: groups and communication pattern ----------------------------------------
 def _setup_requires(params: Mapping[str, Any]) -> list[Capability]:
-    return [Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS]
+    """A mesh or node-local groups; MIXED_HYBRID_FULL nests a hybrid wrap under a FULL_SHARD one, unit specs a
+    plan does not carry, so it also needs manual nesting."""
+    nesting = [Capability.MANUAL_NESTING] if params["mode"] == "MIXED_HYBRID_FULL" else []
+    return [Capability.DEVICE_MESH if params["use_device_mesh"] else Capability.HYBRID_AUTO_GROUPS, *nesting]
 
 
 @case("hybrid_shard/basic_setup", world_size=NODES, requires=_setup_requires, uses=[Capability.FLAT_PARAM],

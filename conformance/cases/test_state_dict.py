@@ -27,6 +27,7 @@ Cases:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -136,8 +137,7 @@ def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str) -> None:
 
 def _load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, spec: WrapSpec) -> None:
     inner = ThreeLinear(seed=0).to(ctx.device)
-    inner.lin2 = impl.wrap(inner.lin2, spec)  # type: ignore[assignment]
-    model = impl.wrap(inner, spec)
+    model = impl.wrap(inner, replace(spec, auto_wrap=AutoWrap(kind="module_names", module_names=("lin2",))))
     optim = torch.optim.SGD(model.parameters(), lr=1e-1)
     snapshot = ThreeLinear(seed=1).to(ctx.device)
     state = {k: v.detach().clone() for k, v in snapshot.state_dict().items()}

@@ -23,13 +23,14 @@ unties it, FAILs.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.results import CaseReport
@@ -49,10 +50,8 @@ SHARED_NAMES = r"embed\.weight|proj\.weight"
 def _wrap(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: WrapSpec) -> nn.Module:
     """``tiny`` is its own unit; so is ``proj`` when the tie crosses units."""
     model = UnevenTiedModel(seed=0).to(ctx.device)
-    model.tiny = impl.wrap(model.tiny, spec)  # type: ignore[assignment]
-    if tie == "across_units":
-        model.proj = impl.wrap(model.proj, spec)  # type: ignore[assignment]
-    return impl.wrap(model, spec)
+    units = ("tiny", "proj") if tie == "across_units" else ("tiny",)
+    return impl.wrap(model, replace(spec, auto_wrap=AutoWrap(kind="module_names", module_names=units)))
 
 
 @case("uneven_shared/train", clause=("C1", "C18"), world_size=TWO_OR_MORE, uses=[Capability.FLAT_PARAM])

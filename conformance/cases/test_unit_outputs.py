@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import full_grads
 from fixtures.misc_models import OUTPUT_STRUCTURES, StructuredOutputModel
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 STEPS = 2
+#: ``head`` its own unit under the root.
+HEAD_UNIT = AutoWrap(kind="module_names", module_names=("head",))
+#: ``lin1`` its own unit under the root.
+LIN1_UNIT = AutoWrap(kind="module_names", module_names=("lin1",))
 
 
 def _step_vs_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local: Any,
@@ -53,9 +57,11 @@ def _step_vs_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local:
                    on_backward: Callable[[Any], None] | None = None) -> None:
     """One SGD step of ``model`` on this rank's batch and of ``local`` on every rank's (the loss divided
     by the world size, [Note: accumulation baseline]); full grads after backward and params after the step
-    must match (n/a without full grads). ``on_backward`` gets the recorded collectives of the backward."""
+    must match (n/a without full grads). ``on_backward`` gets the recorded collectives of the backward, after
+    :func:`_head_resharded` checked the state it relies on."""
     batches = [local.get_input(ctx.device, generator(rank_seed(step, r)))[0] for r in range(ctx.world_size)]
     loss = model(batches[ctx.rank]).square().sum()
+    _head_resharded(impl, model, f"rank {ctx.rank} step {step} with {label}")
     with ctx.record_collectives() as trace:
         loss.backward()
     if on_backward is not None:
@@ -75,6 +81,14 @@ def _step_vs_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local:
     assert_close_named({n: p.to(ctx.device) for n, p in impl.full_params(model).items()},
                        {n: p.detach() for n, p in local.named_parameters()},
                        what=f"rank {ctx.rank}: params after step {step} with {label}")
+
+
+def _head_resharded(impl: FSDPAdapter, model: nn.Module, label: str) -> None:
+    """After forward, ``head``'s unit reports itself resharded where the adapter reports it (``resharded`` not
+    None): the state :func:`_regathered` relies on is observed, not inferred from an all-gather that a
+    prefetch could have issued for a unit still gathered."""
+    kept = [u.fqn for u in impl.units(model) if u.fqn.split(".")[0] == "head" and u.resharded is False]
+    assert not kept, f"{label}: after forward, units {kept} still hold their unsharded parameters"
 
 
 def _regathered(ctx: RankContext, step: int, label: str) -> Callable[[Any], None]:
@@ -97,9 +111,8 @@ def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
     """With the resharded ``head`` unit's output used through a view, in place, partly detached, or from a
     container or namedtuple, backward issues an all-gather, and full grads and params after each of two SGD
     steps match the local baseline (n/a where the adapter exposes no full grads)."""
-    spec = WrapSpec(use_orig_params=True)
+    spec = WrapSpec(use_orig_params=True, auto_wrap=HEAD_UNIT)
     inner = OutputUseModel(use, seed=0).to(ctx.device)
-    inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
     model = impl.wrap(inner, spec)
     local = OutputUseModel(use, seed=0).to(ctx.device)
     optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
@@ -115,9 +128,8 @@ def test_structured_outputs(ctx: RankContext, impl: FSDPAdapter, structure: str)
     dataclass or nested containers: the caller gets the same structure (the same type) back, backward
     all-gathers again, and full grads and params after each of two SGD steps match the local model's (n/a
     without full grads)."""
-    spec = WrapSpec(use_orig_params=True)
+    spec = WrapSpec(use_orig_params=True, auto_wrap=HEAD_UNIT)
     inner = StructuredOutputModel(structure, seed=0).to(ctx.device)
-    inner.head = impl.wrap(inner.head, spec)  # type: ignore[assignment]
     model = impl.wrap(inner, spec)
     local = StructuredOutputModel(structure, seed=0).to(ctx.device)
     optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
@@ -131,15 +143,18 @@ def test_structured_outputs(ctx: RankContext, impl: FSDPAdapter, structure: str)
 
 
 def _train_two_outputs(ctx: RankContext, impl: FSDPAdapter, strategy: str,
-                       after_backward: Callable[[nn.Module, int], None] | None = None) -> None:
+                       after_backward: Callable[[nn.Module, int], None] | None = None,
+                       in_lin1: Callable[[nn.Module], None] | None = None) -> None:
     """The seed's loop: outputs (a, b), loss over both for 2 steps then over a only for 4; SGD on the
     wrapped model and a local one, full params compared after every step; ``after_backward(model, step)``
-    runs after each backward."""
+    runs after each backward, ``in_lin1(model)`` right after each forward of the user's ``lin1`` (a forward
+    hook run before any other)."""
     local = TwoOutputModel(seed=0).to(ctx.device)
     model = TwoOutputModel(seed=0).to(ctx.device)
-    spec = WrapSpec(strategy=strategy)
-    model.lin1 = impl.wrap(model.lin1, spec)
-    fsdp = impl.wrap(model, spec)
+    lin1 = model.lin1
+    fsdp = impl.wrap(model, WrapSpec(strategy=strategy, auto_wrap=LIN1_UNIT))
+    if in_lin1 is not None:
+        lin1.register_forward_hook(lambda *_: in_lin1(fsdp), prepend=True)
     assert_close_named(impl.full_params(fsdp), dict(local.named_parameters()), what="params after wrap")
     optim = torch.optim.SGD(fsdp.parameters(), lr=1e-3)
     local_optim = torch.optim.SGD(local.parameters(), lr=1e-3)
@@ -178,7 +193,9 @@ def test_not_all_outputs_used_in_loss(ctx: RankContext, impl: FSDPAdapter, strat
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_unused_outputs_resharded(ctx: RankContext, impl: FSDPAdapter, strategy: str) -> None:
     """The training of ``not_all_outputs_used_in_loss``; after every backward each unit reports itself
-    resharded, the one whose output the loss left unused too."""
+    resharded, the one whose output the loss left unused too. The flag is seen to change: under a sharding
+    strategy, ``lin1``'s unit reports itself not resharded while ``lin1``'s forward runs (its parameters are
+    gathered then), so a constant flag fails."""
 
     def all_resharded(model: nn.Module, step: int) -> None:
         units = impl.units(model)
@@ -187,4 +204,8 @@ def test_unused_outputs_resharded(ctx: RankContext, impl: FSDPAdapter, strategy:
         stale = [u.fqn or "<root>" for u in units if not u.resharded]
         assert not stale, f"step {step}: units not resharded after backward: {stale}"
 
-    _train_two_outputs(ctx, impl, strategy, all_resharded)
+    def gathered(model: nn.Module) -> None:
+        states = {u.fqn: u.resharded for u in impl.units(model) if u.fqn == "lin1"}
+        assert states == {"lin1": False}, f"while lin1's forward runs, its unit reports resharded {states}"
+
+    _train_two_outputs(ctx, impl, strategy, all_resharded, None if strategy == "NO_SHARD" else gathered)

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.contract.plan import AutoWrap
+
 __all__ = [
     "PROTOCOL_VERSION",
     "DEPRECATED_CAPABILITIES",
@@ -46,7 +48,9 @@ __all__ = [
 
 #: Version of the adapter protocol this suite speaks. 1: the methods of :class:`FSDPAdapter`.
 #: 2: optional methods (:mod:`conformance.contract.optional`), fine-grained capabilities.
-PROTOCOL_VERSION = 2
+#: 3: ``WrapSpec.auto_wrap`` plans by submodule name (:class:`AutoWrap`, [Note: plans for older adapters]
+#: in :mod:`conformance.contract.declared`).
+PROTOCOL_VERSION = 3
 
 #: Strategy names as ``torch.distributed.fsdp.ShardingStrategy`` spells them.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -64,6 +68,10 @@ class Capability(str, enum.Enum):
     """Checks, with debug level DETAIL, that ranks all-gather units in the same order."""
     FLAT_PARAM = "flat_param"
     """Can expose one flat parameter per unit (``use_orig_params=False``)."""
+    MANUAL_NESTING = "manual_nesting"
+    """FSDP1's manual nesting: ``wrap`` called on a submodule and then on a module holding it (each call
+    with its own spec) nests the first unit in the second. A case that only needs units describes them as
+    a plan (``WrapSpec.auto_wrap``) instead, which every adapter realises."""
     FLAT_PARAM_INTROSPECTION = "flat_param_introspection"
     """Deprecated (protocol 1): :attr:`RESHARD_INTROSPECTION`."""
     RESHARD_INTROSPECTION = "reshard_introspection"
@@ -176,8 +184,9 @@ class Capability(str, enum.Enum):
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""
     DCP_RESHARD = "dcp_reshard"
-    """A ``fully_shard``-ed model and its optimizer, through ``torch.distributed.checkpoint.state_dict``'s
-    ``get_state_dict``/``set_state_dict``, save with DCP on a mesh of one size and load on another."""
+    """A model the adapter sharded (``fully_shard`` where it declares :attr:`FULLY_SHARD`, else ``wrap``) and
+    its optimizer, through ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict``/``set_state_dict``,
+    save with DCP on one number of ranks and load on another."""
     OPTIM_STATE_DICT_ON_THREADS = "optim_state_dict_on_threads"
     """Deprecated, ignored: a declared :attr:`OPTIM_STATE_DICT` holds on thread ranks unless ``thread_rank_limits``
     says otherwise."""
@@ -201,26 +210,6 @@ DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability] | str] = {
     Capability.OPTIM_STATE_DICT_ON_THREADS: _THREAD_RANK_LIMITS,
     Capability.FULL_STATE_DICT_LOAD_ON_THREADS: _THREAD_RANK_LIMITS,
 }
-
-
-@dataclass(frozen=True)
-class AutoWrap:
-    """Which submodules become their own unit.
-
-    ``module_classes``: every instance of these classes (ModuleWrapPolicy).
-    ``transformer``: the same set, but through ``transformer_auto_wrap_policy``
-    (a callable policy), to check implementations accept both forms.
-    ``always``: every submodule (``always_wrap_policy``).
-    """
-
-    module_classes: tuple[type[nn.Module], ...] = ()
-    kind: str = "module_classes"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("module_classes", "transformer", "always"):
-            raise ValueError(f"AutoWrap.kind must be module_classes|transformer|always, got {self.kind!r}")
-        if self.kind != "always" and not self.module_classes:
-            raise ValueError(f"AutoWrap(kind={self.kind!r}) needs at least one module class")
 
 
 @dataclass(frozen=True)
@@ -324,7 +313,11 @@ class UnitInfo:
     """One FSDP unit as a case sees it.
 
     ``shard_group`` is the group parameters are sharded over (the replicate
-    group is ``None`` unless the strategy is hybrid). ``resharded`` is ``None``
+    group is ``None`` unless the strategy is hybrid). ``resharded``: the unit
+    holds only the parameter storage it keeps between iterations: its shards,
+    every unsharded copy freed; for a strategy that never shards parameters
+    (``NO_SHARD``, an engine keeping them whole), its full parameters with no
+    other copy beside them (a low-precision one for compute, say). ``None``
     when the implementation cannot tell (no introspection capability).
     ``local_shards`` are this rank's sharded parameter storage (one flat shard
     for flat-parameter implementations, one local tensor per parameter for

@@ -21,16 +21,37 @@ raises :class:`UndeclaredStrategy` instead of reaching the adapter, whose
 refusal would otherwise be reported as its FAIL ([Note: a row's strategies]
 in :mod:`conformance.contract.case`). A strategy the adapter supports is never
 refused here: the fuzzers draw from those.
+
+[Note: manual nesting is declared]
+Nesting is a plan the adapter realises (``WrapSpec.auto_wrap``, :mod:`conformance.contract.plan`).
+A ``wrap`` of a module that holds a module an earlier ``wrap`` of the row took or returned is FSDP1's
+manual nesting, which not every implementation has; a row doing it without declaring
+:attr:`Capability.MANUAL_NESTING` raises :class:`UndeclaredCapability` here, before the adapter is
+called, so that the reference's own run catches the case. Wrapping disjoint submodules and leaving
+the root unwrapped is no nesting.
+
+[Note: plans for older adapters]
+Plans by submodule name (``AutoWrap(kind="module_names")``) are protocol 3. An adapter declaring an
+older ``protocol_version`` was written before them, when cases nested ``wrap`` calls themselves; it
+gets such a plan realised here as those calls: each unit wrapped with the spec (no plan; the ignored
+modules inside it), deepest first, put back where it was, then the root, until fsdp-conformance 0.3
+(docs/ADAPTER_GUIDE.md, section 8).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch.nn as nn
 
 from conformance.contract.adapter import Capability, WrapSpec
+from conformance.contract.optional import protocol_version
+
+#: The protocol version that brought plans by submodule name ([Note: plans for older adapters]).
+NAME_PLANS_SINCE = 3
 
 __all__ = ["DeclaredAdapter", "UndeclaredCapability", "UndeclaredStrategy"]
 
@@ -53,7 +74,13 @@ class DeclaredAdapter:
     def __init__(self, adapter: Any, declared: Iterable[Capability], case_id: str,
                  strategies: Iterable[str | None] = ()) -> None:
         self.__dict__.update(_adapter=adapter, _declared=frozenset(declared), _case_id=case_id,
-                             _strategies=tuple(strategies))
+                             _strategies=tuple(strategies), _wrapped=weakref.WeakSet())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items() if name != "_wrapped"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _wrapped=weakref.WeakSet())
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_adapter" not in self.__dict__:
@@ -81,7 +108,40 @@ class DeclaredAdapter:
                 "add it to the case's requires so that adapters without it report n/a"
             )
         self._check_strategy(spec.strategy)
-        return self._adapter.wrap(module, spec)  # type: ignore[no-any-return]
+        self._check_nesting(module)
+        by_name = spec.auto_wrap is not None and spec.auto_wrap.kind == "module_names"
+        if by_name and protocol_version(self._adapter) < NAME_PLANS_SINCE:
+            wrapped = self._nested_by_hand(module, spec)
+        else:
+            wrapped = self._adapter.wrap(module, spec)
+        self._wrapped.update((module, wrapped))
+        return wrapped
+
+    def _nested_by_hand(self, module: nn.Module, spec: WrapSpec) -> nn.Module:
+        """[Note: plans for older adapters]."""
+        assert spec.auto_wrap is not None
+        names = {id(sub): name for name, sub in module.named_modules()}
+        units = spec.auto_wrap.units_under(module, spec.ignored_modules)
+        for unit in sorted(units, key=lambda sub: names[id(sub)].count("."), reverse=True):
+            inside = {id(sub) for sub in unit.modules()}
+            ignored = tuple(sub for sub in spec.ignored_modules if id(sub) in inside)
+            parent_path, _, attr = names[id(unit)].rpartition(".")
+            parent = module.get_submodule(parent_path) if parent_path else module
+            setattr(parent, attr, self._adapter.wrap(unit, replace(spec, auto_wrap=None, ignored_modules=ignored)))
+        return self._adapter.wrap(module, replace(spec, auto_wrap=None))  # type: ignore[no-any-return]
+
+    def _check_nesting(self, module: nn.Module) -> None:
+        """[Note: manual nesting is declared]."""
+        if Capability.MANUAL_NESTING in self._declared:
+            return
+        inner = [name for name, sub in module.named_modules() if sub in self._wrapped]
+        if inner:
+            raise UndeclaredCapability(
+                f"case {self._case_id} wraps a {type(module).__name__} holding modules it wrapped before "
+                f"({', '.join(repr(name) for name in inner[:3])}): manual nesting, which its requires does not "
+                "declare (Capability.MANUAL_NESTING); describe the units as a plan (WrapSpec.auto_wrap, "
+                "AutoWrap.submodules) or declare the capability if manual nesting is what the row tests"
+            )
 
     def _check_strategy(self, strategy: str | None) -> None:
         if strategy in self._strategies or self._adapter.supports_strategy(strategy):

@@ -339,9 +339,8 @@ def _unit_per_block(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig) -> 
     user = _TwoPaths(config.model.blocks[0], config.model.width)
     seeded_init_(user, config.seed)
     user.to(ctx.device, dtype_of(config.dtype))
-    spec = WrapSpec(strategy=config.strategy)
-    user.first, user.second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)  # type: ignore[assignment]
-    return impl.wrap(user, spec), user
+    units = AutoWrap(kind="module_names", module_names=("first", "second"))
+    return impl.wrap(user, WrapSpec(strategy=config.strategy, auto_wrap=units)), user
 
 
 def _order_warnings(caught: list[Any], expected: str, when: str) -> None:

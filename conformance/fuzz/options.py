@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
 from conformance.fuzz.compare import unwrapped_names
 from conformance.fuzz.controls import full_params_of
@@ -125,10 +125,9 @@ def _trained_tie(ctx: RankContext, impl: FSDPAdapter, user: _TiedAcrossUnits, ba
     """``user`` sharded (each block a unit, then the root) after an iteration and an SGD step: the full values of
     the tied weight's names it still lists."""
     if isinstance(config, WrapConfig):
-        spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params)
+        spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
+                        auto_wrap=AutoWrap(kind="module_names", module_names=("first", "second")))
         with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
-            first, second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
-            user.first, user.second = first, second  # type: ignore[assignment]
             model = impl.wrap(user, spec)
     else:
         mesh = ctx.device_mesh((ctx.world_size,))

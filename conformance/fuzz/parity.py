@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import full_grads
 from conformance.fuzz.compare import assert_dtypes, zeros_for_none
 from conformance.fuzz.example import Example
@@ -48,14 +48,10 @@ __all__ = ["check_example", "run_example", "wrap_plan"]
 
 
 def wrap_plan(impl: FSDPAdapter, model: nn.Module, example: Example) -> nn.Module:
-    """Wrap each path of ``example.wrap`` (deepest first) as its own unit, then the root."""
-    spec = WrapSpec(strategy=example.strategy, use_orig_params=example.use_orig_params,
-                    mixed_precision=mixed_precision_spec(example.policy))
-    for path in sorted(example.wrap, key=lambda p: p.count("."), reverse=True):
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, name, impl.wrap(getattr(parent, name), spec))
-    return impl.wrap(model, spec)
+    """Wrap the root, each path of ``example.wrap`` a unit of its own under it (a plan the adapter realises)."""
+    units = AutoWrap(kind="module_names", module_names=example.wrap) if example.wrap else None
+    return impl.wrap(model, WrapSpec(strategy=example.strategy, use_orig_params=example.use_orig_params,
+                                     mixed_precision=mixed_precision_spec(example.policy), auto_wrap=units))
 
 
 def _batch_seed(example: Example, step: int, micro: int, rank: int) -> int:

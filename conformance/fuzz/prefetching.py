@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from conformance.contract.adapter import FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import set_modules_to_prefetch
 from conformance.fuzz.controls import module_at, shard_config
 from conformance.fuzz.gathers import GATHERS, REDUCTIONS, assert_backward_prefetched
@@ -169,10 +169,9 @@ def prefetches_backward(ctx: RankContext, impl: FSDPAdapter, model: FuzzModel, c
     blocks = [index for index, block in enumerate(model.blocks) if holds_parameters(block)]
     if len(blocks) < 2:
         return
-    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params)
-    for index in blocks:
-        model.blocks[index] = impl.wrap(model.blocks[index], spec)
-    wrapped = impl.wrap(model, spec)
+    units = AutoWrap(kind="module_names", module_names=tuple(f"blocks.{index}" for index in blocks))
+    wrapped = impl.wrap(model, WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params,
+                                        auto_wrap=units))
     batch = batch_of(config, 0, ctx.rank, ctx.device)
     loss_of(wrapped(batch)).backward()
     loss = loss_of(wrapped(batch))

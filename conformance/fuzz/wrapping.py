@@ -17,12 +17,11 @@ or a mean over the shard group only, shows in the gradients and parameters.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
-from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.messages import NO_SHARD_SWITCH
 from conformance.contract.optional import activation_checkpoint_wrapper, capabilities_of
@@ -71,20 +70,25 @@ def given_groups(ctx: RankContext, config: ProgramConfig) -> tuple[Any, Any] | N
 
 def wrap_config(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, config: WrapConfig,
                 groups: tuple[Any, Any] | None) -> nn.Module:
-    """Checkpoint and wrap the config's paths, deepest first (a block's checkpoint wrapper inside its
-    unit), then wrap the root; a hybrid strategy with ``groups`` (:func:`given_groups`). At world
-    size 1 the root's wrap must warn of the switch to ``NO_SHARD`` where the adapter declares it."""
-    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, process_group=groups,
-                    mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload)
-    actions = [(p.count("."), 1, p) for p in config.checkpoint] + [(p.count("."), 0, p) for p in config.wrap]
-    for _depth, checkpoint, path in sorted(actions, reverse=True):
+    """Checkpoint the config's paths (deepest first), then wrap the root with each of the config's wrap paths a
+    unit under it (a plan; a block both checkpointed and a unit: its checkpoint wrapper inside its unit); a
+    hybrid strategy with ``groups`` (:func:`given_groups`). At world size 1 the wrap must warn of the switch
+    to ``NO_SHARD`` where the adapter declares it."""
+    ignored = tuple(model.get_submodule(p) for p in config.ignored)
+    units = {path: model.get_submodule(path) for path in config.wrap}
+    for path in sorted(config.checkpoint, key=lambda p: p.count("."), reverse=True):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        child = getattr(parent, name)
-        wrapped = activation_checkpoint_wrapper(impl, child, offload=False) if checkpoint else impl.wrap(child, spec)
-        setattr(parent, name, wrapped)
+        checkpointed = activation_checkpoint_wrapper(impl, getattr(parent, name), offload=False)
+        setattr(parent, name, checkpointed)
+        if path in units:
+            units[path] = checkpointed
+    plan = AutoWrap.submodules(model, units.values()) if units else None
+    spec = WrapSpec(strategy=config.strategy, use_orig_params=config.use_orig_params, process_group=groups,
+                    mixed_precision=mixed_precision_spec(config.policy), cpu_offload=config.cpu_offload,
+                    auto_wrap=plan, ignored_modules=ignored)
     with ctx.catch_warnings() as caught:
-        root = impl.wrap(model, replace(spec, ignored_modules=tuple(model.get_submodule(p) for p in config.ignored)))
+        root = impl.wrap(model, spec)
     switched = [w for w in caught if str(w.message).startswith(NO_SHARD_SWITCH)]
     declared = Capability.WORLD_SIZE_1_SWITCH in capabilities_of(impl)
     if ctx.world_size == 1 and config.strategy != "NO_SHARD" and declared and not switched:
