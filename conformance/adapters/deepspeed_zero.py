@@ -140,6 +140,24 @@ class _DeepSpeedZeroAdapter:
                                                config=self.config(spec))
         return engine  # type: ignore[no-any-return]
 
+    def optimizer(self, model: nn.Module, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """The engine's ZeRO optimizer, stepping ``cls(**kwargs)`` over its partitions.
+
+        ZeRO builds its partitions around the torch optimizer given at ``deepspeed.initialize`` (``wrap``'s
+        placeholder) and steps that optimizer over its flat fp32 partitions; here a ``cls`` over the same
+        partitions, with fresh state, takes its place (as DeepSpeed itself rebuilds an ``Adagrad``).
+        """
+        zero = getattr(model, "optimizer", None)
+        if zero is None:
+            raise ValueError(f"{self.name}: the engine has no optimizer (its module has no parameters)")
+        groups = [{"params": list(group["params"])} for group in zero.optimizer.param_groups]
+        zero.optimizer = cls(groups, **kwargs)
+        return zero
+
+    def step(self, model: nn.Module, optim: Any) -> None:
+        """``engine.step()``: the ZeRO optimizer's step over the reduced partitions, then its zero_grad."""
+        model.step()  # type: ignore[operator]
+
     def units(self, model: nn.Module) -> list[UnitInfo]:
         """Stage 3: the root, then each module owning parameters (gathered per module); else one root unit."""
         user = _user_module(model)

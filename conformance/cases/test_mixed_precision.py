@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, Exact, Scalable, case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
@@ -152,7 +153,7 @@ def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step
     got = full_grads(pair.impl, pair.model)
     assert got is not None, f"{pair.impl.name} cannot report full gradients"
     assert_close_named({n: g for n, g in got.items() if g is not None}, pair.local.grads, what=f"step {step} grads")
-    optim.step()
+    optional.step(pair.impl, pair.model, optim)
     optim.zero_grad(set_to_none=True)
     pair.local.step()
     want = {n: p.detach() for n, p in pair.local.master.named_parameters()}
@@ -160,7 +161,7 @@ def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step
 
 
 def _train(ctx: RankContext, pair: _Pair, steps: int = STEPS) -> None:
-    optim = torch.optim.SGD(pair.model.parameters(), lr=pair.local.lr)
+    optim = optional.optimizer(pair.impl, pair.model, torch.optim.SGD, lr=pair.local.lr)
     for step in range(steps):
         train_step(ctx, pair, optim, step)
 

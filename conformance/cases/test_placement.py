@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import ANY_GPU, TWO_OR_MORE, Exact, case, distinct_gpus, gpu_rows
 from fixtures.cpu_groups import cpu_world_group, cuda_device
@@ -129,7 +130,8 @@ def _device_id_cpu_offload(
     plain = impl.wrap(SeqAndLinear(seed=0), replace(spec, cpu_offload=False))
     inp = torch.randn((4, 10), generator=generator(rank_seed(0, ctx.rank))).to(device)
     runs = {
-        name: run_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), [(inp,)] * 2, _square_sum)
+        name: run_steps(model, optional.optimizer(impl, model, torch.optim.SGD, lr=0.1), [(inp,)] * 2, _square_sum,
+                        adapter=impl)
         for name, model in (("offload", fsdp), ("no offload", plain))
     }
     assert_runs_match(runs, reference="no offload")

@@ -23,6 +23,8 @@ adapter method (optional)                  default
 ``set_reshard_after_backward(m, on)``      unsupported: the case is ``n/a``
 ``set_reshard_after_forward(m, on, recurse)`` unsupported: the case is ``n/a``
 ``set_gradient_divide_factor(m, factor)``  unsupported: the case is ``n/a``
+``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
+``step(model, optim)``                     ``optim.step()``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -52,6 +54,7 @@ __all__ = [
     "full_grads",
     "fully_shard",
     "no_sync",
+    "optimizer",
     "protocol_version",
     "reshard",
     "set_modules_to_prefetch",
@@ -59,6 +62,7 @@ __all__ = [
     "set_gradient_divide_factor",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
+    "step",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -188,6 +192,40 @@ def no_sync(adapter: Any, model: nn.Module) -> AbstractContextManager[Any]:
     if method is None:
         raise NoSyncUnsupported(f"{adapter.name} has no no_sync (gradient accumulation without communication)")
     return method(model)  # type: ignore[no-any-return]
+
+
+def optimizer(
+    adapter: Any, model: nn.Module, cls: type[torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """The optimizer that trains ``model`` (the root :meth:`wrap` returned): ``cls`` with ``kwargs``, as
+    ``cls(model.parameters(), **kwargs)`` would be for the unwrapped module.
+
+    Optional part of the contract: an adapter whose implementation owns the optimizer (DeepSpeed's engine
+    wraps it to step its partitions) defines ``optimizer(model, cls, **kwargs)``; every case builds the
+    optimizer of a wrapped model here and steps it with :func:`step`. What it returns answers
+    ``zero_grad(set_to_none=...)`` as torch's optimizers do and is what the case hands to
+    :meth:`FSDPAdapter.optim_state_dict`; an oracle (DDP, a local model) builds its torch optimizer itself.
+    Raises ``TypeError`` naming ``cls`` when it is not an optimizer class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    method = getattr(adapter, "optimizer", None)
+    if method is not None:
+        return method(model, cls, **kwargs)  # type: ignore[no-any-return]
+    return cls(model.parameters(), **kwargs)
+
+
+def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """One optimizer step of ``optim`` (made by :func:`optimizer` for ``model``) on the gradients backward left.
+
+    Optional part of the contract: an adapter defines ``step(model, optim)`` where the implementation steps
+    through its own entry point (DeepSpeed's ``engine.step()``); the default is ``optim.step()``.
+    """
+    method = getattr(adapter, "step", None)
+    if method is not None:
+        method(model, optim)
+    else:
+        optim.step()
 
 
 def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:

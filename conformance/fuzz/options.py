@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
 from conformance.fuzz.compare import unwrapped_names
@@ -135,8 +136,8 @@ def _trained_tie(ctx: RankContext, impl: FSDPAdapter, user: _TiedAcrossUnits, ba
             first, second = impl.wrap(user.first, spec), impl.wrap(user.second, spec)
             user.first, user.second = first, second  # type: ignore[assignment]
             model = impl.wrap(user, spec)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=0.1)
     loss_of(model(batch)).backward()
-    optim.step()
+    optional.step(impl, model, optim)
     named = full_params_of(impl, model, config.api)
     return {name: named[name] for name in _TIED if name in named}

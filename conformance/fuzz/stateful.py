@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter
-from conformance.contract.optional import full_grads, no_sync
 from conformance.fuzz.compare import (
     assert_dtypes,
     assert_no_grads_outside_the_loss,
@@ -70,7 +70,7 @@ from conformance.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.fuzz.optimizers import make_optimizer
+from conformance.fuzz.optimizers import wrapped_optimizer
 from conformance.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
 from conformance.fuzz.shadow import Shadow, batch_of, build, loss_for
 from conformance.fuzz.verdicts import agree, attempt, fail
@@ -194,7 +194,7 @@ class _Machine:
         if self.pending is None:
             if self.controls is not None:
                 self.controls.before_update(self.config)
-            self.optim.step()
+            optional.step(self.impl, self.model, self.optim)
         self.shadow.step()
 
     def train_iteration(self, op: Train) -> None:
@@ -231,7 +231,7 @@ class _Machine:
     def no_sync(self, op: NoSync) -> None:
         if self.pending is not None or "no_sync" in self.missing or self.controls is not None:
             return  # a fully_shard-ed model has GradSync instead
-        with no_sync(self.impl, self.model):
+        with optional.no_sync(self.impl, self.model):
             self._forward(op.batch, grad=True, loss="all").backward()
         self.shadow.backward(sync=False)
         self._forward((op.batch + 1) % BATCHES, grad=True, loss="all").backward()
@@ -307,9 +307,9 @@ class _Machine:
             params = self.controls.full_params()
             grads = None if self.controls.unsynced else self.controls.full_grads()
         else:
-            params, grads = unwrapped_names(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
-        self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
-                     what="params")
+            params = unwrapped_names(self.impl.full_params(self.model))
+            grads = optional.full_grads(self.impl, self.model)
+        self.compare("params", assert_close_named, params, dict(local.named_parameters()), what="params")
         self.compare("ignored modules", assert_ignored_kept, self.ignored, local)
         got_grads = None if grads is None else unwrapped_names(grads)
         self.compare("no gradient outside the loss", assert_no_grads_outside_the_loss, self.impl.units(self.model),
@@ -341,7 +341,7 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _
     else:
         groups = given_groups(ctx, config)
         model, controls = wrap_config(ctx, impl, built, config, groups), None
-    machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
+    machine = _Machine(ctx, impl, config, model, wrapped_optimizer(impl, model, config.optimizer), shadow,
                        missing_operations(impl, ctx.mode), held,
                        Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored,
                        user_modules=user_modules)
