@@ -175,8 +175,12 @@ class _DeepSpeedZeroAdapter:
             if fqn and not params:
                 continue
             shards = [getattr(p, "ds_tensor") for p in params]  # noqa: B009 - set by DeepSpeed
-            out.append(UnitInfo(fqn, owner, group, None, device, shards,
-                                [safe_get_local_grad(p) for p in params], _released(params)))
+            # Every rank's partition of a parameter has ceil(numel / world) elements, padded: a rank past the end
+            # holds padding only.
+            rank = dist.get_rank()
+            empty = [rank * s.ds_numel >= getattr(p, "ds_numel") for p, s in zip(params, shards, strict=True)]  # noqa: B009
+            out.append(UnitInfo(fqn, owner, group, None, device, shards, [safe_get_local_grad(p) for p in params],
+                                _released(params), empty_shards=empty))
         return out
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:

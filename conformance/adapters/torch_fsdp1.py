@@ -111,6 +111,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             compute_device=unit.compute_device,
             local_shards=[local],
             local_grads=[flat.grad],
+            empty_shards=[not any(info.in_shard for info in flat._shard_param_infos)],
             resharded=resharded,
             strategy=unit.sharding_strategy.name,
         )

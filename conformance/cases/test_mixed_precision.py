@@ -129,11 +129,11 @@ def _check_compute_dtypes(pair: _Pair, output: torch.Tensor, step: int) -> None:
 def _check_sharded_dtypes(pair: _Pair, step: int) -> None:
     for unit in pair.impl.units(pair.model):
         shards = {s.dtype for s in unit.local_shards}
-        grads = {g.dtype for g in unit.local_grads if g is not None}
+        grads = {g.dtype for g in unit.held_grads() if g is not None}
         assert shards <= {torch.float32}, f"step {step}: unit {unit.fqn!r} shards in {shards}, expected float32"
         want = pair.grad_dtype
         assert grads <= {want}, f"step {step}: unit {unit.fqn!r} grads in {grads}, expected {want}"
-    assert any(g is not None for u in pair.impl.units(pair.model) for g in u.local_grads), "no unit has a gradient"
+    assert any(g is not None for u in pair.impl.units(pair.model) for g in u.held_grads()), "no unit has a gradient"
 
 
 def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step: int) -> None:

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+
+from conformance.contract.units import UnitInfo
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -317,32 +318,6 @@ class WrapSpec:
             Capability.BACKWARD_PREFETCH: self.backward_prefetch != "BACKWARD_PRE",
         }
         return caps + [capability for capability, used in flags.items() if used]
-
-
-@dataclass
-class UnitInfo:
-    """One FSDP unit as a case sees it.
-
-    ``shard_group`` is the group parameters are sharded over (the replicate
-    group is ``None`` unless the strategy is hybrid). ``resharded`` is ``None``
-    when the implementation cannot tell (no introspection capability).
-    ``local_shards`` are this rank's sharded parameter storage (one flat shard
-    for flat-parameter implementations, one local tensor per parameter for
-    per-parameter sharding) and ``local_grads`` their gradients, aligned (an
-    empty shard's may be ``None`` or empty: a case reads neither as "none").
-    ``strategy`` is the unit's own sharding strategy as :data:`STRATEGIES`
-    spells it, or ``None`` when the implementation has no per-unit strategy.
-    """
-
-    fqn: str
-    module: nn.Module
-    shard_group: dist.ProcessGroup | None
-    replicate_group: dist.ProcessGroup | None
-    compute_device: torch.device | None
-    local_shards: list[torch.Tensor]
-    local_grads: list[torch.Tensor | None]
-    resharded: bool | None
-    strategy: str | None = None
 
 
 @runtime_checkable
