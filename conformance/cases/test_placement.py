@@ -17,10 +17,10 @@ gloo groups the CPU-pinned cases use.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from itertools import chain
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -160,14 +160,19 @@ def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_par
         _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
 
 
+def _meta_requires(params: Mapping[str, Any]) -> list[Capability]:
+    init = Capability.PARAM_INIT_FUNCTION if params["use_param_init_fn"] else Capability.META_MATERIALIZATION
+    return [Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE, init]
+
+
 @case("placement/ignored_module_meta", clause="C14", world_size=TWO_OR_MORE,
-      requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE, Capability.PARAM_INIT_FN])
+      requires=_meta_requires)
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
 def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
     """Wrapping a meta-device module materialises it onto ``device_id`` (by ``param_init_fn``, or without
     one by ``reset_parameters()``), leaves its ignored submodule's params on meta and puts every unit's local
     shards on the rank's device. Both variants rely on materialisation at wrap time
-    (:attr:`Capability.PARAM_INIT_FN`)."""
+    (:attr:`Capability.PARAM_INIT_FUNCTION`, else :attr:`Capability.META_MATERIALIZATION`)."""
     with torch.device("meta"):
         model = PairOfLinears()
     init_fn = (lambda m: m.to_empty(device=ctx.device, recurse=False)) if use_param_init_fn else None

@@ -25,6 +25,7 @@ adapter method (optional)                  default
 ``set_gradient_divide_factor(m, factor)``  unsupported: the case is ``n/a``
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
+``supports_no_sync(strategy)``             whether ``NO_SYNC`` is declared
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -63,6 +64,7 @@ __all__ = [
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
+    "supports_no_sync",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -226,6 +228,20 @@ def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         method(model, optim)
     else:
         optim.step()
+
+
+def supports_no_sync(adapter: Any, strategy: str | None) -> bool:
+    """Whether :func:`no_sync` holds for a model ``adapter`` wrapped with ``strategy`` (``None``: its default).
+
+    Optional part of the contract: an adapter whose implementation accumulates without communication under
+    some strategies only defines ``supports_no_sync(strategy) -> bool`` beside :attr:`Capability.NO_SYNC`
+    (DeepSpeed's ``engine.no_sync`` holds at ZeRO stage 1, where gradients are not partitioned). The default
+    is the capability itself. A row requiring ``NO_SYNC`` whose strategy this refuses is ``n/a``.
+    """
+    if Capability.NO_SYNC not in capabilities_of(adapter):
+        return False
+    method = getattr(adapter, "supports_no_sync", None)
+    return True if method is None else bool(method(strategy))
 
 
 def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:

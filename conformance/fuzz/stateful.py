@@ -342,7 +342,7 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: Config, held: Held) -> _
         groups = given_groups(ctx, config)
         model, controls = wrap_config(ctx, impl, built, config, groups), None
     machine = _Machine(ctx, impl, config, model, wrapped_optimizer(impl, model, config.optimizer), shadow,
-                       missing_operations(impl, ctx.mode), held,
+                       missing_operations(impl, ctx.mode, config.strategy if config.api == "wrap" else None), held,
                        Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored,
                        user_modules=user_modules)
     held.wrapped(shadow.local, shadow)
