@@ -21,16 +21,18 @@ adapter              strategies accepted  what is partitioned
 ==================== ==================== ==========================================
 
 ``wrap`` returns ``deepspeed.initialize``'s engine (an ``nn.Module`` whose
-``module`` is the user's model). DeepSpeed owns the optimizer and the step
-(``engine.backward``, ``engine.step``), and ZeRO partitions gradients only
-through the optimizer it wraps, so ``wrap`` gives the engine a placeholder
-``torch.optim.SGD(lr=0)`` (``spec.extra["optimizer"]``, a callable taking the
-parameters, replaces it; ``spec.extra["config"]`` is merged into the
-DeepSpeed config); a module without parameters gets none. The suite's cases build their own torch optimizer on
-``model.parameters()`` and call ``loss.backward()`` and ``optim.step()``;
-DeepSpeed does not support that loop (its gradients live in the ZeRO
-optimizer's partitions), so rows that train over several steps fail until the
-contract lets an adapter own the optimizer and the step.
+``module`` is the user's model). DeepSpeed owns the optimizer and the step,
+and ZeRO partitions gradients only through the optimizer it wraps, so ``wrap``
+gives the engine a placeholder ``torch.optim.SGD(lr=0)``
+(``spec.extra["optimizer"]``, a callable taking the parameters, replaces it;
+``spec.extra["config"]`` is merged into the DeepSpeed config); a module
+without parameters gets none. The adapter's ``optimizer(model, cls,
+**kwargs)`` puts ``cls(**kwargs)`` in the placeholder's place inside the ZeRO
+optimizer, over the same flat fp32 partitions, and returns the ZeRO
+optimizer; ``step`` is ``engine.step()``. Backward is the user's
+``loss.backward()``: DeepSpeed 0.19 hooks the forward's outputs so that a
+plain backward reduces into the partitions as ``engine.backward`` does (loss
+scaling aside, which no fp32 config uses).
 
 Parameter resharding is DeepSpeed's parameter persistence: ZeRO-3 releases
 every gathered parameter after use when ``stage3_param_persistence_threshold``
