@@ -105,10 +105,11 @@ class _DeepSpeedZeroAdapter:
     def supports_strategy(self, strategy: str | None) -> bool:
         return strategy in self.strategies
 
-    def config(self, spec: WrapSpec) -> dict[str, Any]:
+    def config(self, spec: WrapSpec, largest: int) -> dict[str, Any]:
         """The DeepSpeed config for one wrap: this stage, one micro-step per step, no gradient clipping,
-        every parameter released."""
-        zero: dict[str, Any] = {"stage": self.stage}
+        every parameter released, gradients reduced through a bucket of the ``largest`` parameter's elements
+        (see [Note: DeepSpeed buckets])."""
+        zero: dict[str, Any] = {"stage": self.stage, "reduce_bucket_size": max(largest, 1)}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
         config: dict[str, Any] = {
@@ -139,7 +140,7 @@ class _DeepSpeedZeroAdapter:
         make_optim = spec.extra.get("optimizer", lambda params: torch.optim.SGD(params, lr=0.0))
         params = list(module.parameters())  # a module without parameters gets no optimizer (torch refuses one)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optim(params) if params else None,
-                                               config=self.config(spec))
+                                               config=self.config(spec, max((p.numel() for p in params), default=1)))
         return engine  # type: ignore[no-any-return]
 
     def optimizer(self, model: nn.Module, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
@@ -190,11 +191,16 @@ class _DeepSpeedZeroAdapter:
         with self._gathered(user):
             return {name: p.detach().clone() for name, p in user.named_parameters()}
 
-    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
-        """Each parameter's reduced gradient from the ZeRO optimizer's partitions (``safe_get_full_grad``)."""
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
+        """Each parameter's reduced gradient from the ZeRO optimizer's partitions (``safe_get_full_grad``);
+        ``None`` where a rank is outside the window stages 1 and 2 expose them in ("Gradients are only
+        available immediately after backward and before engine step", ``tensor_fragment``)."""
         from deepspeed.utils import safe_get_full_grad
 
-        grads = {name: safe_get_full_grad(p) for name, p in _user_module(model).named_parameters()}
+        user = _user_module(model)
+        if not _in_gradient_window(user):
+            return None
+        grads = {name: safe_get_full_grad(p) for name, p in user.named_parameters()}
         return {name: None if g is None else g.detach().clone() for name, g in grads.items()}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
@@ -253,6 +259,28 @@ def _forget_destroyed_groups() -> None:
 # same process, whose engine would then broadcast over a destroyed clone
 # ("Group ... is not registered"). ``wrap`` forgets such groups first, as
 # DeepSpeed's own destroy would have.
+
+
+# [Note: DeepSpeed buckets]
+# ZeRO reduces gradients through a buffer of ``reduce_bucket_size`` elements,
+# 5e8 by default ("Number of elements reduced/allreduced at a time. Limits the
+# memory required for the allgather for large model sizes",
+# ``DeepSpeedZeroConfig``), allocated whole: 2 GB of float32 on every rank
+# whatever the model's size. A user sizes it to the model; the adapter sizes
+# it to the largest parameter, the granularity of a per-parameter reduction,
+# so that the memory rows measure what ZeRO shards rather than the default
+# bucket.
+
+
+def _in_gradient_window(user: nn.Module) -> bool:
+    """Whether every rank holds the reduced gradients stages 1 and 2 map their parameters to (agreed over the
+    world, since reading them is collective)."""
+    mappings = [m for p in user.parameters() if (m := getattr(p, "_hp_mapping", None)) is not None]
+    held = all((m.offload_gradient_dict if m.use_offload else m.gradient_dict).get(m.param_group_index) is not None
+               for m in mappings)
+    flag = torch.tensor([int(held)], device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _released(params: list[Any]) -> bool | None:
