@@ -105,11 +105,10 @@ class _DeepSpeedZeroAdapter:
     def supports_strategy(self, strategy: str | None) -> bool:
         return strategy in self.strategies
 
-    def config(self, spec: WrapSpec, largest: int) -> dict[str, Any]:
+    def config(self, spec: WrapSpec) -> dict[str, Any]:
         """The DeepSpeed config for one wrap: this stage, one micro-step per step, no gradient clipping,
-        every parameter released, gradients reduced through a bucket of the ``largest`` parameter's elements
-        (see [Note: DeepSpeed buckets])."""
-        zero: dict[str, Any] = {"stage": self.stage, "reduce_bucket_size": max(largest, 1)}
+        every parameter released."""
+        zero: dict[str, Any] = {"stage": self.stage}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
         config: dict[str, Any] = {
@@ -140,7 +139,7 @@ class _DeepSpeedZeroAdapter:
         make_optim = spec.extra.get("optimizer", lambda params: torch.optim.SGD(params, lr=0.0))
         params = list(module.parameters())  # a module without parameters gets no optimizer (torch refuses one)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=make_optim(params) if params else None,
-                                               config=self.config(spec, max((p.numel() for p in params), default=1)))
+                                               config=self.config(spec))
         return engine  # type: ignore[no-any-return]
 
     def optimizer(self, model: nn.Module, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
@@ -259,17 +258,6 @@ def _forget_destroyed_groups() -> None:
 # same process, whose engine would then broadcast over a destroyed clone
 # ("Group ... is not registered"). ``wrap`` forgets such groups first, as
 # DeepSpeed's own destroy would have.
-
-
-# [Note: DeepSpeed buckets]
-# ZeRO reduces gradients through a buffer of ``reduce_bucket_size`` elements,
-# 5e8 by default ("Number of elements reduced/allreduced at a time. Limits the
-# memory required for the allgather for large model sizes",
-# ``DeepSpeedZeroConfig``), allocated whole: 2 GB of float32 on every rank
-# whatever the model's size. A user sizes it to the model; the adapter sizes
-# it to the largest parameter, the granularity of a per-parameter reduction,
-# so that the memory rows measure what ZeRO shards rather than the default
-# bucket.
 
 
 def _in_gradient_window(user: nn.Module) -> bool:

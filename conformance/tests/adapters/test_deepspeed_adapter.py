@@ -44,12 +44,11 @@ def test_each_stage_is_a_column_with_its_own_strategies() -> None:
 
 
 def test_config_maps_the_stage_and_releases_every_parameter() -> None:
-    zero3 = DeepSpeedZero3Adapter().config(WrapSpec(extra={"config": {"gradient_accumulation_steps": 4}}), 40)
-    assert zero3["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 40,
-                                          "stage3_param_persistence_threshold": 0}
+    zero3 = DeepSpeedZero3Adapter().config(WrapSpec(extra={"config": {"gradient_accumulation_steps": 4}}))
+    assert zero3["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
     assert zero3["gradient_accumulation_steps"] == 4
     assert zero3["gradient_clipping"] == 0.0, "DeepSpeed's default clips to norm 1.0, which a torch step does not"
-    assert DeepSpeedZero1Adapter().config(WrapSpec(), 0)["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1}
+    assert DeepSpeedZero1Adapter().config(WrapSpec())["zero_optimization"] == {"stage": 1}
 
 
 def test_wrap_refuses_what_it_cannot_express() -> None:
