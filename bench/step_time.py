@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import harness
 from bench._common import base_parser, median, print_table, save_plot, write_json
-from conformance.contract import registry
+from conformance.contract import optional, registry
 from conformance.contract.adapter import AutoWrap, WrapSpec
 from fixtures.seeding import generator, seeded_init_
 
@@ -48,14 +48,14 @@ def _rank_steps(ctx: Any, impl_name: str, d_model: int, layers: int, steps: int,
     impl = registry.load(impl_name)
     spec = WrapSpec(strategy="FULL_SHARD", auto_wrap=AutoWrap((nn.TransformerEncoderLayer,)), use_orig_params=True)
     model = impl.wrap(EncoderStack(d_model, layers), spec)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optim = optional.optimizer(impl, model, torch.optim.Adam, lr=1e-3)
     x = torch.randn(8, 16, d_model, generator=generator(ctx.rank))
     times = []
     for step in range(warmup + steps):
         ctx.barrier()
         start = time.perf_counter()
         model(x).square().mean().backward()
-        optim.step()
+        optional.step(impl, model, optim)
         optim.zero_grad()
         if step >= warmup:
             times.append(time.perf_counter() - start)

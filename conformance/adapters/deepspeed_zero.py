@@ -21,16 +21,18 @@ adapter              strategies accepted  what is partitioned
 ==================== ==================== ==========================================
 
 ``wrap`` returns ``deepspeed.initialize``'s engine (an ``nn.Module`` whose
-``module`` is the user's model). DeepSpeed owns the optimizer and the step
-(``engine.backward``, ``engine.step``), and ZeRO partitions gradients only
-through the optimizer it wraps, so ``wrap`` gives the engine a placeholder
-``torch.optim.SGD(lr=0)`` (``spec.extra["optimizer"]``, a callable taking the
-parameters, replaces it; ``spec.extra["config"]`` is merged into the
-DeepSpeed config); a module without parameters gets none. The suite's cases build their own torch optimizer on
-``model.parameters()`` and call ``loss.backward()`` and ``optim.step()``;
-DeepSpeed does not support that loop (its gradients live in the ZeRO
-optimizer's partitions), so rows that train over several steps fail until the
-contract lets an adapter own the optimizer and the step.
+``module`` is the user's model). DeepSpeed owns the optimizer and the step,
+and ZeRO partitions gradients only through the optimizer it wraps, so ``wrap``
+gives the engine a placeholder ``torch.optim.SGD(lr=0)``
+(``spec.extra["optimizer"]``, a callable taking the parameters, replaces it;
+``spec.extra["config"]`` is merged into the DeepSpeed config); a module
+without parameters gets none. The adapter's ``optimizer(model, cls,
+**kwargs)`` puts ``cls(**kwargs)`` in the placeholder's place inside the ZeRO
+optimizer, over the same flat fp32 partitions, and returns the ZeRO
+optimizer; ``step`` is ``engine.step()``. Backward is the user's
+``loss.backward()``: DeepSpeed 0.19 hooks the forward's outputs so that a
+plain backward reduces into the partitions as ``engine.backward`` does (loss
+scaling aside, which no fp32 config uses).
 
 Parameter resharding is DeepSpeed's parameter persistence: ZeRO-3 releases
 every gathered parameter after use when ``stage3_param_persistence_threshold``
@@ -140,6 +142,24 @@ class _DeepSpeedZeroAdapter:
                                                config=self.config(spec))
         return engine  # type: ignore[no-any-return]
 
+    def optimizer(self, model: nn.Module, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """The engine's ZeRO optimizer, stepping ``cls(**kwargs)`` over its partitions.
+
+        ZeRO builds its partitions around the torch optimizer given at ``deepspeed.initialize`` (``wrap``'s
+        placeholder) and steps that optimizer over its flat fp32 partitions; here a ``cls`` over the same
+        partitions, with fresh state, takes its place (as DeepSpeed itself rebuilds an ``Adagrad``).
+        """
+        zero = getattr(model, "optimizer", None)
+        if zero is None:
+            raise ValueError(f"{self.name}: the engine has no optimizer (its module has no parameters)")
+        groups = [{"params": list(group["params"])} for group in zero.optimizer.param_groups]
+        zero.optimizer = cls(groups, **kwargs)
+        return zero
+
+    def step(self, model: nn.Module, optim: Any) -> None:
+        """``engine.step()``: the ZeRO optimizer's step over the reduced partitions, then its zero_grad."""
+        model.step()  # type: ignore[operator]
+
     def units(self, model: nn.Module) -> list[UnitInfo]:
         """Stage 3: the root, then each module owning parameters (gathered per module); else one root unit."""
         user = _user_module(model)
@@ -157,8 +177,12 @@ class _DeepSpeedZeroAdapter:
             if fqn and not params:
                 continue
             shards = [getattr(p, "ds_tensor") for p in params]  # noqa: B009 - set by DeepSpeed
-            out.append(UnitInfo(fqn, owner, group, None, device, shards,
-                                [safe_get_local_grad(p) for p in params], _released(params)))
+            # Every rank's partition of a parameter has ceil(numel / world) elements, padded: a rank past the end
+            # holds padding only.
+            rank = dist.get_rank()
+            empty = [rank * s.ds_numel >= getattr(p, "ds_numel") for p, s in zip(params, shards, strict=True)]  # noqa: B009
+            out.append(UnitInfo(fqn, owner, group, None, device, shards, [safe_get_local_grad(p) for p in params],
+                                _released(params), empty_shards=empty))
         return out
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -166,11 +190,16 @@ class _DeepSpeedZeroAdapter:
         with self._gathered(user):
             return {name: p.detach().clone() for name, p in user.named_parameters()}
 
-    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
-        """Each parameter's reduced gradient from the ZeRO optimizer's partitions (``safe_get_full_grad``)."""
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
+        """Each parameter's reduced gradient from the ZeRO optimizer's partitions (``safe_get_full_grad``);
+        ``None`` where a rank is outside the window stages 1 and 2 expose them in ("Gradients are only
+        available immediately after backward and before engine step", ``tensor_fragment``)."""
         from deepspeed.utils import safe_get_full_grad
 
-        grads = {name: safe_get_full_grad(p) for name, p in _user_module(model).named_parameters()}
+        user = _user_module(model)
+        if not _in_gradient_window(user):
+            return None
+        grads = {name: safe_get_full_grad(p) for name, p in user.named_parameters()}
         return {name: None if g is None else g.detach().clone() for name, g in grads.items()}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
@@ -229,6 +258,17 @@ def _forget_destroyed_groups() -> None:
 # same process, whose engine would then broadcast over a destroyed clone
 # ("Group ... is not registered"). ``wrap`` forgets such groups first, as
 # DeepSpeed's own destroy would have.
+
+
+def _in_gradient_window(user: nn.Module) -> bool:
+    """Whether every rank holds the reduced gradients stages 1 and 2 map their parameters to (agreed over the
+    world, since reading them is collective)."""
+    mappings = [m for p in user.parameters() if (m := getattr(p, "_hp_mapping", None)) is not None]
+    held = all((m.offload_gradient_dict if m.use_offload else m.gradient_dict).get(m.param_group_index) is not None
+               for m in mappings)
+    flag = torch.tensor([int(held)], device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _released(params: list[Any]) -> bool | None:

@@ -33,7 +33,8 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.SYNC_MODULE_STATES,
             Capability.CPU_OFFLOAD,
             Capability.IGNORED_MODULES,
-            Capability.PARAM_INIT_FN,
+            Capability.META_MATERIALIZATION,
+            Capability.PARAM_INIT_FUNCTION,
             Capability.COMPUTE_DEVICE,
             Capability.PLACEMENT_MESSAGES,
             Capability.DEVICE_MESH,
@@ -97,6 +98,12 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             compute_device=unit.compute_device,
             local_shards=[] if flat is None else [flat.detach()],
             local_grads=[] if flat is None else [flat.grad],
+            empty_shards=[] if flat is None else [_padding_only(unit._state.handle.layout)],
             resharded=bool(unit.is_resharded),
             strategy=unit.sharding_strategy.name,
         )
+
+
+def _padding_only(layout: Any) -> bool:
+    """Whether this rank's flat shard holds none of the parameters' elements (padding only)."""
+    return all(layout.local_range(i) == (0, 0) for i in range(len(layout.shapes)))

@@ -35,7 +35,8 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.SYNC_MODULE_STATES,
             Capability.CPU_OFFLOAD,
             Capability.IGNORED_MODULES,
-            Capability.PARAM_INIT_FN,
+            Capability.META_MATERIALIZATION,
+            Capability.PARAM_INIT_FUNCTION,
             Capability.COMPUTE_DEVICE,
             Capability.PLACEMENT_MESSAGES,
             Capability.DEVICE_MESH,
@@ -112,6 +113,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             compute_device=unit.compute_device,
             local_shards=[local],
             local_grads=[flat.grad],
+            empty_shards=[not any(info.in_shard for info in flat._shard_param_infos)],
             resharded=resharded,
             strategy=unit.sharding_strategy.name,
         )

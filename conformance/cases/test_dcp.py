@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from conformance.contract import registry
+from conformance.contract import optional, registry
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import Exact, case, not_applicable
 from fixtures.blocks import DIM, Blocks
@@ -66,12 +66,16 @@ def _loss(model: nn.Module, step: int, part: int, parts: int, device: torch.devi
     return model(rows[part * per : (part + 1) * per]).square().mean()
 
 
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, part: int, parts: int,
-           device: torch.device) -> None:
+def _train(impl: FSDPAdapter | None, model: nn.Module, optim: torch.optim.Optimizer, steps: range, part: int,
+           parts: int, device: torch.device) -> None:
+    """Steps of ``model``, wrapped by ``impl`` (``None``: a plain local module)."""
     for step in steps:
         optim.zero_grad(set_to_none=True)
         _loss(model, step, part, parts, device).backward()
-        optim.step()
+        if impl is None:
+            optim.step()
+        else:
+            optional.step(impl, model, optim)
 
 
 def _side(ctx: RankContext, size: int, pairs: list[dist.ProcessGroup]) -> tuple[dist.ProcessGroup | None, int]:
@@ -114,8 +118,8 @@ def _save(ctx: RankContext, impl: FSDPAdapter, size: int, pairs: list[dist.Proce
     if size == ctx.world_size or ctx.rank < size:
         group, part = _side(ctx, size, pairs)
         model = _sharded(ctx, impl, 0, group)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        _train(model, optim, range(2), part, size, ctx.device)
+        optim = optional.optimizer(impl, model, torch.optim.Adam, lr=1e-2)
+        _train(impl, model, optim, range(2), part, size, ctx.device)
         model_state, optim_state = get_state_dict(model, optim)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path, process_group=group)
         saved = {name: value.cpu() for name, value in _full(impl, model).items()}
@@ -137,16 +141,16 @@ def test_reshard(ctx: RankContext, impl: FSDPAdapter, sizes: str, loader: str) -
         saved = _save(ctx, impl, save_size, pairs, path)
         group, part = _side(ctx, load_size, pairs)
         model = _sharded(ctx, loading, 1, group)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        optim = optional.optimizer(loading, model, torch.optim.Adam, lr=1e-2)
         model_state, optim_state = get_state_dict(model, optim)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=path, process_group=group)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = {name: value.cpu() for name, value in _full(loading, model).items()}
     assert_close_named(loaded, saved, what=f"{label}: parameters after load", exact=COPIED)
-    _train(model, optim, range(2, 4), part, load_size, ctx.device)
+    _train(loading, model, optim, range(2, 4), part, load_size, ctx.device)
     local = Blocks(seed=0).to(ctx.device)
-    _train(local, torch.optim.Adam(local.parameters(), lr=1e-2), range(4), 0, 1, ctx.device)
+    _train(None, local, torch.optim.Adam(local.parameters(), lr=1e-2), range(4), 0, 1, ctx.device)
     assert_close_named(_full(loading, model), dict(local.named_parameters()),
                        what=f"{label}: parameters two steps after load vs an unsaved local run")
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
@@ -42,9 +43,9 @@ def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
         with pytest.raises(ValueError):
             fully_shard(impl, container, mesh=mesh)
     local = Blocks(seed=0).to(ctx.device)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
     for step in range(2):
-        sharded_step(ctx, model, optim, step)
+        sharded_step(ctx, impl, model, optim, step)
         local_step(ctx, local, local_optim, step, range(ctx.world_size))
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters after {kind}")

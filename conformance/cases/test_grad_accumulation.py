@@ -37,7 +37,7 @@ from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, Wrap
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import NoSyncUnsupported, full_grads
 from fixtures.models import ThreeLinear
-from fixtures.optimizers import make_optim
+from fixtures.optimizers import make_optim, wrapped_optim
 from fixtures.parity import assert_close_named
 from fixtures.seeding import generator, rank_seed
 
@@ -115,7 +115,7 @@ def test_accumulate(
         WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), use_orig_params=True, cpu_offload=cpu_offload),
     )
     local = ThreeLinear(seed=0).to(ctx.device)
-    optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
+    optim, local_optim = wrapped_optim(impl, model, "SGD"), make_optim("SGD", local.parameters())
     for step in range(STEPS):
         for micro in range(BACKWARDS):
             batch = _batch(ctx, step, micro, ctx.rank)
@@ -134,7 +134,7 @@ def test_accumulate(
             {n: None if g is None else g.to(ctx.device) for n, g in grads.items()}, _local_grads(local),
             what=f"rank {ctx.rank} step {step}: grads after {BACKWARDS} backwards vs the local model",
         )
-        optim.step()
+        optional.step(impl, model, optim)
         local_optim.step()
         optim.zero_grad(set_to_none=set_to_none)
         local_optim.zero_grad(set_to_none=set_to_none)

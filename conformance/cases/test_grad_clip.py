@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks, block_batch
@@ -36,7 +37,7 @@ def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> 
     and after three clipped SGD steps the parameters equal the local model's."""
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
     local = Blocks(seed=0).to(ctx.device)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
     kind = float(norm_type)
     for step in range(3):
@@ -51,6 +52,6 @@ def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> 
         assert local_norm > MAX_NORM, f"step {step}: the local norm {local_norm} is not clipped; lower MAX_NORM"
         label = f"rank {ctx.rank} step {step}: total norm"
         torch.testing.assert_close(total, local_norm, msg=lambda m, label=label: f"{label}: {m}")
-        optim.step()
+        optional.step(impl, model, optim)
         local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

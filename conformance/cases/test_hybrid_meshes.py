@@ -35,12 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, UnitInfo, WrapSpec
 from conformance.contract.case import Exact, case
 from conformance.contract.results import CaseReport
 from fixtures.baselines import cached
 from fixtures.meshes import hybrid_groups, hybrid_ranks
-from fixtures.optimizers import make_optim
+from fixtures.optimizers import make_optim, wrapped_optim
 from fixtures.parity import assert_close_named, assert_close_seq, assert_differs_across_ranks, assert_same_across_ranks
 from fixtures.seeding import generator, rank_seed, seeded_init_
 
@@ -156,12 +157,12 @@ def test_replicas_match_baseline(
     baseline = cached("local-steps", {"model": ReplicaModel, "seed": 0, "optim": "SGD", "steps": STEPS,
                                       "world": WORLD, "batch": _batch, "device": ctx.device},
                       lambda: _baseline_run(ctx.device))
-    optim = make_optim("SGD", model.parameters())
+    optim = wrapped_optim(impl, model, "SGD")
     for step, (want_losses, want_params) in enumerate(baseline):
         optim.zero_grad()
         loss = model(_batch(step, ctx.rank).to(ctx.device)).sum()
         loss.backward()
-        optim.step()
+        optional.step(impl, model, optim)
         where = f"rank {ctx.rank} {shape} ({given}, {strategy}) step {step}"
         assert_close_seq([loss.detach()], [want_losses[ctx.rank]], what=f"{where}: loss vs baseline")
         assert_close_named(impl.full_params(model), want_params, what=f"{where}: full params vs baseline")

@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import Scalable, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
@@ -63,7 +64,7 @@ from fixtures.hybrid_shard import (
     split_units,
 )
 from fixtures.models import ThreeLinear, TiedTransformer
-from fixtures.optimizers import OPTIMIZERS, make_optim
+from fixtures.optimizers import OPTIMIZERS, wrapped_optim
 from fixtures.parity import (
     COPIED,
     assert_close_named,
@@ -188,11 +189,11 @@ def _parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, use_or
         {"impl": impl.name, "model": TiedTransformer, "seed": 0, "auto_wrap": LAYERS, "optim": optim,
          "use_orig_params": use_orig_params, "steps": STEPS, "inputs": "get_input(rank_seed(1, rank))",
          "rank": ctx.rank, "world": ctx.world_size, "device": ctx.device},
-        lambda: _train_losses(ctx, impl.wrap(TiedTransformer(seed=0).to(ctx.device), WrapSpec(
+        lambda: _train_losses(ctx, impl, impl.wrap(TiedTransformer(seed=0).to(ctx.device), WrapSpec(
             strategy="FULL_SHARD", auto_wrap=LAYERS, use_orig_params=use_orig_params)), optim),
         group=None,
     )
-    hybrid_losses = _train_losses(ctx, hybrid_model, optim)
+    hybrid_losses = _train_losses(ctx, impl, hybrid_model, optim)
     for step, (got, want) in enumerate(zip(hybrid_losses, full_losses, strict=True)):
         # Not bit-exact, by construction: FULL_SHARD reduce-scatters the four ranks'
         # gradients in one sum, hybrid sums pairs within a node and then the two
@@ -201,9 +202,9 @@ def _parity_with_fsdp(ctx: RankContext, impl: FSDPAdapter, strategy: str, use_or
         assert_close_seq([got], [want], what=f"rank {ctx.rank} step {step}: {strategy} vs FULL_SHARD loss ({optim})")
 
 
-def _train_losses(ctx: RankContext, model: nn.Module, optim: str) -> list[torch.Tensor]:
+def _train_losses(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, optim: str) -> list[torch.Tensor]:
     """``STEPS`` steps of ``model`` on this rank's inputs (the seed's sum loss); the loss of each step."""
-    opt = make_optim(optim, model.parameters())
+    opt = wrapped_optim(impl, model, optim)
     gen = generator(rank_seed(1, ctx.rank))
     losses = []
     for _ in range(STEPS):
@@ -211,7 +212,7 @@ def _train_losses(ctx: RankContext, model: nn.Module, optim: str) -> list[torch.
         opt.zero_grad()
         loss = model(*inputs).sum()
         loss.backward()
-        opt.step()
+        optional.step(impl, model, opt)
         losses.append(loss.detach())
     return losses
 
@@ -248,15 +249,15 @@ def test_sharded_state_dict_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> Ca
     groups = hybrid_groups(ctx)
     model = _hybrid_three_linear(ctx, impl, 0, groups)
     _check_groups_used_as_given(impl, model, groups)
-    optim = torch.optim.AdamW(model.parameters())
+    optim = optional.optimizer(impl, model, torch.optim.AdamW)
     (inp,) = ThreeLinear().get_input(ctx.device, generator(rank_seed(2, ctx.rank)))
     model(inp).sum().backward()
-    optim.step()
+    optional.step(impl, model, optim)
     model_state = impl.sharded_state_dict(model)
     optim_state = impl.optim_state_dict(model, optim, sharded=True)
 
     fresh = _hybrid_three_linear(ctx, impl, 1, groups)
-    fresh_optim = torch.optim.AdamW(fresh.parameters())
+    fresh_optim = optional.optimizer(impl, fresh, torch.optim.AdamW)
     before = impl.full_params(fresh)
     assert any(not torch.equal(before[k], v) for k, v in impl.full_params(model).items()), (
         "the fresh model already equals the trained one; the round trip would prove nothing"

@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
@@ -67,10 +68,10 @@ def _bound(model: LinearStack, world_size: int) -> dict[str, int]:
             "bound": sharded + K_UNITS * unit + activations}
 
 
-def _step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> None:
+def _step(impl: FSDPAdapter, model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> None:
     optim.zero_grad(set_to_none=True)
     model(x).square().sum().backward()
-    optim.step()
+    optional.step(impl, model, optim)
 
 
 @case("memory/peak_per_rank", clause="C9", world_size=TWO_OR_MORE, strategies=["FULL_SHARD"])
@@ -86,10 +87,10 @@ def test_peak_per_rank(ctx: RankContext, impl: FSDPAdapter, use_orig_params: boo
             LinearStack(WIDTH, DEPTH).to(ctx.device),
             WrapSpec(auto_wrap=AutoWrap((nn.Linear,)), use_orig_params=use_orig_params),
         )
-        optim = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        _step(model, optim, batches[0])  # creates the momentum buffers
+        optim = optional.optimizer(impl, model, torch.optim.SGD, lr=1e-2, momentum=0.9)
+        _step(impl, model, optim, batches[0])  # creates the momentum buffers
         tracker.reset_peak()
-        _step(model, optim, batches[1])
+        _step(impl, model, optim, batches[1])
         peak = tracker.peak
     over = peak - terms["bound"]
     assert over <= 0, (
@@ -130,10 +131,10 @@ def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str, last
     watched = weakref.ref(user)
     model = _sharded(ctx, impl, user, api, units)
     del user
-    optim = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=1e-2, momentum=0.9)
     gen = generator(rank_seed(5, ctx.rank))
     for _ in range(2):
-        _step(model, optim, torch.randn(BATCH, 8, generator=gen).to(ctx.device))
+        _step(impl, model, optim, torch.randn(BATCH, 8, generator=gen).to(ctx.device))
     output = model(torch.randn(BATCH, 8, generator=gen).to(ctx.device)).sum() if last == "forward" else None
     del model, optim, output
     ctx.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks
@@ -53,9 +54,9 @@ def test_reset_parameters(ctx: RankContext, impl: FSDPAdapter) -> None:
     _reset(model)
     assert_close_named(full_of(model), dict(local.named_parameters()),
                        what=f"rank {ctx.rank}: parameters after to_empty and reset", exact=COPIED)
-    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR, momentum=0.9)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
     for step in range(2):
-        sharded_step(ctx, model, optim, step)
+        sharded_step(ctx, impl, model, optim, step)
         local_step(ctx, local, local_optim, step, range(ctx.world_size))
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: trained")

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, Exact, Scalable, case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
@@ -128,11 +129,11 @@ def _check_compute_dtypes(pair: _Pair, output: torch.Tensor, step: int) -> None:
 def _check_sharded_dtypes(pair: _Pair, step: int) -> None:
     for unit in pair.impl.units(pair.model):
         shards = {s.dtype for s in unit.local_shards}
-        grads = {g.dtype for g in unit.local_grads if g is not None}
+        grads = {g.dtype for g in unit.held_grads() if g is not None}
         assert shards <= {torch.float32}, f"step {step}: unit {unit.fqn!r} shards in {shards}, expected float32"
         want = pair.grad_dtype
         assert grads <= {want}, f"step {step}: unit {unit.fqn!r} grads in {grads}, expected {want}"
-    assert any(g is not None for u in pair.impl.units(pair.model) for g in u.local_grads), "no unit has a gradient"
+    assert any(g is not None for u in pair.impl.units(pair.model) for g in u.held_grads()), "no unit has a gradient"
 
 
 def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step: int) -> None:
@@ -152,7 +153,7 @@ def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step
     got = full_grads(pair.impl, pair.model)
     assert got is not None, f"{pair.impl.name} cannot report full gradients"
     assert_close_named({n: g for n, g in got.items() if g is not None}, pair.local.grads, what=f"step {step} grads")
-    optim.step()
+    optional.step(pair.impl, pair.model, optim)
     optim.zero_grad(set_to_none=True)
     pair.local.step()
     want = {n: p.detach() for n, p in pair.local.master.named_parameters()}
@@ -160,7 +161,7 @@ def train_step(ctx: RankContext, pair: _Pair, optim: torch.optim.Optimizer, step
 
 
 def _train(ctx: RankContext, pair: _Pair, steps: int = STEPS) -> None:
-    optim = torch.optim.SGD(pair.model.parameters(), lr=pair.local.lr)
+    optim = optional.optimizer(pair.impl, pair.model, torch.optim.SGD, lr=pair.local.lr)
     for step in range(steps):
         train_step(ctx, pair, optim, step)
 

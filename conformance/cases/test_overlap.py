@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import CaseSettings, Exact, case, distinct_gpus, not_applicable
 from conformance.contract.optional import PostOptimEventUnsupported, set_post_optim_event
@@ -116,7 +117,7 @@ def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
 
     model = nn.Sequential(LinearWithSleep(4, COMPUTE_MS / SCALE), nn.Linear(4, 4)).to(ctx.device)
     model[1] = impl.wrap(model[1], WrapSpec(strategy="SHARD_GRAD_OP", use_orig_params=True, device_id=ctx.device))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optim = optional.optimizer(impl, model, torch.optim.AdamW, lr=1e-2)
     inp = torch.randn(2, 4, device=ctx.device)
     comm_ms, compute_ms, buffer_ms, steps = COMM_MS / SCALE, COMPUTE_MS / SCALE, 4.0, 5
     from harness.collectives.recorder import patch_collectives
@@ -140,7 +141,7 @@ def test_post_optim_event_overlap(ctx: RankContext, impl: FSDPAdapter) -> None:
             # (without it CUDA's default foreach AdamW rejects the mix, and a crash
             # would pass for the breakage this case looks for).
             with implicit_replication():
-                optim.step()
+                optional.step(impl, model, optim)
             if use_event:
                 set_post_optim_event(impl, model[1], torch.cuda.current_stream().record_event())
         torch.cuda.synchronize()

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.results import CaseReport
@@ -50,17 +51,18 @@ def _frozen(model: Blocks, position: str) -> list[nn.Parameter]:
     return params
 
 
-def _optims(model: nn.Module, local: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    return (torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+def _optims(impl: FSDPAdapter, model: nn.Module,
+            local: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    return (optional.optimizer(impl, model, torch.optim.SGD, lr=LR, momentum=0.9),
             torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9))
 
 
-def _train_alike(ctx: RankContext, model: nn.Module, local: nn.Module, first: int = 0,
+def _train_alike(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local: nn.Module, first: int = 0,
                  optims: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None) -> None:
     """Steps ``first`` to ``STEPS - 1`` on both, then their parameters compared."""
-    optim, local_optim = optims or _optims(model, local)
+    optim, local_optim = optims or _optims(impl, model, local)
     for step in range(first, STEPS):
-        sharded_step(ctx, model, optim, step)
+        sharded_step(ctx, impl, model, optim, step)
         local_step(ctx, local, local_optim, step, range(ctx.world_size))
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
 
@@ -76,7 +78,7 @@ def test_frozen(ctx: RankContext, impl: FSDPAdapter, position: str) -> None:
     frozen_names = {name for name, p in plain.named_parameters() if any(p is f for f in _frozen(plain, position))}
     model = shard_blocks(impl, plain, mesh_over(ctx))
     before = {name: value for name, value in full_of(model).items() if name in frozen_names}
-    _train_alike(ctx, model, local)
+    _train_alike(ctx, impl, model, local)
     params = dict(model.named_parameters())
     for name in sorted(frozen_names):
         assert not params[name].requires_grad, f"rank {ctx.rank}: frozen {name} requires grad after sharding"
@@ -132,8 +134,8 @@ def test_shared(ctx: RankContext, impl: FSDPAdapter, position: str) -> CaseRepor
     _share(plain, position)
     try:
         model = shard_blocks(impl, plain, mesh_over(ctx))
-        optims = _optims(model, local)
-        sharded_step(ctx, model, optims[0], 0)
+        optims = _optims(impl, model, local)
+        sharded_step(ctx, impl, model, optims[0], 0)
     except Exception as exc:  # noqa: BLE001 - any refusal is allowed across units, and reported
         refused = f"{type(exc).__name__}: {exc}"
         assert position == "across_units", f"rank {ctx.rank}: a parameter shared within a unit raised {refused}"
@@ -141,5 +143,5 @@ def test_shared(ctx: RankContext, impl: FSDPAdapter, position: str) -> CaseRepor
         return CaseReport(reason=f"refused: {refused[:200]}")
     assert ctx.all_ranks_equal(False), f"rank {ctx.rank} trained but another rank refused"
     local_step(ctx, local, optims[1], 0, range(ctx.world_size))
-    _train_alike(ctx, model, local, first=1, optims=optims)
+    _train_alike(ctx, impl, model, local, first=1, optims=optims)
     return CaseReport(reason="trained like the local model")

@@ -17,15 +17,16 @@ gloo groups the CPU-pinned cases use.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from itertools import chain
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import ANY_GPU, TWO_OR_MORE, Exact, case, distinct_gpus, gpu_rows
 from fixtures.cpu_groups import cpu_world_group, cuda_device
@@ -129,7 +130,8 @@ def _device_id_cpu_offload(
     plain = impl.wrap(SeqAndLinear(seed=0), replace(spec, cpu_offload=False))
     inp = torch.randn((4, 10), generator=generator(rank_seed(0, ctx.rank))).to(device)
     runs = {
-        name: run_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), [(inp,)] * 2, _square_sum)
+        name: run_steps(model, optional.optimizer(impl, model, torch.optim.SGD, lr=0.1), [(inp,)] * 2, _square_sum,
+                        adapter=impl)
         for name, model in (("offload", fsdp), ("no offload", plain))
     }
     assert_runs_match(runs, reference="no offload")
@@ -158,14 +160,19 @@ def test_device_id_cpu_offload(ctx: RankContext, impl: FSDPAdapter, use_orig_par
         _device_id_cpu_offload(ctx, impl, CPU, cpu_world_group(ctx), use_orig_params)
 
 
+def _meta_requires(params: Mapping[str, Any]) -> list[Capability]:
+    init = Capability.PARAM_INIT_FUNCTION if params["use_param_init_fn"] else Capability.META_MATERIALIZATION
+    return [Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE, init]
+
+
 @case("placement/ignored_module_meta", clause="C14", world_size=TWO_OR_MORE,
-      requires=[Capability.IGNORED_MODULES, Capability.COMPUTE_DEVICE, Capability.PARAM_INIT_FN])
+      requires=_meta_requires)
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
 def test_ignored_module_meta(ctx: RankContext, impl: FSDPAdapter, use_param_init_fn: bool) -> None:
     """Wrapping a meta-device module materialises it onto ``device_id`` (by ``param_init_fn``, or without
     one by ``reset_parameters()``), leaves its ignored submodule's params on meta and puts every unit's local
     shards on the rank's device. Both variants rely on materialisation at wrap time
-    (:attr:`Capability.PARAM_INIT_FN`)."""
+    (:attr:`Capability.PARAM_INIT_FUNCTION`, else :attr:`Capability.META_MATERIALIZATION`)."""
     with torch.device("meta"):
         model = PairOfLinears()
     init_fn = (lambda m: m.to_empty(device=ctx.device, recurse=False)) if use_param_init_fn else None

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, Scalable, case
 from conformance.contract.optional import set_modules_to_prefetch
@@ -68,8 +69,8 @@ def _after_forward_requires(params: Mapping[str, Any]) -> list[Capability]:
     return caps
 
 
-def _recorded_step(ctx: RankContext, model: nn.Module, optim: torch.optim.Optimizer, local: nn.Module,
-                   local_optim: torch.optim.Optimizer, step: int) -> tuple[Any, Any]:
+def _recorded_step(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, optim: torch.optim.Optimizer,
+                   local: nn.Module, local_optim: torch.optim.Optimizer, step: int) -> tuple[Any, Any]:
     """One SGD step of ``model`` on this rank's batch and of ``local`` on every rank's; the collectives the
     forward and the backward issued, recorded apart."""
     optim.zero_grad(set_to_none=True)
@@ -77,7 +78,7 @@ def _recorded_step(ctx: RankContext, model: nn.Module, optim: torch.optim.Optimi
         loss = model(block_batch(step, ctx.rank, ctx.device)).sum()
     with ctx.record_collectives() as backward:
         loss.backward()
-    optim.step()
+    optional.step(impl, model, optim)
     local_step(ctx, local, local_optim, step, range(ctx.world_size))
     return forward, backward
 
@@ -91,13 +92,13 @@ def test_after_forward(ctx: RankContext, impl: FSDPAdapter, setting: bool | int)
     ws = ctx.world_size
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx), reshard_after_forward=setting)
     local = Blocks(seed=0).to(ctx.device)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
     sizes = unit_bytes(local, ws)
     regather = {True: ws, False: 0, 2: 2}[setting]
     want_backward = [(unit, regather) for unit in ["root", "b3", "b2", "b1"]] if regather else []
     for step in range(2):
-        forward, backward = _recorded_step(ctx, model, optim, local, local_optim, step)
+        forward, backward = _recorded_step(ctx, impl, model, optim, local, local_optim, step)
         got = (sorted(_gathers(forward, sizes, ws)), sorted(_gathers(backward, sizes, ws)))
         want = (sorted((unit, ws) for unit in UNITS), sorted(want_backward))
         assert got == want, (
@@ -116,7 +117,7 @@ def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
     forward and backward; training with the lists equals the local model."""
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
     local = Blocks(seed=0).to(ctx.device)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
     ws = ctx.world_size
     sizes = unit_bytes(local, ws)
@@ -124,7 +125,7 @@ def test_explicit_prefetch(ctx: RankContext, impl: FSDPAdapter) -> None:
         if explicit:
             set_modules_to_prefetch(impl, model.b1, forward=[model.b3, model.b2])
             set_modules_to_prefetch(impl, model, backward=[model.b2, model.b3])
-        forward, backward = _recorded_step(ctx, model, optim, local, local_optim, step)
+        forward, backward = _recorded_step(ctx, impl, model, optim, local, local_optim, step)
         order = ([u for u, _ in _gathers(forward, sizes, ws)], [u for u, _ in _gathers(backward, sizes, ws)])
         label = f"rank {ctx.rank} step {step} ({'with' if explicit else 'without'} prefetch lists)"
         assert sorted(order[0]) == sorted(order[1]) == sorted(UNITS), (

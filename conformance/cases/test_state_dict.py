@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance.contract import registry
+from conformance.contract import optional, registry
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
@@ -67,12 +67,17 @@ def _batches(ctx: RankContext, count: int, seed: int) -> list[torch.Tensor]:
     return [ThreeLinear().get_input(ctx.device, gen)[0] for _ in range(count)]
 
 
-def _train(model: nn.Module, optim: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+def _train(impl: FSDPAdapter | None, model: nn.Module, optim: torch.optim.Optimizer,
+           batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A step per batch of ``model``, wrapped by ``impl`` (``None``: a plain local module); the losses."""
     losses = []
     for inp in batches:
         loss = model(inp).sum()
         loss.backward()
-        optim.step()
+        if impl is None:
+            optim.step()
+        else:
+            optional.step(impl, model, optim)
         optim.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     return losses
@@ -100,21 +105,22 @@ def test_roundtrip(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     and params match the baseline's (float32 tolerances)."""
     sharded = kind == "SHARDED"
     model, local = _wrap(ctx, impl, 0), ThreeLinear(seed=0).to(ctx.device)
-    optim, local_optim = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(local.parameters(), lr=1e-2)
+    optim = optional.optimizer(impl, model, torch.optim.Adam, lr=1e-2)
+    local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
     batches = _batches(ctx, 4, seed=7)
-    _train(model, optim, batches[:2])
-    _train(local, local_optim, batches[:2])
+    _train(impl, model, optim, batches[:2])
+    _train(None, local, local_optim, batches[:2])
     model_state = impl.sharded_state_dict(model) if sharded else impl.full_state_dict(model)
     optim_state = impl.optim_state_dict(model, optim, sharded=sharded)
 
     fresh = _wrap(ctx, impl, 1)
-    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    fresh_optim = optional.optimizer(impl, fresh, torch.optim.Adam, lr=1e-2)
     assert _differs(impl, fresh, local), "the fresh model already equals the trained one"
     impl.load_state_dict(fresh, model_state, sharded=sharded)
     impl.load_optim_state_dict(fresh, fresh_optim, optim_state, sharded=sharded)
     _assert_matches_local(ctx, impl, fresh, local, f"params after {kind} load")
     assert_close_seq(
-        _train(fresh, fresh_optim, batches[2:]), _train(local, local_optim, batches[2:]),
+        _train(impl, fresh, fresh_optim, batches[2:]), _train(None, local, local_optim, batches[2:]),
         what=f"rank {ctx.rank}: losses after {kind} load vs the local model",
     )
     _assert_matches_local(ctx, impl, fresh, local, f"params two steps after {kind} load")
@@ -138,11 +144,11 @@ def test_load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str) -> None:
 def _load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, spec: WrapSpec) -> None:
     inner = ThreeLinear(seed=0).to(ctx.device)
     model = impl.wrap(inner, replace(spec, auto_wrap=AutoWrap(kind="module_names", module_names=("lin2",))))
-    optim = torch.optim.SGD(model.parameters(), lr=1e-1)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=1e-1)
     snapshot = ThreeLinear(seed=1).to(ctx.device)
     state = {k: v.detach().clone() for k, v in snapshot.state_dict().items()}
     batches = _batches(ctx, 4, seed=11)
-    _train(model, optim, batches[:1])
+    _train(impl, model, optim, batches[:1])
     loss = model(batches[1]).sum()
     if point == "after_forward":
         # The iteration is abandoned: a plain module's backward would fail on the
@@ -154,7 +160,7 @@ def _load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, spec: WrapSpe
     if point == "after_backward":
         impl.load_state_dict(model, state, sharded=False)
     if point == "between_steps":
-        optim.step()
+        optional.step(impl, model, optim)
         impl.load_state_dict(model, state, sharded=False)
     optim.zero_grad(set_to_none=True)  # the interrupted iteration's gradient is discarded
     _assert_matches_local(ctx, impl, model, snapshot, f"params after loading {point}")
@@ -165,7 +171,7 @@ def _load_in_loop(ctx: RankContext, impl: FSDPAdapter, point: str, spec: WrapSpe
         )
     snapshot_optim = torch.optim.SGD(snapshot.parameters(), lr=1e-1)
     assert_close_seq(
-        _train(model, optim, batches[2:]), _train(snapshot, snapshot_optim, batches[2:]),
+        _train(impl, model, optim, batches[2:]), _train(None, snapshot, snapshot_optim, batches[2:]),
         what=f"rank {ctx.rank}: losses after loading {point} vs the loaded model trained locally",
     )
 
@@ -191,20 +197,20 @@ def test_cross_impl(ctx: RankContext, impl: FSDPAdapter, dst: str) -> None:
     if lacking is not None:
         not_applicable(f"loading implementation: {lacking}")
     saver, local = _wrap(ctx, impl, 0), ThreeLinear(seed=0).to(ctx.device)
-    saver_optim = torch.optim.Adam(saver.parameters(), lr=1e-2)
+    saver_optim = optional.optimizer(impl, saver, torch.optim.Adam, lr=1e-2)
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-2)
     batches = _batches(ctx, 4, seed=13)
-    _train(saver, saver_optim, batches[:2])
-    _train(local, local_optim, batches[:2])
+    _train(impl, saver, saver_optim, batches[:2])
+    _train(None, local, local_optim, batches[:2])
     model_state = impl.full_state_dict(saver)
     optim_state = impl.optim_state_dict(saver, saver_optim, sharded=False)
 
     loader = _wrap(ctx, loader_impl, 1)
-    loader_optim = torch.optim.Adam(loader.parameters(), lr=1e-2)
+    loader_optim = optional.optimizer(loader_impl, loader, torch.optim.Adam, lr=1e-2)
     loader_impl.load_state_dict(loader, model_state, sharded=False)
     loader_impl.load_optim_state_dict(loader, loader_optim, optim_state, sharded=False)
     _assert_matches_local(ctx, loader_impl, loader, local, f"params saved by {impl.name}, loaded by {dst}")
     assert_close_seq(
-        _train(loader, loader_optim, batches[2:]), _train(local, local_optim, batches[2:]),
+        _train(loader_impl, loader, loader_optim, batches[2:]), _train(None, local, local_optim, batches[2:]),
         what=f"rank {ctx.rank}: losses after {impl.name} -> {dst} vs the local model",
     )

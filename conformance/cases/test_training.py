@@ -24,7 +24,7 @@ from fixtures.models import (
     OptionalSecondOutputModel,
     SumOfInputsModel,
 )
-from fixtures.optimizers import OPTIMIZERS, make_optim
+from fixtures.optimizers import OPTIMIZERS, make_optim, wrapped_optim
 from fixtures.parity import StepRecord, assert_runs_match, run_steps
 from fixtures.seeding import generator, rank_seed
 
@@ -72,7 +72,7 @@ def test_cpu_training_parity_vs_ddp(ctx: RankContext, impl: FSDPAdapter, strateg
         "ddp": cached("ddp-steps", {"model": SumOfInputsModel, "seed": 42, "optim": optim, "batches": batches,
                                     "loss": _sum_loss, "world": ctx.world_size, "rank": ctx.rank,
                                     "rank_batches": "randn((2, 2)) from rank_seed(42, rank)"}, ddp_run, group=world),
-        impl.name: run_steps(fsdp, make_optim(optim, fsdp.parameters()), batches, _sum_loss),
+        impl.name: run_steps(fsdp, wrapped_optim(impl, fsdp, optim), batches, _sum_loss, adapter=impl),
     }
     assert_runs_match(runs, reference="ddp")
     if strategy in HYBRID_STRATEGIES:
@@ -109,8 +109,7 @@ def test_module_no_compute_grad(
         for fqn, want_grad in (("a", True), ("b", False)):
             unit = units[fqn]
             assert unit.local_grads, f"step {step}: unit {fqn!r} reports no local shards"
-            # An empty shard holds no gradient either way (UnitInfo).
-            have = [g is not None for g, s in zip(unit.local_grads, unit.local_shards, strict=True) if s.numel()]
+            have = [g is not None for g in unit.held_grads()]  # an empty shard's says nothing (UnitInfo)
             assert have == [want_grad] * len(have), (
                 f"step {step}, rank {ctx.rank}: unit {fqn!r} grad present {have}, expected all {want_grad}"
             )

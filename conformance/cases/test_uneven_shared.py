@@ -30,12 +30,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
 from conformance.contract.results import CaseReport
 from fixtures.models import UnevenTiedModel
-from fixtures.optimizers import make_optim
+from fixtures.optimizers import make_optim, wrapped_optim
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator, rank_seed
 
@@ -86,7 +87,7 @@ def _train_against_local(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: Wr
     except ValueError as exc:
         return f"refused at wrap: {_refusal(exc, tie)}"
     local = UnevenTiedModel(seed=0).to(ctx.device)
-    optim, local_optim = make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters())
+    optim, local_optim = wrapped_optim(impl, model, "SGD"), make_optim("SGD", local.parameters())
     want = {n: p.detach().clone() for n, p in local.named_parameters()}
     for step in range(STEPS):
         batches = [local.get_input(ctx.device, generator(rank_seed(step, r)))[0] for r in range(ctx.world_size)]
@@ -102,8 +103,9 @@ def _train_against_local(ctx: RankContext, impl: FSDPAdapter, tie: str, spec: Wr
         local_losses = [local(b).square().mean() for b in batches]
         (sum(local_losses) / ctx.world_size).backward()  # type: ignore[operator]
         assert_close_seq([loss.detach()], [local_losses[ctx.rank].detach()], what=f"rank {ctx.rank} step {step}: loss")
+        optional.step(impl, model, optim)
+        local_optim.step()
         for opt in (optim, local_optim):
-            opt.step()
             opt.zero_grad(set_to_none=True)
         params = impl.full_params(model)
         assert_close_named(params, {n: p.detach() for n, p in local.named_parameters()},

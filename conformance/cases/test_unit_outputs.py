@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import full_grads
@@ -36,7 +37,7 @@ from fixtures.models import (
     OutputUseModel,
     TwoOutputModel,
 )
-from fixtures.optimizers import make_optim
+from fixtures.optimizers import make_optim, wrapped_optim
 from fixtures.parity import (
     assert_close_named,
 )
@@ -75,8 +76,9 @@ def _step_vs_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local:
     want = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
     assert_close_named({n: None if g is None else g.to(ctx.device) for n, g in grads.items()}, want,
                        what=f"rank {ctx.rank} step {step}: grads with {label}")
+    optional.step(impl, model, optims[0])
+    optims[1].step()
     for opt in optims:
-        opt.step()
         opt.zero_grad(set_to_none=True)
     assert_close_named({n: p.to(ctx.device) for n, p in impl.full_params(model).items()},
                        {n: p.detach() for n, p in local.named_parameters()},
@@ -115,7 +117,7 @@ def test_caller_use(ctx: RankContext, impl: FSDPAdapter, use: str) -> None:
     inner = OutputUseModel(use, seed=0).to(ctx.device)
     model = impl.wrap(inner, spec)
     local = OutputUseModel(use, seed=0).to(ctx.device)
-    optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
+    optims = (wrapped_optim(impl, model, "SGD"), make_optim("SGD", local.parameters()))
     label = f"the head output used as {use!r}"
     for step in range(STEPS):
         _step_vs_local(ctx, impl, model, local, optims, step, label, _regathered(ctx, step, label))
@@ -132,7 +134,7 @@ def test_structured_outputs(ctx: RankContext, impl: FSDPAdapter, structure: str)
     inner = StructuredOutputModel(structure, seed=0).to(ctx.device)
     model = impl.wrap(inner, spec)
     local = StructuredOutputModel(structure, seed=0).to(ctx.device)
-    optims = (make_optim("SGD", model.parameters()), make_optim("SGD", local.parameters()))
+    optims = (wrapped_optim(impl, model, "SGD"), make_optim("SGD", local.parameters()))
     label = f"head's outputs in a {structure}"
     for step in range(STEPS):
         _step_vs_local(ctx, impl, model, local, optims, step, label, _regathered(ctx, step, label))
@@ -156,7 +158,7 @@ def _train_two_outputs(ctx: RankContext, impl: FSDPAdapter, strategy: str,
     if in_lin1 is not None:
         lin1.register_forward_hook(lambda *_: in_lin1(fsdp), prepend=True)
     assert_close_named(impl.full_params(fsdp), dict(local.named_parameters()), what="params after wrap")
-    optim = torch.optim.SGD(fsdp.parameters(), lr=1e-3)
+    optim = optional.optimizer(impl, fsdp, torch.optim.SGD, lr=1e-3)
     local_optim = torch.optim.SGD(local.parameters(), lr=1e-3)
     inp = torch.ones(4, device=ctx.device)
     for step in range(6):
@@ -170,7 +172,7 @@ def _train_two_outputs(ctx: RankContext, impl: FSDPAdapter, strategy: str,
         local_loss.backward()
         if after_backward is not None:
             after_backward(fsdp, step)
-        optim.step()
+        optional.step(impl, fsdp, optim)
         local_optim.step()
         after = dict(local.named_parameters())
         assert any(not torch.equal(before[n], after[n]) for n in before), f"step {step}: SGD changed nothing"

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract.plan import AutoWrap
+from conformance.contract.units import UnitInfo
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -92,9 +92,14 @@ class Capability(str, enum.Enum):
     """``WrapSpec.ignored_modules``: their parameters stay unsharded and unmanaged, and they and the
     ignored modules' buffers stay where they are (not moved to ``device_id``)."""
     PARAM_INIT_FN = "param_init_fn"
-    """``WrapSpec.param_init_fn``: modules on the meta device are materialized by this function when they
-    are wrapped; without one (FSDP1's default), by each module's ``reset_parameters()``. An implementation
-    that leaves meta modules to the user after wrapping (:attr:`META_INIT`) lacks it."""
+    """Deprecated: :attr:`META_MATERIALIZATION` and :attr:`PARAM_INIT_FUNCTION` together."""
+    META_MATERIALIZATION = "meta_materialization"
+    """``wrap`` accepts a module on the meta device and materializes it onto the compute device by each
+    module's ``reset_parameters()`` (FSDP1's default without ``param_init_fn``). An implementation that leaves
+    meta modules to the user after sharding (:attr:`META_INIT`) lacks it."""
+    PARAM_INIT_FUNCTION = "param_init_function"
+    """``WrapSpec.param_init_fn``: ``wrap`` calls this function on each module of a meta-device model it
+    manages, which materializes and initializes it (FSDP1's ``param_init_fn``)."""
     DEVICE_ID = "device_id"
     """Deprecated (protocol 1): :attr:`COMPUTE_DEVICE` and :attr:`PLACEMENT_MESSAGES` together."""
     COMPUTE_DEVICE = "compute_device"
@@ -207,6 +212,7 @@ _THREAD_RANK_LIMITS = ("a declared capability holds on thread ranks unless the a
 DEPRECATED_CAPABILITIES: dict[Capability, frozenset[Capability] | str] = {
     Capability.DEVICE_ID: frozenset({Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES}),
     Capability.FLAT_PARAM_INTROSPECTION: frozenset({Capability.RESHARD_INTROSPECTION}),
+    Capability.PARAM_INIT_FN: frozenset({Capability.META_MATERIALIZATION, Capability.PARAM_INIT_FUNCTION}),
     Capability.OPTIM_STATE_DICT_ON_THREADS: _THREAD_RANK_LIMITS,
     Capability.FULL_STATE_DICT_LOAD_ON_THREADS: _THREAD_RANK_LIMITS,
 }
@@ -298,7 +304,7 @@ class WrapSpec:
         caps = [] if self.mixed_precision is None else self.mixed_precision.required()
         flags = {
             Capability.SYNC_MODULE_STATES: self.sync_module_states,
-            Capability.PARAM_INIT_FN: self.param_init_fn is not None,
+            Capability.PARAM_INIT_FUNCTION: self.param_init_fn is not None,
             Capability.CPU_OFFLOAD: self.cpu_offload,
             Capability.IGNORED_MODULES: bool(self.ignored_modules),
             Capability.DEVICE_MESH: self.device_mesh is not None,
@@ -306,36 +312,6 @@ class WrapSpec:
             Capability.BACKWARD_PREFETCH: self.backward_prefetch != "BACKWARD_PRE",
         }
         return caps + [capability for capability, used in flags.items() if used]
-
-
-@dataclass
-class UnitInfo:
-    """One FSDP unit as a case sees it.
-
-    ``shard_group`` is the group parameters are sharded over (the replicate
-    group is ``None`` unless the strategy is hybrid). ``resharded``: the unit
-    holds only the parameter storage it keeps between iterations: its shards,
-    every unsharded copy freed; for a strategy that never shards parameters
-    (``NO_SHARD``, an engine keeping them whole), its full parameters with no
-    other copy beside them (a low-precision one for compute, say). ``None``
-    when the implementation cannot tell (no introspection capability).
-    ``local_shards`` are this rank's sharded parameter storage (one flat shard
-    for flat-parameter implementations, one local tensor per parameter for
-    per-parameter sharding) and ``local_grads`` their gradients, aligned (an
-    empty shard's may be ``None`` or empty: a case reads neither as "none").
-    ``strategy`` is the unit's own sharding strategy as :data:`STRATEGIES`
-    spells it, or ``None`` when the implementation has no per-unit strategy.
-    """
-
-    fqn: str
-    module: nn.Module
-    shard_group: dist.ProcessGroup | None
-    replicate_group: dist.ProcessGroup | None
-    compute_device: torch.device | None
-    local_shards: list[torch.Tensor]
-    local_grads: list[torch.Tensor | None]
-    resharded: bool | None
-    strategy: str | None = None
 
 
 @runtime_checkable

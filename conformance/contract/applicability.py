@@ -12,7 +12,7 @@ from typing import Any
 
 from conformance.contract.adapter import Capability
 from conformance.contract.case import CaseSpec
-from conformance.contract.optional import capabilities_of, thread_rank_limits
+from conformance.contract.optional import capabilities_of, supports_no_sync, thread_rank_limits
 from harness.ranks.rank_mode import RankMode, excluded_reason
 
 __all__ = ["missing_reason", "not_applicable_reason"]
@@ -25,19 +25,25 @@ def not_applicable_reason(spec: CaseSpec, adapter: Any, params: Mapping[str, Any
     ([Note: rank modes] in :mod:`harness.ranks.rank_mode`); a capability the row
     requires is not declared, or not on this rank mode (:func:`missing_reason`);
     a strategy the row wraps with (the default strategy for a row that declares none) is refused by
-    ``adapter.supports_strategy``, or it supports none of those the row draws from
+    ``adapter.supports_strategy``, or, for a row requiring ``NO_SYNC``, by ``supports_no_sync``
+    (:mod:`conformance.contract.optional`); or it supports none of the strategies the row draws from
     ([Note: a row's strategies] in :mod:`conformance.contract.case`).
     """
     mode = RankMode(params["rank_mode"])
     excluded = excluded_reason(mode, spec.modes)
     if excluded is not None:
         return f"{spec.id} is {excluded}"
-    missing = missing_reason(adapter, spec.required(params), mode)
+    required = spec.required(params)
+    missing = missing_reason(adapter, required, mode)
     if missing is not None:
         return missing
     refused = [str(s) for s in spec.strategies_for(params) if not adapter.supports_strategy(s)]
     if refused:
         return f"{adapter.name} does not support strategy {', '.join(refused)}"
+    if Capability.NO_SYNC in required:
+        unsynced = [str(s) for s in spec.strategies_for(params) if not supports_no_sync(adapter, s)]
+        if unsynced:
+            return f"{adapter.name} has no no_sync under strategy {', '.join(unsynced)}"
     drawn = spec.draws_strategies
     if drawn and not any(adapter.supports_strategy(s) for s in drawn):
         return f"{adapter.name} supports none of the strategies {spec.id} draws from ({', '.join(drawn)})"

@@ -25,6 +25,9 @@ adapter method (optional)                  default
 ``set_gradient_divide_factor(m, factor)``  unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
+``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
+``step(model, optim)``                     ``optim.step()``
+``supports_no_sync(strategy)``             whether ``NO_SYNC`` is declared
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -54,6 +57,7 @@ __all__ = [
     "full_grads",
     "fully_shard",
     "no_sync",
+    "optimizer",
     "performance_knobs",
     "protocol_version",
     "reshard",
@@ -63,6 +67,8 @@ __all__ = [
     "set_gradient_divide_factor",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
+    "step",
+    "supports_no_sync",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -192,6 +198,54 @@ def no_sync(adapter: Any, model: nn.Module) -> AbstractContextManager[Any]:
     if method is None:
         raise NoSyncUnsupported(f"{adapter.name} has no no_sync (gradient accumulation without communication)")
     return method(model)  # type: ignore[no-any-return]
+
+
+def optimizer(
+    adapter: Any, model: nn.Module, cls: type[torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """The optimizer that trains ``model`` (the root :meth:`wrap` returned): ``cls`` with ``kwargs``, as
+    ``cls(model.parameters(), **kwargs)`` would be for the unwrapped module.
+
+    Optional part of the contract: an adapter whose implementation owns the optimizer (DeepSpeed's engine
+    wraps it to step its partitions) defines ``optimizer(model, cls, **kwargs)``; every case builds the
+    optimizer of a wrapped model here and steps it with :func:`step`. What it returns answers
+    ``zero_grad(set_to_none=...)`` as torch's optimizers do and is what the case hands to
+    :meth:`FSDPAdapter.optim_state_dict`; an oracle (DDP, a local model) builds its torch optimizer itself.
+    Raises ``TypeError`` naming ``cls`` when it is not an optimizer class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    method = getattr(adapter, "optimizer", None)
+    if method is not None:
+        return method(model, cls, **kwargs)  # type: ignore[no-any-return]
+    return cls(model.parameters(), **kwargs)
+
+
+def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """One optimizer step of ``optim`` (made by :func:`optimizer` for ``model``) on the gradients backward left.
+
+    Optional part of the contract: an adapter defines ``step(model, optim)`` where the implementation steps
+    through its own entry point (DeepSpeed's ``engine.step()``); the default is ``optim.step()``.
+    """
+    method = getattr(adapter, "step", None)
+    if method is not None:
+        method(model, optim)
+    else:
+        optim.step()
+
+
+def supports_no_sync(adapter: Any, strategy: str | None) -> bool:
+    """Whether :func:`no_sync` holds for a model ``adapter`` wrapped with ``strategy`` (``None``: its default).
+
+    Optional part of the contract: an adapter whose implementation accumulates without communication under
+    some strategies only defines ``supports_no_sync(strategy) -> bool`` beside :attr:`Capability.NO_SYNC`
+    (DeepSpeed's ``engine.no_sync`` holds at ZeRO stage 1, where gradients are not partitioned). The default
+    is the capability itself. A row requiring ``NO_SYNC`` whose strategy this refuses is ``n/a``.
+    """
+    if Capability.NO_SYNC not in capabilities_of(adapter):
+        return False
+    method = getattr(adapter, "supports_no_sync", None)
+    return True if method is None else bool(method(strategy))
 
 
 def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:

@@ -73,7 +73,7 @@ def assert_no_grads_outside_the_loss(units: Sequence[UnitInfo], grads: dict[str,
         owned = [name for name in named if fqns[unit.fqn] and owner[name] == fqns[unit.fqn]]
         if not owned or any(named[name].grad is not None for name in owned):
             continue
-        seen = unit.local_grads if grads is None else [grads.get(name) for name in owned]
+        seen = unit.held_grads() if grads is None else [grads.get(name) for name in owned]
         present = [grad is not None for grad in seen]
         if any(present):
             raise AssertionError(f"unit {fqns[unit.fqn]!r} took no part in a loss (its {len(owned)} parameters have "

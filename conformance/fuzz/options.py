@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
 from conformance.fuzz.compare import unwrapped_names
@@ -134,8 +135,8 @@ def _trained_tie(ctx: RankContext, impl: FSDPAdapter, user: _TiedAcrossUnits, ba
         first, second = fully_shard(impl, user.first, mesh=mesh), fully_shard(impl, user.second, mesh=mesh)
         user.first, user.second = first, second  # type: ignore[assignment]
         model = fully_shard(impl, user, mesh=mesh)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=0.1)
     loss_of(model(batch)).backward()
-    optim.step()
+    optional.step(impl, model, optim)
     named = full_params_of(impl, model, config.api)
     return {name: named[name] for name in _TIED if name in named}

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import full_grads
 from conformance.fuzz.compare import assert_dtypes, zeros_for_none
 from conformance.fuzz.example import Example
 from conformance.fuzz.model import build_model, loss_of, make_batch
-from conformance.fuzz.optimizers import make_optimizer
+from conformance.fuzz.optimizers import make_optimizer, wrapped_optimizer
 from conformance.fuzz.precision import (
     as_compared,
     dtype_of,
@@ -98,8 +99,9 @@ class _Run:
             want, policy = named_grads(self.local), self.example.policy
             self.compare("grads after backward", assert_close_named, in_compute_dtype(zeros_for_none(grads, want),
                          policy), in_compute_dtype(zeros_for_none(want, grads), policy), what="grads")
+        optional.step(self.impl, self.model, self.optim)
+        self.local_optim.step()
         for optim in (self.optim, self.local_optim):
-            optim.step()
             optim.zero_grad(set_to_none=self.example.set_to_none)
         got = self.impl.full_params(self.model)
         want_params = {name: p.detach() for name, p in self.local.named_parameters()}
@@ -148,7 +150,7 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, example: Example) -> _Run:
         device=ctx.device,
         model=model,
         local=local,
-        optim=make_optimizer(example.optimizer, model.parameters()),
+        optim=wrapped_optimizer(impl, model, example.optimizer),
         local_optim=make_optimizer(example.optimizer, local.parameters()),
         low=low_precision_model(local, example.policy),
     )

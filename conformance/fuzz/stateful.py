@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter
-from conformance.contract.optional import full_grads, no_sync
 from conformance.fuzz.compare import (
     assert_dtypes,
     assert_no_grads_outside_the_loss,
@@ -71,7 +71,7 @@ from conformance.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.fuzz.optimizers import make_optimizer
+from conformance.fuzz.optimizers import wrapped_optimizer
 from conformance.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
 from conformance.fuzz.shadow import Shadow, batch_of, build, loss_for
 from conformance.fuzz.verdicts import agree, attempt, fail
@@ -195,7 +195,7 @@ class _Machine:
         if self.pending is None:
             if self.controls is not None:
                 self.controls.before_update(self.config)
-            self.optim.step()
+            optional.step(self.impl, self.model, self.optim)
         self.shadow.step()
 
     def train_iteration(self, op: Train) -> None:
@@ -232,7 +232,7 @@ class _Machine:
     def no_sync(self, op: NoSync) -> None:
         if self.pending is not None or "no_sync" in self.missing or self.controls is not None:
             return  # a fully_shard-ed model has GradSync instead
-        with no_sync(self.impl, self.model):
+        with optional.no_sync(self.impl, self.model):
             self._forward(op.batch, grad=True, loss="all").backward()
         self.shadow.backward(sync=False)
         self._forward((op.batch + 1) % BATCHES, grad=True, loss="all").backward()
@@ -308,9 +308,9 @@ class _Machine:
             params = self.controls.full_params()
             grads = None if self.controls.unsynced else self.controls.full_grads()
         else:
-            params, grads = unwrapped_names(self.impl.full_params(self.model)), full_grads(self.impl, self.model)
-        self.compare("params", assert_close_named, params, {n: p.detach() for n, p in local.named_parameters()},
-                     what="params")
+            params = unwrapped_names(self.impl.full_params(self.model))
+            grads = optional.full_grads(self.impl, self.model)
+        self.compare("params", assert_close_named, params, dict(local.named_parameters()), what="params")
         self.compare("ignored modules", assert_ignored_kept, self.ignored, local)
         got_grads = None if grads is None else unwrapped_names(grads)
         self.compare("no gradient outside the loss", assert_no_grads_outside_the_loss, self.impl.units(self.model),
@@ -339,8 +339,9 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig, held: Hel
         if meta:
             materialize(model, ctx.device, shadow.local, unwrapped_name)
         controls = Controls.of(impl, model, unwrapped_names)
-    machine = _Machine(ctx, impl, config, model, make_optimizer(config.optimizer, model.parameters()), shadow,
-                       missing_operations(impl, ctx.mode), held,
+    strategy = config.strategy if isinstance(config, WrapConfig) else None
+    machine = _Machine(ctx, impl, config, model, wrapped_optimizer(impl, model, config.optimizer), shadow,
+                       missing_operations(impl, ctx.mode, strategy), held,
                        Gathers(config, shadow.local, shard_group=groups and groups[0]), controls, ignored=ignored,
                        user_modules=user_modules)
     held.wrapped(shadow.local, shadow)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard, no_sync, set_requires_gradient_sync
 from conformance.fuzz.controls import full_params_of
@@ -69,12 +70,12 @@ def keeps_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, config: ProgramConf
     user = nn.Linear(config.model.width, 1, bias=False, device=ctx.device, dtype=dtype_of(config.dtype))
     nn.init.zeros_(user.weight)
     model = _sharded(ctx, impl, user, config)
-    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=1.0)
     first, second = _inputs(ctx.rank, config.model.width, low, ctx.device)
     with _without_sync(impl, model, config.api):
         model(first).float().sum().backward()
     model(second).float().sum().backward()
-    optim.step()
+    optional.step(impl, model, optim)
     got = full_params_of(impl, model, config.api)["weight"].to(low)
     sums = [{"weight": torch.add(*(g.to(kept) for g in _inputs(rank, config.model.width, low, ctx.device)))}
             for rank in range(ctx.world_size)]

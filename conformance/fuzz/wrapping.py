@@ -24,7 +24,7 @@ import torch.nn as nn
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.messages import NO_SHARD_SWITCH
-from conformance.contract.optional import activation_checkpoint_wrapper, capabilities_of
+from conformance.contract.optional import activation_checkpoint_wrapper, capabilities_of, supports_no_sync
 from conformance.fuzz.controls import fully_shard_features, fully_shard_requires
 from conformance.fuzz.example import source
 from conformance.fuzz.ops import HYBRID_OF, NODE, Program, ProgramConfig, WrapConfig
@@ -54,12 +54,15 @@ def features_of(impl: FSDPAdapter) -> frozenset[str]:
             | fully_shard_features(impl))
 
 
-def missing_operations(impl: FSDPAdapter, mode: RankMode) -> dict[str, str]:
-    """Operations ``impl`` cannot run in rank ``mode`` -> why (they are skipped)."""
+def missing_operations(impl: FSDPAdapter, mode: RankMode, wrapped_with: str | None = None) -> dict[str, str]:
+    """Operations ``impl`` cannot run in rank ``mode`` -> why (they are skipped); ``wrapped_with``: the strategy
+    of a program that wraps (``no_sync`` is missing where the adapter has none under it)."""
     needs = {"no_sync": [Capability.NO_SYNC], "full save": [Capability.FULL_STATE_DICT],
              "sharded save": [Capability.SHARDED_STATE_DICT], "optimizer save": [Capability.OPTIM_STATE_DICT],
              "full load": [Capability.FULL_STATE_DICT]}
     reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
+    if reasons["no_sync"] is None and wrapped_with is not None and not supports_no_sync(impl, wrapped_with):
+        reasons["no_sync"] = f"{impl.name} has no no_sync under strategy {wrapped_with}"
     return {op: reason for op, reason in reasons.items() if reason is not None}
 
 

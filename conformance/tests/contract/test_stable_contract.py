@@ -97,7 +97,8 @@ class OldAdapter:
     name = "old-names"
     capabilities = frozenset({
         Capability.DEVICE_ID, Capability.FLAT_PARAM_INTROSPECTION, Capability.OPTIM_STATE_DICT_ON_THREADS,
-        Capability.FULL_STATE_DICT_LOAD_ON_THREADS, Capability.THREAD_RANKS, Capability.EXEC_ORDER_VALIDATION,
+        Capability.FULL_STATE_DICT_LOAD_ON_THREADS, Capability.PARAM_INIT_FN, Capability.THREAD_RANKS,
+        Capability.EXEC_ORDER_VALIDATION,
         Capability.FULL_STATE_DICT, Capability.SHARDED_STATE_DICT, Capability.OPTIM_STATE_DICT,
     })
 
@@ -112,7 +113,8 @@ NEW_ADAPTER = OLD_ADAPTER.replace("conformance.adapters.base", "conformance.cont
     '"old-names"', '"new-names"').replace("class OldAdapter", "class NewAdapter").replace(
     "Capability.DEVICE_ID, Capability.FLAT_PARAM_INTROSPECTION, Capability.OPTIM_STATE_DICT_ON_THREADS,\n"
     "        Capability.FULL_STATE_DICT_LOAD_ON_THREADS,",
-    "Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES, Capability.RESHARD_INTROSPECTION,\n       ")
+    "Capability.COMPUTE_DEVICE, Capability.PLACEMENT_MESSAGES, Capability.RESHARD_INTROSPECTION,\n       ").replace(
+    "Capability.PARAM_INIT_FN,", "Capability.META_MATERIALIZATION, Capability.PARAM_INIT_FUNCTION,")
 _DELEGATES = "".join(f"\n    def {m}(self, *args, **kwargs):\n        return ReferenceAdapter().{m}(*args, **kwargs)\n"
                      for m in _METHODS)
 
@@ -192,7 +194,7 @@ def test_an_old_adapter_loads_with_a_warning_per_old_name_and_the_same_capabilit
         effective = optional.capabilities_of(old)
     messages = sorted(str(w.message) for w in seen)
     assert len(messages) == len(DEPRECATED_CAPABILITIES), messages
-    for name in ("DEVICE_ID", "FLAT_PARAM_INTROSPECTION"):
+    for name in ("DEVICE_ID", "FLAT_PARAM_INTROSPECTION", "PARAM_INIT_FN"):
         assert any(f"deprecated Capability.{name}; declare Capability." in m for m in messages), messages
     for name in ("OPTIM_STATE_DICT_ON_THREADS", "FULL_STATE_DICT_LOAD_ON_THREADS"):
         assert any(f"deprecated Capability.{name}; it is ignored: " in m for m in messages), messages
