@@ -40,6 +40,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
 from conformance.contract.optional import capabilities_of, full_grads, performance_knobs, set_performance_knob
@@ -96,7 +97,7 @@ def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
             not_applicable(f"{impl.name} offers no performance knob {knob!r} (it offers {sorted(offered) or 'none'})")
         off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, base)
         set_performance_knob(impl, on, knob)
-    optims = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (off, on)]
+    optims = [optional.optimizer(impl, model, torch.optim.SGD, lr=0.1) for model in (off, on)]
     gen = generator(11)
     for step in range(STEPS):
         batch = torch.randn((4, DIM), generator=gen).to(ctx.device)
@@ -110,8 +111,8 @@ def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
         grads = [full_grads(impl, model) for model in (off, on)]
         if grads[0] is not None and grads[1] is not None:
             assert_close_named(grads[1], grads[0], what=f"{what}: full gradients")
-        for optim in optims:
-            optim.step()
+        for model, optim in zip((off, on), optims, strict=True):
+            optional.step(impl, model, optim)
             optim.zero_grad(set_to_none=True)
         assert_close_named(impl.full_params(on), impl.full_params(off), what=f"{what}: parameters after the step")
     if Capability.FULL_STATE_DICT in capabilities_of(impl):
