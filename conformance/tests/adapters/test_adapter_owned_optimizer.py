@@ -118,6 +118,7 @@ def _cli(*args: str) -> MainResult:
     return run_main(cli.main, *args)
 
 
+@pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 def test_training_rows_pass_through_the_adapter_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     site = tmp_path / "site"
     (site / "engine_optimizer_fsdp").mkdir(parents=True)

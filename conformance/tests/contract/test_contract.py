@@ -67,6 +67,7 @@ def test_a_protocol_one_adapter_loads_with_defaults_and_warned_aliases(monkeypat
         optional.no_sync(adapter, module)
 
 
+@pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 def test_a_protocol_one_adapter_runs_cases(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """The old adapter runs real cases whose helpers now go through optional methods (wrapped_module)."""
     monkeypatch.setenv(registry.ENV_VAR, f"protocol-one={__name__}:ProtocolOneAdapter")
