@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from conformance.contract import optional, registry
 from conformance.runner import cli
+from conformance.tests.installed import fake_distribution
 from harness.tests.inprocess import MainResult, run_main
 
 ADAPTER = '''
@@ -120,14 +121,9 @@ def _cli(*args: str) -> MainResult:
 
 @pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 def test_training_rows_pass_through_the_adapter_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    site = tmp_path / "site"
-    (site / "engine_optimizer_fsdp").mkdir(parents=True)
-    (site / "engine_optimizer_fsdp" / "__init__.py").write_text(ADAPTER)
-    dist = site / "engine_optimizer_fsdp-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: engine-optimizer-fsdp\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[fsdp_conformance.adapters]\nengine-optimizer = engine_optimizer_fsdp:EngineAdapter\n")
+    site = fake_distribution(tmp_path / "site", "engine-optimizer-fsdp", "0.1",
+                             "[fsdp_conformance.adapters]\nengine-optimizer = engine_optimizer_fsdp:EngineAdapter\n",
+                             package=("engine_optimizer_fsdp", ADAPTER))
     assert "engine-optimizer" not in registry.registered()
     for name in [name for name in os.environ if name.startswith("FSDP_")]:
         monkeypatch.delenv(name)

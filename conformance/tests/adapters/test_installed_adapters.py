@@ -15,6 +15,7 @@ import pytest
 
 import conformance
 from conformance.runner import cli
+from conformance.tests.installed import fake_distribution
 from harness.tests.inprocess import run_main
 
 PROJECT = Path(conformance.__file__).resolve().parents[1]
@@ -22,10 +23,8 @@ PROJECT = Path(conformance.__file__).resolve().parents[1]
 
 def test_declarations_pass_with_a_third_party_adapter_installed(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    dist = tmp_path / "third_party_fsdp-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: third-party-fsdp\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[fsdp_conformance.adapters]\nthird-party = third_party_fsdp:Adapter\n")
+    fake_distribution(tmp_path, "third-party-fsdp", "0.1",
+                      "[fsdp_conformance.adapters]\nthird-party = third_party_fsdp:Adapter\n")
     for name in [name for name in os.environ if name.startswith("FSDP_")]:
         monkeypatch.delenv(name)
     monkeypatch.syspath_prepend(tmp_path)  # as if installed: its dist-info's entry point registers it

@@ -17,11 +17,13 @@ import pytest
 from conformance.contract import registry
 from conformance.contract.rows import parse_row_id
 from conformance.runner import cli
+from conformance.tests.installed import fake_distribution
 from harness.tests.inprocess import MainResult, run_main
 
 ADAPTER = '''
 from conformance.contract.adapter import Capability
 from conformance.adapters.reference import ReferenceAdapter
+from conformance.tests.installed import fake_distribution
 
 _HYBRID = {Capability.HYBRID_VIA_PG_TUPLE, Capability.HYBRID_AUTO_GROUPS, Capability.HYBRID_MANUAL_WRAP_CHECK,
            Capability.HYBRID_PG_VALIDATION}
@@ -41,15 +43,9 @@ class NoReplicationAdapter(ReferenceAdapter):
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     """A directory holding the package and its dist-info, as an installed distribution would."""
-    root = tmp_path / "site"
-    (root / "no_replication_fsdp").mkdir(parents=True)
-    (root / "no_replication_fsdp" / "__init__.py").write_text(ADAPTER)
-    dist = root / "no_replication_fsdp-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: no-replication-fsdp\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[fsdp_conformance.adapters]\nno-replication = no_replication_fsdp:NoReplicationAdapter\n")
-    return root
+    return fake_distribution(tmp_path / "site", "no-replication-fsdp", "0.1",
+                             "[fsdp_conformance.adapters]\nno-replication = no_replication_fsdp:NoReplicationAdapter\n",
+                             package=("no_replication_fsdp", ADAPTER))
 
 
 def _cli(*args: str) -> MainResult:

@@ -18,6 +18,7 @@ from conformance.contract import optional, registry
 from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
 from conformance.runner.findings import ENV_VAR, annotate
 from conformance.runner.listing import collect_rows
+from conformance.tests.installed import fake_distribution
 
 pytest_plugins = ["pytester"]
 
@@ -112,15 +113,10 @@ def test_findings_from_a_file_and_an_entry_point(tmp_path: Path, monkeypatch: py
     with pytest.raises(ValueError, match=r"is not name=value"):
         annotate("my-fsdp", "misc/x", "boom")
     monkeypatch.delenv(ENV_VAR)
-    pkg = tmp_path / "site"
-    (pkg / "myfindings").mkdir(parents=True)
-    (pkg / "myfindings" / "__init__.py").write_text(
-        "from conformance.runner.findings import Finding\n"
-        "FINDINGS = [Finding('my-fsdp', 'checkpoint/*', 'docs/my-fsdp-checkpoint.md')]\n")
-    dist = pkg / "myfindings-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myfindings\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[fsdp_conformance.findings]\nmy-fsdp = myfindings:FINDINGS\n")
+    pkg = fake_distribution(tmp_path / "site", "myfindings", "1.0",
+                            "[fsdp_conformance.findings]\nmy-fsdp = myfindings:FINDINGS\n",
+                            package=("myfindings", "from conformance.runner.findings import Finding\n"
+                                     "FINDINGS = [Finding('my-fsdp', 'checkpoint/*', 'docs/my-fsdp-checkpoint.md')]\n"))
     code = ("from conformance.runner.findings import annotate; "
             "print(annotate('my-fsdp', 'checkpoint/checkpoint_submodule[use_reentrant=True]', 'boom'))")
     proc = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(pkg), "PATH": ""},
