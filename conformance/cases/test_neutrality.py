@@ -43,7 +43,6 @@ import torch.nn as nn
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case, not_applicable
-from conformance.contract.optional import capabilities_of, full_grads, performance_knobs, set_performance_knob
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator
@@ -92,11 +91,11 @@ def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
     if knob in SPEC_KNOBS:
         off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, replace(base, **SPEC_KNOBS[knob]))
     else:
-        offered = performance_knobs(impl)
+        offered = optional.performance_knobs(impl)
         if knob not in offered:
             not_applicable(f"{impl.name} offers no performance knob {knob!r} (it offers {sorted(offered) or 'none'})")
         off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, base)
-        set_performance_knob(impl, on, knob)
+        optional.set_performance_knob(impl, on, knob)
     optims = [optional.optimizer(impl, model, torch.optim.SGD, lr=0.1) for model in (off, on)]
     gen = generator(11)
     for step in range(STEPS):
@@ -108,12 +107,12 @@ def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
             losses.append(loss.detach())
         what = f"rank {ctx.rank}, {knob} on against off, step {step}"
         assert_close_seq(losses[1:], losses[:1], what=f"{what}: loss")
-        grads = [full_grads(impl, model) for model in (off, on)]
+        grads = [optional.full_grads(impl, model) for model in (off, on)]
         if grads[0] is not None and grads[1] is not None:
             assert_close_named(grads[1], grads[0], what=f"{what}: full gradients")
         for model, optim in zip((off, on), optims, strict=True):
             optional.step(impl, model, optim)
             optim.zero_grad(set_to_none=True)
         assert_close_named(impl.full_params(on), impl.full_params(off), what=f"{what}: parameters after the step")
-    if Capability.FULL_STATE_DICT in capabilities_of(impl):
+    if Capability.FULL_STATE_DICT in optional.capabilities_of(impl):
         assert_close_named(_state(impl, on), _state(impl, off), what=f"rank {ctx.rank}, {knob}: full state dict")
