@@ -4,7 +4,7 @@ per world size (see :mod:`conformance.fuzz`), with reproducers pasted below them
 A parity row draws ``--fuzz-examples`` (``FSDP_FUZZ_EXAMPLES``) examples (default: 12, 15 and 3 for world sizes
 1, 2 and 4) from ``--fuzz-seed`` (``FSDP_FUZZ_SEED``, default 0), runs each on the implementation and on a local
 baseline, and on a mismatch fails with the shrunk example as a ready-to-paste case. A fifth to a third of the
-examples draw a mixed-precision policy (``conformance.fuzz.precision``, [Note: low-precision reductions in the
+examples draw a mixed-precision policy (``conformance.fuzz.drawn_precision``, [Note: low-precision reductions in the
 fuzzer]); without ``Capability.MIXED_PRECISION`` (or ``MP_BUFFER_DTYPE``) the policy (or its buffer dtype) is
 dropped, the example runs in full precision, and the row's reason says so.
 
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, CaseSettings, Exact, case
 from conformance.contract.results import CaseReport
+from conformance.fuzz.drawn_precision import precision_note
 from conformance.fuzz.driver import FuzzSettings, found_example, fuzz, render_case
 from conformance.fuzz.example import FUZZ_STRATEGIES, ONE_RANK, ONE_RANK_BF16, Block, Example, ModelSpec, Policy
 from conformance.fuzz.neighbours import NEIGHBOURS_USE
@@ -49,13 +50,12 @@ from conformance.fuzz.ops import (
     Unshard,
     WrapConfig,
 )
-from conformance.fuzz.parity import run_example
-from conformance.fuzz.precision import precision_note
+from conformance.fuzz.parity_run import run_example
 from conformance.fuzz.searching import budget, failure_text, stateful_fuzz
 from conformance.fuzz.stateful import run_program
 from conformance.fuzz.wrapping import features_of, missing_operations
 
-#: What the parity fuzzer draws only where the adapter declares it (precision.precision_features).
+#: What the parity fuzzer draws only where the adapter declares it (drawn_precision.precision_features).
 _DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
 
 if TYPE_CHECKING:

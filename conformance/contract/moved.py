@@ -18,7 +18,7 @@ its old path and its old submodules' are found by a finder
 first on ``sys.meta_path`` when the old
 parent package is imported (``conformance/cases/__init__.py`` calls it). It
 aliases ``old.sub`` to the module :data:`MOVED` names
-(``conformance.cases.fuzz.runner`` -> ``conformance.fuzz.parity``) with the
+(``conformance.cases.fuzz.runner`` -> ``conformance.fuzz.parity_run``) with the
 same warning, and refuses a name the old package never had: once the old
 package's name is the new package, the ordinary finders would search the new
 package's directory and load a second copy of ``new.sub`` under the old name.
@@ -62,10 +62,10 @@ MOVED: dict[str, str] = {
     "conformance.cases.fuzz.model": "conformance.fuzz.model",
     "conformance.cases.fuzz.neighbours": "conformance.fuzz.neighbours",
     "conformance.cases.fuzz.ops": "conformance.fuzz.ops",
-    "conformance.cases.fuzz.options": "conformance.fuzz.options",
-    "conformance.cases.fuzz.precision": "conformance.fuzz.precision",
+    "conformance.cases.fuzz.options": "conformance.fuzz.option_neighbours",
+    "conformance.cases.fuzz.precision": "conformance.fuzz.drawn_precision",
     "conformance.cases.fuzz.prefetching": "conformance.fuzz.prefetching",
-    "conformance.cases.fuzz.runner": "conformance.fuzz.parity",
+    "conformance.cases.fuzz.runner": "conformance.fuzz.parity_run",
     "conformance.cases.fuzz.searching": "conformance.fuzz.searching",
     "conformance.cases.fuzz.shadow": "conformance.fuzz.shadow",
     "conformance.cases.fuzz.stateful": "conformance.fuzz.stateful",

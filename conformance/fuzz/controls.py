@@ -82,7 +82,7 @@ from conformance.contract.optional import (
     set_reshard_after_forward,
     unshard,
 )
-from conformance.fuzz.compare import unwrapped_names
+from conformance.fuzz.drawn_precision import mixed_precision_spec
 from conformance.fuzz.ops import (
     FullyShardConfig,
     GradientDivideFactor,
@@ -96,7 +96,7 @@ from conformance.fuzz.ops import (
     SetReshardAfterForward,
     Unshard,
 )
-from conformance.fuzz.precision import mixed_precision_spec
+from conformance.fuzz.twin_checks import unwrapped_names
 
 if TYPE_CHECKING:
     from harness import RankContext

@@ -7,7 +7,7 @@ deadline): for each value it draws or tries while shrinking, rank 0 sends the
 plain-data value (a parity :class:`~conformance.fuzz.example.Example`, or a
 stateful :class:`~conformance.fuzz.ops.Program`) to every rank (an
 all-gather of objects in which only rank 0's entry counts), all ranks run it
-(:func:`~conformance.fuzz.parity.check_example` or
+(:func:`~conformance.fuzz.parity_run.check_example` or
 :func:`~conformance.fuzz.stateful.check_program`, whose verdict is the same on
 every rank), and rank 0 returns that verdict to hypothesis. :func:`search` is
 that loop for any strategy and check; both fuzzers use it. The other ranks
@@ -60,9 +60,9 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
+from conformance.fuzz.drawn_precision import precision_features, required
 from conformance.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
-from conformance.fuzz.parity import check_example
-from conformance.fuzz.precision import precision_features, required
+from conformance.fuzz.parity_run import check_example
 from harness import groups_scope
 
 if TYPE_CHECKING:

@@ -51,9 +51,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from conformance.fuzz.drawn_precision import dtype_of
 from conformance.fuzz.held import shard_sizes, units_of
 from conformance.fuzz.ops import FullyShardConfig, ProgramConfig, WrapConfig
-from conformance.fuzz.precision import dtype_of
 from harness.collectives.observe import group_name
 from harness.collectives.recorder import Call, describe, patch_collectives
 

@@ -74,8 +74,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn as nn
 
+from conformance.fuzz.drawn_precision import dtype_of
 from conformance.fuzz.ops import NODE, ProgramConfig, WrapConfig
-from conformance.fuzz.precision import dtype_of
 from fixtures.memory import StorageTracker, kept_alive, settle, storages_of
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ must behave so on every rank:
 * every program that is not hybrid: a weight tied across two units refused or
   kept; a ``wrap`` one also ``sync_module_states`` and, with a policy,
   ``keep_low_precision_grads`` taking effect ([Note: options a neighbour sets] in
-  :mod:`conformance.fuzz.options`);
+  :mod:`conformance.fuzz.option_neighbours`);
 * a program with a policy, ``wrap`` (not hybrid, :attr:`Capability.NO_SYNC`) or
   ``fully_shard`` (:attr:`Capability.FULLY_SHARD_CONTROLS`): the sums kept without
   gradient sync add up in the dtype its API documents ([Note: unsynced sums made
@@ -94,16 +94,16 @@ from conformance.contract.messages import (
     UNSAFE_SETATTR,
 )
 from conformance.contract.optional import capabilities_of, fully_shard
+from conformance.fuzz.agreement import agree, attempt
+from conformance.fuzz.drawn_precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.example import Block
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, holds_parameters, loss_of
 from conformance.fuzz.ops import FullyShardConfig, ProgramConfig, WrapConfig
-from conformance.fuzz.options import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
-from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
+from conformance.fuzz.option_neighbours import keeps_low_precision_grads, keeps_or_refuses_tie, syncs_module_states
 from conformance.fuzz.prefetching import fetches_when_used, prefetches_backward, prefetches_in_order
 from conformance.fuzz.shadow import batch_of
 from conformance.fuzz.unsynced import keeps_unsynced_sums
-from conformance.fuzz.verdicts import agree, attempt
 from conformance.fuzz.wrapping import given_groups, wrap_config
 from fixtures.models import record_setattr
 from fixtures.rank_settings import env_on_all_ranks, setting_on_all_ranks
@@ -129,7 +129,7 @@ def check_neighbours(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig)
     """Make each neighbour of ``config`` ([Note: neighbours of a configuration]); the first one ``impl`` got
     wrong, the same text on every rank, or ``None``. Ranks agree after each neighbour, and a neighbour raises
     only after its last collective ([Note: fuzz verdicts agree across ranks] in
-    :mod:`conformance.fuzz.verdicts`)."""
+    :mod:`conformance.fuzz.agreement`)."""
     for name, step in _neighbours(ctx, impl, config):
         failure = agree(ctx, attempt(f"neighbour ({name})", step)[1])
         if failure is not None:
@@ -208,7 +208,7 @@ def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig,
 def _options(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig,
              fresh: Callable[[], FuzzModel]) -> list[tuple[str, Callable[[], None]]]:
     """The neighbours of a ``wrap`` program that is not hybrid setting an option it did not draw ([Note: options a
-    neighbour sets] in :mod:`conformance.fuzz.options`)."""
+    neighbour sets] in :mod:`conformance.fuzz.option_neighbours`)."""
     caps = capabilities_of(impl)
     steps: list[tuple[str, Callable[[], None]]] = []
     if Capability.SYNC_MODULE_STATES in caps:

@@ -44,7 +44,7 @@ batch and loss it used, and the backward recomputes them on the same parameters
 mixed-precision policy each rank's pending losses are computed and
 differentiated on a copy of the model in the param dtype and reduced in the
 reduce dtype ([Note: fuzz mixed-precision baseline] in
-:mod:`conformance.fuzz.precision`).
+:mod:`conformance.fuzz.drawn_precision`).
 
 [Note: unsynced accumulation dtype]
 Under a mixed-precision policy each rank's gradient is computed in the param
@@ -79,10 +79,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from conformance.fuzz.drawn_optimizers import make_optimizer
+from conformance.fuzz.drawn_precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
 from conformance.fuzz.model import build_model, loss_of, make_batch
 from conformance.fuzz.ops import ProgramConfig
-from conformance.fuzz.optimizers import make_optimizer
-from conformance.fuzz.precision import dtype_of, low_precision_model, mixed_precision_spec, model_input
 
 __all__ = ["Output", "Shadow", "batch_of", "build", "freeze", "loss_for", "unsynced_dtype"]
 

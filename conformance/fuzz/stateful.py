@@ -12,13 +12,13 @@ forward, not at wrapping), and that every original parameter is still
 registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
-:mod:`conformance.fuzz.compare`), and the rank holds no more memory than sharding allows
+:mod:`conformance.fuzz.twin_checks`), and the rank holds no more memory than sharding allows
 ([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); when the program ends its
 user drops the model, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
 ``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
 losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
-:mod:`conformance.fuzz.compare`), and so are missing optimizer state and
+:mod:`conformance.fuzz.twin_checks`), and so are missing optimizer state and
 all-zero state: a flat parameter steps the unused parameters it holds with
 zero gradients, which leaves them and their zero moments unchanged. Verdicts
 agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
@@ -38,18 +38,11 @@ import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter
-from conformance.fuzz.compare import (
-    assert_dtypes,
-    assert_no_grads_outside_the_loss,
-    assert_optim_state,
-    assert_same_dtypes,
-    tensors_of,
-    unwrapped_name,
-    unwrapped_names,
-    zeros_for_none,
-)
+from conformance.fuzz.agreement import agree, attempt, fail
 from conformance.fuzz.configs import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
+from conformance.fuzz.drawn_optimizers import wrapped_optimizer
+from conformance.fuzz.drawn_precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.held import Held, left_alive
 from conformance.fuzz.neighbours import check_neighbours
@@ -71,10 +64,17 @@ from conformance.fuzz.ops import (
     Unshard,
     ZeroGrad,
 )
-from conformance.fuzz.optimizers import wrapped_optimizer
-from conformance.fuzz.precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
 from conformance.fuzz.shadow import Shadow, batch_of, build, loss_for
-from conformance.fuzz.verdicts import agree, attempt, fail
+from conformance.fuzz.twin_checks import (
+    assert_dtypes,
+    assert_no_grads_outside_the_loss,
+    assert_optim_state,
+    assert_same_dtypes,
+    tensors_of,
+    unwrapped_name,
+    unwrapped_names,
+    zeros_for_none,
+)
 from conformance.fuzz.wrapping import assert_ignored_kept, given_groups, missing_operations, wrap_config
 from fixtures.parity import assert_close_named
 from harness.ranks.rank_mode import RankMode

@@ -41,8 +41,8 @@ from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard, no_sync, set_requires_gradient_sync
 from conformance.fuzz.controls import full_params_of
+from conformance.fuzz.drawn_precision import dtype_of, mixed_precision_spec
 from conformance.fuzz.ops import ProgramConfig, WrapConfig
-from conformance.fuzz.precision import dtype_of, mixed_precision_spec
 from conformance.fuzz.shadow import unsynced_dtype
 from fixtures.precision import average_grads
 

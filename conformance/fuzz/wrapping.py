@@ -26,9 +26,9 @@ from conformance.contract.applicability import missing_reason
 from conformance.contract.messages import NO_SHARD_SWITCH
 from conformance.contract.optional import activation_checkpoint_wrapper, capabilities_of, supports_no_sync
 from conformance.fuzz.controls import fully_shard_features, fully_shard_requires
+from conformance.fuzz.drawn_precision import mixed_precision_spec, precision_features, required
 from conformance.fuzz.example import source
 from conformance.fuzz.ops import HYBRID_OF, NODE, Program, ProgramConfig, WrapConfig
-from conformance.fuzz.precision import mixed_precision_spec, precision_features, required
 from fixtures.meshes import hybrid_groups
 from fixtures.parity import assert_close_named
 from harness.ranks.rank_mode import RankMode

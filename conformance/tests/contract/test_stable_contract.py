@@ -45,10 +45,10 @@ PUBLISHED = {
     "conformance.cases.fuzz.model": "conformance.fuzz.model",
     "conformance.cases.fuzz.neighbours": "conformance.fuzz.neighbours",
     "conformance.cases.fuzz.ops": "conformance.fuzz.ops",
-    "conformance.cases.fuzz.options": "conformance.fuzz.options",
-    "conformance.cases.fuzz.precision": "conformance.fuzz.precision",
+    "conformance.cases.fuzz.options": "conformance.fuzz.option_neighbours",
+    "conformance.cases.fuzz.precision": "conformance.fuzz.drawn_precision",
     "conformance.cases.fuzz.prefetching": "conformance.fuzz.prefetching",
-    "conformance.cases.fuzz.runner": "conformance.fuzz.parity",
+    "conformance.cases.fuzz.runner": "conformance.fuzz.parity_run",
     "conformance.cases.fuzz.searching": "conformance.fuzz.searching",
     "conformance.cases.fuzz.shadow": "conformance.fuzz.shadow",
     "conformance.cases.fuzz.stateful": "conformance.fuzz.stateful",
@@ -77,9 +77,9 @@ from conformance.cases.fuzz.ops import Config, Forward, Program, Step
 from conformance.cases.fuzz.runner import run_example
 from conformance.cases.fuzz.stateful import run_program
 
-import conformance.fuzz.example, conformance.fuzz.neighbours, conformance.fuzz.ops, conformance.fuzz.parity
+import conformance.fuzz.example, conformance.fuzz.neighbours, conformance.fuzz.ops, conformance.fuzz.parity_run
 import conformance.fuzz.stateful
-assert run_example is conformance.fuzz.parity.run_example and run_program is conformance.fuzz.stateful.run_program
+assert run_example is conformance.fuzz.parity_run.run_example and run_program is conformance.fuzz.stateful.run_program
 assert Example is conformance.fuzz.example.Example and Program is conformance.fuzz.ops.Program
 print("same objects")
 """
@@ -143,14 +143,14 @@ def test_a_published_path_imports_warning_with_its_new_one(old: str, monkeypatch
 
 
 def test_a_moved_package_refuses_a_module_it_never_had(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``conformance.cases.fuzz`` is ``conformance.fuzz``, yet ``conformance.cases.fuzz.verdicts`` (a module only
+    """``conformance.cases.fuzz`` is ``conformance.fuzz``, yet ``conformance.cases.fuzz.agreement`` (a module only
     the new package has) is not loaded a second time under the old name."""
     _forget("conformance.cases.fuzz", monkeypatch)
     with pytest.warns(DeprecationWarning, match="^conformance.cases.fuzz moved to conformance.fuzz: import"):
         importlib.import_module("conformance.cases.fuzz")
-    with pytest.raises(ModuleNotFoundError, match=r"'conformance.cases.fuzz.verdicts' \(conformance.cases.fuzz moved"):
-        importlib.import_module("conformance.cases.fuzz.verdicts")
-    assert "conformance.cases.fuzz.verdicts" not in sys.modules
+    with pytest.raises(ModuleNotFoundError, match=r"'conformance.cases.fuzz.agreement' \(conformance.cases.fuzz moved"):
+        importlib.import_module("conformance.cases.fuzz.agreement")
+    assert "conformance.cases.fuzz.agreement" not in sys.modules
 
 
 def test_a_reproducer_saved_with_the_old_paths_imports_the_same_objects(tmp_path: Path) -> None:

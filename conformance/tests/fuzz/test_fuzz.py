@@ -18,6 +18,7 @@ import conformance.fuzz.example as example_mod
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import CaseSettings
+from conformance.fuzz.drawn_precision import precision_note
 from conformance.fuzz.driver import (
     FuzzResult,
     FuzzSettings,
@@ -30,8 +31,7 @@ from conformance.fuzz.driver import (
 )
 from conformance.fuzz.example import LAYERS, LOW_DTYPES, Block, Example, ModelSpec, Policy, examples, source
 from conformance.fuzz.model import build_model, loss_of, make_batch
-from conformance.fuzz.parity import check_example
-from conformance.fuzz.precision import precision_note
+from conformance.fuzz.parity_run import check_example
 from conformance.selftest.mutants.precision import ParamDtypeIgnored
 from conformance.selftest.mutants.runtime import NoGradDivide
 from harness import RankContext, run

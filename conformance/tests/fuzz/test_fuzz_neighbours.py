@@ -13,10 +13,10 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import FSDPAdapter
+from conformance.fuzz.agreement import agree, attempt
 from conformance.fuzz.example import Block, ModelSpec, Policy
 from conformance.fuzz.neighbours import _neighbours, _refused
 from conformance.fuzz.ops import Config, FullyShardConfig, Program, Train, WrapConfig
-from conformance.fuzz.verdicts import agree, attempt
 from conformance.selftest.mutants import (
     AlwaysPrefetch,
     AutoWrapChildrenOnly,

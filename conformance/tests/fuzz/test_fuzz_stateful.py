@@ -17,7 +17,6 @@ from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
-from conformance.fuzz.compare import assert_no_grads_outside_the_loss
 from conformance.fuzz.drawing import programs
 from conformance.fuzz.driver import Search
 from conformance.fuzz.example import Block, ModelSpec, Policy, source
@@ -46,6 +45,7 @@ from conformance.fuzz.ops import (
 )
 from conformance.fuzz.searching import budget, stateful_fuzz
 from conformance.fuzz.stateful import check_program
+from conformance.fuzz.twin_checks import assert_no_grads_outside_the_loss
 from conformance.fuzz.wrapping import assert_ignored_kept, missing_operations, render_program
 from conformance.selftest.fuzz_alone import reference_failures, verdicts
 from conformance.selftest.mutants import (

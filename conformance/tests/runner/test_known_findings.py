@@ -92,7 +92,7 @@ def _fsdp1() -> list[tuple[str, str, str, str]]:
 
 def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
     """(impl, row, write-up, real reason) for torch-fsdp1's fuzz rows; neighbour and memory reasons are built from
-    the fuzzer's message formats (conformance/fuzz/options.py, held.py)."""
+    the fuzzer's message formats (conformance/fuzz/option_neighbours.py, held.py)."""
     unused, reentrant = F + "fsdp1-no-shard-unused-unit-params.md", F + "fsdp1-reentrant-checkpoint-frees-unit.md"
     shadow = SHADOW.format(impl=FSDP1, op="{op}", what="{what}")
     return [

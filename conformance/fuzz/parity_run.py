@@ -5,11 +5,11 @@ rank ``r``'s loss is compared with the baseline's loss on rank ``r``'s batch,
 and the baseline's gradient is the mean over ranks of those losses'
 gradients, which is what data-parallel averaging produces. Under a
 mixed-precision policy the baseline trains as [Note: fuzz mixed-precision
-baseline] in :mod:`conformance.fuzz.precision` says, and every output must come
+baseline] in :mod:`conformance.fuzz.drawn_precision` says, and every output must come
 out in the param dtype. Comparisons are ``torch.testing.assert_close`` with its
 defaults for the dtype (through :mod:`fixtures.parity`; under a policy, losses
 and gradients in the param dtype, as that note explains). A missing gradient
-(``None``) and an all-zero one are treated alike, as :mod:`conformance.fuzz.compare`
+(``None``) and an all-zero one are treated alike, as :mod:`conformance.fuzz.twin_checks`
 says. A mismatch is kept and the step goes on; the ranks' verdicts agree as
 [Note: fuzz verdicts agree across ranks] says.
 """
@@ -26,11 +26,9 @@ import torch.nn as nn
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import full_grads
-from conformance.fuzz.compare import assert_dtypes, zeros_for_none
-from conformance.fuzz.example import Example
-from conformance.fuzz.model import build_model, loss_of, make_batch
-from conformance.fuzz.optimizers import make_optimizer, wrapped_optimizer
-from conformance.fuzz.precision import (
+from conformance.fuzz.agreement import agree, attempt
+from conformance.fuzz.drawn_optimizers import make_optimizer, wrapped_optimizer
+from conformance.fuzz.drawn_precision import (
     as_compared,
     dtype_of,
     in_compute_dtype,
@@ -39,7 +37,9 @@ from conformance.fuzz.precision import (
     mixed_precision_spec,
     model_input,
 )
-from conformance.fuzz.verdicts import agree, attempt
+from conformance.fuzz.example import Example
+from conformance.fuzz.model import build_model, loss_of, make_batch
+from conformance.fuzz.twin_checks import assert_dtypes, zeros_for_none
 from fixtures.parity import assert_close_named, named_grads
 
 if TYPE_CHECKING:

@@ -38,13 +38,13 @@ import torch.nn as nn
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
 from conformance.contract.optional import fully_shard
-from conformance.fuzz.compare import unwrapped_names
 from conformance.fuzz.controls import full_params_of
+from conformance.fuzz.drawn_precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.example import Block
 from conformance.fuzz.model import FuzzBlock, FuzzModel, build_model, dense_batch, loss_of
 from conformance.fuzz.ops import ProgramConfig, WrapConfig
-from conformance.fuzz.precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.shadow import batch_of
+from conformance.fuzz.twin_checks import unwrapped_names
 from fixtures.seeding import seeded_init_
 
 if TYPE_CHECKING:
