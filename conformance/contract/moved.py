@@ -71,6 +71,14 @@ MOVED: dict[str, str] = {
     "conformance.cases.fuzz.stateful": "conformance.fuzz.stateful",
     "conformance.cases.fuzz.unsynced": "conformance.fuzz.unsynced",
     "conformance.cases.fuzz.wrapping": "conformance.fuzz.wrapping",
+    # The fuzz engine's modules renamed for what they hold, where the old name was another package's too
+    # (``fixtures.parity``, ``conformance.runner.options``...): a one-line module at each old path.
+    "conformance.fuzz.compare": "conformance.fuzz.twin_checks",
+    "conformance.fuzz.optimizers": "conformance.fuzz.drawn_optimizers",
+    "conformance.fuzz.options": "conformance.fuzz.option_neighbours",
+    "conformance.fuzz.parity": "conformance.fuzz.parity_run",
+    "conformance.fuzz.precision": "conformance.fuzz.drawn_precision",
+    "conformance.fuzz.verdicts": "conformance.fuzz.agreement",
 }
 
 #: The first version without the paths of :data:`MOVED` (this one is 0.1).

@@ -8,6 +8,7 @@
   runner, the cases and the self-test never import each other; the fuzz engine
   (``conformance.fuzz``) sits below the cases, which import it, and never
   imports them.
+* No module imports a module path that moved (its one-line alias is for users' code).
 * No module over :data:`MAX_MODULE_LINES` lines and no function over
   :data:`MAX_FUNCTION_LINES` (tests and golden text aside).
 """
@@ -173,6 +174,19 @@ def test_imports_see_function_level_and_type_checking_imports(tmp_path: Path) ->
 def test_no_import_cycles() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_no_module_imports_a_moved_path() -> None:
+    """The project imports every module by its path now: an old one kept for users' code
+    (:data:`conformance.contract.moved.MOVED`, [Note: moved modules]) warns, and goes in a later version."""
+    from conformance.contract.moved import MOVED
+    from harness.moved import MOVED as HARNESS_MOVED
+
+    moved = set(MOVED) | set(HARNESS_MOVED)
+    graph = import_graph()
+    found = [f"{module} imports {target}" for module, targets in sorted(graph.items())
+             for target in sorted(targets & moved)]
+    assert not found, "imports of moved paths (import the new one):\n" + "\n".join(found)
 
 
 def package_of(module: str) -> str:

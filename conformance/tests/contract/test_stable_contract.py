@@ -54,6 +54,13 @@ PUBLISHED = {
     "conformance.cases.fuzz.stateful": "conformance.fuzz.stateful",
     "conformance.cases.fuzz.unsynced": "conformance.fuzz.unsynced",
     "conformance.cases.fuzz.wrapping": "conformance.fuzz.wrapping",
+    # The fuzz engine's modules since renamed for what they hold.
+    "conformance.fuzz.compare": "conformance.fuzz.twin_checks",
+    "conformance.fuzz.optimizers": "conformance.fuzz.drawn_optimizers",
+    "conformance.fuzz.options": "conformance.fuzz.option_neighbours",
+    "conformance.fuzz.parity": "conformance.fuzz.parity_run",
+    "conformance.fuzz.precision": "conformance.fuzz.drawn_precision",
+    "conformance.fuzz.verdicts": "conformance.fuzz.agreement",
 }
 #: Names the old paths were imported for, in the guide's and the README's examples.
 NAMES = {
@@ -68,6 +75,9 @@ NAMES = {
     "conformance.cases.fuzz.example": ("Block", "Example", "ModelSpec", "Policy"),
     "conformance.cases.fuzz.ops": ("Config", "Forward", "Program", "Step", "Train"),
     "conformance.cases.fuzz.neighbours": ("NEIGHBOURS_USE",),
+    # The same, pasted with test_fuzz.py's imports of the time.
+    "conformance.fuzz.parity": ("run_example", "check_example"),
+    "conformance.fuzz.precision": ("precision_note",),
 }
 #: A file a user saved before the fuzz engine moved: a reproducer's imports, as test_fuzz.py had them.
 SAVED_REPRODUCER = """
