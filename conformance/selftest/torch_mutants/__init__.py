@@ -16,8 +16,8 @@ One concept per module: :mod:`sites` (which nodes may be mutated),
 mutated source, the sample), :mod:`targets` (torch's modules and files),
 :mod:`injection` and :mod:`overlay_site` (serving a mutated module to every
 process of a run through ``sitecustomize``, with markers proving who loaded
-it), :mod:`rows` (one run of the rows with a time limit), :mod:`verdicts`,
-:mod:`campaign`, :mod:`report` and :mod:`cli`.
+it), :mod:`suite_run` (one run of the rows with a time limit), :mod:`verdicts`,
+:mod:`campaign`, :mod:`campaign_report` and :mod:`campaign_cli`.
 
 A mutation is probed: the replacement first calls a function the injecting
 loader defines, which records the first call in each process, so a report

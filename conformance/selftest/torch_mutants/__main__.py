@@ -1,7 +1,7 @@
-"""``python -m conformance.selftest.torch_mutants``: see :mod:`conformance.selftest.torch_mutants.cli`."""
+"""``python -m conformance.selftest.torch_mutants``: see :mod:`conformance.selftest.torch_mutants.campaign_cli`."""
 
 import sys
 
-from conformance.selftest.torch_mutants.cli import main
+from conformance.selftest.torch_mutants.campaign_cli import main
 
 sys.exit(main())

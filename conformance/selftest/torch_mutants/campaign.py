@@ -17,7 +17,7 @@ from pathlib import Path
 
 from conformance.selftest.torch_mutants.catalog import Mutant, apply, enumerate_mutants, sample
 from conformance.selftest.torch_mutants.injection import make_overlay
-from conformance.selftest.torch_mutants.rows import Selection, run_rows
+from conformance.selftest.torch_mutants.suite_run import Selection, run_rows
 from conformance.selftest.torch_mutants.verdicts import RunResult, Verdict, classify
 
 __all__ = ["BaselineError", "Campaign", "Outcome", "default_timeout", "draw", "run_campaign"]

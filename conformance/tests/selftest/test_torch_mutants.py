@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance.selftest.torch_mutants import cli
+from conformance.selftest.torch_mutants import campaign_cli
 from conformance.selftest.torch_mutants.campaign import Campaign, Outcome, default_timeout
+from conformance.selftest.torch_mutants.campaign_report import summary_line, to_json, to_table
 from conformance.selftest.torch_mutants.catalog import PROBE, apply, enumerate_mutants, sample
 from conformance.selftest.torch_mutants.injection import Markers, make_overlay, overlay_env, read_markers
-from conformance.selftest.torch_mutants.report import summary_line, to_json, to_table
-from conformance.selftest.torch_mutants.rows import Selection, run_rows
+from conformance.selftest.torch_mutants.suite_run import Selection, run_rows
 from conformance.selftest.torch_mutants.verdicts import RunResult, classify
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
@@ -297,12 +297,12 @@ def test_a_run_over_its_limit_is_stopped(tmp_path: Path) -> None:
 ])
 def test_bad_input_is_named(args: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
-        cli.main(args)
+        campaign_cli.main(args)
     assert stopped.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_a_used_out_directory_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "old.json").write_text("{}")
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["--impl", "torch-fsdp1", "--out", str(tmp_path)])
+        campaign_cli.main(["--impl", "torch-fsdp1", "--out", str(tmp_path)])
     assert stopped.value.code == 2 and f"--out {str(tmp_path)!r}" in capsys.readouterr().err

@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from conformance.selftest.torch_mutants.campaign import BaselineError, draw, run_campaign
-from conformance.selftest.torch_mutants.report import write_reports
-from conformance.selftest.torch_mutants.rows import Selection
+from conformance.selftest.torch_mutants.campaign_report import write_reports
+from conformance.selftest.torch_mutants.suite_run import Selection
 from conformance.selftest.torch_mutants.targets import IMPLS, TargetError, target_modules, target_source
 
 __all__ = ["main", "parser"]
