@@ -15,7 +15,7 @@ The package is grouped by its three jobs:
 * :mod:`harness.plugin`: the pytest plugin (``@pytest.mark.ranks``, its hooks,
   xdist scheduling);
 
-and shares :mod:`harness.settings` and :mod:`harness.environment` (settings and
+and shares :mod:`harness.setting_sources` and :mod:`harness.environment` (settings and
 the variables they are resolved from). Inside ``ranks``, imports point one way:
 ``runner`` (top) > ``launched``, ``process``, ``thread_host`` > ``_host_main``,
 ``_rank_main``, ``threads`` > ``context``, ``outcome``, ``reset``, ``errors``,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from harness.ranks.runner import run, shutdown_pools
 
 #: Public name -> the module that owns it. Imported on first use, so that importing a light module of
-#: the package (``harness.ranks.rank_mode``, ``harness.settings``) does not import torch.
+#: the package (``harness.ranks.rank_mode``, ``harness.setting_sources``) does not import torch.
 _EXPORTS = {
     "run": "harness.ranks.runner", "shutdown_pools": "harness.ranks.runner", "RankMode": "harness.ranks.rank_mode",
     "RankContext": "harness.ranks.context", "groups_scope": "harness.ranks.reset",

@@ -6,7 +6,7 @@ after a session starts; a bad value found there would fail rows of the
 implementation. Their readers call these functions, and so does the
 conformance runner's settings resolver (``conformance.runner.settings``) when
 the session is configured: a bad value is a
-:class:`~harness.settings.SettingError` naming the variable before any row.
+:class:`~harness.setting_sources.SettingError` naming the variable before any row.
 (The harness's own, ``FSDP_CONCURRENT_WORKERS`` and
 ``FSDP_HARNESS_START_METHOD``, are resolved the same way in
 :mod:`harness.ranks.cpu_budget` and :mod:`harness.ranks.process`.)
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from harness.settings import Resolved, appendable_file, choice, resolve
+from harness.setting_sources import Resolved, appendable_file, choice, resolve
 
 __all__ = ["BASELINE_CACHE_ENV", "BASELINE_CACHE_LOG_ENV", "BASELINE_CACHE_MODES", "BENCH_CPU_LOG_ENV",
            "baseline_cache", "baseline_cache_log", "bench_cpu_log"]

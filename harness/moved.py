@@ -32,7 +32,7 @@ from types import FrameType, ModuleType
 
 __all__ = ["MOVED", "REMOVED_IN", "MovedModules", "importer", "install", "redirect", "serve_harness"]
 
-#: The harness's module paths before it was grouped by its jobs -> where each went.
+#: The harness's module paths before it was grouped by its jobs, or renamed -> where each went.
 MOVED: dict[str, str] = {
     **{f"harness.{name}": f"harness.ranks.{name}" for name in (
         "runner", "process", "thread_host", "threads", "launched", "_host_main", "_rank_main", "_rank_state",
@@ -42,6 +42,8 @@ MOVED: dict[str, str] = {
         "observe", "recorder", "sequence", "comm_worker")},
     **{f"harness.{name}": f"harness.plugin.{name}" for name in (
         "pytest_plugin", "hookspecs", "scheduling", "workers")},
+    # The resolution of a setting from its sources, named apart from the conformance run's settings.
+    "harness.settings": "harness.setting_sources",
 }
 #: The first version without the paths of :data:`MOVED` (this one is 0.1).
 REMOVED_IN = "0.3"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from harness.ranks.rank_mode import SELECTIONS
-from harness.settings import choice, whole_number, word_or_whole_number
+from harness.setting_sources import choice, whole_number, word_or_whole_number
 
 __all__ = ["CASE_TIMEOUT_ENV", "DEVICE_ENV", "FUZZ_EXAMPLES_ENV", "FUZZ_SEED_ENV", "FUZZ_STATEFUL_EXAMPLES_ENV",
            "FUZZ_SHRINK_ENV", "FUZZ_VERBOSE_ENV", "IMPL_ENV", "MAX_TIME_ENV", "OPTIONS", "Option", "RANK_MODE_ENV",

@@ -2,9 +2,9 @@
 
 One resolver for the plugin (:func:`resolve_settings`, called once per
 session at configure time; ``fsdp-conformance run`` forwards its flags to
-pytest untouched). Precedence is the project's (:mod:`harness.settings`):
+pytest untouched). Precedence is the project's (:mod:`harness.setting_sources`):
 marker > command line > environment > default; every value is parsed by
-:func:`harness.settings.choice` or :func:`harness.settings.whole_number`.
+:func:`harness.setting_sources.choice` or :func:`harness.setting_sources.whole_number`.
 
 Every setting with a command-line option is an entry of
 :data:`conformance.runner.options.OPTIONS` ([Note: one table of options]);
@@ -55,7 +55,7 @@ from conformance.runner.options import (
 )
 from harness import environment
 from harness.ranks import cpu_budget, process
-from harness.settings import (
+from harness.setting_sources import (
     Resolved,
     SettingError,
     resolve,

@@ -34,7 +34,7 @@ import pytest
 
 from harness.ranks.process import check_socket_path
 from harness.ranks.rank_mode import SELECTIONS, SPAWNED, RankMode, excluded_reason, modes_of, resolve_selection
-from harness.settings import Resolved, SettingError
+from harness.setting_sources import Resolved, SettingError
 
 __all__ = ["POOL_START_MARGIN_S", "rank_mode_setting", "ranks_timeout", "selected_modes"]
 

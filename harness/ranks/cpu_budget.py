@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from harness.settings import Resolved, resolve, whole_number
+from harness.setting_sources import Resolved, resolve, whole_number
 
 __all__ = ["available_cores", "concurrent_workers", "intra_op_threads", "workers_setting", "WORKERS_ENV"]
 
@@ -39,7 +39,7 @@ def available_cores() -> int:
 
 
 def workers_setting(environ: Mapping[str, str] | None = None) -> Resolved[int | None]:
-    """:data:`WORKERS_ENV` alone (``None`` when unset); a bad value is a :class:`~harness.settings.SettingError`
+    """:data:`WORKERS_ENV` alone (``None`` when unset); a bad value is a :class:`~harness.setting_sources.SettingError`
     naming the variable, checked when a session is configured."""
     env = os.environ if environ is None else environ
     return resolve("concurrent workers", [(WORKERS_ENV, env.get(WORKERS_ENV))], whole_number(1), None)

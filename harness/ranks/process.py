@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness import settings
+from harness import setting_sources
 from harness.collectives.sequence import attributed, create_slot_file, read_slot_file
 from harness.ranks._rank_main import RankSetup, Task, rank_main
 from harness.ranks.cpu_budget import intra_op_threads
@@ -59,12 +59,12 @@ START_METHOD_ENV = "FSDP_HARNESS_START_METHOD"
 START_METHODS = ("forkserver", "spawn")
 
 
-def start_method_setting(environ: Mapping[str, str] | None = None) -> settings.Resolved[str]:
+def start_method_setting(environ: Mapping[str, str] | None = None) -> setting_sources.Resolved[str]:
     """How rank processes start, from :data:`START_METHOD_ENV`; a bad value is a
-    :class:`~harness.settings.SettingError` naming the variable (checked when a session is configured)."""
+    :class:`~harness.setting_sources.SettingError` naming the variable (checked when a session is configured)."""
     env = os.environ if environ is None else environ
-    return settings.resolve("start method", [(START_METHOD_ENV, env.get(START_METHOD_ENV))],
-                            settings.choice(START_METHODS), "forkserver")
+    return setting_sources.resolve("start method", [(START_METHOD_ENV, env.get(START_METHOD_ENV))],
+                                   setting_sources.choice(START_METHODS), "forkserver")
 
 
 def start_method() -> str:

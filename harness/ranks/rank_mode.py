@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 
-from harness.settings import Resolved, choice, resolve
+from harness.setting_sources import Resolved, choice, resolve
 
 __all__ = ["RANK_MODE_ENV", "SELECTIONS", "SPAWNED", "RankMode", "excluded_reason", "modes_of", "resolve_selection"]
 

@@ -1,4 +1,5 @@
-"""The harness's module paths before it was grouped by its jobs still import, warning with the new path."""
+"""The harness's module paths before it was grouped by its jobs (or renamed) still import, warning with the new
+path."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ OLD_PATHS = {
                                                                      "comm_worker")},
     **{f"harness.{name}": f"harness.plugin.{name}" for name in ("pytest_plugin", "hookspecs", "scheduling",
                                                                 "workers")},
+    "harness.settings": "harness.setting_sources",
 }
 
 

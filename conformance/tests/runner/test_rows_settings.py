@@ -16,7 +16,7 @@ from conformance.runner.settings import (
     SettingError,
     resolve_settings,
 )
-from harness.settings import Resolved
+from harness.setting_sources import Resolved
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
 

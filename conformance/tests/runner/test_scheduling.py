@@ -16,7 +16,7 @@ import pytest
 from conformance.runner.settings import SettingError, resolve_settings
 from harness.plugin.scheduling import TimingLastScheduling
 from harness.plugin.workers import auto_workers
-from harness.settings import Resolved
+from harness.setting_sources import Resolved
 
 
 @dataclass(eq=False)

@@ -154,7 +154,7 @@ def test_world_size_setting_is_checked(suite: pytest.Pytester) -> None:
 def test_a_launched_job_takes_no_other_world_size() -> None:
     from conformance.runner.settings import resolve_settings
     from conformance.runner.world_sizes import check_launched_size
-    from harness.settings import Resolved
+    from harness.setting_sources import Resolved
 
     launched = Resolved("rank mode", "launched", "--fsdp-rank-mode")
     asked = resolve_settings({"world_size": ("--fsdp-world-size", "2")}, rank_mode=launched, env={})

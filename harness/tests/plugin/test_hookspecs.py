@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.ranks.rank_mode import RankMode, excluded_reason, modes_of, resolve_selection
-from harness.settings import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
+from harness.setting_sources import Resolved, SettingError, choice, resolve, whole_number, word_or_whole_number
 
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
