@@ -8,14 +8,18 @@ report without the machine's host name). Between a line
 page holds exactly what :func:`render_blocks` makes of that report: ``facts``
 (when, on what software and machine, with which adapters at which versions,
 how many rows), ``summary`` (outcome counts per area and implementation, then
-every FAIL, error and documented cell: :func:`conformance.runner.summarize.summarize`)
-and ``matrix`` (every cell, then the reason of each that did not pass:
-:func:`conformance.runner.report.render_markdown`, columns in the run's
-adapter order, process ranks first). ``python -m conformance.runner.results_doc
+every FAIL, error and documented cell: :func:`conformance.runner.summarize.summarize`),
+``modes`` (outcome counts per implementation and rank mode, with the FAILs no
+finding explains), ``findings`` (the index of known findings: [Note: generated
+findings index] in :mod:`conformance.runner.findings_index`, read from the
+suite's ``known_findings.json`` and the report's rows) and ``matrix`` (every
+cell, then the reason of each that did not pass:
+:func:`conformance.runner.report.render_markdown`, columns in the run's adapter
+order, process ranks first). ``python -m conformance.runner.results_doc
 REPORT PAGE`` rewrites the blocks, ``--check`` exits 1 naming each block that
 differs, and ``test_results_doc`` checks the committed page against the
 committed report, so no number on the page is typed by hand. The prose
-around the blocks is, and says which rows it is about.
+around the blocks says how to read them and carries no counts.
 """
 
 from __future__ import annotations
@@ -30,14 +34,18 @@ from typing import Any
 
 from conformance.contract.results import Result
 from conformance.runner.document import RunReport, load_report
+from conformance.runner.findings import BUILTIN_FILE, Finding, load_file
+from conformance.runner.findings_index import render_findings, render_modes
 from conformance.runner.report import render_markdown
 from conformance.runner.summarize import summarize
 
 __all__ = ["BLOCKS", "main", "publish", "render_blocks", "replace_blocks"]
 
 #: The generated blocks, in the order the page has them.
-BLOCKS = ("facts", "summary", "matrix")
+BLOCKS = ("facts", "summary", "modes", "findings", "matrix")
 _MODES = ("process", "thread", "launched")
+#: The project's root: the findings' ``doc`` paths are relative to it.
+ROOT = Path(__file__).resolve().parents[2]
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated: \2 -->)", re.DOTALL)
 
 
@@ -63,10 +71,14 @@ def _facts(header: Mapping[str, Any], rows: Sequence[Result]) -> str:
             f"{header.get('torch')}, fsdp-conformance {header.get('tool_version')}; adapters: {adapters}.\n")
 
 
-def render_blocks(report: RunReport) -> dict[str, str]:
-    """Each generated block's text for ``report``."""
+def render_blocks(report: RunReport, findings: Sequence[Finding] | None = None,
+                  root: Path = ROOT) -> dict[str, str]:
+    """Each generated block's text for ``report``; ``findings`` are the registered ones the index lists (the
+    suite's ``known_findings.json`` when ``None``), their write-ups' paths relative to ``root``."""
     rows = _ordered(report)
+    registered = load_file(BUILTIN_FILE) if findings is None else findings
     return {"facts": _facts(report.header, rows), "summary": summarize(rows),
+            "modes": render_modes(rows, _MODES), "findings": render_findings(registered, rows, root),
             "matrix": render_markdown(rows, title="Full matrix")}
 
 

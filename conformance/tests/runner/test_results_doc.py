@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conformance.runner.document import load_report
+from conformance.runner.findings import BUILTIN_FILE, Finding, load_file
 from conformance.runner.results_doc import BLOCKS, main, publish, render_blocks, replace_blocks
 
 pytestmark = pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
@@ -51,3 +52,33 @@ def test_check_names_a_stale_block_and_publish_drops_the_host_name(tmp_path: Pat
     assert main([str(published), str(page), "--check"]) == 0
     publish(source, published)
     assert json.loads(published.read_text())["rows"] == report["rows"]
+
+
+def test_a_finding_registered_later_appears_in_the_index(tmp_path: Path) -> None:
+    doc = tmp_path / "docs" / "findings" / "new-finding.md"
+    doc.parent.mkdir(parents=True)
+    doc.write_text("# torch FSDP9 forgets the step\n\nThe write-up.\n")
+    new = Finding(impl="torch-fsdp2", rows="training/*", doc="docs/findings/new-finding.md")
+    blocks = render_blocks(load_report(REPORT), [*load_file(BUILTIN_FILE), new], root=tmp_path)
+    assert ("- [torch FSDP9 forgets the step](findings/new-finding.md): FAIL; torch-fsdp2; cells of this run: none; "
+            "registered for `training/*`") in blocks["findings"]
+    _, changed = replace_blocks(PAGE.read_text(), blocks)
+    assert changed == ["findings"]  # the committed page is stale until it is regenerated
+
+
+def test_the_index_counts_the_cells_each_finding_explains() -> None:
+    report = load_report(REPORT)
+    index = render_blocks(report)["findings"]
+    for doc in dict.fromkeys(f.doc for f in load_file(BUILTIN_FILE)):
+        cells = sum(row.finding == doc for row in report.rows)
+        item = next(line for line in index.splitlines() if f"]({doc.removeprefix('docs/')})" in line)
+        assert (f"cells of this run: {cells} " if cells else "cells of this run: none") in item, item
+    unexplained = sum(row.outcome == "FAIL" and not row.finding for row in report.rows)
+    assert f"FAIL and error cells no finding explains: {unexplained} (" in index
+
+
+def test_a_hand_edited_findings_block_fails_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(PAGE.read_text().replace("cells of this run: ", "cells of this run (by hand): ", 1))
+    assert main([str(REPORT), str(page), "--check"]) == 1
+    assert f"{page}: block 'findings' differs from {REPORT}" in capsys.readouterr().err
