@@ -51,8 +51,9 @@ SET_ASIDE = FEATURES | OPERATIONS
 #: A training iteration first: hypothesis draws and shrinks towards the first choice, so the simplest
 #: program trains (a forward alone would check little) and a shrunk one reads as iterations plus what matters.
 #: Then what needs company to show a breakage (an accumulation in ``no_sync``; a save, a change, a load).
-#: The order moves every draw of a seed; it is chosen by what a small budget reaches (docs/CONFORMANCE.md,
-#: "fuzzer alone"): with these three last, 20 programs per row at seed 0 caught none of their mutants.
+#: The order moves every draw of a seed; it is chosen by what a small budget reaches (``python -m
+#: conformance.selftest.fuzz_alone``): listed last, these three reach none of their mutants in 20 programs per row
+#: at seed 0.
 _OPS = (
     st.builds(Train, batch=st.integers(0, BATCHES - 1)),
     st.builds(NoSync, batch=st.integers(0, BATCHES - 1)),

@@ -1,7 +1,7 @@
 """The built-in known findings (conformance/runner/known_findings.json) label their own failures and nothing else.
 
 Each registration is fed the real reasons of the failures its write-up describes (as recorded in
-docs/CONFORMANCE.md's runs or a run of the row, or, where marked, built from the case's own message format) and
+the published run, docs/results/cpu.json, or a run of the row, or, where marked, built from the case's own message format) and
 must label them; every row it names is then fed failures of other causes (a crash, a mismatch of another kind,
 an error at another operation), which no registration may label.
 """
@@ -180,7 +180,7 @@ def _fsdp2() -> list[tuple[str, str, str, str]]:
 
 
 def _others() -> list[tuple[str, str, str, str]]:
-    """(impl, row, write-up, real reason) for the optional columns, from docs/CONFORMANCE.md."""
+    """(impl, row, write-up, real reason) for the optional columns, from docs/results/cpu.json."""
     cuda, sums, eager = F + "fairscale-fsdp-needs-cuda.md", F + "titan-simple-fsdp-sums-gradients.md", \
         F + "titan-simple-fsdp-eager-mode.md"
     untie = F + "titan-simple-fsdp-unties-shared-parameters.md"
