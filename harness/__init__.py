@@ -20,7 +20,7 @@ the variables they are resolved from). Inside ``ranks``, imports point one way:
 ``runner`` (top) > ``launched``, ``process``, ``thread_host`` > ``_host_main``,
 ``_rank_main``, ``threads`` > ``context``, ``outcome``, ``reset``, ``errors``,
 ``devices``, ``cpu_budget``, ``_rank_state`` (bottom). The package re-exports
-the public names. The modules' paths before this grouping (``harness.process``)
+the public names. Older module paths (``harness.process``)
 still import, with a ``DeprecationWarning`` naming the new one
 (:mod:`harness.moved`).
 """

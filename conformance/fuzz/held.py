@@ -16,8 +16,8 @@ within
 
 where ``S`` is the bytes of its sharded parameters, ``D`` 1 once a backward has
 run (its gradients' shards) and 0 before (when the first ``S`` is what the rank
-held right after wrapping where that is more, up to ``2 * S``: an
-implementation's own bookkeeping, which the gradients' share used to cover),
+held right after wrapping where that is more, up to ``2 * S``: room for an
+implementation's own bookkeeping),
 ``K`` the optimizer's copies
 of a parameter (SGD's momentum: 1; Adam's two moments: 2), ``N`` the parameters
 the optimizer holds (a step count each, a 4-byte tensor in Adam); ``K`` and ``N``

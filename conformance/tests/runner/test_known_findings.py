@@ -1,7 +1,7 @@
 """The built-in known findings (conformance/runner/known_findings.json) label their own failures and nothing else.
 
-Each registration is fed the real reasons of the failures its write-up describes (as recorded in
-the published run, docs/results/cpu.json, or a run of the row, or, where marked, built from the case's own message format) and
+Each registration is fed the real reasons of the failures its write-up describes (as recorded in the published
+run, docs/results/cpu.json, or a run of the row, or, where marked, built from the case's own message format) and
 must label them; every row it names is then fed failures of other causes (a crash, a mismatch of another kind,
 an error at another operation), which no registration may label.
 """
@@ -319,8 +319,8 @@ def test_no_registration_labels_a_failure_of_another_cause(impl: str, row: str) 
     (FSDP1, "checkpoint/checkpoint_submodule", "rank 0 raised AssertionError: grads differ from the local model"),
     (FSDP1, "state_dict/cross_impl[dst=reference]", "rank 0 raised AssertionError: shape mismatch in load"),
 ])
-def test_failures_once_mislabelled_are_not_labelled(impl: str, row: str, reason: str) -> None:
-    """Failures the registrations used to label although their write-ups describe another cause."""
+def test_failures_of_another_cause_are_not_labelled(impl: str, row: str, reason: str) -> None:
+    """Failures of a cause other than the one the write-ups describe, which a looser registration would label."""
     assert explaining(impl, row, reason) is None
 
 
