@@ -83,6 +83,7 @@ def test_rows_after_the_budget_are_not_run(suite: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["conformance: 1 pass, 2 not run in *"])
 
 
+@pytest.mark.nightly  # [Note: nightly tests]: the serial budget tests run every commit
 def test_workers_share_the_controllers_deadline(suite: pytest.Pytester) -> None:
     """Workers take longer than a second to start: with a 1 s budget none of them may start a row."""
     out = suite.path / "r.json"

@@ -97,6 +97,7 @@ def _matrix(stdout: str) -> str:
     return stdout[stdout.index("conformance matrix"):stdout.rindex("conformance: ")]
 
 
+@pytest.mark.nightly  # [Note: nightly tests]: the transport test below compares serial and -n 2 each commit
 def test_cli_parallel_reports_equal_serial(tmp_path: Path) -> None:
     runs = {}
     for workers in ("0", "2"):

@@ -95,6 +95,7 @@ def test_a_row_that_never_reaches_the_matrix_makes_the_run_incomplete(suite: pyt
     assert (doc["complete"], doc["selected_rows"]) == (False, 3)
 
 
+@pytest.mark.nightly  # [Note: nightly tests]: the serial lost-row test above runs every commit
 def test_under_workers_the_controller_learns_how_many_rows_were_selected(suite: pytest.Pytester) -> None:
     """A row lost on a worker leaves the run incomplete: the controller counts what the workers selected (a
     complete run under ``-n 2`` is test_parallel's transport test)."""

@@ -73,7 +73,9 @@ def _group_gone(pgid: int, within_s: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("stop", "workers"), [(signal.SIGTERM, "2"), (signal.SIGINT, "0"), (signal.SIGHUP, "0")])
+# SIGHUP takes the serial path SIGINT takes every commit: it runs nightly ([Note: nightly tests]).
+@pytest.mark.parametrize(("stop", "workers"), [(signal.SIGTERM, "2"), (signal.SIGINT, "0"),
+                                               pytest.param(signal.SIGHUP, "0", marks=pytest.mark.nightly)])
 def test_stop_signal_ends_the_run_with_interrupted_reports(tmp_path: Path, stop: signal.Signals, workers: str,
                                                            request: pytest.FixtureRequest) -> None:
     """The signal goes to the run's whole process group, as CI timeouts and a terminal send it."""

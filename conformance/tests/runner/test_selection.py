@@ -80,7 +80,8 @@ def test_row_runs_every_cell_of_the_row(suite: pytest.Pytester) -> None:
     assert set(_cells(out)) == {("demo/mixed[n=1]", "reference", "thread"), ("demo/fine", "reference", "thread")}
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+# The xdist variant runs nightly; the serial one every commit ([Note: nightly tests]).
+@pytest.mark.parametrize("workers", [[], pytest.param(["-n", "2"], marks=pytest.mark.nightly)], ids=["serial", "xdist"])
 def test_unknown_row_is_a_usage_error_naming_it(suite: pytest.Pytester, workers: list[str]) -> None:
     result = pytester_run(suite, "--fsdp-row", "demo/mixed[n=3]", workers=workers)
     assert result.ret == 4

@@ -71,6 +71,7 @@ def test_faulted_runs_leave_nothing_behind(runs: int) -> None:
     assert threading.active_count() == threads_before, "rank threads outlived their run"
 
 
+@pytest.mark.first_torch  # process lifetimes and temp dirs: [Note: tests on the first torch]
 def test_two_suites_at_once_do_not_collide(tmp_path) -> None:
     script = textwrap.dedent(
         """
@@ -144,6 +145,7 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.first_torch  # process lifetimes and temp dirs: [Note: tests on the first torch]
 @pytest.mark.parametrize("how", ["ctrl_c", "sigkill"])
 def test_ranks_do_not_outlive_an_interrupted_or_killed_parent(how: str) -> None:
     proc = subprocess.Popen([sys.executable, "-u", "-c", _PARENT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

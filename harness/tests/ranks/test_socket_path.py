@@ -22,6 +22,7 @@ def test_a_long_temp_dir_is_refused_with_the_reason(tmp_path: Path, monkeypatch:
     process.check_socket_path()
 
 
+@pytest.mark.first_torch  # process lifetimes and temp dirs: [Note: tests on the first torch]
 def test_a_session_with_a_long_temp_dir_is_a_usage_error(tmp_path: Path) -> None:
     long_dir = tmp_path / ("d" * (process.UNIX_PATH_MAX - len(str(tmp_path))))
     long_dir.mkdir()
