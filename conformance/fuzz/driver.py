@@ -63,6 +63,7 @@ from conformance.contract.case import CaseSettings
 from conformance.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
 from conformance.fuzz.parity import check_example
 from conformance.fuzz.precision import precision_features, required
+from conformance.fuzz.verdicts import RanksParted
 from harness import groups_scope
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
     phases = (Phase.generate, Phase.shrink) if config.shrink else (Phase.generate,)
     options = settings(max_examples=budget, database=None, deadline=None, phases=phases)
     result: Search | None = None
+    parted = False
     keep_hypothesis_out_of_cwd()
     try:
         with _draws_from_the_seed_alone():
@@ -210,8 +212,12 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
         result = Search(runs=runs, counted=tally, failing=found, message=failures[found], met=tuple(met))
     except NoSuchExample:
         result = Search(runs=runs, counted=tally, met=tuple(met))
+    except RanksParted:
+        parted = True  # the other ranks wait in the implementation's collectives: no message reaches them
+        raise
     finally:
-        _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
+        if not parted:
+            _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
     return result
 
 

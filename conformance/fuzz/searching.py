@@ -35,6 +35,7 @@ from conformance.fuzz.driver import FuzzSettings, Search, found_example, search
 from conformance.fuzz.example import FUZZ_STRATEGIES, source
 from conformance.fuzz.ops import Program
 from conformance.fuzz.stateful import check_program
+from conformance.fuzz.verdicts import RanksParted
 from conformance.fuzz.wrapping import features_of, render_program
 
 if TYPE_CHECKING:
@@ -96,8 +97,14 @@ def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -
     known = KnownFindings(settings.known_failures, settings.fuzz_seed)
     drawn = programs(ctx.world_size, strategies, features_of(impl), set_aside=known.set_aside)
     config = FuzzSettings.of(settings)
-    return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
-                  counted=lambda program: len(program.ops), claim=known.claim)
+    try:
+        return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
+                      counted=lambda program: len(program.ops), claim=known.claim)
+    except RanksParted as parted:  # [Note: fuzz verdicts agree across ranks]: the search cannot go on
+        message = f"{parted}; the search stops at this program"
+        raise AssertionError(headline(settings.fuzz_seed, parted.value, message)
+                             + "\nthe program it stopped in (not shrunk: the ranks cannot run another):\n"
+                             + render_program(parted.value, message)) from None
 
 
 def failure_text(settings: CaseSettings, result: Search) -> str | None:
