@@ -83,9 +83,11 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         return None if torch.cuda.is_available() else torch.device("cpu")
 
     def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None] | None:
-        """``None`` for flat parameters: FSDP1 summons gradients only with ``use_orig_params=True``."""
+        """``None`` for flat parameters: FSDP1 summons gradients only with ``use_orig_params=True``. Raises
+        where summoning would abort the process (:func:`_refuse_mixed_dtype_gather`)."""
         if not getattr(model, "_use_orig_params", False):
             return None
+        _refuse_mixed_dtype_gather(self._api().FullyShardedDataParallel, model)
         return super().full_grads(model)
 
     def _unit_info(self, fqn: str, module: nn.Module) -> UnitInfo:
@@ -117,3 +119,28 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             resharded=resharded,
             strategy=unit.sharding_strategy.name,
         )
+
+
+def _refuse_mixed_dtype_gather(fsdp_cls: Any, model: nn.Module) -> None:
+    """Raise ``RuntimeError`` on every rank where ``summon_full_params(with_grads=True)`` would abort a rank.
+
+    For a sharded unit whose flat parameter has a gradient on some ranks but not on others, FSDP1's
+    ``FlatParamHandle.unshard_grad`` all-gathers zeros in the default dtype on the ranks without one, so a
+    gradient of another dtype (float64) meets them in an all-gather of mismatched sizes, which gloo ends
+    with ``abort()`` (docs/findings/fsdp1-summon-grads-float64-padding-shard.md). Every rank learns every
+    rank's gradients first (one all-gather), so they all raise alike, before any gather."""
+    import torch.distributed as dist
+
+    handles = [unit._handle for unit in fsdp_cls.fsdp_modules(model) if getattr(unit, "_handle", None) is not None]
+    mine = [None if h.flat_param.grad is None else str(h.flat_param.grad.dtype) for h in handles]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    default = str(torch.get_default_dtype())
+    for index, handle in enumerate(handles):
+        dtypes = {ranks[index] for ranks in every}
+        if handle.uses_sharded_strategy and None in dtypes and dtypes - {None, default}:
+            raise RuntimeError(
+                "summon_full_params(with_grads=True) would abort the process: a sharded FlatParameter has a "
+                f"gradient of dtype {sorted(dtypes - {None})} on some ranks and none on others, which FSDP1 "
+                f"all-gathers as zeros of the default dtype {default} (gloo: Received data size doesn't "
+                "match expected size)")

@@ -33,6 +33,14 @@ says that its example was not shrunk. The mutant sessions
 against a mutant, never what the smallest program is, and the shrinking of
 their stateful rows was most of their time.
 
+[Note: shrinking within a budget]
+A row must end with a verdict within its timeout, and shrinking a failure at
+world size 4 can run hundreds of programs, minutes on a loaded machine. A search
+given ``shrink_s`` stops shrinking once that many seconds have passed since it
+began, and reports the smallest failing value it has (each value shrinking
+keeps is smaller than the one before): the row FAILs with it, and says that it
+was not shrunk to the end.
+
 Hypothesis keeps caches (e.g. the constants it collects from local source) in
 ``.hypothesis/`` under the working directory, which is the user's; it has no
 example database to keep here, so :func:`keep_hypothesis_out_of_cwd` points its
@@ -47,6 +55,7 @@ import hashlib
 import os
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +69,7 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
+from conformance.fuzz.agreement import RanksParted
 from conformance.fuzz.drawn_precision import precision_features, required
 from conformance.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
 from conformance.fuzz.parity_run import check_example
@@ -161,6 +171,12 @@ class Search:
     failing: Any = None
     message: str | None = None
     met: tuple[Met, ...] = ()
+    #: shrinking stopped at ``shrink_s`` ([Note: shrinking within a budget]): ``failing`` is the smallest so far
+    cut: bool = False
+
+
+class _ShrinkSpent(BaseException):
+    """Shrinking ran past its budget (a ``BaseException``: hypothesis lets it through)."""
 
 
 def _checked(ctx: RankContext, impl: FSDPAdapter, check: Check, value: Any) -> str | None:
@@ -178,13 +194,17 @@ def _follow(ctx: RankContext, impl: FSDPAdapter, check: Check) -> Search:
 
 
 def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, budget: int,
-           config: FuzzSettings, counted: Callable[[Any], int], claim: Claim) -> Search:
+           config: FuzzSettings, counted: Callable[[Any], int], claim: Claim, shrink_s: float | None) -> Search:
     runs = tally = 0
     failures: dict[Any, str] = {}
     met: list[Met] = []
+    smallest: list[Any] = []  # the last failure no finding claims: shrinking only ever finds smaller ones
+    deadline = None if shrink_s is None else time.monotonic() + shrink_s
 
     def fails(value: Any) -> bool:
         nonlocal runs, tally
+        if smallest and deadline is not None and time.monotonic() > deadline:
+            raise _ShrinkSpent
         runs += 1
         tally += counted(value)
         if config.verbose:
@@ -196,6 +216,7 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
         doc = claim(value, failure)
         if doc is None:
             failures[value] = failure
+            smallest[:] = [value]
         elif not failures:  # a known finding, met while no other failure was found: recorded, and the search goes on
             met.append(Met(doc, runs, value, failure))
         return doc is None
@@ -203,6 +224,7 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
     phases = (Phase.generate, Phase.shrink) if config.shrink else (Phase.generate,)
     options = settings(max_examples=budget, database=None, deadline=None, phases=phases)
     result: Search | None = None
+    parted = False
     keep_hypothesis_out_of_cwd()
     try:
         with _draws_from_the_seed_alone():
@@ -210,20 +232,28 @@ def _drive(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], chec
         result = Search(runs=runs, counted=tally, failing=found, message=failures[found], met=tuple(met))
     except NoSuchExample:
         result = Search(runs=runs, counted=tally, met=tuple(met))
+    except _ShrinkSpent:
+        found = smallest[0]
+        result = Search(runs=runs, counted=tally, failing=found, message=failures[found], met=tuple(met), cut=True)
+    except RanksParted:
+        parted = True  # the other ranks wait in the implementation's collectives: no message reaches them
+        raise
     finally:
-        _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
+        if not parted:
+            _broadcast(ctx, ("stop", result))  # always release the other ranks, even if hypothesis raised
     return result
 
 
 def search(ctx: RankContext, impl: FSDPAdapter, drawn: SearchStrategy[Any], check: Check, *, budget: int,
            config: FuzzSettings, counted: Callable[[Any], int] = lambda _value: False,
-           claim: Claim = lambda _value, _failure: None) -> Search:
+           claim: Claim = lambda _value, _failure: None, shrink_s: float | None = None) -> Search:
     """Draw ``budget`` plain-data values from ``drawn`` on rank 0 (seeded by ``config``), run each on every
     rank with ``check`` and shrink the first failure ``claim`` leaves to no registered finding ([Note: hypothesis
-    inside rank processes]). Collective; every rank returns rank 0's result."""
+    inside rank processes]), until ``shrink_s`` seconds after the search began, if given ([Note: shrinking
+    within a budget]). Collective; every rank returns rank 0's result."""
     with _one_intra_op_thread():
         if ctx.rank == 0:
-            return _drive(ctx, impl, drawn, check, budget, config, counted, claim)
+            return _drive(ctx, impl, drawn, check, budget, config, counted, claim, shrink_s)
         return _follow(ctx, impl, check)
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings, KnownFailure
+from conformance.fuzz.agreement import RanksParted
 from conformance.fuzz.drawing import SET_ASIDE, programs
 from conformance.fuzz.driver import FuzzSettings, Search, found_example, search
 from conformance.fuzz.example import FUZZ_STRATEGIES, source
@@ -40,10 +41,14 @@ from conformance.fuzz.wrapping import features_of, render_program
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["MAIN_JOB_PROGRAMS", "SET_ASIDE", "KnownFindings", "budget", "failure_text", "headline", "stateful_fuzz"]
+__all__ = ["MAIN_JOB_PROGRAMS", "SEARCH_S", "SET_ASIDE", "KnownFindings", "budget", "failure_text", "headline",
+           "stateful_fuzz"]
 
 #: Programs per world size in the main job (see docs/PERFORMANCE.md for what they cost).
 MAIN_JOB_PROGRAMS = {1: 5, 2: 5, 4: 2}
+#: Seconds after which a search stops shrinking ([Note: shrinking within a budget] in
+#: :mod:`conformance.fuzz.driver`): the rows' 120 s timeout less the pool's start and the last programs run.
+SEARCH_S = 75.0
 
 
 def budget(settings: CaseSettings, world_size: int) -> int:
@@ -96,8 +101,14 @@ def stateful_fuzz(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -
     known = KnownFindings(settings.known_failures, settings.fuzz_seed)
     drawn = programs(ctx.world_size, strategies, features_of(impl), set_aside=known.set_aside)
     config = FuzzSettings.of(settings)
-    return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
-                  counted=lambda program: len(program.ops), claim=known.claim)
+    try:
+        return search(ctx, impl, drawn, check_program, budget=budget(settings, ctx.world_size), config=config,
+                      counted=lambda program: len(program.ops), claim=known.claim, shrink_s=SEARCH_S)
+    except RanksParted as parted:  # [Note: fuzz verdicts agree across ranks]: the search cannot go on
+        message = f"{parted}; the search stops at this program"
+        raise AssertionError(headline(settings.fuzz_seed, parted.value, message)
+                             + "\nthe program it stopped in (not shrunk: the ranks cannot run another):\n"
+                             + render_program(parted.value, message)) from None
 
 
 def failure_text(settings: CaseSettings, result: Search) -> str | None:
@@ -106,8 +117,11 @@ def failure_text(settings: CaseSettings, result: Search) -> str | None:
     met = [f"program {m.run}: {m.doc} claims {m.failure}\n    {source(m.value)}" for m in result.met]
     if result.failing is not None:
         message = result.message or ""
-        text = (headline(settings.fuzz_seed, result.failing, message) + "\n"
-                + found_example(settings.fuzz_shrink, result.runs, render_program(result.failing, message)))
+        case_text = render_program(result.failing, message)
+        shown = (f"reproducer, shrunk for {SEARCH_S:.0f} s (the search's budget) but not to a minimum, after "
+                 f"{result.runs} runs:\n{case_text}" if result.cut
+                 else found_example(settings.fuzz_shrink, result.runs, case_text))
+        text = headline(settings.fuzz_seed, result.failing, message) + "\n" + shown
         return text + "".join(f"\nknown finding met before it, {line}" for line in met)
     if not result.met:
         return None

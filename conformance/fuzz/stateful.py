@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter
-from conformance.fuzz.agreement import agree, attempt, fail
+from conformance.fuzz.agreement import RanksParted, Verdicts, agree, attempt, fail
 from conformance.fuzz.configs import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.fuzz.drawn_optimizers import wrapped_optimizer
@@ -350,50 +350,63 @@ def _setup(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig, held: Hel
 
 def check_program(ctx: RankContext, impl: FSDPAdapter, program: Program, *, neighbours: bool = True) -> str | None:
     """Run ``program`` on ``impl`` and on the shadow, then (unless told not to) its configuration's neighbours; the
-    first failure (the same on every rank) or ``None``."""
+    first failure (the same on every rank) or ``None``. Raises :class:`~conformance.fuzz.agreement.RanksParted`,
+    holding ``program``, where this rank raised in the implementation and its peers went on without it."""
     if program.config.world_size != ctx.world_size:
         raise ValueError(f"program is for world_size {program.config.world_size}, running on {ctx.world_size} ranks")
-    failure, model = _check_operations(ctx, impl, program)
+    verdicts = Verdicts(ctx)
+    try:
+        failure, model = _check_operations(verdicts, impl, program)
+    except RanksParted as parted:
+        parted.value = program
+        raise
     failure = failure or agree(ctx, left_alive(ctx, model))  # the user's loop ends: the model is dropped
     if failure is None and neighbours and (failure := check_neighbours(ctx, impl, program.config)) is not None:
         return f"after its operations, {failure}"  # [Note: neighbours of a configuration]
     return failure
 
 
-def _check_operations(ctx: RankContext, impl: FSDPAdapter,
+def _check_operations(verdicts: Verdicts, impl: FSDPAdapter,
                       program: Program) -> tuple[str | None, tuple[weakref.ref[nn.Module], ...]]:
     """Wrap as ``program`` says and run its operations, then the closing ones; the first failure or ``None``,
     and the wrapped model's modules, held weakly (none: it was never wrapped)."""
+    ctx = verdicts.ctx
     held = Held(program.config, threads=ctx.mode == RankMode.THREAD)
     with held.watching():  # [Note: memory held between iterations]
-        machine, failure = attempt("wrap", _setup, ctx, impl, program.config, held)
-        failure = held.untracked(agree, ctx, failure)
+        machine, raised = attempt("wrap", _setup, ctx, impl, program.config, held)
+        failure = held.untracked(verdicts.agree, None, raised=raised, where="wrap")
         if failure is not None:
             return failure, ()
         model = tuple(weakref.ref(module) for module in machine.model.modules())  # the user's modules among them
-        failure = held.untracked(agree, ctx, attempt("raised", machine.check_buffers)[1] or machine.mismatch)
+        raised = attempt("raised", machine.check_buffers)[1]
+        failure = held.untracked(verdicts.agree, machine.mismatch, raised=raised, where="before any operation")
         if failure is not None:
             return f"before any operation, {failure}", model
-        failure = _apply_all(ctx, machine, "op", program.ops)
-        return failure or _apply_all(ctx, machine, "closing op", machine.closing()), model  # closing: after the ops
+        failure = _apply_all(verdicts, machine, "op", program.ops)
+        # the closing operations: after the program's
+        return failure or _apply_all(verdicts, machine, "closing op", machine.closing()), model
 
 
-def _apply_all(ctx: RankContext, machine: _Machine, label: str, ops: tuple[Op, ...]) -> str | None:
+def _apply_all(verdicts: Verdicts, machine: _Machine, label: str, ops: tuple[Op, ...]) -> str | None:
     """Apply ``ops`` in turn; the first failure (the same on every rank), named by ``label`` and index, or ``None``."""
     for index, op in enumerate(ops):
+        where = f"{label} {index} ({op})"
         raised = attempt("raised", machine.apply, op)[1]
         # Agreed before the state check: its collectives run only when every rank is through the op.
-        failure = machine.held.untracked(agree, ctx, raised or machine.mismatch)
+        failure = machine.held.untracked(verdicts.agree, machine.mismatch, raised=raised, where=where)
         if failure is None and machine.pending is None:  # between iterations ([Note: stateful invariant])
             raised = attempt("raised", machine.held.untracked, machine.check_state)[1]
-            failure = machine.held.untracked(agree, ctx, raised or machine.mismatch)
+            failure = machine.held.untracked(verdicts.agree, machine.mismatch, raised=raised, where=where)
         if failure is not None:
-            return f"{label} {index} ({op}), {failure}"
+            return f"{where}, {failure}"
     return None
 
 
 def run_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> None:
     """A reproducer's body: fail with the first mismatch of ``program`` on every rank."""
-    failure = check_program(ctx, impl, program)
+    try:
+        failure = check_program(ctx, impl, program)
+    except RanksParted as parted:
+        raise AssertionError(f"{impl.name} differs from the shadow model: {parted}") from None
     if failure is not None:
         raise AssertionError(f"{impl.name} differs from the shadow model: {failure}")
