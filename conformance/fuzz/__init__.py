@@ -21,6 +21,7 @@ The stateful fuzzer: random sequences of a user's operations, checked after each
 - :mod:`conformance.fuzz.neighbours`: a configuration's neighbours, misuses refused and options honoured;
 - :mod:`conformance.fuzz.option_neighbours`: the neighbours that set a construction option the program has not;
 - :mod:`conformance.fuzz.unsynced`: the neighbour showing where gradients kept without sync add up;
+- :mod:`conformance.fuzz.machine`: a program's wrapped model, optimizer and shadow, each operation applied to both;
 - :mod:`conformance.fuzz.stateful`: one program on the ranks, the invariant, checked after every operation;
 - :mod:`conformance.fuzz.searching`: programs drawn per world size, run and shrunk, with their budget.
 
