@@ -136,8 +136,8 @@ class UnitState:
     ran_pre_backward: bool = False  # the pre-backward hook ran in this backward
     backward_task: int = -1  # autograd graph task of that hook (a nested backward has another)
     training_state: TrainingState = TrainingState.IDLE  # the phase the unit is in
-    state_dict_settings: StateDictSettings = field(default_factory=default_state_dict_settings)  # see
-    # [Note: state dict settings]
+    # the state-dict type and options (see [Note: state dict settings])
+    state_dict_settings: StateDictSettings = field(default_factory=default_state_dict_settings)
     saved_flat_grad: torch.Tensor | None = None  # flat_param.grad set aside inside summon_full_params
     unsynced_grad: torch.Tensor | None = None  # unsharded gradient kept by backwards inside no_sync()
 

@@ -1,4 +1,4 @@
-"""fsdp1_state_dicts: FSDP1's optimizer state-dict functions and its state-dict settings, against a local model.
+"""legacy_state_dicts: FSDP1's optimizer state-dict functions and its state-dict settings, against a local model.
 
 Each row wraps :class:`fixtures.models.ThreeLinear` (every ``Linear`` its own unit, flat parameters) and
 trains it and a local copy two Adam steps on the same batches on every rank ([Note: state dict baseline] in
@@ -114,7 +114,7 @@ def _assert_full(ctx: RankContext, run: _Run, osd: dict[str, Any], what: str) ->
     assert_close_named(_flat(osd), expected, what=f"rank {ctx.rank}: {what}")
 
 
-@case("fsdp1_state_dicts/full_optim_state_dict", clause="C4", world_size=TWO_OR_MORE, requires=FUNCTIONS)
+@case("legacy_state_dicts/full_optim_state_dict", clause="C4", world_size=TWO_OR_MORE, requires=FUNCTIONS)
 @pytest.mark.parametrize("rank0_only", [True, False])
 def test_full_optim_state_dict(ctx: RankContext, impl: FSDPAdapter, rank0_only: bool) -> None:
     """After two steps the full optimizer state dict equals the local optimizer's state keyed by names; with
@@ -128,7 +128,7 @@ def test_full_optim_state_dict(ctx: RankContext, impl: FSDPAdapter, rank0_only: 
     _assert_full(ctx, run, osd, f"full_optim_state_dict(rank0_only={rank0_only})")
 
 
-@case("fsdp1_state_dicts/load_full", clause="C4", world_size=TWO_OR_MORE, requires=LOADS)
+@case("legacy_state_dicts/load_full", clause="C4", world_size=TWO_OR_MORE, requires=LOADS)
 @pytest.mark.parametrize("via", ["shard", "scatter"])
 def test_load_full(ctx: RankContext, impl: FSDPAdapter, via: str) -> None:
     """A full optimizer state dict, sharded by every rank or scattered from rank 0, loads into a fresh
@@ -149,7 +149,7 @@ def test_load_full(ctx: RankContext, impl: FSDPAdapter, via: str) -> None:
     run.assert_trains_like_local(model, optim, f"loading the full optimizer state dict ({via})")
 
 
-@case("fsdp1_state_dicts/sharded_roundtrip", clause="C4", world_size=TWO_OR_MORE,
+@case("legacy_state_dicts/sharded_roundtrip", clause="C4", world_size=TWO_OR_MORE,
       requires=[Capability.OPTIM_STATE_DICT_FUNCTIONS, Capability.SHARDED_STATE_DICT])
 def test_sharded_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     """``sharded_optim_state_dict`` with the model's sharded state dict, loaded into a fresh model through
@@ -164,7 +164,7 @@ def test_sharded_roundtrip(ctx: RankContext, impl: FSDPAdapter) -> None:
     run.assert_trains_like_local(model, optim, "the sharded optimizer state dict round trip")
 
 
-@case("fsdp1_state_dicts/rekey", clause="C4", world_size=TWO_OR_MORE, requires=FUNCTIONS)
+@case("legacy_state_dicts/rekey", clause="C4", world_size=TWO_OR_MORE, requires=FUNCTIONS)
 @pytest.mark.parametrize("key_type", ["PARAM_ID", "PARAM_NAME"])
 def test_rekey(ctx: RankContext, impl: FSDPAdapter, key_type: str) -> None:
     """PARAM_ID: the wrapped model's full optimizer state dict keyed by ids loads into a local optimizer that
@@ -192,7 +192,7 @@ def test_rekey(ctx: RankContext, impl: FSDPAdapter, key_type: str) -> None:
     run.assert_trains_like_local(model, optim, "loading the local optimizer's state re-keyed by names")
 
 
-@case("fsdp1_state_dicts/settings", clause="C4", world_size=TWO_OR_MORE, requires=SETTINGS)
+@case("legacy_state_dicts/settings", clause="C4", world_size=TWO_OR_MORE, requires=SETTINGS)
 @pytest.mark.parametrize("kind", ["FULL", "SHARDED"])
 def test_settings(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     """``set_state_dict_type`` returns the settings held before and ``get_state_dict_type`` what was set;

@@ -1,4 +1,4 @@
-"""Mutants of FSDP1's optimizer state-dict functions and state-dict settings (the ``fsdp1_state_dicts`` rows)."""
+"""Mutants of FSDP1's optimizer state-dict functions and state-dict settings (the ``legacy_state_dicts`` rows)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ class FullOptimStateOnEveryRank(_Mutant):
 
     name = "mutant-full-optim-state-on-every-rank"
     breaks = "leaving ranks other than 0 an empty dict with rank0_only"
-    expect = Expect("fsdp1_state_dicts and full_optim_state_dict", "thread",
-                    ("fsdp1_state_dicts/full_optim_state_dict[rank0_only=True]",))
+    expect = Expect("legacy_state_dicts and full_optim_state_dict", "thread",
+                    ("legacy_state_dicts/full_optim_state_dict[rank0_only=True]",))
     patches = (Patch("fsdp_impl.optim_state_api:full_optim_state_dict", _ignoring_rank0_only),)
 
 
@@ -42,9 +42,9 @@ class FullOptimStateSharded(_Mutant):
 
     name = "mutant-full-optim-state-sharded"
     breaks = "gathering the full optimizer state"
-    expect = Expect("fsdp1_state_dicts and (full_optim_state_dict or load_full or settings)", "thread",
-                    ("fsdp1_state_dicts/full_optim_state_dict", "fsdp1_state_dicts/load_full",
-                     "fsdp1_state_dicts/settings[kind=FULL]"))
+    expect = Expect("legacy_state_dicts and (full_optim_state_dict or load_full or settings)", "thread",
+                    ("legacy_state_dicts/full_optim_state_dict", "legacy_state_dicts/load_full",
+                     "legacy_state_dicts/settings[kind=FULL]"))
     patches = (Patch("fsdp_impl.state_dict:optim_state_in", _always_sharded),)
 
 
@@ -60,7 +60,7 @@ class RekeyKeepsKeys(_Mutant):
 
     name = "mutant-rekey-keeps-keys"
     breaks = "re-keying an optimizer state dict by names or ids"
-    expect = Expect("fsdp1_state_dicts and rekey", "thread", ("fsdp1_state_dicts/rekey",))
+    expect = Expect("legacy_state_dicts and rekey", "thread", ("legacy_state_dicts/rekey",))
     patches = (Patch("fsdp_impl.optim_state_api:rekey_optim_state_dict", _keeping_keys),)
 
 
@@ -76,7 +76,7 @@ class ShardedOptimLoadDropsState(_Mutant):
 
     name = "mutant-sharded-optim-load-drops-state"
     breaks = "loading a sharded optimizer state dict's per-parameter state"
-    expect = Expect("fsdp1_state_dicts and sharded_roundtrip", "thread", ("fsdp1_state_dicts/sharded_roundtrip",))
+    expect = Expect("legacy_state_dicts and sharded_roundtrip", "thread", ("legacy_state_dicts/sharded_roundtrip",))
     patches = (Patch("fsdp_impl.optim_state_api:flatten_sharded_optim_state_dict", _dropping_state),)
 
 
@@ -92,5 +92,5 @@ class StateDictSettingsNotSet(_Mutant):
 
     name = "mutant-state-dict-settings-not-set"
     breaks = "setting the state-dict type and its options"
-    expect = Expect("fsdp1_state_dicts and settings", "thread", ("fsdp1_state_dicts/settings",))
+    expect = Expect("legacy_state_dicts and settings", "thread", ("legacy_state_dicts/settings",))
     patches = (Patch("fsdp_impl.state_dict_settings:set_settings", _not_setting),)
