@@ -16,6 +16,14 @@ __all__ = [
     "ShardingStrategy",
     "BackwardPrefetch",
     "StateDictType",
+    "OptimStateKeyType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "StateDictSettings",
     "CPUOffload",
     "MixedPrecision",
     "MixedPrecisionPolicy",
@@ -68,6 +76,62 @@ class StateDictType(enum.Enum):
     """Unflattened, unpadded original parameters on every rank, keyed as the unwrapped module."""
     SHARDED_STATE_DICT = enum.auto()
     """Each original parameter's local piece plus the metadata to place it (see state_dict.py)."""
+
+
+class OptimStateKeyType(enum.Enum):
+    """What ``rekey_optim_state_dict`` keys an optimizer state dict's parameters by."""
+
+    PARAM_NAME = enum.auto()
+    """The unwrapped module's parameter names (what the wrapper's optimizer state dicts use)."""
+    PARAM_ID = enum.auto()
+    """Positions in the optimizer's parameter order (what ``torch.optim.Optimizer.state_dict`` uses)."""
+
+
+@dataclass
+class StateDictConfig:
+    """Options of ``state_dict()``; ``offload_to_cpu``: its tensors are moved to the CPU."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """FULL_STATE_DICT's options; ``rank0_only``: ranks other than 0 get an empty dict."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """SHARDED_STATE_DICT's options."""
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Options of ``optim_state_dict()``; ``offload_to_cpu``: its tensors are moved to the CPU."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """FULL_STATE_DICT's optimizer options; ``rank0_only``: ranks other than 0 get an empty dict."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """SHARDED_STATE_DICT's optimizer options."""
+
+
+@dataclass
+class StateDictSettings:
+    """A state-dict type with its model and optimizer options, as ``set_state_dict_type`` takes them."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_impl import construct, no_sync, unit, wrap
+from fsdp_impl import optim_state_api as osa
 from fsdp_impl import state_dict as sd
-from fsdp_impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType, TrainingState
+from fsdp_impl import state_dict_settings as settings
+from fsdp_impl.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    TrainingState,
+)
 from fsdp_impl.unit_state import STATE_ATTR, UnitState, unit_state, unit_states
 
 __all__ = ["FullyShardedDataParallel", "FSDP_WRAPPED_MODULE"]
@@ -226,19 +239,41 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     @contextlib.contextmanager
     def state_dict_type(
-        module: nn.Module, state_dict_type: StateDictType
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Generator[None, None, None]:
-        """Make ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type`` inside."""
-        construct.check_type("state_dict_type", state_dict_type, StateDictType, allow_none=False)
-        units = unit_states(module)
-        previous = [u.state_dict_type for u in units]
-        for u in units:
-            u.state_dict_type = state_dict_type
+        """Make ``state_dict()`` / ``load_state_dict()`` and the optimizer state dicts use ``state_dict_type``
+        with these options inside (see :meth:`set_state_dict_type`); the previous settings after."""
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config)
         try:
             yield
         finally:
-            for u, kind in zip(units, previous, strict=True):
-                u.state_dict_type = kind
+            if previous is not None:
+                settings.set_settings(unit_states(module), previous)
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings | None:
+        """Give every unit in ``module``'s tree this type and these options (``None``: the type's defaults);
+        the settings they held before ([Note: state dict settings])."""
+        construct.check_type("state_dict_type", state_dict_type, StateDictType, allow_none=False)
+        new = settings.settings_for(state_dict_type, state_dict_config, optim_state_dict_config)
+        units = unit_states(module)
+        previous = settings.settings_of(units)
+        settings.set_settings(units, new)
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+        """The settings every unit in ``module``'s tree holds (``None`` without units)."""
+        return settings.settings_of(unit_states(module))
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -251,3 +286,72 @@ class FullyShardedDataParallel(nn.Module):
     ) -> dict[str, Any]:
         """Convert :meth:`optim_state_dict` output back to what ``optim.load_state_dict`` takes."""
         return sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+
+    # -- FSDP1's older optimizer state dicts ([Note: older optimizer state dicts]) ---------------
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter names; empty on ranks but 0 with ``rank0_only``."""
+        _refuse_optim_input(optim_input)
+        return osa.full_optim_state_dict(model, optim, rank0_only, group)
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+    ) -> dict[str, Any]:
+        """This rank's pieces of the optimizer state, keyed by parameter names."""
+        return osa.sharded_optim_state_dict(model, optim)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """A :meth:`full_optim_state_dict` as ``optim.load_state_dict`` takes it on this rank."""
+        _refuse_optim_input(optim_input)
+        return osa.shard_full_optim_state_dict(full_optim_state_dict, model, optim)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """A :meth:`sharded_optim_state_dict` as ``optim.load_state_dict`` takes it."""
+        return osa.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """Rank 0's :meth:`full_optim_state_dict` (ignored elsewhere) as each rank's ``optim`` loads it."""
+        _refuse_optim_input(optim_input)
+        return osa.scatter_full_optim_state_dict(full_optim_state_dict, model, optim, group)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """``optim_state_dict`` keyed by parameter names or by parameter positions."""
+        _refuse_optim_input(optim_input)
+        construct.check_type("optim_state_key_type", optim_state_key_type, OptimStateKeyType, allow_none=False)
+        return osa.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim)
+
+
+def _refuse_optim_input(optim_input: Any) -> None:
+    """``optim_input`` is deprecated in torch; this reference takes ``optim`` (or ``model.parameters()``)."""
+    if optim_input is not None:
+        raise NotImplementedError("optim_input is not supported: pass optim instead")

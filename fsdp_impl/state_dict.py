@@ -17,6 +17,10 @@ no ``_flat_param``), for both ``use_orig_params`` settings.
   ``param_groups[i]["params"]``. ``optim_state_dict_to_load`` converts back to
   ``optim.load_state_dict``'s format for this model's optimizer.
 
+The options of the units' settings ([Note: state dict settings]) apply to what a save returns:
+``offload_to_cpu`` moves its tensors to the CPU, a FULL config's ``rank0_only`` leaves ranks other than
+0 an empty dict.
+
 Both model directions work by temporarily registering the original parameters
 with ``.data`` pointing at full views (FULL) or local pieces (SHARDED) and then
 using ``nn.Module.state_dict`` / ``load_state_dict`` unchanged, so buffers,
@@ -34,10 +38,10 @@ import torch
 import torch.nn as nn
 
 from fsdp_impl import collectives
-from fsdp_impl.api import ShardedState, StateDictType, TrainingState
+from fsdp_impl.api import ShardedState, StateDictSettings, StateDictType, TrainingState
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
 from fsdp_impl.layout import ParamSlot
-from fsdp_impl.unit_state import UnitState, unit_state, unit_states
+from fsdp_impl.unit_state import UnitState, default_state_dict_settings, unit_state, unit_states
 
 __all__ = [
     "summon_full_params",
@@ -45,6 +49,9 @@ __all__ = [
     "load_model_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "optim_state_in",
+    "load_form",
+    "to_cpu",
     "clean_fqn",
 ]
 
@@ -67,10 +74,33 @@ def _managing_units(module: nn.Module) -> list[UnitState]:
     return units
 
 
-def _state_dict_type(root: nn.Module) -> StateDictType:
-    """The layout the first unit in ``root``'s tree was told to use (FULL when there is none)."""
+def _settings(root: nn.Module) -> StateDictSettings:
+    """The state-dict settings of the first unit in ``root``'s tree (the defaults when there is none)."""
     units = unit_states(root)
-    return units[0].state_dict_type if units else StateDictType.FULL_STATE_DICT
+    return units[0].state_dict_settings if units else default_state_dict_settings()
+
+
+def _is_full(root: nn.Module) -> bool:
+    return _settings(root).state_dict_type is StateDictType.FULL_STATE_DICT
+
+
+def _as_configured(state: dict[str, Any], offload_to_cpu: bool, rank0_only: bool) -> dict[str, Any]:
+    """``state`` as its options ask: empty on ranks other than 0 with ``rank0_only``, every tensor on the
+    CPU with ``offload_to_cpu``."""
+    if rank0_only and collectives.group_rank(None) != 0:
+        return {}
+    return to_cpu(state) if offload_to_cpu else state
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts and lists) moved to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(v) for v in value]
+    return value
 
 
 def _check_idle(units: list[UnitState]) -> None:
@@ -218,14 +248,16 @@ def model_state_dict(root: nn.Module) -> dict[str, Any]:
             for k, v in raw.items()
         }
 
-    if _state_dict_type(root) is StateDictType.FULL_STATE_DICT:
+    config = _settings(root).state_dict_config
+    if _is_full(root):
         with summon_full_params(root, writeback=False):
-            return snapshot()
+            state = snapshot()
+        return _as_configured(state, config.offload_to_cpu, getattr(config, "rank0_only", False))
     _check_idle(units)
     for unit in units:
         _register_orig(unit, full=False)
     try:
-        return snapshot()
+        return _as_configured(snapshot(), config.offload_to_cpu, rank0_only=False)
     finally:
         for unit in units:
             _unregister_orig(unit)
@@ -245,7 +277,7 @@ def _buffer_dtypes(root: nn.Module) -> dict[int, torch.dtype]:
 def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> Any:
     """Load the output of :func:`model_state_dict` for the same layout."""
     units = _managing_units(root)
-    full = _state_dict_type(root) is StateDictType.FULL_STATE_DICT
+    full = _is_full(root)
     context = summon_full_params(root, writeback=True) if full else contextlib.nullcontext()
     with context:
         if not full:
@@ -309,7 +341,14 @@ def _as_shard(handle: FlatParamHandle, slot: ParamSlot, value: torch.Tensor) -> 
 
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    full = _state_dict_type(model) is StateDictType.FULL_STATE_DICT
+    """The optimizer state in the layout and with the options ``model``'s units were told to use."""
+    config = _settings(model).optim_state_dict_config
+    state = optim_state_in(model, optim, full=_is_full(model))
+    return _as_configured(state, config.offload_to_cpu, getattr(config, "rank0_only", False))
+
+
+def optim_state_in(model: nn.Module, optim: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
+    """The optimizer state keyed by parameter names: full tensors (``full``) or this rank's pieces."""
     slots = _param_slots(model)
     state: dict[str, dict[str, Any]] = {}
     groups = []
@@ -344,12 +383,20 @@ def _is_shard_state(value: Any, param: torch.Tensor) -> bool:
 def optim_state_dict_to_load(
     model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
 ) -> dict[str, Any]:
-    full = _state_dict_type(model) is StateDictType.FULL_STATE_DICT
+    """``osd``, saved in the layout ``model``'s units were told to use, as ``optim.load_state_dict`` takes it."""
+    return load_form(model, optim.param_groups, osd, full=_is_full(model))
+
+
+def load_form(
+    model: nn.Module, param_groups: list[dict[str, Any]], osd: dict[str, Any], full: bool
+) -> dict[str, Any]:
+    """``osd``, keyed by parameter names and holding full tensors (``full``) or this rank's pieces, as
+    ``load_state_dict`` takes it for an optimizer over ``param_groups``."""
     slots = _param_slots(model)
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
-    for group, saved_group in zip(optim.param_groups, osd["param_groups"], strict=True):
+    for group, saved_group in zip(param_groups, osd["param_groups"], strict=True):
         ids = []
         for param in group["params"]:
             entries = slots[id(param)]

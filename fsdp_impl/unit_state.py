@@ -30,8 +30,11 @@ from fsdp_impl import collectives
 from fsdp_impl.api import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
+    StateDictSettings,
     StateDictType,
     TrainingState,
 )
@@ -40,6 +43,7 @@ from fsdp_impl.flat_param import FlatParamHandle
 
 __all__ = [
     "STATE_ATTR",
+    "default_state_dict_settings",
     "UnitConfig",
     "UnitControls",
     "UnitGroups",
@@ -111,6 +115,11 @@ class UnitGroups:
         return 1 if self.replicate_group is None else collectives.group_size(self.replicate_group)
 
 
+def default_state_dict_settings() -> StateDictSettings:
+    """What a unit holds until told otherwise: a full state dict with default options."""
+    return StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
+
 @dataclass(eq=False)  # units are told apart by identity (membership in lists, order checks)
 class UnitState:
     """One unit: what it wraps, its settings and groups, and its per-iteration bookkeeping."""
@@ -127,7 +136,8 @@ class UnitState:
     ran_pre_backward: bool = False  # the pre-backward hook ran in this backward
     backward_task: int = -1  # autograd graph task of that hook (a nested backward has another)
     training_state: TrainingState = TrainingState.IDLE  # the phase the unit is in
-    state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT  # layout of state_dict()/load
+    # the state-dict type and options (see [Note: state dict settings])
+    state_dict_settings: StateDictSettings = field(default_factory=default_state_dict_settings)
     saved_flat_grad: torch.Tensor | None = None  # flat_param.grad set aside inside summon_full_params
     unsynced_grad: torch.Tensor | None = None  # unsharded gradient kept by backwards inside no_sync()
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 from conformance.contract.adapter import (
     STRATEGIES,
     Capability,
+    StateDictSettingsSpec,
     UnitInfo,
     WrapSpec,
 )
@@ -188,6 +189,64 @@ class FSDP1LikeAdapter:
         with self._state_dict_type(model, sharded=sharded):
             optim.load_state_dict(fsdp_cls.optim_state_dict_to_load(model, optim, state))
 
+    # -- FSDP1's optimizer state-dict functions (Capability.OPTIM_STATE_DICT_FUNCTIONS) ---------------
+    def full_optim_state_dict(
+        self, model: nn.Module, optim: torch.optim.Optimizer, *, rank0_only: bool, group: Any = None
+    ) -> dict[str, Any]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        return cast(dict[str, Any], fsdp_cls.full_optim_state_dict(model, optim, rank0_only=rank0_only, group=group))
+
+    def sharded_optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        return cast(dict[str, Any], self._api().FullyShardedDataParallel.sharded_optim_state_dict(model, optim))
+
+    def shard_full_optim_state_dict(
+        self, full_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        return cast(dict[str, Any], fsdp_cls.shard_full_optim_state_dict(full_osd, model, optim=optim))
+
+    def scatter_full_optim_state_dict(
+        self, full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.optim.Optimizer, *, group: Any = None
+    ) -> dict[str, Any]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        return cast(dict[str, Any], fsdp_cls.scatter_full_optim_state_dict(full_osd, model, optim=optim, group=group))
+
+    def flatten_sharded_optim_state_dict(
+        self, sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        fsdp_cls = self._api().FullyShardedDataParallel
+        return cast(dict[str, Any], fsdp_cls.flatten_sharded_optim_state_dict(sharded_osd, model, optim))
+
+    def rekey_optim_state_dict(
+        self, osd: dict[str, Any], key_type: str, model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        api = self._api()
+        kind = api.OptimStateKeyType[key_type]
+        return cast(dict[str, Any], api.FullyShardedDataParallel.rekey_optim_state_dict(osd, kind, model, optim=optim))
+
+    # -- FSDP1's state-dict settings (Capability.STATE_DICT_SETTINGS) -------------------------------
+    def set_state_dict_type(self, model: nn.Module, settings: StateDictSettingsSpec) -> StateDictSettingsSpec | None:
+        api = self._api()
+        full = settings.kind == "FULL_STATE_DICT"
+        config = (api.FullStateDictConfig(offload_to_cpu=settings.offload_to_cpu, rank0_only=settings.rank0_only)
+                  if full else api.ShardedStateDictConfig(offload_to_cpu=settings.offload_to_cpu))
+        optim_config = (
+            api.FullOptimStateDictConfig(offload_to_cpu=settings.optim_offload_to_cpu,
+                                         rank0_only=settings.optim_rank0_only)
+            if full else api.ShardedOptimStateDictConfig(offload_to_cpu=settings.optim_offload_to_cpu))
+        previous = api.FullyShardedDataParallel.set_state_dict_type(
+            model, api.StateDictType[settings.kind], config, optim_config)
+        return _settings_spec(previous)
+
+    def get_state_dict_type(self, model: nn.Module) -> StateDictSettingsSpec | None:
+        return _settings_spec(self._api().FullyShardedDataParallel.get_state_dict_type(model))
+
+    def optim_state_dict_as_set(self, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        return cast(dict[str, Any], self._api().FullyShardedDataParallel.optim_state_dict(model, optim))
+
+    def load_optim_state_dict_as_set(self, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+        optim.load_state_dict(self._api().FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd))
+
     def _state_dict_type(self, model: nn.Module, *, sharded: bool) -> Any:
         api = self._api()
         kind = api.StateDictType.SHARDED_STATE_DICT if sharded else api.StateDictType.FULL_STATE_DICT
@@ -195,6 +254,20 @@ class FSDP1LikeAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _settings_spec(settings: Any) -> StateDictSettingsSpec | None:
+    """An implementation's ``StateDictSettings`` (``None``: none) in the suite's terms."""
+    if settings is None or settings.state_dict_type is None:
+        return None
+    config, optim_config = settings.state_dict_config, settings.optim_state_dict_config
+    return StateDictSettingsSpec(
+        kind=settings.state_dict_type.name,
+        offload_to_cpu=config.offload_to_cpu,
+        rank0_only=getattr(config, "rank0_only", False),
+        optim_offload_to_cpu=optim_config.offload_to_cpu,
+        optim_rank0_only=getattr(optim_config, "rank0_only", False),
+    )
 
 
 def _select(chosen: frozenset[int], module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **_: Any) -> bool:

@@ -55,6 +55,8 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.MP_BUFFER_DTYPE,
             Capability.MP_FULL_PRECISION_IN_EVAL,
             Capability.THREAD_RANKS,
+            Capability.OPTIM_STATE_DICT_FUNCTIONS,
+            Capability.STATE_DICT_SETTINGS,
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.FULLY_SHARD_MIXED_PRECISION,

@@ -57,6 +57,8 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.MP_BUFFER_DTYPE,
             Capability.MP_FULL_PRECISION_IN_EVAL,
             Capability.THREAD_RANKS,
+            Capability.OPTIM_STATE_DICT_FUNCTIONS,
+            Capability.STATE_DICT_SETTINGS,
         }
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,
@@ -67,6 +69,10 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         "whose running sections are shared by every thread, so a second rank entering one raises",
         Capability.FULL_STATE_DICT: "its FULL state-dict load hook is timed by SimpleProfiler, "
         "whose running sections are shared by every thread, so a second rank entering it raises",
+        Capability.OPTIM_STATE_DICT_FUNCTIONS: "its optimizer state-dict sections are timed by SimpleProfiler, "
+        "whose running sections are shared by every thread, so a second rank entering one raises",
+        Capability.STATE_DICT_SETTINGS: "its optimizer state-dict sections are timed by SimpleProfiler, "
+        "whose running sections are shared by every thread, so a second rank entering one raises",
     }
 
     def _api(self) -> ModuleType:

@@ -23,6 +23,7 @@ from conformance.contract.adapter import (
     Capability,
     FSDPAdapter,
     MixedPrecisionSpec,
+    StateDictSettingsSpec,
     UnitInfo,
     WrapSpec,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "MixedPrecisionSpec",
     "NotApplicable",
     "Result",
+    "StateDictSettingsSpec",
     "UnitInfo",
     "WrapSpec",
     "case",

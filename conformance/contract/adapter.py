@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "AutoWrap",
     "MixedPrecisionSpec",
+    "StateDictSettingsSpec",
     "WrapSpec",
     "UnitInfo",
     "FSDPAdapter",
@@ -198,6 +199,17 @@ class Capability(str, enum.Enum):
     FULL_STATE_DICT_LOAD_ON_THREADS = "full_state_dict_load_on_threads"
     """Deprecated, ignored: a declared :attr:`FULL_STATE_DICT` loads on thread ranks unless ``thread_rank_limits``
     says otherwise."""
+    OPTIM_STATE_DICT_FUNCTIONS = "optim_state_dict_functions"
+    """FSDP1's optimizer state-dict functions beside ``optim_state_dict``: the adapter defines
+    ``full_optim_state_dict``, ``sharded_optim_state_dict``, ``shard_full_optim_state_dict``,
+    ``scatter_full_optim_state_dict``, ``flatten_sharded_optim_state_dict`` and ``rekey_optim_state_dict``
+    (:func:`conformance.contract.optional.full_optim_state_dict` and after), each as torch documents it."""
+    STATE_DICT_SETTINGS = "state_dict_settings"
+    """FSDP1's ``set_state_dict_type`` / ``get_state_dict_type`` with their options
+    (:class:`StateDictSettingsSpec`): the adapter defines ``set_state_dict_type(model, settings)``,
+    ``get_state_dict_type(model)``, ``optim_state_dict_as_set(model, optim)`` and
+    ``load_optim_state_dict_as_set(model, optim, osd)``; afterwards the model's own
+    ``state_dict()`` and the optimizer state dict take the type and options set."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
     ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""
@@ -254,6 +266,28 @@ class MixedPrecisionSpec:
         if self.cast_forward_inputs:
             caps.append(Capability.MP_CAST_FORWARD_INPUTS)
         return caps
+
+
+@dataclass(frozen=True)
+class StateDictSettingsSpec:
+    """A state-dict type and its options, in FSDP1's terms (``set_state_dict_type``'s arguments).
+
+    ``kind``: a ``StateDictType`` member's name (``FULL_STATE_DICT`` or ``SHARDED_STATE_DICT``);
+    ``offload_to_cpu`` / ``rank0_only``: the model state dict's config (``rank0_only`` only for FULL);
+    ``optim_offload_to_cpu`` / ``optim_rank0_only``: the optimizer state dict's, with torch's defaults.
+    """
+
+    kind: str
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+    optim_offload_to_cpu: bool = True
+    optim_rank0_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            raise ValueError(f"kind must be FULL_STATE_DICT or SHARDED_STATE_DICT, got {self.kind!r}")
+        if self.kind != "FULL_STATE_DICT" and (self.rank0_only or self.optim_rank0_only):
+            raise ValueError("rank0_only is an option of FULL_STATE_DICT only")
 
 
 @dataclass(frozen=True)

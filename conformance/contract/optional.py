@@ -28,6 +28,12 @@ adapter method (optional)                  default
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
 ``supports_no_sync(strategy)``             whether ``NO_SYNC`` is declared
+``full_optim_state_dict(m, o, ...)``, ``sharded_optim_state_dict``, ``shard_full_optim_state_dict``,
+``scatter_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``, ``rekey_optim_state_dict``
+                                           unsupported: the case is ``n/a``
+``set_state_dict_type(m, settings)``, ``get_state_dict_type(m)``, ``optim_state_dict_as_set(m, o)``,
+``load_optim_state_dict_as_set(m, o, osd)``
+                                           unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -45,13 +51,30 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability, MixedPrecisionSpec
+from conformance.contract.adapter import (
+    DEPRECATED_CAPABILITIES,
+    PROTOCOL_VERSION,
+    Capability,
+    MixedPrecisionSpec,
+    StateDictSettingsSpec,
+)
 
 __all__ = [
     "CAPABILITY_METHODS",
     "FullyShardUnsupported",
     "NoSyncUnsupported",
     "PostOptimEventUnsupported",
+    "StateDictAPIUnsupported",
+    "flatten_sharded_optim_state_dict",
+    "full_optim_state_dict",
+    "get_state_dict_type",
+    "load_optim_state_dict_as_set",
+    "optim_state_dict_as_set",
+    "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "set_state_dict_type",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
     "activation_checkpoint_wrapper",
     "capabilities_of",
     "full_grads",
@@ -86,6 +109,11 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
                                       "set_reshard_after_backward"),
     Capability.SET_RESHARD_AFTER_FORWARD: ("set_reshard_after_forward",),
     Capability.GRADIENT_DIVIDE_FACTOR: ("set_gradient_divide_factor",),
+    Capability.OPTIM_STATE_DICT_FUNCTIONS: ("full_optim_state_dict", "sharded_optim_state_dict",
+                                            "shard_full_optim_state_dict", "scatter_full_optim_state_dict",
+                                            "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),
+    Capability.STATE_DICT_SETTINGS: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
+                                     "load_optim_state_dict_as_set"),
 }
 
 
@@ -95,6 +123,10 @@ class PostOptimEventUnsupported(NotImplementedError):
 
 class NoSyncUnsupported(NotImplementedError):
     """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
+
+
+class StateDictAPIUnsupported(NotImplementedError):
+    """The adapter lacks one of FSDP1's state-dict functions or settings (cases report ``n/a``)."""
 
 
 class FullyShardUnsupported(NotImplementedError):
@@ -382,3 +414,100 @@ def set_performance_knob(adapter: Any, model: nn.Module, knob: str) -> None:
     if knob not in performance_knobs(adapter):
         raise ValueError(f"adapter {getattr(adapter, 'name', adapter)!r} offers no performance knob {knob!r}")
     adapter.set_performance_knob(model, knob)
+
+
+def _state_dict_api(adapter: Any, name: str) -> Any:
+    method = getattr(adapter, name, None)
+    if method is None:
+        raise StateDictAPIUnsupported(f"{adapter.name} has no {name}")
+    return method
+
+
+def full_optim_state_dict(
+    adapter: Any, model: nn.Module, optim: torch.optim.Optimizer, *, rank0_only: bool, group: Any = None
+) -> dict[str, Any]:
+    """The full optimizer state of the wrapped ``model``, keyed by parameter names as FSDP1's
+    ``full_optim_state_dict(model, optim, rank0_only=..., group=...)`` returns it (collective; with
+    ``rank0_only`` ranks other than 0 get ``{}``).
+
+    Optional part of the contract (:attr:`Capability.OPTIM_STATE_DICT_FUNCTIONS`), as the five below. Each
+    raises :class:`StateDictAPIUnsupported` when the adapter lacks the method.
+    """
+    return _state_dict_api(adapter, "full_optim_state_dict")(  # type: ignore[no-any-return]
+        model, optim, rank0_only=rank0_only, group=group)
+
+
+def sharded_optim_state_dict(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's share of the optimizer state, keyed by parameter names (FSDP1's ``sharded_optim_state_dict``)."""
+    return _state_dict_api(adapter, "sharded_optim_state_dict")(model, optim)  # type: ignore[no-any-return]
+
+
+def shard_full_optim_state_dict(
+    adapter: Any, full_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """``full_osd`` (a full optimizer state dict keyed by names) as ``optim.load_state_dict`` takes it for the
+    wrapped ``model`` (FSDP1's ``shard_full_optim_state_dict(full_osd, model, optim=optim)``)."""
+    return _state_dict_api(adapter, "shard_full_optim_state_dict")(  # type: ignore[no-any-return]
+        full_osd, model, optim)
+
+
+def scatter_full_optim_state_dict(
+    adapter: Any, full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.optim.Optimizer, *, group: Any = None
+) -> dict[str, Any]:
+    """Rank 0's ``full_osd`` (ignored on other ranks) as each rank's ``optim`` loads it (collective; FSDP1's
+    ``scatter_full_optim_state_dict(full_osd, model, optim=optim, group=group)``)."""
+    return _state_dict_api(adapter, "scatter_full_optim_state_dict")(  # type: ignore[no-any-return]
+        full_osd, model, optim, group=group)
+
+
+def flatten_sharded_optim_state_dict(
+    adapter: Any, sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """What :func:`sharded_optim_state_dict` returned, as ``optim.load_state_dict`` takes it (FSDP1's
+    ``flatten_sharded_optim_state_dict``)."""
+    return _state_dict_api(adapter, "flatten_sharded_optim_state_dict")(  # type: ignore[no-any-return]
+        sharded_osd, model, optim)
+
+
+def rekey_optim_state_dict(
+    adapter: Any, osd: dict[str, Any], key_type: str, model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """``osd`` keyed by parameter names (``key_type="PARAM_NAME"``) or by positions in ``optim``'s parameter
+    order (``"PARAM_ID"``), for ``model`` and its ``optim`` (FSDP1's ``rekey_optim_state_dict`` with
+    ``OptimStateKeyType``)."""
+    if key_type not in ("PARAM_NAME", "PARAM_ID"):
+        raise ValueError(f"key_type must be PARAM_NAME or PARAM_ID, got {key_type!r}")
+    return _state_dict_api(adapter, "rekey_optim_state_dict")(  # type: ignore[no-any-return]
+        osd, key_type, model, optim)
+
+
+def set_state_dict_type(
+    adapter: Any, model: nn.Module, settings: StateDictSettingsSpec
+) -> StateDictSettingsSpec | None:
+    """Give every unit of the wrapped ``model`` ``settings``; the settings they held before (FSDP1's
+    ``set_state_dict_type``, whose ``StateDictSettings`` the adapter describes as a
+    :class:`StateDictSettingsSpec`).
+
+    Optional part of the contract (:attr:`Capability.STATE_DICT_SETTINGS`), as the two below. Each raises
+    :class:`StateDictAPIUnsupported` when the adapter lacks the method.
+    """
+    return _state_dict_api(adapter, "set_state_dict_type")(model, settings)  # type: ignore[no-any-return]
+
+
+def get_state_dict_type(adapter: Any, model: nn.Module) -> StateDictSettingsSpec | None:
+    """The settings the units of ``model`` hold (FSDP1's ``get_state_dict_type``)."""
+    return _state_dict_api(adapter, "get_state_dict_type")(model)  # type: ignore[no-any-return]
+
+
+def optim_state_dict_as_set(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state dict in the type and with the options :func:`set_state_dict_type` set (FSDP1's
+    ``optim_state_dict(model, optim)`` with no ``state_dict_type`` context around it)."""
+    return _state_dict_api(adapter, "optim_state_dict_as_set")(model, optim)  # type: ignore[no-any-return]
+
+
+def load_optim_state_dict_as_set(
+    adapter: Any, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
+) -> None:
+    """Load what :func:`optim_state_dict_as_set` returned into ``optim``, in the type and with the options
+    :func:`set_state_dict_type` set (FSDP1's ``optim_state_dict_to_load`` with no context around it)."""
+    _state_dict_api(adapter, "load_optim_state_dict_as_set")(model, optim, osd)

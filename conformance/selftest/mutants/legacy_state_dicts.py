@@ -1,0 +1,96 @@
+"""Mutants of FSDP1's optimizer state-dict functions and state-dict settings (the ``legacy_state_dicts`` rows)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from conformance.selftest.declare import Expect, Patch, _Mutant
+
+__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "RekeyKeepsKeys", "ShardedOptimLoadDropsState",
+           "StateDictSettingsNotSet"]
+
+Fn = Callable[..., Any]
+
+
+def _ignoring_rank0_only(full: Fn) -> Fn:
+    def full_on_every_rank(model: Any, optim: Any, rank0_only: bool, group: Any) -> Any:
+        return full(model, optim, False, group)
+
+    return full_on_every_rank
+
+
+class FullOptimStateOnEveryRank(_Mutant):
+    """``full_optim_state_dict(rank0_only=True)`` gives every rank the full state dict."""
+
+    name = "mutant-full-optim-state-on-every-rank"
+    breaks = "leaving ranks other than 0 an empty dict with rank0_only"
+    expect = Expect("legacy_state_dicts and full_optim_state_dict", "thread",
+                    ("legacy_state_dicts/full_optim_state_dict[rank0_only=True]",))
+    patches = (Patch("fsdp_impl.optim_state_api:full_optim_state_dict", _ignoring_rank0_only),)
+
+
+def _always_sharded(state_in: Fn) -> Fn:
+    def state_in_sharded(model: Any, optim: Any, full: bool) -> Any:
+        return state_in(model, optim, False)
+
+    return state_in_sharded
+
+
+class FullOptimStateSharded(_Mutant):
+    """A full optimizer state dict holds this rank's pieces instead of the full tensors."""
+
+    name = "mutant-full-optim-state-sharded"
+    breaks = "gathering the full optimizer state"
+    expect = Expect("legacy_state_dicts and (full_optim_state_dict or load_full or settings)", "thread",
+                    ("legacy_state_dicts/full_optim_state_dict", "legacy_state_dicts/load_full",
+                     "legacy_state_dicts/settings[kind=FULL]"))
+    patches = (Patch("fsdp_impl.state_dict:optim_state_in", _always_sharded),)
+
+
+def _keeping_keys(rekey: Fn) -> Fn:
+    def rekey_keeping_keys(osd: Any, key_type: Any, model: Any, optim: Any) -> Any:
+        return osd
+
+    return rekey_keeping_keys
+
+
+class RekeyKeepsKeys(_Mutant):
+    """``rekey_optim_state_dict`` returns the state dict with the keys it had."""
+
+    name = "mutant-rekey-keeps-keys"
+    breaks = "re-keying an optimizer state dict by names or ids"
+    expect = Expect("legacy_state_dicts and rekey", "thread", ("legacy_state_dicts/rekey",))
+    patches = (Patch("fsdp_impl.optim_state_api:rekey_optim_state_dict", _keeping_keys),)
+
+
+def _dropping_state(flatten: Fn) -> Fn:
+    def flatten_dropping_state(sharded_osd: Any, model: Any, optim: Any) -> Any:
+        return {**flatten(sharded_osd, model, optim), "state": {}}
+
+    return flatten_dropping_state
+
+
+class ShardedOptimLoadDropsState(_Mutant):
+    """``flatten_sharded_optim_state_dict`` keeps the hyperparameters but drops the per-parameter state."""
+
+    name = "mutant-sharded-optim-load-drops-state"
+    breaks = "loading a sharded optimizer state dict's per-parameter state"
+    expect = Expect("legacy_state_dicts and sharded_roundtrip", "thread", ("legacy_state_dicts/sharded_roundtrip",))
+    patches = (Patch("fsdp_impl.optim_state_api:flatten_sharded_optim_state_dict", _dropping_state),)
+
+
+def _not_setting(set_settings: Fn) -> Fn:
+    def set_nothing(units: Any, settings: Any) -> None:
+        return None
+
+    return set_nothing
+
+
+class StateDictSettingsNotSet(_Mutant):
+    """``set_state_dict_type`` (and the ``state_dict_type`` context) leaves the units' settings as they were."""
+
+    name = "mutant-state-dict-settings-not-set"
+    breaks = "setting the state-dict type and its options"
+    expect = Expect("legacy_state_dicts and settings", "thread", ("legacy_state_dicts/settings",))
+    patches = (Patch("fsdp_impl.state_dict_settings:set_settings", _not_setting),)
