@@ -23,10 +23,8 @@ The rest exercise ``FSDPModule`` methods by what a user reads back, against the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
