@@ -39,7 +39,8 @@ parameter views its piece again.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -332,6 +333,27 @@ class FSDPModule:
         """Divide this module's summed gradients by ``factor`` instead of the data-parallel world size (not
         recursive, as torch's; [Note: gradient averaging] in ``collectives.py``)."""
         self._own().controls.gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated (as in torch): :meth:`set_gradient_divide_factor`."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Whether backward all-reduces a hybrid module's gradients over the replicas (``False``: the
+        reduce-scattered sums add up until one does; [Note: partial reduction] in ``reduction.py``)."""
+        for state in self._units(recurse):
+            state.controls.requires_all_reduce = requires_all_reduce
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Run ``hook`` on this module's reduced gradient piece before the division by the world size (the
+        all-reduce output on a 2-D mesh, else the reduce-scatter output); ``stream`` is not modelled."""
+        self._own().controls.all_reduce_hook = hook
+
+    def reset_iter_state(self) -> None:
+        """Recover from an exception raised mid forward or backward: the next iteration runs as a fresh one
+        (the failed one's gradients are dropped). Only on the root."""
+        unit.reset_iteration(self._own())
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters (``False``: the next forward reuses them)."""

@@ -98,6 +98,13 @@ class ExecOrderData(Generic[U]):
         if self.warn_status is _Warn.WARNING:
             self.warn_status = _Warn.WARNED
 
+    def abort_iter(self) -> None:
+        """An exception ended the iteration early: the next forward starts over, and records the order
+        again when the aborted iteration was the first."""
+        self.current_index = 0
+        if self.is_first_iter:
+            self.forward_order.clear()
+
     def next_forward(self, unit: U) -> U | None:
         """The unit recorded after ``unit`` in forward (prefetch target), from the second iteration on."""
         return None if self.is_first_iter else self._neighbour(unit, +1)

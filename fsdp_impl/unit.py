@@ -67,10 +67,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from fsdp_impl import collectives, precision
+from fsdp_impl import precision, reduction
 from fsdp_impl.api import BackwardPrefetch, ShardedState, TrainingState
 from fsdp_impl.exec_order import ExecOrderData
-from fsdp_impl.unit_state import Reduction, RootState, UnitState, named_unit_states, unit_state
+from fsdp_impl.unit_state import RootState, UnitState, named_unit_states, unit_state
 
 __all__ = [
     "MAX_PREFETCHED",
@@ -80,6 +80,7 @@ __all__ = [
     "post_forward_hook",
     "in_backward",
     "HOMOGENEOUS_ATTRS",
+    "reset_iteration",
 ]
 
 MAX_PREFETCHED = 2
@@ -315,8 +316,8 @@ def _post_backward_hook(unit: UnitState, full: torch.Tensor) -> None:
     unit.training_state = TrainingState.BACKWARD_POST
     grad = _with_unsynced_grad(unit, grad)
     if unit.controls.requires_gradient_sync:
-        _finish_reductions(state)  # [Note: unit lifecycle]: one reduction in flight
-        state.reductions.append(_issue_reduction(unit, grad))
+        reduction.finish_reductions(state)  # [Note: unit lifecycle]: one reduction in flight
+        state.reductions.append(reduction.issue_reduction(unit, grad))
     else:  # [Note: no_sync]
         policy = unit.config.low_precision(unit.training)
         keep_in = policy.reduce_dtype if policy is not None and unit.config.unsynced_in_reduce_dtype else None
@@ -338,49 +339,9 @@ def _with_unsynced_grad(unit: UnitState, grad: torch.Tensor) -> torch.Tensor:
     return grad if kept is None else kept.add_(grad)
 
 
-def _issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:
-    handle = unit.handle
-    assert handle is not None
-    policy = unit.config.low_precision(unit.training)
-    if policy is not None:
-        grad = grad.to(policy.reduce_dtype or policy.param_dtype or grad.dtype)
-    if handle.shard_size > 1:
-        out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        full = handle.layout.to_rank_major(grad)  # the order reduce-scatter splits in ([Note: shard layouts])
-        return Reduction(unit, collectives.reduce_scatter(out, full, handle.shard_group), "reduce_scatter")
-    return _start_all_reduce(unit, grad)
-
-
-def _start_all_reduce(unit: UnitState, grad: torch.Tensor) -> Reduction:
-    group = unit.groups.replicate_group
-    if group is None or collectives.group_size(group) == 1:
-        return Reduction(unit, collectives.Pending(None, grad), "done")
-    return Reduction(unit, collectives.all_reduce(grad, group), "all_reduce")
-
-
-def _advance_reductions(state: RootState) -> None:
-    """Move finished reduce-scatters of earlier units on to their replicate all-reduce."""
-    for index, reduction in enumerate(state.reductions):
-        if reduction.stage == "reduce_scatter" and reduction.unit.groups.replicate_group is not None:
-            assert reduction.pending is not None
-            state.reductions[index] = _start_all_reduce(reduction.unit, reduction.pending.wait())
-
-
-def _finish_reductions(state: RootState) -> None:
-    """Wait for every reduction and add the averaged gradients to the exposed grads."""
-    _advance_reductions(state)
-    for reduction in state.reductions:
-        assert reduction.pending is not None
-        grad = reduction.pending.wait()
-        grad.div_(reduction.unit.controls.gradient_divide_factor or reduction.unit.groups.dp_world_size)
-        assert reduction.unit.handle is not None
-        reduction.unit.handle.accumulate_sharded_grad(grad)
-    state.reductions.clear()
-
-
 def _final_callback(state: RootState) -> None:
     """End of backward: finish reductions, reshard everything, start the next iteration."""
-    _finish_reductions(state)
+    reduction.finish_reductions(state)
     for unit in state.units:
         handle = unit.handle
         if handle is None or not unit.controls.reshard_after_backward:
@@ -396,3 +357,26 @@ def _final_callback(state: RootState) -> None:
     state.exec_order.next_iter()
     state.callback_queued = False
 
+
+
+def reset_iteration(root: UnitState) -> None:
+    """After an exception ended a forward or backward early (FSDP2's ``reset_iter_state``, on the root only):
+    wait for the collectives in flight and drop the reductions, the gradients kept without sync and the
+    partial reductions, reshard every unit and start a fresh iteration, as if the failed one never ran."""
+    if root.is_root is False:
+        raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+    state = root.root
+    if state is None:  # no forward ran yet: nothing to reset
+        return
+    reduction.discard_reductions(state)
+    for unit in state.units:
+        if unit.handle is not None:
+            unit.handle.full.grad = None
+            unit.handle.reshard()
+        unit.unsynced_grad = unit.partial_reduce = None
+        unit.ran_pre_backward = False
+        unit.backward_task = -1
+        unit.training_state = TrainingState.IDLE
+    state.prefetched.clear()
+    state.exec_order.abort_iter()
+    state.callback_queued = False

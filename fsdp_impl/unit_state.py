@@ -9,7 +9,7 @@ the state in its constructor and exposes its public surface as properties over
 it. Imports therefore point one way:
 
     api, collectives -> layout -> flat_param -> exec_order -> unit_state -> precision, init, wrap
-        -> unit -> no_sync, state_dict -> construct -> fully_sharded_data_parallel, composable
+        -> reduction -> unit -> no_sync, state_dict -> construct -> fully_sharded_data_parallel, composable
 
 Settings the user gives the constructor or ``fully_shard`` live in
 :class:`UnitConfig` (frozen; auto-wrapped children get the same ones), the ones
@@ -20,6 +20,7 @@ groups in :class:`UnitGroups`, and per-iteration bookkeeping directly on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +95,8 @@ class UnitControls:
     forward_prefetch: list[UnitState] | None = None  # all-gathers issued after this unit's (None: recorded order)
     backward_prefetch: list[UnitState] | None = None  # likewise in backward (None: BackwardPrefetch)
     gradient_divide_factor: float | None = None  # summed gradients are divided by it (None: dp_world_size)
+    requires_all_reduce: bool = True  # False: keep the reduce-scattered sum for later ([Note: partial reduction])
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # run on the reduced piece before division
 
 
 @dataclass
@@ -140,6 +143,7 @@ class UnitState:
     state_dict_settings: StateDictSettings = field(default_factory=default_state_dict_settings)
     saved_flat_grad: torch.Tensor | None = None  # flat_param.grad set aside inside summon_full_params
     unsynced_grad: torch.Tensor | None = None  # unsharded gradient kept by backwards inside no_sync()
+    partial_reduce: torch.Tensor | None = None  # reduce-scattered sum kept without all-reduce (hybrid)
 
     @property
     def training(self) -> bool:

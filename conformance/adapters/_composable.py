@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import MixedPrecisionSpec
@@ -76,3 +77,19 @@ class FullyShardMethods:
     def set_gradient_divide_factor(self, module: nn.Module, factor: float) -> None:
         """``FSDPModule.set_gradient_divide_factor(factor)`` (the module's own parameters)."""
         cast(Any, module).set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_divide_factor(self, module: nn.Module, factor: float) -> None:
+        """``FSDPModule.set_reduce_scatter_divide_factor(factor)`` (deprecated for ``set_gradient_divide_factor``)."""
+        cast(Any, module).set_reduce_scatter_divide_factor(factor)
+
+    def set_requires_all_reduce(self, module: nn.Module, on: bool) -> None:
+        """``FSDPModule.set_requires_all_reduce(on)`` (recursive)."""
+        cast(Any, module).set_requires_all_reduce(on)
+
+    def set_all_reduce_hook(self, module: nn.Module, hook: Callable[[torch.Tensor], None]) -> None:
+        """``FSDPModule.set_all_reduce_hook(hook)`` (the module's own parameters)."""
+        cast(Any, module).set_all_reduce_hook(hook)
+
+    def reset_iter_state(self, module: nn.Module) -> None:
+        """``FSDPModule.reset_iter_state()`` on the root."""
+        cast(Any, module).reset_iter_state()

@@ -64,6 +64,9 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,
             Capability.GRADIENT_DIVIDE_FACTOR,
+            Capability.REDUCE_SCATTER_DIVIDE_FACTOR,
+            Capability.ALL_REDUCE_CONTROLS,
+            Capability.RESET_ITER_STATE,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }

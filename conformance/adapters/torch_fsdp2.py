@@ -74,6 +74,9 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,
             Capability.GRADIENT_DIVIDE_FACTOR,
+            Capability.REDUCE_SCATTER_DIVIDE_FACTOR,
+            Capability.ALL_REDUCE_CONTROLS,
+            Capability.RESET_ITER_STATE,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
             Capability.COMPUTE_DEVICE,
@@ -232,6 +235,16 @@ class TorchFSDP2Adapter(FullyShardMethods):
         the ``PREMUL_SUM`` reduction torch uses otherwise; the sum divided by ``factor`` after it is the same value;
         on one rank torch issues no collective, and forcing the sum would divide twice)."""
         super().set_gradient_divide_factor(module, factor)
+        self._sum_only_on_cpu(module)
+
+    def set_reduce_scatter_divide_factor(self, module: nn.Module, factor: float) -> None:
+        """``FSDPModule.set_reduce_scatter_divide_factor(factor)``, with the sum-only reduction on CPU as
+        :meth:`set_gradient_divide_factor`."""
+        super().set_reduce_scatter_divide_factor(module, factor)
+        self._sum_only_on_cpu(module)
+
+    @staticmethod
+    def _sum_only_on_cpu(module: nn.Module) -> None:
         if dist.get_world_size() > 1 and any(param.device.type == "cpu" for param in module.parameters()):
             cast(Any, module).set_force_sum_reduction_for_comms(True)
 

@@ -6,11 +6,25 @@
 
 Both are checked on every rank; the sharded model built before the misuse still trains like the
 local model afterwards (a refused call leaves it as it was).
+
+The rest exercise ``FSDPModule`` methods by what a user reads back, against the local model
+(``fixtures.sharded_blocks``; torch 2.13's docstrings are the oracle):
+
+- ``reduce_scatter_divide_factor``: the deprecated alias behaves as ``set_gradient_divide_factor``: with
+  factor 1 the root's own gradients are the sum over ranks, the blocks' the mean (its
+  ``DeprecationWarning`` is not a failure).
+- ``requires_all_reduce``: on a 2x2 (replicate, shard) mesh, a backward that reduce-scatters without
+  all-reducing, then a synchronizing one, leave the gradients of both micro-batches' mean losses.
+- ``all_reduce_hook``: on a 2x2 mesh, a hook scaling ``b2``'s all-reduced gradient in place runs once per
+  backward, and ``b2``'s gradients are the local ones scaled, the other modules' unchanged.
+- ``reset_iter_state[when=...]``: after an exception raised in ``b2``'s forward or backward and
+  ``reset_iter_state()`` on the root, training goes on as if the failed iteration never ran.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -20,7 +34,7 @@ from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
-from fixtures.blocks import Blocks
+from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
 from fixtures.sharded_blocks import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
 
@@ -49,3 +63,131 @@ def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
         sharded_step(ctx, impl, model, optim, step)
         local_step(ctx, local, local_optim, step, range(ctx.world_size))
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters after {kind}")
+
+
+#: The hook's scale: a power of two, so scaled gradients compare exactly.
+HOOK_SCALE = 4.0
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole (a DTensor's ``full_tensor()``, collective)."""
+    out = {}
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} has no gradient"
+        grad: Any = param.grad
+        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return out
+
+
+def _local_grads(ctx: RankContext, steps: range, local: Blocks | None = None) -> dict[str, torch.Tensor]:
+    """``local``'s gradients (default: a fresh local model's) summed over ``steps``, each the mean over ranks of
+    their losses."""
+    local = Blocks(seed=0).to(ctx.device) if local is None else local
+    for step in steps:
+        loss = sum(local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size))
+        (loss / ctx.world_size).backward()  # type: ignore[operator]
+    return {name: param.grad.detach().clone() for name, param in local.named_parameters()
+            if param.grad is not None}
+
+
+@case("fully_shard_api/reduce_scatter_divide_factor", clause="C2", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.REDUCE_SCATTER_DIVIDE_FACTOR])
+def test_reduce_scatter_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """``set_reduce_scatter_divide_factor(1.0)`` on the root, as ``set_gradient_divide_factor(1.0)``: the root's
+    own gradients (``head``) are the sum over ranks, the blocks' the mean."""
+    model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch deprecates the alias; not a failure
+        optional.set_reduce_scatter_divide_factor(impl, model, 1.0)
+    model(block_batch(0, ctx.rank, ctx.device)).sum().backward()
+    expected = {name: grad * ctx.world_size if name.startswith("head.") else grad
+                for name, grad in _local_grads(ctx, range(1)).items()}
+    assert_close_named(_full_grads(model), expected, what=f"rank {ctx.rank}: gradients with divide factor 1")
+
+
+def _hybrid_blocks(ctx: RankContext, impl: FSDPAdapter) -> Blocks:
+    return shard_blocks(impl, Blocks(seed=0).to(ctx.device), ctx.device_mesh((2, 2), ("replicate", "shard")))
+
+
+@case("fully_shard_api/requires_all_reduce", clause=("C15", "C2"), world_size=4, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.ALL_REDUCE_CONTROLS])
+def test_requires_all_reduce(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """On a 2x2 mesh, ``set_requires_all_reduce(False)`` for one backward, then ``True`` for the next: after
+    the synchronizing backward the gradients are the local model's for both micro-batches, twice in a row."""
+    model = _hybrid_blocks(ctx, impl)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = Blocks(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for cycle in range(2):
+        optim.zero_grad(set_to_none=True)
+        local_optim.zero_grad(set_to_none=True)
+        for micro, on in enumerate((False, True)):
+            optional.set_requires_all_reduce(impl, model, on)
+            model(block_batch(2 * cycle + micro, ctx.rank, ctx.device)).sum().backward()
+        expected = _local_grads(ctx, range(2 * cycle, 2 * cycle + 2), local)
+        assert_close_named(_full_grads(model), expected, what=f"rank {ctx.rank}: gradients of cycle {cycle}")
+        optional.step(impl, model, optim)
+        local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+@case("fully_shard_api/all_reduce_hook", clause=("C15", "C2"), world_size=4, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.ALL_REDUCE_CONTROLS])
+def test_all_reduce_hook(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """On a 2x2 mesh, a hook on ``b2`` scaling its all-reduced gradient in place runs once per backward; ``b2``'s
+    gradients are the local ones times the scale, the other modules' are the local ones."""
+    model = _hybrid_blocks(ctx, impl)
+    calls: list[int] = []
+
+    def hook(reduce_output: torch.Tensor) -> None:
+        calls.append(reduce_output.numel())
+        reduce_output.mul_(HOOK_SCALE)
+
+    optional.set_all_reduce_hook(impl, model.b2, hook)
+    for step in range(2):
+        for param in model.parameters():
+            param.grad = None
+        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
+        assert len(calls) == step + 1, f"rank {ctx.rank}: the hook ran {len(calls)} times in {step + 1} backwards"
+        expected = {name: grad * HOOK_SCALE if name.startswith("b2.") else grad
+                    for name, grad in _local_grads(ctx, range(step, step + 1)).items()}
+        assert_close_named(_full_grads(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected failure in backward")
+
+
+@case("fully_shard_api/reset_iter_state", clause=("C1", "C11"), world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.RESET_ITER_STATE])
+@pytest.mark.parametrize("when", ["forward", "backward"])
+def test_reset_iter_state(ctx: RankContext, impl: FSDPAdapter, when: str) -> None:
+    """An exception raised in ``b2``'s forward (or backward) on every rank, then ``reset_iter_state()`` on the
+    root: the parameters after two more steps are the local model's after the same three steps."""
+    model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = Blocks(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    sharded_step(ctx, impl, model, optim, 0)
+    local_step(ctx, local, local_optim, 0, range(ctx.world_size))
+
+    def inject(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if when == "forward":
+            raise RuntimeError("injected failure in forward")
+        return _FailInBackward.apply(output)  # type: ignore[no-any-return]
+
+    hook = model.b2.register_forward_hook(inject)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model(block_batch(9, ctx.rank, ctx.device)).sum().backward()
+    hook.remove()
+    optional.reset_iter_state(impl, model)
+    for step in (1, 2):
+        sharded_step(ctx, impl, model, optim, step)
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: after a failed {when}")

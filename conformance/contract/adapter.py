@@ -186,6 +186,17 @@ class Capability(str, enum.Enum):
     GRADIENT_DIVIDE_FACTOR = "gradient_divide_factor"
     """``set_gradient_divide_factor(module, factor)`` (FSDP2's ``FSDPModule`` method, the module's own
     parameters only): their reduction divides the sum over ranks by ``factor`` instead of the world size."""
+    REDUCE_SCATTER_DIVIDE_FACTOR = "reduce_scatter_divide_factor"
+    """``set_reduce_scatter_divide_factor(module, factor)`` (FSDP2's deprecated alias): as
+    ``set_gradient_divide_factor`` (:attr:`GRADIENT_DIVIDE_FACTOR`); a ``DeprecationWarning`` is allowed."""
+    ALL_REDUCE_CONTROLS = "all_reduce_controls"
+    """On a 2-D (replicate, shard) mesh: ``set_requires_all_reduce(module, on)`` (off, backward reduce-scatters but
+    does not all-reduce over the replicas; the next backward that does covers what was kept) and
+    ``set_all_reduce_hook(module, hook)`` (``hook`` runs on the all-reduced gradient, in place, before it reaches
+    the optimizer); FSDP2's ``FSDPModule`` methods of the same names."""
+    RESET_ITER_STATE = "reset_iter_state"
+    """``reset_iter_state(module)`` on the root (FSDP2's ``FSDPModule`` method): after an exception raised mid
+    forward or backward, the next iteration trains as a fresh one."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""

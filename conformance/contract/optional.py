@@ -23,6 +23,9 @@ adapter method (optional)                  default
 ``set_reshard_after_backward(m, on)``      unsupported: the case is ``n/a``
 ``set_reshard_after_forward(m, on, recurse)`` unsupported: the case is ``n/a``
 ``set_gradient_divide_factor(m, factor)``  unsupported: the case is ``n/a``
+``set_reduce_scatter_divide_factor(m, f)`` unsupported: the case is ``n/a``
+``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
+``reset_iter_state(m)``                    unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
@@ -44,7 +47,7 @@ adapter sees no change. A capability that promises an optional method
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -88,6 +91,10 @@ __all__ = [
     "set_performance_knob",
     "set_requires_gradient_sync",
     "set_gradient_divide_factor",
+    "set_reduce_scatter_divide_factor",
+    "set_requires_all_reduce",
+    "set_all_reduce_hook",
+    "reset_iter_state",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
@@ -109,6 +116,9 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
                                       "set_reshard_after_backward"),
     Capability.SET_RESHARD_AFTER_FORWARD: ("set_reshard_after_forward",),
     Capability.GRADIENT_DIVIDE_FACTOR: ("set_gradient_divide_factor",),
+    Capability.REDUCE_SCATTER_DIVIDE_FACTOR: ("set_reduce_scatter_divide_factor",),
+    Capability.ALL_REDUCE_CONTROLS: ("set_requires_all_reduce", "set_all_reduce_hook"),
+    Capability.RESET_ITER_STATE: ("reset_iter_state",),
     Capability.OPTIM_STATE_DICT_FUNCTIONS: ("full_optim_state_dict", "sharded_optim_state_dict",
                                             "shard_full_optim_state_dict", "scatter_full_optim_state_dict",
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),
@@ -397,6 +407,32 @@ def set_gradient_divide_factor(adapter: Any, module: nn.Module, factor: float) -
     ``factor`` instead of the world size (FSDP2's ``set_gradient_divide_factor``;
     :attr:`Capability.GRADIENT_DIVIDE_FACTOR`)."""
     _control(adapter, "set_gradient_divide_factor")(module, factor)
+
+
+def set_reduce_scatter_divide_factor(adapter: Any, module: nn.Module, factor: float) -> None:
+    """FSDP2's deprecated alias of :func:`set_gradient_divide_factor`, which it behaves as
+    (:attr:`Capability.REDUCE_SCATTER_DIVIDE_FACTOR`; its ``DeprecationWarning`` is not a failure)."""
+    _control(adapter, "set_reduce_scatter_divide_factor")(module, factor)
+
+
+def set_requires_all_reduce(adapter: Any, module: nn.Module, on: bool) -> None:
+    """Whether backwards all-reduce the gradients of ``module`` and every ``fully_shard``-ed module under it over
+    the replicas of a 2-D mesh: off, they reduce-scatter only and the sums add up until a backward with it on
+    (FSDP2's ``set_requires_all_reduce``; :attr:`Capability.ALL_REDUCE_CONTROLS`, as the one below)."""
+    _control(adapter, "set_requires_all_reduce")(module, on)
+
+
+def set_all_reduce_hook(adapter: Any, module: nn.Module, hook: Callable[[torch.Tensor], None]) -> None:
+    """Run ``hook(reduce_output)`` on ``module``'s all-reduced gradient, before it reaches the optimizer; what
+    the hook writes in place is what the optimizer sees (FSDP2's ``set_all_reduce_hook``)."""
+    _control(adapter, "set_all_reduce_hook")(module, hook)
+
+
+def reset_iter_state(adapter: Any, module: nn.Module) -> None:
+    """After an exception raised mid forward or backward, reset the root ``module``'s per-iteration state so
+    that the next iteration trains as a fresh one (FSDP2's ``reset_iter_state``;
+    :attr:`Capability.RESET_ITER_STATE`)."""
+    _control(adapter, "reset_iter_state")(module)
 
 
 def performance_knobs(adapter: Any) -> frozenset[str]:

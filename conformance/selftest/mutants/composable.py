@@ -1,5 +1,6 @@
 """Mutants of the reference's ``fully_shard`` front door: resharding, prefetch lists, frozen, ignored
-and shared parameters, meta-device materialization, and the DTensors a checkpoint is made of."""
+and shared parameters, meta-device materialization, the DTensors a checkpoint is made of, and the
+``FSDPModule`` methods of ``fully_shard_api`` (divide-factor alias, partial reduction, all-reduce hook, reset)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ __all__ = [
     "ShardsClaimReplicated",
     "MisuseUnchecked",
     "GradSyncKeepsGradInParamDtype",
+    "ReduceScatterDivideFactorIgnored",
+    "PartialReductionDropped",
+    "AllReduceHookIgnored",
+    "ResetIterStateKeepsReductions",
 ]
 
 Fn = Callable[..., Any]
@@ -159,3 +164,49 @@ class GradSyncKeepsGradInParamDtype(_Mutant):
     breaks = "accumulating gradients kept with gradient sync off in reduce_dtype"
     expect = Expect("unsynced_sums", "thread", ("mixed_precision/unsynced_sums[api=fully_shard]",))
     patches = (Patch("fsdp_impl.composable:_config", _kept_in_param_dtype),)
+
+
+class ReduceScatterDivideFactorIgnored(_Mutant):
+    """``set_reduce_scatter_divide_factor`` changes nothing: the module's gradients are still the mean over ranks."""
+
+    name = "mutant-reduce-scatter-divide-factor-ignored"
+    breaks = "the deprecated alias of set_gradient_divide_factor"
+    expect = Expect("reduce_scatter_divide_factor", "thread", ("fully_shard_api/reduce_scatter_divide_factor",))
+    patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_reduce_scatter_divide_factor",
+                             lambda self, factor: None),)
+
+
+def _partial_dropped(start: Fn) -> Fn:
+    def start_all_reduce(unit: Any, grad: Any) -> Any:
+        unit.partial_reduce = None  # what a backward without all-reduce kept is lost
+        return start(unit, grad)
+
+    return start_all_reduce
+
+
+class PartialReductionDropped(_Mutant):
+    """A backward without all-reduce keeps its reduce-scattered sum, but the synchronizing backward drops it."""
+
+    name = "mutant-partial-reduction-dropped"
+    breaks = "adding the sums kept by set_requires_all_reduce(False) into the next all-reduce"
+    expect = Expect("requires_all_reduce", "thread", ("fully_shard_api/requires_all_reduce",))
+    patches = (Patch("fsdp_impl.reduction:start_all_reduce", _partial_dropped),)
+
+
+class AllReduceHookIgnored(_Mutant):
+    """``set_all_reduce_hook`` registers nothing: the hook never runs."""
+
+    name = "mutant-all-reduce-hook-ignored"
+    breaks = "running the all-reduce hook on the reduced gradient"
+    expect = Expect("all_reduce_hook", "thread", ("fully_shard_api/all_reduce_hook",))
+    patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_all_reduce_hook",
+                             lambda self, hook, *, stream=None: None),)
+
+
+class ResetIterStateKeepsReductions(_Mutant):
+    """``reset_iter_state`` keeps the failed backward's reductions in flight: the next backward adds them."""
+
+    name = "mutant-reset-iter-state-keeps-reductions"
+    breaks = "discarding the failed iteration's reductions in reset_iter_state"
+    expect = Expect("reset_iter_state and backward", "thread", ("fully_shard_api/reset_iter_state[when=backward]",))
+    patches = (Patch.instead("fsdp_impl.reduction:discard_reductions", lambda state: None),)

@@ -145,13 +145,13 @@ def _reduce_kept_apart(add_kept: Fn) -> Fn:
     def reduce_kept_apart(unit: Any, grad: torch.Tensor) -> torch.Tensor:
         # The synchronizing backward reduces the kept gradient on its own, then its own gradient: two
         # reductions whose results add up in float32, where the sum should be rounded and reduced once.
-        from fsdp_impl import unit as units
+        from fsdp_impl import reduction
 
         if unit.unsynced_grad is None or not unit.controls.requires_gradient_sync:
             return add_kept(unit, grad)  # type: ignore[no-any-return]
         kept, unit.unsynced_grad = unit.unsynced_grad, None
-        units._finish_reductions(unit.root)
-        unit.root.reductions.append(units._issue_reduction(unit, kept))
+        reduction.finish_reductions(unit.root)
+        unit.root.reductions.append(reduction.issue_reduction(unit, kept))
         return grad
 
     return reduce_kept_apart

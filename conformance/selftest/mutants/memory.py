@@ -38,7 +38,7 @@ class KeepFullGradients(_Mutant):
     name = "mutant-keep-full-gradients"
     breaks = "freeing unsharded gradients after their reduction (memory)"
     expect = _PEAK
-    patches = (Patch("fsdp_impl.unit:_issue_reduction", _keeping_full_grad),)
+    patches = (Patch("fsdp_impl.reduction:issue_reduction", _keeping_full_grad),)
 
 
 class HooksHoldTheirUnit(_Mutant):

@@ -11,7 +11,7 @@ __all__ = ["ReplicasNotAllReduced"]
 
 
 def _skip_replicate_all_reduce(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``_start_all_reduce`` that leaves a hybrid unit's gradient as its own replica computed it."""
+    """``start_all_reduce`` that leaves a hybrid unit's gradient as its own replica computed it."""
 
     def start(unit: Any, grad: Any) -> Any:
         if unit.groups.inter_node_pg is None:
@@ -34,4 +34,4 @@ class ReplicasNotAllReduced(_Mutant):
         "replicas_match_baseline and not 4x1", "thread",
         ("hybrid_meshes/replicas_match_baseline[shape=2x2]", "hybrid_meshes/replicas_match_baseline[shape=1x4]"),
     )
-    patches = (Patch("fsdp_impl.unit:_start_all_reduce", _skip_replicate_all_reduce),)
+    patches = (Patch("fsdp_impl.reduction:start_all_reduce", _skip_replicate_all_reduce),)
