@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_impl import construct, no_sync, unit, wrap
+from fsdp_impl import construct, no_sync, summon, unit, wrap
 from fsdp_impl import optim_state_api as osa
 from fsdp_impl import state_dict as sd
 from fsdp_impl import state_dict_settings as settings
@@ -222,7 +222,7 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
-        """Expose full parameters inside the context (see :mod:`fsdp_impl.state_dict`)."""
+        """Expose full parameters inside the context (see :mod:`fsdp_impl.summon`)."""
         unsupported = {
             "recurse": not recurse,
             "rank0_only": rank0_only,
@@ -234,7 +234,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"offload_to_cpu=False; got recurse={recurse}, rank0_only={rank0_only}, "
                 f"offload_to_cpu={offload_to_cpu}"
             )
-        return sd.summon_full_params(module, writeback=writeback, with_grads=with_grads)
+        return summon.summon_full_params(module, writeback=writeback, with_grads=with_grads)
 
     @staticmethod
     @contextlib.contextmanager

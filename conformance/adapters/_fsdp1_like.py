@@ -16,13 +16,8 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import (
-    STRATEGIES,
-    Capability,
-    StateDictSettingsSpec,
-    UnitInfo,
-    WrapSpec,
-)
+from conformance.contract.adapter import STRATEGIES, Capability, UnitInfo, WrapSpec
+from conformance.contract.state_dict_api import StateDictSettingsSpec
 
 __all__ = ["FSDP1LikeAdapter", "clean_fqn"]
 

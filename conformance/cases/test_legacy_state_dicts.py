@@ -36,8 +36,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conformance.contract import optional
-from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, StateDictSettingsSpec, WrapSpec
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
+from conformance.contract.state_dict_api import StateDictSettingsSpec
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator

@@ -23,13 +23,13 @@ from conformance.contract.adapter import (
     Capability,
     FSDPAdapter,
     MixedPrecisionSpec,
-    StateDictSettingsSpec,
     UnitInfo,
     WrapSpec,
 )
 from conformance.contract.case import ANY_GPU, CaseSpec, GpuNeed, NotApplicable, case, distinct_gpus, not_applicable
 from conformance.contract.results import OUTCOMES, CaseReport, Result
 from conformance.contract.rows import format_row_id, parse_row_id, row_matches
+from conformance.contract.state_dict_api import StateDictSettingsSpec
 
 __all__ = [
     "ANY_GPU",

@@ -41,7 +41,6 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "AutoWrap",
     "MixedPrecisionSpec",
-    "StateDictSettingsSpec",
     "WrapSpec",
     "UnitInfo",
     "FSDPAdapter",
@@ -277,28 +276,6 @@ class MixedPrecisionSpec:
         if self.cast_forward_inputs:
             caps.append(Capability.MP_CAST_FORWARD_INPUTS)
         return caps
-
-
-@dataclass(frozen=True)
-class StateDictSettingsSpec:
-    """A state-dict type and its options, in FSDP1's terms (``set_state_dict_type``'s arguments).
-
-    ``kind``: a ``StateDictType`` member's name (``FULL_STATE_DICT`` or ``SHARDED_STATE_DICT``);
-    ``offload_to_cpu`` / ``rank0_only``: the model state dict's config (``rank0_only`` only for FULL);
-    ``optim_offload_to_cpu`` / ``optim_rank0_only``: the optimizer state dict's, with torch's defaults.
-    """
-
-    kind: str
-    offload_to_cpu: bool = False
-    rank0_only: bool = False
-    optim_offload_to_cpu: bool = True
-    optim_rank0_only: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            raise ValueError(f"kind must be FULL_STATE_DICT or SHARDED_STATE_DICT, got {self.kind!r}")
-        if self.kind != "FULL_STATE_DICT" and (self.rank0_only or self.optim_rank0_only):
-            raise ValueError("rank0_only is an option of FULL_STATE_DICT only")
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,16 @@ adapter method (optional)                  default
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
-adapter sees no change. A capability that promises an optional method
+adapter sees no change. FSDP2's module controls are defined in :mod:`conformance.contract.module_controls`
+and FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`; this module exports them,
+so ``optional.X`` stays the one way to each. A capability that promises an optional method
 (:data:`CAPABILITY_METHODS`) is refused at load without it.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -58,8 +60,34 @@ from conformance.contract.adapter import (
     DEPRECATED_CAPABILITIES,
     PROTOCOL_VERSION,
     Capability,
-    MixedPrecisionSpec,
-    StateDictSettingsSpec,
+)
+from conformance.contract.module_controls import (
+    FullyShardUnsupported,
+    fully_shard,
+    reset_iter_state,
+    reshard,
+    set_all_reduce_hook,
+    set_gradient_divide_factor,
+    set_modules_to_prefetch,
+    set_reduce_scatter_divide_factor,
+    set_requires_all_reduce,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    set_reshard_after_forward,
+    unshard,
+)
+from conformance.contract.state_dict_api import (
+    StateDictAPIUnsupported,
+    flatten_sharded_optim_state_dict,
+    full_optim_state_dict,
+    get_state_dict_type,
+    load_optim_state_dict_as_set,
+    optim_state_dict_as_set,
+    rekey_optim_state_dict,
+    scatter_full_optim_state_dict,
+    set_state_dict_type,
+    shard_full_optim_state_dict,
+    sharded_optim_state_dict,
 )
 
 __all__ = [
@@ -135,12 +163,7 @@ class NoSyncUnsupported(NotImplementedError):
     """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
 
 
-class StateDictAPIUnsupported(NotImplementedError):
-    """The adapter lacks one of FSDP1's state-dict functions or settings (cases report ``n/a``)."""
 
-
-class FullyShardUnsupported(NotImplementedError):
-    """The adapter has no per-module sharding in FSDP2's shape, or no explicit prefetch (cases report ``n/a``)."""
 
 
 def protocol_version(adapter: Any) -> int:
@@ -310,131 +333,6 @@ def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:
     return limits
 
 
-def fully_shard(
-    adapter: Any,
-    module: nn.Module,
-    *,
-    mesh: Any,
-    reshard_after_forward: bool | int = True,
-    ignored_params: Iterable[nn.Parameter] = (),
-    mixed_precision: MixedPrecisionSpec | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
-    ``fully_shard``; call it bottom-up, the root last) and return the module.
-
-    Optional part of the contract (:attr:`Capability.FULLY_SHARD`): the adapter defines
-    ``fully_shard(module, *, mesh, reshard_after_forward, ignored_params)``. ``ignored_params`` stay
-    unsharded and unreduced. ``mixed_precision`` is passed on only when given (an adapter declaring
-    :attr:`Capability.FULLY_SHARD_MIXED_PRECISION` takes it as a keyword), so an adapter without mixed
-    precision keeps its signature. Raises :class:`FullyShardUnsupported` when the adapter has no such method.
-    """
-    method = getattr(adapter, "fully_shard", None)
-    if method is None:
-        raise FullyShardUnsupported(f"{adapter.name} has no fully_shard (per-module sharding)")
-    policy = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
-    return method(  # type: ignore[no-any-return]
-        module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozenset(ignored_params),
-        **policy,
-    )
-
-
-def set_modules_to_prefetch(
-    adapter: Any,
-    module: nn.Module,
-    *,
-    forward: Sequence[nn.Module] | None = None,
-    backward: Sequence[nn.Module] | None = None,
-) -> None:
-    """After ``module``'s own all-gather in forward (backward), all-gather those of ``forward``
-    (``backward``), ``fully_shard``-ed modules, in that order (``None``: leave as is).
-
-    Optional part of the contract (:attr:`Capability.EXPLICIT_PREFETCH`): the adapter defines
-    ``set_modules_to_prefetch(module, *, forward, backward)`` (FSDP2's
-    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``). Raises
-    :class:`FullyShardUnsupported` when it does not.
-    """
-    method = getattr(adapter, "set_modules_to_prefetch", None)
-    if method is None:
-        raise FullyShardUnsupported(f"{adapter.name} has no explicit prefetch lists")
-    method(module, forward=forward, backward=backward)
-
-
-def _control(adapter: Any, name: str) -> Any:
-    method = getattr(adapter, name, None)
-    if method is None:
-        raise FullyShardUnsupported(f"{adapter.name} has no {name} for a fully_shard-ed module")
-    return method
-
-
-def unshard(adapter: Any, module: nn.Module, *, async_op: bool = False) -> Any:
-    """All-gather the ``fully_shard``-ed ``module``'s own parameters (not its submodules') for its next
-    forward; with ``async_op`` return a handle whose ``wait()`` the caller calls before that forward,
-    else ``None`` once they are gathered (FSDP2's ``FSDPModule.unshard``).
-
-    Optional part of the contract (:attr:`Capability.FULLY_SHARD_CONTROLS`), as the three below. Each
-    raises :class:`FullyShardUnsupported` when the adapter lacks the method.
-    """
-    return _control(adapter, "unshard")(module, async_op=async_op)
-
-
-def reshard(adapter: Any, module: nn.Module) -> None:
-    """Free the ``fully_shard``-ed ``module``'s own unsharded parameters (FSDP2's ``FSDPModule.reshard``)."""
-    _control(adapter, "reshard")(module)
-
-
-def set_requires_gradient_sync(adapter: Any, module: nn.Module, on: bool) -> None:
-    """Whether backwards reduce the gradients of ``module`` and every ``fully_shard``-ed module under it:
-    off, each rank keeps its own gradient, unreduced, and adds it to the next reduced one (FSDP2's
-    ``set_requires_gradient_sync``, as :func:`no_sync`)."""
-    _control(adapter, "set_requires_gradient_sync")(module, on)
-
-
-def set_reshard_after_backward(adapter: Any, module: nn.Module, on: bool) -> None:
-    """Whether backward frees the unsharded parameters of ``module`` and every ``fully_shard``-ed module
-    under it (off: the next forward may reuse them; FSDP2's ``set_reshard_after_backward``)."""
-    _control(adapter, "set_reshard_after_backward")(module, on)
-
-
-def set_reshard_after_forward(adapter: Any, module: nn.Module, on: bool, *, recurse: bool = True) -> None:
-    """Whether forward frees the unsharded parameters of ``module`` (and, with ``recurse``, of every
-    ``fully_shard``-ed module under it): off, backward needs no all-gather for them (FSDP2's
-    ``set_reshard_after_forward``; :attr:`Capability.SET_RESHARD_AFTER_FORWARD`)."""
-    _control(adapter, "set_reshard_after_forward")(module, on, recurse=recurse)
-
-
-def set_gradient_divide_factor(adapter: Any, module: nn.Module, factor: float) -> None:
-    """The reduction of ``module``'s own parameters' gradients (not its submodules') divides the sum over ranks by
-    ``factor`` instead of the world size (FSDP2's ``set_gradient_divide_factor``;
-    :attr:`Capability.GRADIENT_DIVIDE_FACTOR`)."""
-    _control(adapter, "set_gradient_divide_factor")(module, factor)
-
-
-def set_reduce_scatter_divide_factor(adapter: Any, module: nn.Module, factor: float) -> None:
-    """FSDP2's deprecated alias of :func:`set_gradient_divide_factor`, which it behaves as
-    (:attr:`Capability.REDUCE_SCATTER_DIVIDE_FACTOR`; its ``DeprecationWarning`` is not a failure)."""
-    _control(adapter, "set_reduce_scatter_divide_factor")(module, factor)
-
-
-def set_requires_all_reduce(adapter: Any, module: nn.Module, on: bool) -> None:
-    """Whether backwards all-reduce the gradients of ``module`` and every ``fully_shard``-ed module under it over
-    the replicas of a 2-D mesh: off, they reduce-scatter only and the sums add up until a backward with it on
-    (FSDP2's ``set_requires_all_reduce``; :attr:`Capability.ALL_REDUCE_CONTROLS`, as the one below)."""
-    _control(adapter, "set_requires_all_reduce")(module, on)
-
-
-def set_all_reduce_hook(adapter: Any, module: nn.Module, hook: Callable[[torch.Tensor], None]) -> None:
-    """Run ``hook(reduce_output)`` on ``module``'s all-reduced gradient, before it reaches the optimizer; what
-    the hook writes in place is what the optimizer sees (FSDP2's ``set_all_reduce_hook``)."""
-    _control(adapter, "set_all_reduce_hook")(module, hook)
-
-
-def reset_iter_state(adapter: Any, module: nn.Module) -> None:
-    """After an exception raised mid forward or backward, reset the root ``module``'s per-iteration state so
-    that the next iteration trains as a fresh one (FSDP2's ``reset_iter_state``;
-    :attr:`Capability.RESET_ITER_STATE`)."""
-    _control(adapter, "reset_iter_state")(module)
-
-
 def performance_knobs(adapter: Any) -> frozenset[str]:
     """The names of the performance knobs the adapter turns on itself, after a wrap ([Note: performance knobs]
     in :mod:`conformance.cases.test_neutrality`, which lists every name a row exists for); none by default."""
@@ -452,98 +350,3 @@ def set_performance_knob(adapter: Any, model: nn.Module, knob: str) -> None:
     adapter.set_performance_knob(model, knob)
 
 
-def _state_dict_api(adapter: Any, name: str) -> Any:
-    method = getattr(adapter, name, None)
-    if method is None:
-        raise StateDictAPIUnsupported(f"{adapter.name} has no {name}")
-    return method
-
-
-def full_optim_state_dict(
-    adapter: Any, model: nn.Module, optim: torch.optim.Optimizer, *, rank0_only: bool, group: Any = None
-) -> dict[str, Any]:
-    """The full optimizer state of the wrapped ``model``, keyed by parameter names as FSDP1's
-    ``full_optim_state_dict(model, optim, rank0_only=..., group=...)`` returns it (collective; with
-    ``rank0_only`` ranks other than 0 get ``{}``).
-
-    Optional part of the contract (:attr:`Capability.OPTIM_STATE_DICT_FUNCTIONS`), as the five below. Each
-    raises :class:`StateDictAPIUnsupported` when the adapter lacks the method.
-    """
-    return _state_dict_api(adapter, "full_optim_state_dict")(  # type: ignore[no-any-return]
-        model, optim, rank0_only=rank0_only, group=group)
-
-
-def sharded_optim_state_dict(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's share of the optimizer state, keyed by parameter names (FSDP1's ``sharded_optim_state_dict``)."""
-    return _state_dict_api(adapter, "sharded_optim_state_dict")(model, optim)  # type: ignore[no-any-return]
-
-
-def shard_full_optim_state_dict(
-    adapter: Any, full_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """``full_osd`` (a full optimizer state dict keyed by names) as ``optim.load_state_dict`` takes it for the
-    wrapped ``model`` (FSDP1's ``shard_full_optim_state_dict(full_osd, model, optim=optim)``)."""
-    return _state_dict_api(adapter, "shard_full_optim_state_dict")(  # type: ignore[no-any-return]
-        full_osd, model, optim)
-
-
-def scatter_full_optim_state_dict(
-    adapter: Any, full_osd: dict[str, Any] | None, model: nn.Module, optim: torch.optim.Optimizer, *, group: Any = None
-) -> dict[str, Any]:
-    """Rank 0's ``full_osd`` (ignored on other ranks) as each rank's ``optim`` loads it (collective; FSDP1's
-    ``scatter_full_optim_state_dict(full_osd, model, optim=optim, group=group)``)."""
-    return _state_dict_api(adapter, "scatter_full_optim_state_dict")(  # type: ignore[no-any-return]
-        full_osd, model, optim, group=group)
-
-
-def flatten_sharded_optim_state_dict(
-    adapter: Any, sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """What :func:`sharded_optim_state_dict` returned, as ``optim.load_state_dict`` takes it (FSDP1's
-    ``flatten_sharded_optim_state_dict``)."""
-    return _state_dict_api(adapter, "flatten_sharded_optim_state_dict")(  # type: ignore[no-any-return]
-        sharded_osd, model, optim)
-
-
-def rekey_optim_state_dict(
-    adapter: Any, osd: dict[str, Any], key_type: str, model: nn.Module, optim: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """``osd`` keyed by parameter names (``key_type="PARAM_NAME"``) or by positions in ``optim``'s parameter
-    order (``"PARAM_ID"``), for ``model`` and its ``optim`` (FSDP1's ``rekey_optim_state_dict`` with
-    ``OptimStateKeyType``)."""
-    if key_type not in ("PARAM_NAME", "PARAM_ID"):
-        raise ValueError(f"key_type must be PARAM_NAME or PARAM_ID, got {key_type!r}")
-    return _state_dict_api(adapter, "rekey_optim_state_dict")(  # type: ignore[no-any-return]
-        osd, key_type, model, optim)
-
-
-def set_state_dict_type(
-    adapter: Any, model: nn.Module, settings: StateDictSettingsSpec
-) -> StateDictSettingsSpec | None:
-    """Give every unit of the wrapped ``model`` ``settings``; the settings they held before (FSDP1's
-    ``set_state_dict_type``, whose ``StateDictSettings`` the adapter describes as a
-    :class:`StateDictSettingsSpec`).
-
-    Optional part of the contract (:attr:`Capability.STATE_DICT_SETTINGS`), as the two below. Each raises
-    :class:`StateDictAPIUnsupported` when the adapter lacks the method.
-    """
-    return _state_dict_api(adapter, "set_state_dict_type")(model, settings)  # type: ignore[no-any-return]
-
-
-def get_state_dict_type(adapter: Any, model: nn.Module) -> StateDictSettingsSpec | None:
-    """The settings the units of ``model`` hold (FSDP1's ``get_state_dict_type``)."""
-    return _state_dict_api(adapter, "get_state_dict_type")(model)  # type: ignore[no-any-return]
-
-
-def optim_state_dict_as_set(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state dict in the type and with the options :func:`set_state_dict_type` set (FSDP1's
-    ``optim_state_dict(model, optim)`` with no ``state_dict_type`` context around it)."""
-    return _state_dict_api(adapter, "optim_state_dict_as_set")(model, optim)  # type: ignore[no-any-return]
-
-
-def load_optim_state_dict_as_set(
-    adapter: Any, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]
-) -> None:
-    """Load what :func:`optim_state_dict_as_set` returned into ``optim``, in the type and with the options
-    :func:`set_state_dict_type` set (FSDP1's ``optim_state_dict_to_load`` with no context around it)."""
-    _state_dict_api(adapter, "load_optim_state_dict_as_set")(model, optim, osd)

@@ -57,7 +57,7 @@ class LoadRefusedAfterForward(_Mutant):
     expect = Expect(
         "load_in_loop and after_forward", "thread", ("state_dict/load_in_loop[point=after_forward]",),
     )
-    patches = (Patch("fsdp_impl.state_dict:_check_idle", _refusing_unsharded),)
+    patches = (Patch("fsdp_impl.summon:check_idle", _refusing_unsharded),)
 
 
 def _dropping_grads_without_grad(pre_forward: Fn) -> Fn:
@@ -152,7 +152,7 @@ class SummonKeepsFullPrecision(_Mutant):
     breaks = "computing backward in the param dtype after a state dict between forward and backward"
     expect = Expect("repro_full_state_dict_mid_iteration_bf16", "thread",
                     ("fuzz/repro_full_state_dict_mid_iteration_bf16",))
-    patches = (Patch("fsdp_impl.state_dict:summon_full_params", _staying_in_full_precision),)
+    patches = (Patch("fsdp_impl.summon:summon_full_params", _staying_in_full_precision),)
 
 
 class BuffersSavedInBufferDtype(_Mutant):
@@ -185,7 +185,7 @@ class ShardedSaveDropsAttributes(_Mutant):
     breaks = "a backward after a sharded state dict taken between forward and backward"
     expect = Expect("repro_sharded_state_dict_before_recompute", "thread",
                     ("fuzz/repro_sharded_state_dict_before_recompute",))
-    patches = (Patch("fsdp_impl.state_dict:_unregister_orig", _dropping_attributes),)
+    patches = (Patch("fsdp_impl.summon:unregister_orig", _dropping_attributes),)
 
 
 def _claiming_replicate(as_dtensor: Fn) -> Fn:

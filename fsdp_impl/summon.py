@@ -1,0 +1,159 @@
+"""``summon_full_params``: a wrapped module's original parameters, full, registered under their own names.
+
+A unit's original parameters are registered over full views (summoned, and for a FULL state dict) or
+over this rank's local pieces (a SHARDED state dict, :mod:`fsdp_impl.state_dict`), and the flat
+parameter comes back when the block ends; ``with_grads`` exposes the full gradients the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+
+import torch
+import torch.nn as nn
+
+from fsdp_impl import collectives
+from fsdp_impl.api import ShardedState, TrainingState
+from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
+from fsdp_impl.unit_state import UnitState, unit_states
+
+__all__ = ["check_idle", "gather_shard_sized", "managing_units", "register_orig", "summon_full_params",
+           "unregister_orig"]
+
+
+def managing_units(module: nn.Module) -> list[UnitState]:
+    """Every unit in ``module``'s tree that has a flat parameter (the wrapper's: see below)."""
+    units = [unit for unit in unit_states(module) if unit.handle is not None]
+    if any(unit.handle is not None and unit.handle.sharding is not None for unit in units):
+        raise TypeError(
+            "summon_full_params and the wrapper's state dicts take FullyShardedDataParallel units; "
+            "fully_shard modules hold DTensors: use model.state_dict(), torch.distributed.checkpoint, full_tensor()"
+        )
+    return units
+
+
+def check_idle(units: list[UnitState]) -> None:
+    busy = [u.training_state for u in units if u.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(f"summon_full_params / state dicts need idle units, got states {busy}")
+
+
+def register_orig(unit: UnitState, full: bool) -> None:
+    """Register original params over full views (``full``) or local pieces."""
+    handle = unit.handle
+    assert handle is not None
+    if not handle.use_orig_params:
+        unit.module._parameters.pop(FLAT_PARAM_NAME, None)
+    shard = handle.flat_param.data
+    for slot, view in zip(
+        handle.slots, handle.unsharded_views() if full else [None] * len(handle.slots), strict=True
+    ):
+        slot.param.data = view.detach() if view is not None else handle.sharded_view(slot, shard)
+        for module, name in slot.registrations:
+            _set_param(module, name, slot.param, unsafe=False)
+
+
+def unregister_orig(unit: UnitState) -> None:
+    handle = unit.handle
+    assert handle is not None
+    if handle.use_orig_params:
+        handle.install_sharded_params()
+        return
+    for slot in handle.slots:
+        for module, name in slot.registrations:
+            module._parameters.pop(name, None)
+    unit.module.register_parameter(FLAT_PARAM_NAME, handle.flat_param)
+    if handle.state is ShardedState.UNSHARDED:  # between forward and backward: a recomputation reads them
+        with torch.set_grad_enabled(handle.full.requires_grad):
+            handle.install_unsharded_views()
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module, writeback: bool = True, with_grads: bool = False
+) -> Generator[None, None, None]:
+    """Full original parameters (registered under their own names) inside the context.
+
+    ``writeback`` copies in-place edits back into the local shards on exit;
+    ``with_grads`` also exposes the full (averaged) gradients as ``.grad``.
+    """
+    units = managing_units(module)
+    check_idle(units)
+    # The dtype each unit computes in, back on exit: between forward and backward, backward
+    # re-gathers into the low-precision leaf its saved views point at.
+    precisions = [unit.handle.full.dtype == unit.handle.flat_param.dtype for unit in units]  # type: ignore[union-attr]
+    for unit in units:
+        unit.handle.set_full_precision(True)  # type: ignore[union-attr]
+        unit.handle.start_unshard()  # type: ignore[union-attr]
+    saved_grads: list[list[torch.Tensor | None]] = []
+    for unit in units:
+        handle = unit.handle
+        assert handle is not None
+        handle.wait_unshard()
+        saved_grads.append([slot.param.grad for slot in handle.slots])
+        flat_grad = handle.flat_param.grad
+        register_orig(unit, full=True)
+        if with_grads:
+            _expose_full_grads(handle)
+        unit.saved_flat_grad = flat_grad
+        unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        yield
+    finally:
+        for unit, grads, full_precision in zip(units, saved_grads, precisions, strict=True):
+            handle = unit.handle
+            assert handle is not None
+            if writeback:
+                start = handle.shard_rank * handle.shard_numel
+                with torch.no_grad():
+                    handle.flat_param.data.copy_(
+                        handle.full.data[start : start + handle.shard_numel]
+                    )
+            for slot in handle.slots:
+                slot.param.grad = None
+            unregister_orig(unit)
+            handle.reshard()
+            handle.set_full_precision(full_precision)
+            for slot, grad in zip(handle.slots, grads, strict=True):
+                _restore_grad(slot.param, grad)
+            _restore_grad(handle.flat_param, unit.saved_flat_grad)
+            unit.saved_flat_grad = None  # not held past the block (a stale shard-sized gradient)
+            unit.training_state = TrainingState.IDLE
+
+
+def _restore_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Put back a gradient set aside (it may be in a low-precision dtype, see ``set_grad``)."""
+    if grad is None:
+        param.grad = None
+    else:
+        set_grad(param, grad)
+
+
+def gather_shard_sized(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    """All-gather a shard-sized tensor of ``handle`` into the padded full layout."""
+    shard = shard.to(handle.compute_device)
+    if handle.shard_size == 1:
+        return shard.clone()
+    out = torch.empty(handle.padded_numel, dtype=shard.dtype, device=shard.device)
+    return collectives.all_gather(out, shard.contiguous(), handle.shard_group).wait()
+
+
+def _expose_full_grads(handle: FlatParamHandle) -> None:
+    """Full gradients on every rank; ranks agree whether there is one, since a rank whose shard
+    holds no parameter's elements (padding only) has no gradient of its own but takes part."""
+    local = handle.sharded_grad()
+    flag = torch.tensor([0 if local is None else 1], device=handle.compute_device)
+    if handle.shard_size > 1:
+        collectives.all_reduce(flag, handle.shard_group).wait()
+    has_grad = bool(flag.item())
+    stale = handle.flat_param.grad  # the dtype gradients were kept in, also on a padding-only rank
+    dtype = stale.dtype if stale is not None else handle.flat_param.dtype
+    shard = local if local is not None else torch.zeros_like(handle.flat_param.data, dtype=dtype)
+    full = gather_shard_sized(handle, shard)
+    for slot in handle.slots:
+        view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if has_grad:
+            set_grad(slot.param, view)
+        else:
+            slot.param.grad = None
