@@ -262,6 +262,11 @@ def _others_fuzz() -> list[tuple[str, str, str, str]]:
         *[(TITAN, row, sums, STATEFUL.format(under="", op="0 (Train(batch=0))",
                                              what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}"))
           for row in ("fuzz/stateful_ws2", "fuzz/stateful_ws4")],
+        (TITAN, "fuzz/stateful_ws2", sums, STATEFUL.format(
+            under=POLICY.replace("bfloat16", "float16"), op="0 (Train(batch=0))",
+            what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (TITAN, "fuzz/stateful_ws1", F + "titan-simple-fsdp-unties-shared-parameters.md", STATEFUL.format(
+            under="", op="0 (Train(batch=0))", what="parameters registered: the wrapped model has 4, the shadow 3")),
         (TITAN, "fuzz/repro_optim_state_dict_before_first_step_adam", F + "dcp-optim-state-dict-steps-adam.md",
          SHADOW.format(impl=TITAN, op="1 (Train(batch=0))",
                        what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}") + on_two),
