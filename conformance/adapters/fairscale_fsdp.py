@@ -50,6 +50,10 @@ class FairScaleFSDPAdapter:
     #: No THREAD_RANKS: FairScale keeps process-global state (the auto-wrap context is a class attribute),
     #: so ranks that are threads of one process collide.
     capabilities = frozenset({Capability.FLAT_PARAM, Capability.NO_SYNC})
+    #: FairScale's constructor refuses parameters other than float32 unless it runs in pure float16
+    #: (``compute_dtype=float16`` without ``mixed_precision``), which the adapter never asks for: "Expecting FP16
+    #: param type in FP32 & MP modes." is raised for a float64 model (the message names FP16; the check is float32).
+    param_dtypes = frozenset({torch.float32})
 
     def unavailable_reason(self) -> str | None:
         try:

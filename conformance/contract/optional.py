@@ -27,6 +27,7 @@ adapter method (optional)                  default
 ``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
+``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
@@ -127,6 +128,7 @@ __all__ = [
     "set_reshard_after_forward",
     "step",
     "supports_no_sync",
+    "takes_param_dtype",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -341,6 +343,22 @@ def performance_knobs(adapter: Any) -> frozenset[str]:
         raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: performance_knobs must be a set of "
                         f"knob names, got {knobs!r}")
     return frozenset(knobs)
+
+
+def takes_param_dtype(adapter: Any, dtype: torch.dtype) -> bool:
+    """Whether the adapter's ``wrap`` takes a model whose parameters are in ``dtype``.
+
+    Optional part of the contract: an adapter may define ``param_dtypes: frozenset[torch.dtype]``, the
+    parameter dtypes its implementation accepts, where it refuses others at wrap time by design. A fuzz
+    program or example of another dtype is not drawn, and a fixed one is ``n/a``. Default: every dtype.
+    """
+    dtypes: Any = getattr(adapter, "param_dtypes", None)
+    if dtypes is None:
+        return True
+    if not isinstance(dtypes, (set, frozenset)) or not all(isinstance(d, torch.dtype) for d in dtypes):
+        raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: param_dtypes must be a set of "
+                        f"torch dtypes, got {dtypes!r}")
+    return dtype in dtypes
 
 
 def set_performance_knob(adapter: Any, model: nn.Module, knob: str) -> None:

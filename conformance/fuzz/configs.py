@@ -27,9 +27,10 @@ APIS = ("wrap", "fully_shard")
 FULLY_SHARD_FEATURES = frozenset({"fully_shard", "reshard_after_forward_int", "fully_shard_controls",
                                   "explicit_prefetch", "meta_init", "fully_shard_mixed_precision",
                                   "set_reshard_after_forward", "gradient_divide_factor"})
-#: Configuration features an adapter may lack (see :func:`conformance.fuzz.wrapping.features_of`).
+#: Configuration features an adapter may lack (see :func:`conformance.fuzz.wrapping.features_of`);
+#: ``float64``: a model in float64 (where the adapter's ``param_dtypes`` leaves it out, float32 only).
 FEATURES = frozenset({"mixed_precision", "buffer_dtype", "cast_forward_inputs", "cpu_offload", "hybrid",
-                      "keep_low_precision_grads", "ignored_modules"}) | FULLY_SHARD_FEATURES
+                      "keep_low_precision_grads", "ignored_modules", "float64"}) | FULLY_SHARD_FEATURES
 #: A sharding strategy -> its hybrid counterpart, which shards the same way within a "node" of
 #: :data:`NODE` ranks and replicates across nodes (see [Note: hybrid programs]).
 HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "_HYBRID_SHARD_ZERO2"}

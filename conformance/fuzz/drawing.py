@@ -99,7 +99,7 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
     model = draw(models())
     wrap = _subset(draw, model.wrappable())
     strategy, use_orig_params = _strategy(draw, world_size, strategies, features), draw(st.booleans())
-    optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
+    optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), _dtype(draw(st.sampled_from(DTYPES)), features)
     drawn_policy, cast_inputs = draw(policies(model, world_size, _policy_features(features))), draw(st.booleans())
     policy = drawn_policy if "mixed_precision" in features else None  # fully_shard's alone: no wrap policy
     if policy is not None and cast_inputs and "cast_forward_inputs" in features:
@@ -129,6 +129,12 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
                                meta_init=use_orig_params and "meta_init" in features)
     ignore = cast_inputs and sharded.policy is None and "ignored_modules" in features
     return replace(sharded, ignored=sharded.ignorable() if ignore else ()), True
+
+
+def _dtype(drawn: str, features: Collection[str]) -> str:
+    """The model dtype of a program that drew ``drawn``: float64 only where ``features`` has it, else float32
+    (the draw is made either way, so the programs are otherwise those of an adapter that has it)."""
+    return drawn if drawn != "float64" or "float64" in features else "float32"
 
 
 def _policy_features(features: Collection[str]) -> frozenset[str]:

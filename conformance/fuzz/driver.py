@@ -69,9 +69,10 @@ from hypothesis.strategies import SearchStrategy
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
+from conformance.contract.optional import takes_param_dtype
 from conformance.fuzz.agreement import RanksParted
-from conformance.fuzz.drawn_precision import precision_features, required
-from conformance.fuzz.example import FUZZ_STRATEGIES, Example, examples, source
+from conformance.fuzz.drawn_precision import dtype_of, precision_features, required
+from conformance.fuzz.example import DTYPES, FUZZ_STRATEGIES, Example, examples, source
 from conformance.fuzz.parity_run import check_example
 from harness import groups_scope
 
@@ -307,7 +308,8 @@ def _one_intra_op_thread() -> Iterator[None]:
 def fuzz(ctx: RankContext, impl: FSDPAdapter, config: FuzzSettings) -> FuzzResult:
     """Run the parity fuzz loop on every rank (collective); every rank returns rank 0's result."""
     strategies = [s for s in FUZZ_STRATEGIES if impl.supports_strategy(s)]
-    drawn = examples(ctx.world_size, strategies, precision_features(impl))
+    dtypes = [d for d in DTYPES if takes_param_dtype(impl, dtype_of(d))]
+    drawn = examples(ctx.world_size, strategies, precision_features(impl), dtypes)
     found = search(ctx, impl, drawn, check_example, budget=config.budget(ctx.world_size), config=config,
                    counted=lambda example: example.policy is not None)
     return FuzzResult(runs=found.runs, failing=found.failing, message=found.message, mixed_precision=found.counted)

@@ -265,9 +265,11 @@ def examples(
     world_size: int,
     strategies: Collection[str] = FUZZ_STRATEGIES,
     precision: Collection[str] = PRECISION_FEATURES,
+    dtypes: Collection[str] = DTYPES,
 ) -> Example:
     """Examples for ``world_size`` ranks, drawing only the given ``strategies``; mixed-precision
-    policies use only the ``precision`` features (of :data:`PRECISION_FEATURES`) given."""
+    policies use only the ``precision`` features (of :data:`PRECISION_FEATURES`) given; models only
+    the given ``dtypes`` (of :data:`DTYPES`)."""
     allowed = [s for s in FUZZ_STRATEGIES if s in strategies]
     if not allowed:
         raise ValueError(f"no fuzz strategy among {sorted(strategies)}; the fuzzer draws from {FUZZ_STRATEGIES}")
@@ -279,6 +281,7 @@ def examples(
     wrap = tuple(p for p in wrappable if draw(st.booleans()))
     strategy, use_orig_params = draw(st.sampled_from(allowed)), draw(st.booleans())
     optimizer, dtype = draw(st.sampled_from(OPTIMIZERS)), draw(st.sampled_from(DTYPES))
+    dtype = dtype if dtype in dtypes else "float32"  # drawn either way: the examples are otherwise the same
     return Example(
         world_size=world_size,
         model=model,

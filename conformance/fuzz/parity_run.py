@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, FSDPAdapter, WrapSpec
+from conformance.contract.case import not_applicable
 from conformance.contract.optional import full_grads
 from conformance.fuzz.agreement import agree, attempt
 from conformance.fuzz.drawn_optimizers import make_optimizer, wrapped_optimizer
@@ -173,7 +174,10 @@ def check_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> str 
 
 
 def run_example(ctx: RankContext, impl: FSDPAdapter, example: Example) -> None:
-    """A reproducer's body: fail with the first mismatch of ``example`` on every rank."""
+    """A reproducer's body: fail with the first mismatch of ``example`` on every rank (``n/a`` where the
+    adapter's ``param_dtypes`` leaves out the example's dtype)."""
+    if not optional.takes_param_dtype(impl, dtype_of(example.dtype)):
+        not_applicable(f"{impl.name} takes no {example.dtype} parameters (its param_dtypes)")
     failure = check_example(ctx, impl, example)
     if failure is not None:
         raise AssertionError(f"{impl.name} differs from the local baseline: {failure}")

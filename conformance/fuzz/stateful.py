@@ -32,7 +32,10 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 
 from conformance.contract.adapter import FSDPAdapter
+from conformance.contract.case import not_applicable
+from conformance.contract.optional import takes_param_dtype
 from conformance.fuzz.agreement import RanksParted, Verdicts, agree, attempt
+from conformance.fuzz.drawn_precision import dtype_of
 from conformance.fuzz.held import Held, left_alive
 from conformance.fuzz.machine import Machine, setup
 from conformance.fuzz.neighbours import check_neighbours
@@ -100,7 +103,10 @@ def _apply_all(verdicts: Verdicts, machine: Machine, label: str, ops: tuple[Op, 
 
 
 def run_program(ctx: RankContext, impl: FSDPAdapter, program: Program) -> None:
-    """A reproducer's body: fail with the first mismatch of ``program`` on every rank."""
+    """A reproducer's body: fail with the first mismatch of ``program`` on every rank (``n/a`` where the
+    adapter's ``param_dtypes`` leaves out the program's dtype)."""
+    if not takes_param_dtype(impl, dtype_of(program.config.dtype)):
+        not_applicable(f"{impl.name} takes no {program.config.dtype} parameters (its param_dtypes)")
     try:
         failure = check_program(ctx, impl, program)
     except RanksParted as parted:

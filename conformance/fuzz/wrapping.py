@@ -19,12 +19,18 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.applicability import missing_reason
 from conformance.contract.messages import NO_SHARD_SWITCH
-from conformance.contract.optional import activation_checkpoint_wrapper, capabilities_of, supports_no_sync
+from conformance.contract.optional import (
+    activation_checkpoint_wrapper,
+    capabilities_of,
+    supports_no_sync,
+    takes_param_dtype,
+)
 from conformance.fuzz.controls import fully_shard_features, fully_shard_requires
 from conformance.fuzz.drawn_precision import mixed_precision_spec, precision_features, required
 from conformance.fuzz.example import source
@@ -50,8 +56,9 @@ def features_of(impl: FSDPAdapter) -> frozenset[str]:
     keep_low = {"keep_low_precision_grads"} if {Capability.MIXED_PRECISION,
                                                 Capability.MP_KEEP_LOW_PRECISION_GRADS} <= caps else set()
     ignored = {"ignored_modules"} if Capability.IGNORED_MODULES in caps else set()
+    float64 = {"float64"} if takes_param_dtype(impl, torch.float64) else set()
     return (precision_features(impl) | cpu_offload | cast | keep_low | ignored | ({"hybrid"} if hybrid else set())
-            | fully_shard_features(impl))
+            | float64 | fully_shard_features(impl))
 
 
 def missing_operations(impl: FSDPAdapter, mode: RankMode, wrapped_with: str | None = None) -> dict[str, str]:

@@ -167,7 +167,7 @@ def test_fsdp2s_policy_alone_is_drawn_for_fully_shard_programs_only() -> None:
     """An adapter with ``fully_shard``'s mixed precision and no ``wrap`` one gets the same ``fully_shard`` policies
     as one with both (inputs cast: the capability covers ``cast_forward_inputs``), no ``wrap`` policy, the same
     programs otherwise, and reproducers asking for the capability it has alone."""
-    both, alone = _drawn(3, 100, ops_mod.FEATURES), _drawn(3, 100, FULLY_SHARD_FEATURES)
+    both, alone = _drawn(3, 100, ops_mod.FEATURES), _drawn(3, 100, FULLY_SHARD_FEATURES | {"float64"})
     sharded = [(a.config.policy, b.config.policy)
                for a, b in zip(both, alone, strict=True) if a.config.api == "fully_shard"]
     assert any(policy for policy, _ in sharded) and all(a == b for a, b in sharded), sharded
@@ -557,3 +557,12 @@ def test_wrapping_on_one_rank_warns_of_the_switch_where_declared(impl: FSDPAdapt
         assert got[0][0] is not None and "did not warn 'FSDP is switching to use `NO_SHARD`" in got[0][0], got[0]
     else:
         assert got[0] == [None]
+
+
+def test_float64_is_drawn_only_where_the_adapter_takes_it() -> None:
+    """An adapter whose ``param_dtypes`` leaves out float64 gets a float32 program where another would get a
+    float64 one, of the same model."""
+    both, without = _drawn(3, 100, ops_mod.FEATURES), _drawn(3, 100, ops_mod.FEATURES - {"float64"})
+    assert any(p.config.dtype == "float64" for p in both)
+    assert all(p.config.dtype == "float32" for p in without)
+    assert [p.config.model for p in both] == [p.config.model for p in without]

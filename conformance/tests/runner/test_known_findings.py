@@ -244,8 +244,42 @@ def _others() -> list[tuple[str, str, str, str]]:
     ]
 
 
+def _others_fuzz() -> list[tuple[str, str, str, str]]:
+    """(impl, row, write-up, real reason) for the optional columns' fuzz and neutrality rows, from
+    docs/results/cpu.json."""
+    sums, eager = F + "titan-simple-fsdp-sums-gradients.md", F + "titan-simple-fsdp-eager-mode.md"
+    unprefetched = ("all-gathers in backward: backward issued reduce-scatter, reduce-scatter, all-gather, all-gather, "
+                    "{more}: the second all-gather only after the first reduce-scatter, so nothing was prefetched "
+                    "(backward prefetch is the default)")
+    on_two = " (world_size=2, mode=process)"
+    return [
+        (FAIRSCALE, "neutrality/knob[knob=forward_prefetch]", F + "fairscale-fsdp-needs-cuda.md",
+         CUDA_KEY),
+        (TITAN, "fuzz/stateful_ws1", F + "titan-simple-fsdp-unties-shared-parameters.md", NEIGHBOUR.format(
+            under="", name="tied across units", what="AssertionError: a weight tied across two units was accepted "
+            "and trained as two parameters: after a step first.layers.0.weight and second.layers.0.weight differ by "
+            "up to 0.0159; the contract: refuse the tie or keep it one parameter")),
+        *[(TITAN, row, sums, STATEFUL.format(under="", op="0 (Train(batch=0))",
+                                             what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}"))
+          for row in ("fuzz/stateful_ws2", "fuzz/stateful_ws4")],
+        (TITAN, "fuzz/stateful_ws2", sums, STATEFUL.format(
+            under=POLICY.replace("bfloat16", "float16"), op="0 (Train(batch=0))",
+            what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (TITAN, "fuzz/stateful_ws1", F + "titan-simple-fsdp-unties-shared-parameters.md", STATEFUL.format(
+            under="", op="0 (Train(batch=0))", what="parameters registered: the wrapped model has 4, the shadow 3")),
+        (TITAN, "fuzz/repro_optim_state_dict_before_first_step_adam", F + "dcp-optim-state-dict-steps-adam.md",
+         SHADOW.format(impl=TITAN, op="1 (Train(batch=0))",
+                       what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}") + on_two),
+        (TITAN, "fuzz/repro_sharded_state_dict_before_recompute", eager, SHADOW.format(
+            impl=TITAN, op="2 (Backward())", what=unprefetched.format(more="reduce-scatter, reduce-scatter")) + on_two),
+        (TITAN, "fuzz/repro_reentrant_checkpoint_root_params", eager, SHADOW.format(
+            impl=TITAN, op="0 (Train(batch=0))", what=unprefetched.format(more=", ".join(["reduce-scatter"] * 5)))
+         + on_two),
+    ]
+
+
 #: (impl, row, the write-up that explains it, the failure's real reason).
-REAL = _fsdp1() + _fsdp1_fuzz() + _fsdp2() + _others()
+REAL = _fsdp1() + _fsdp1_fuzz() + _fsdp2() + _others() + _others_fuzz()
 
 #: Failures of other causes than any finding's: crashes, mismatches of another kind, errors at other operations.
 #: ``{at}`` is where a fuzz row places them.
