@@ -82,6 +82,12 @@ def _fsdp1() -> list[tuple[str, str, str, str]]:
          F + "fsdp1-hybrid-shard-group-of-one.md",
          f"rank 0 raised AssertionError: rank 0 1x4 (groups, HYBRID_SHARD) step 0: full params vs baseline"
          f"[body.0.weight]: {NOT_CLOSE}"),
+        (FSDP1, "legacy_state_dicts/rekey[key_type=PARAM_ID]", F + "fsdp1-full-optim-state-shared-step.md",
+         "rank 0 raised AssertionError: rank 0: losses of a local model loading the re-keyed state[1]: Scalars are "
+         "not close!"),
+        (FSDP1, "legacy_state_dicts/settings[kind=FULL]", F + "fsdp1-offload-to-cpu-on-cpu.md",
+         "rank 0 raised RuntimeError: setStorage: sizes [100], strides [1], storage offset 0, and itemsize 4 "
+         "requiring a storage size of 400 are out of bounds for storage of size 0 (world_size=2, mode=process)"),
         (FSDP1, "memory/dropped_model_freed[units=root,last=forward,api=wrap]",
          F + "fsdp1-abandoned-forward-keeps-model.md",
          "rank 0 raised AssertionError: rank 0: the wrap model, dropped by its user after two training steps and a "
@@ -132,6 +138,11 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
             "and trained as two parameters: after a step blocks.0.weight and blocks.1.weight differ by up to 0.373")),
         (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-sync-module-states-cpu.md", NEIGHBOUR.format(
             under="", name="sync_module_states", what=SYNC.split("raised ", 1)[1].rsplit(" (world_size", 1)[0])),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-summon-grads-float64-padding-shard.md", STATEFUL.format(
+            under="", op="1 (Train(batch=0))", what="raised: RuntimeError: summon_full_params(with_grads=True) would "
+            "abort the process: a sharded FlatParameter has a gradient of dtype ['torch.float64'] on some ranks and "
+            "none on others, which FSDP1 all-gathers as zeros of the default dtype torch.float32 (gloo: Received data "
+            "size doesn't match expected size)")),
         (FSDP1, "fuzz/stateful_ws1", F + "fsdp1-cpu-offload-pinning.md", STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="raised: RuntimeError: Cannot access accelerator device when none "
             "is available.")),
@@ -147,6 +158,9 @@ def _fsdp2() -> list[tuple[str, str, str, str]]:
     shadow = SHADOW.format(impl=FSDP2, op="{op}", what="{what}")
     no_grad_fwd = "2 (Forward(batch=0, grad=False, loss='all'))"
     return [
+        (FSDP2, "fully_shard_api/reset_iter_state[when=backward]",
+         F + "fsdp2-reset-iter-state-after-backward-failure-root-params.md",
+         "rank 0 raised AssertionError: rank 0: after a failed backward[head.weight]: Tensor-likes are not close!"),
         (FSDP2, "overlap/training_overlap", F + "overlap-cpu-torch.md",
          "rank 0 raised AssertionError: rank 0: forward does not overlap: forward 1695 ms (bound 1392), "
          "forward+backward 5084 ms (bound 4176), efficiency 0.80"),
