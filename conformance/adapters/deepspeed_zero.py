@@ -34,10 +34,16 @@ optimizer; ``step`` is ``engine.step()``. Backward is the user's
 plain backward reduces into the partitions as ``engine.backward`` does (loss
 scaling aside, which no fp32 config uses).
 
-Parameter resharding is DeepSpeed's parameter persistence: ZeRO-3 releases
-every gathered parameter after use when ``stage3_param_persistence_threshold``
-is 0 (set here; DeepSpeed's default keeps parameters under 100k elements
-whole). Accumulation is ``gradient_accumulation_steps`` in the config
+Parameter resharding is DeepSpeed's parameter persistence, reuse distance and
+prefetch: ZeRO-3 releases every gathered parameter after its module's forward
+(as ``FULL_SHARD`` reshards after forward) when
+``stage3_param_persistence_threshold`` is 0 (DeepSpeed's default keeps
+parameters under 100k elements whole), ``stage3_max_reuse_distance`` is 0 (its
+default keeps a parameter the traced module order uses again within 1e9
+elements: the last modules of a forward are the first of the backward) and
+``stage3_prefetch_bucket_size`` is 0 (a prefetch that meets a parameter still
+gathered marks it kept); the adapter sets all three. ``release`` is
+``engine.destroy()``, DeepSpeed's way to let an engine go. Accumulation is ``gradient_accumulation_steps`` in the config
 (``engine.no_sync`` refuses stages 2 and 3 by design; at stage 1 every row that
 uses it wraps with a sharding strategy, so ``NO_SYNC`` is not declared).
 Full parameters come from ``deepspeed.zero.GatheredParameters`` (stage 3) or
@@ -107,10 +113,12 @@ class _DeepSpeedZeroAdapter:
 
     def config(self, spec: WrapSpec) -> dict[str, Any]:
         """The DeepSpeed config for one wrap: this stage, one micro-step per step, no gradient clipping,
-        every parameter released."""
+        every parameter released after its module's forward (see [Note: DeepSpeed mapping])."""
         zero: dict[str, Any] = {"stage": self.stage}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
+            zero["stage3_max_reuse_distance"] = 0
+            zero["stage3_prefetch_bucket_size"] = 0
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -159,6 +167,10 @@ class _DeepSpeedZeroAdapter:
     def step(self, model: nn.Module, optim: Any) -> None:
         """``engine.step()``: the ZeRO optimizer's step over the reduced partitions, then its zero_grad."""
         model.step()  # type: ignore[operator]
+
+    def release(self, model: nn.Module) -> None:
+        """``engine.destroy()``: DeepSpeed's way to release an engine, its optimizer and its model."""
+        model.destroy()  # type: ignore[operator]
 
     def units(self, model: nn.Module) -> list[UnitInfo]:
         """Stage 3: the root, then each module owning parameters (gathered per module); else one root unit."""

@@ -28,6 +28,7 @@ adapter method (optional)                  default
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
 ``supports_no_sync(strategy)``             whether ``NO_SYNC`` is declared
+``release(model)``                         nothing: dropping the model frees it
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -60,6 +61,7 @@ __all__ = [
     "optimizer",
     "performance_knobs",
     "protocol_version",
+    "release",
     "reshard",
     "set_modules_to_prefetch",
     "set_performance_knob",
@@ -232,6 +234,19 @@ def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         method(model, optim)
     else:
         optim.step()
+
+
+def release(adapter: Any, model: nn.Module) -> None:
+    """What a user of the implementation does before dropping ``model`` (the root :meth:`wrap` returned) for good.
+
+    Optional part of the contract: an adapter whose implementation documents a call that releases a wrapped
+    model (DeepSpeed's ``engine.destroy()``) defines ``release(model)``; the default does nothing, since
+    dropping the last reference frees a torch FSDP model. Collective: every rank calls it. A row that checks
+    a dropped model is freed calls it first, so the row holds the implementation to its own way of letting go.
+    """
+    method = getattr(adapter, "release", None)
+    if method is not None:
+        method(model)
 
 
 def supports_no_sync(adapter: Any, strategy: str | None) -> bool:

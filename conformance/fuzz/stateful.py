@@ -14,7 +14,8 @@ model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
 :mod:`conformance.fuzz.compare`), and the rank holds no more memory than sharding allows
 ([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); when the program ends its
-user drops the model, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
+user releases the model as the implementation documents (``optional.release``, nothing by default) and drops
+it, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
 ``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
 losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
@@ -375,7 +376,10 @@ def _check_operations(ctx: RankContext, impl: FSDPAdapter,
         if failure is not None:
             return f"before any operation, {failure}", model
         failure = _apply_all(ctx, machine, "op", program.ops)
-        return failure or _apply_all(ctx, machine, "closing op", machine.closing()), model  # closing: after the ops
+        failure = failure or _apply_all(ctx, machine, "closing op", machine.closing())  # closing: after the ops
+        if failure is None:  # the user's loop ends: what the implementation asks before dropping a model
+            failure = held.untracked(agree, ctx, attempt("release", optional.release, impl, machine.model)[1])
+        return failure, model
 
 
 def _apply_all(ctx: RankContext, machine: _Machine, label: str, ops: tuple[Op, ...]) -> str | None:
