@@ -228,6 +228,17 @@ class _DeepSpeedZeroAdapter:
         user = _user_module(model)
         with self._gathered(user, modifier_rank=0):
             user.load_state_dict(state)
+        self._set_master_params(user)
+
+    def _set_master_params(self, user: nn.Module) -> None:
+        """Copy each parameter's loaded value into the ZeRO optimizer's fp32 partition, from which
+        ``engine.step()`` rewrites the parameters (``deepspeed.utils.safe_set_full_fp32_param``, DeepSpeed's
+        routine for "modifying the fp32 master parameters" outside the training loop)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        with self._gathered(user):
+            for param in user.parameters():
+                safe_set_full_fp32_param(param, param.detach())
 
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool) -> dict[str, Any]:
         raise NotImplementedError(f"{self.name}: DeepSpeed owns the optimizer; its state goes through checkpoints")
