@@ -111,6 +111,10 @@ class _DeepSpeedZeroAdapter:
     def supports_strategy(self, strategy: str | None) -> bool:
         return strategy in self.strategies
 
+    def units_per_module(self, strategy: str | None) -> bool:
+        """Stage 3 gathers per module owning parameters; stages 1 and 2 are one engine-wide unit."""
+        return self.stage == 3
+
     def config(self, spec: WrapSpec) -> dict[str, Any]:
         """The DeepSpeed config for one wrap: this stage, one micro-step per step, no gradient clipping,
         every parameter released after its module's forward (see [Note: DeepSpeed mapping])."""
@@ -163,6 +167,9 @@ class _DeepSpeedZeroAdapter:
         groups = [{"params": list(group["params"])} for group in zero.optimizer.param_groups]
         zero.optimizer = cls(groups, **kwargs)
         return zero
+
+    #: ``engine.step()`` ends with its ZeRO optimizer's ``zero_grad``: a DeepSpeed loop calls none itself.
+    step_zeroes_grads = True
 
     def step(self, model: nn.Module, optim: Any) -> None:
         """``engine.step()``: the ZeRO optimizer's step over the reduced partitions, then its zero_grad."""

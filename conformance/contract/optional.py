@@ -27,8 +27,10 @@ adapter method (optional)                  default
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
+``step_zeroes_grads: bool`` (attribute)     ``False``: gradients outlive a step until ``zero_grad``
 ``supports_no_sync(strategy)``             whether ``NO_SYNC`` is declared
 ``release(model)``                         nothing: dropping the model frees it
+``units_per_module(strategy)``             ``True``: an auto-wrap policy makes a unit per module
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -70,7 +72,9 @@ __all__ = [
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
+    "step_zeroes_grads",
     "supports_no_sync",
+    "units_per_module",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -247,6 +251,32 @@ def release(adapter: Any, model: nn.Module) -> None:
     method = getattr(adapter, "release", None)
     if method is not None:
         method(model)
+
+
+def units_per_module(adapter: Any, strategy: str | None) -> bool:
+    """Whether wrapping with ``strategy`` (``None``: the default) and an auto-wrap policy makes a unit of each
+    module the policy names, as :meth:`FSDPAdapter.units` reports them.
+
+    Optional part of the contract: an implementation whose sharding is a property of the whole model under
+    some strategies, with no per-module unit to report (DeepSpeed's ZeRO stages 1 and 2: one engine, its
+    parameters whole on every rank), defines ``units_per_module(strategy) -> bool``; the default is ``True``.
+    A row that asks about the unit of a module the policy names is ``n/a`` where this is ``False``.
+    """
+    method = getattr(adapter, "units_per_module", None)
+    return True if method is None else bool(method(strategy))
+
+
+def step_zeroes_grads(adapter: Any) -> bool:
+    """Whether the adapter's :func:`step` ends with a ``zero_grad(set_to_none=True)`` of its own.
+
+    Optional part of the contract: an adapter whose implementation's step clears the gradients it
+    applied (DeepSpeed's ``engine.step()`` calls its ZeRO optimizer's ``zero_grad``, so a DeepSpeed loop has
+    none) sets ``step_zeroes_grads = True``; the default is ``False``, a torch step, after which gradients
+    accumulate into the next backward until the user zeroes them. A fuzzer's shadow model zeroes its own
+    gradients after such a step, so a program of steps without a ``ZeroGrad`` between them compares like
+    with like.
+    """
+    return bool(getattr(adapter, "step_zeroes_grads", False))
 
 
 def supports_no_sync(adapter: Any, strategy: str | None) -> bool:

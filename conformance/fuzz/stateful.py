@@ -193,11 +193,14 @@ class _Machine:
     def step(self, _op: Step) -> None:
         if self._unsynced():
             return
-        if self.pending is None:
+        stepped = self.pending is None
+        if stepped:
             if self.controls is not None:
                 self.controls.before_update(self.config)
             optional.step(self.impl, self.model, self.optim)
         self.shadow.step()
+        if stepped and optional.step_zeroes_grads(self.impl):  # the implementation's step ends with a zero_grad
+            self.shadow.optim.zero_grad(set_to_none=True)
 
     def train_iteration(self, op: Train) -> None:
         self.forward(Forward(batch=op.batch))

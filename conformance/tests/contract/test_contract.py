@@ -67,6 +67,8 @@ def test_a_protocol_one_adapter_loads_with_defaults_and_warned_aliases(monkeypat
     with pytest.raises(optional.NoSyncUnsupported, match="protocol-one has no no_sync"):
         optional.no_sync(adapter, module)
     optional.release(adapter, module)  # the default does nothing: the module stays usable
+    assert optional.units_per_module(adapter, "FULL_SHARD")
+    assert not optional.step_zeroes_grads(adapter)
     assert module(torch.ones(1, 2)).shape == (1, 2)
 
 
@@ -221,3 +223,26 @@ def test_release_calls_the_adapters_method() -> None:
     module = nn.Linear(2, 2)
     optional.release(Releasing(), module)
     assert released == [module]
+
+
+def test_units_per_module_asks_the_adapter_per_strategy() -> None:
+    """``optional.units_per_module`` is the adapter's answer for the strategy it is given."""
+
+    class OneUnitUnsharded:
+        name = "one-unit-unsharded"
+
+        def units_per_module(self, strategy: str | None) -> bool:
+            return strategy == "FULL_SHARD"
+
+    assert optional.units_per_module(OneUnitUnsharded(), "FULL_SHARD")
+    assert not optional.units_per_module(OneUnitUnsharded(), None)
+
+
+def test_step_zeroes_grads_reads_the_adapters_attribute() -> None:
+    """``optional.step_zeroes_grads`` is the adapter's ``step_zeroes_grads``."""
+
+    class ZeroingStep:
+        name = "zeroing-step"
+        step_zeroes_grads = True
+
+    assert optional.step_zeroes_grads(ZeroingStep())

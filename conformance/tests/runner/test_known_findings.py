@@ -220,6 +220,8 @@ def _others() -> list[tuple[str, str, str, str]]:
            "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: grads after backward: "
            "grads[blocks.0.layers.0.weight]: The values for attribute 'dtype' do not match: torch.float32 != "
            "torch.float64.") for stage in (1, 2, 3)),
+        *((f"deepspeed-zero{stage}", "fuzz/stateful_ws1", F + "deepspeed-zero-step-without-backward.md",
+           STATEFUL.format(under="", op="0 (Step())", what="raised: KeyError: 0")) for stage in (1, 2, 3)),
         (ZERO3, "fuzz/stateful_ws2", bucket, STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="memory held: since a synchronising backward this rank holds "
             "2000000105 B, more than 168 B: 56 B of sharded parameters")),
