@@ -29,7 +29,8 @@ gives the engine a placeholder ``torch.optim.SGD(lr=0)``
 without parameters gets none. The adapter's ``optimizer(model, cls,
 **kwargs)`` puts ``cls(**kwargs)`` in the placeholder's place inside the ZeRO
 optimizer, over the same flat fp32 partitions, and returns the ZeRO
-optimizer; ``step`` is ``engine.step()``. Backward is the user's
+optimizer; ``step`` is ``engine.step()``, which ends with the ZeRO optimizer's
+``zero_grad`` (``step_zeroes_grads``). Backward is the user's
 ``loss.backward()``: DeepSpeed 0.19 hooks the forward's outputs so that a
 plain backward reduces into the partitions as ``engine.backward`` does (loss
 scaling aside, which no fp32 config uses).
@@ -47,7 +48,8 @@ gathered marks it kept); the adapter sets all three. ``release`` is
 (``engine.no_sync`` refuses stages 2 and 3 by design; at stage 1 every row that
 uses it wraps with a sharding strategy, so ``NO_SYNC`` is not declared).
 Full parameters come from ``deepspeed.zero.GatheredParameters`` (stage 3) or
-the parameters themselves (stages 1, 2).
+the parameters themselves (stages 1, 2). Stages 1 and 2 report one unit, the
+engine's, whatever the auto-wrap policy (``units_per_module`` is ``False``).
 
 No ``THREAD_RANKS``: DeepSpeed keeps process-global state (its accelerator,
 its ``comm`` module's backend, ``deepspeed.utils.groups``), so ranks that are
