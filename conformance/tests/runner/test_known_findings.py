@@ -222,6 +222,9 @@ def _others() -> list[tuple[str, str, str, str]]:
            "torch.float64.") for stage in (1, 2, 3)),
         *((f"deepspeed-zero{stage}", "fuzz/stateful_ws1", F + "deepspeed-zero-step-without-backward.md",
            STATEFUL.format(under="", op="0 (Step())", what="raised: KeyError: 0")) for stage in (1, 2, 3)),
+        (ZERO3, "fuzz/stateful_ws1", bucket, STATEFUL.format(
+            under="", op="0 (NoSync(batch=0))", what="memory held: since wrapping this rank holds 2000000145 B, "
+            "more than 224 B: 224 B of sharded parameters")),
         (ZERO3, "fuzz/stateful_ws2", bucket, STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="memory held: since a synchronising backward this rank holds "
             "2000000105 B, more than 168 B: 56 B of sharded parameters")),
