@@ -36,17 +36,20 @@ plain backward reduces into the partitions as ``engine.backward`` does (loss
 scaling aside, which no fp32 config uses).
 
 Parameter resharding is DeepSpeed's parameter persistence, reuse distance and
-prefetch: ZeRO-3 releases every gathered parameter after its module's forward
-(as ``FULL_SHARD`` reshards after forward) when
+prefetch: ZeRO-3 releases a gathered parameter after its module's forward when
 ``stage3_param_persistence_threshold`` is 0 (DeepSpeed's default keeps
-parameters under 100k elements whole), ``stage3_max_reuse_distance`` is 0 (its
-default keeps a parameter the traced module order uses again within 1e9
-elements: the last modules of a forward are the first of the backward) and
-``stage3_prefetch_bucket_size`` is 0 (a prefetch that meets a parameter still
-gathered marks it kept); the adapter sets all three. ``release`` is
-``engine.destroy()``, DeepSpeed's way to let an engine go. Accumulation is ``gradient_accumulation_steps`` in the config
-(``engine.no_sync`` refuses stages 2 and 3 by design; at stage 1 every row that
-uses it wraps with a sharding strategy, so ``NO_SYNC`` is not declared).
+parameters under 100k elements whole) and ``stage3_max_reuse_distance`` is 0
+(its default keeps a parameter the traced module order uses again within 1e9
+elements); the adapter sets both. It keeps DeepSpeed's prefetch
+(``stage3_prefetch_bucket_size``, 5e7 elements "to fetch ahead of use"): once
+the module order is traced, the parameters the backward uses first are within
+that window at the end of the forward, so they stay gathered (for the suite's
+small models, every one; docs/findings/deepspeed-zero3-prefetch-keeps-gathered.md);
+without prefetch a forward overlaps nothing. ``release`` is
+``engine.destroy()``, DeepSpeed's way to let an engine go. Accumulation is
+``gradient_accumulation_steps`` in the config (``engine.no_sync`` refuses
+stages 2 and 3 by design; at stage 1 every row that uses it wraps with a
+sharding strategy, so ``NO_SYNC`` is not declared).
 Full parameters come from ``deepspeed.zero.GatheredParameters`` (stage 3) or
 the parameters themselves (stages 1, 2). Stages 1 and 2 report one unit, the
 engine's, whatever the auto-wrap policy (``units_per_module`` is ``False``).
@@ -124,7 +127,6 @@ class _DeepSpeedZeroAdapter:
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
             zero["stage3_max_reuse_distance"] = 0
-            zero["stage3_prefetch_bucket_size"] = 0
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,

@@ -46,7 +46,7 @@ def test_each_stage_is_a_column_with_its_own_strategies() -> None:
 def test_config_maps_the_stage_and_releases_every_parameter() -> None:
     zero3 = DeepSpeedZero3Adapter().config(WrapSpec(extra={"config": {"gradient_accumulation_steps": 4}}))
     assert zero3["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                          "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+                                          "stage3_max_reuse_distance": 0}
     assert zero3["gradient_accumulation_steps"] == 4
     assert zero3["gradient_clipping"] == 0.0, "DeepSpeed's default clips to norm 1.0, which a torch step does not"
     assert DeepSpeedZero1Adapter().config(WrapSpec())["zero_optimization"] == {"stage": 1}

@@ -222,6 +222,11 @@ def _others() -> list[tuple[str, str, str, str]]:
            "torch.float64.") for stage in (1, 2, 3)),
         *((f"deepspeed-zero{stage}", "fuzz/stateful_ws1", F + "deepspeed-zero-step-without-backward.md",
            STATEFUL.format(under="", op="0 (Step())", what="raised: KeyError: 0")) for stage in (1, 2, 3)),
+        *((ZERO3, row, F + "deepspeed-zero3-prefetch-keeps-gathered.md", "rank 0 raised AssertionError: rank 0 step 1 "
+           f"with {what}: after forward, units ['head.a', 'head.b'] still hold their unsharded parameters "
+           "(world_size=2, mode=process)") for row, what in (
+            ("unit_outputs/caller_use[use=view]", "the head output used as 'view'"),
+            ("unit_outputs/structured_outputs[structure=dict]", "head's outputs in a dict"))),
         (ZERO3, "fuzz/stateful_ws1", bucket, STATEFUL.format(
             under="", op="0 (NoSync(batch=0))", what="memory held: since wrapping this rank holds 2000000145 B, "
             "more than 224 B: 224 B of sharded parameters")),
