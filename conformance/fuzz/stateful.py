@@ -1,28 +1,22 @@
 """Run one stateful program on the ranks: the wrapped model and the shadow, checked after every operation.
 
 [Note: stateful invariant]
-After every operation each rank checks what a user of the wrapped model can
-observe against the shadow ([Note: the shadow model] in
-:mod:`conformance.fuzz.shadow`): the outputs and loss of a forward (this
-rank's batch), and, whenever no loss is pending (between iterations, where a
-user reads them), the full parameters, the full gradients (where the adapter
-exposes them), the values of the model's buffers (``named_buffers()``, also
-before the first operation: a ``buffer_dtype`` changes them at the first
-forward, not at wrapping), and that every original parameter is still
-registered with ``use_orig_params``; a full save is compared with the shadow's
-model and optimizer state. A unit none of whose parameters has a gradient in the
-shadow shows none either (``assert_no_grads_outside_the_loss`` in
-:mod:`conformance.fuzz.compare`), and the rank holds no more memory than sharding allows
-([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); when the program ends its
-user releases the model as the implementation documents (``optional.release``, nothing by default) and drops
-it, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
-``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
-losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
-gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
-:mod:`conformance.fuzz.compare`), and so are missing optimizer state and
-all-zero state: a flat parameter steps the unused parameters it holds with
-zero gradients, which leaves them and their zero moments unchanged. Verdicts
-agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
+After every operation each rank checks what a user of the wrapped model can observe against the shadow
+([Note: the shadow model] in :mod:`conformance.fuzz.shadow`): the outputs and loss of a forward (this rank's
+batch), and, whenever no loss is pending (between iterations, where a user reads them), the full parameters, the
+full gradients (where the adapter exposes them), the values of the model's buffers (``named_buffers()``, also
+before the first operation: a ``buffer_dtype`` changes them at the first forward, not at wrapping), and that
+every original parameter is still registered with ``use_orig_params``; a full save is compared with the shadow's
+model and optimizer state. A unit none of whose parameters has a gradient in the shadow shows none either
+(``assert_no_grads_outside_the_loss`` in :mod:`conformance.fuzz.compare`), and the rank holds no more memory
+than sharding allows ([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); at the program's
+end its user releases (``optional.release``) and drops the model, which must then be freed
+(``held.left_alive``). Tolerances are ``torch.testing.assert_close``'s defaults for the dtype (under a
+mixed-precision policy, outputs, losses and gradients in the param dtype: see
+[Note: fuzz mixed-precision baseline]). A missing gradient and an all-zero one are otherwise alike, as in the
+parity fuzzer (see :mod:`conformance.fuzz.compare`), and so are missing optimizer state and all-zero state: a
+flat parameter steps the unused parameters it holds with zero gradients, which leaves them and their zero
+moments unchanged. Verdicts agree across ranks exactly as [Note: fuzz verdicts agree across ranks] says.
 """
 
 from __future__ import annotations
@@ -193,13 +187,11 @@ class _Machine:
     def step(self, _op: Step) -> None:
         if self._unsynced():
             return
-        stepped = self.pending is None
-        if stepped:
+        if self.pending is None:
             if self.controls is not None:
                 self.controls.before_update(self.config)
             optional.step(self.impl, self.model, self.optim)
-        self.shadow.step()
-        if stepped and optional.step_zeroes_grads(self.impl):  # the implementation's step ends with a zero_grad
+        if self.shadow.step() and optional.step_zeroes_grads(self.impl):  # as the implementation's step does
             self.shadow.optim.zero_grad(set_to_none=True)
 
     def train_iteration(self, op: Train) -> None:
@@ -380,9 +372,8 @@ def _check_operations(ctx: RankContext, impl: FSDPAdapter,
             return f"before any operation, {failure}", model
         failure = _apply_all(ctx, machine, "op", program.ops)
         failure = failure or _apply_all(ctx, machine, "closing op", machine.closing())  # closing: after the ops
-        if failure is None:  # the user's loop ends: what the implementation asks before dropping a model
-            failure = held.untracked(agree, ctx, attempt("release", optional.release, impl, machine.model)[1])
-        return failure, model
+        release = attempt("release", optional.release, impl, machine.model)[1]  # the user's loop ends
+        return failure or held.untracked(agree, ctx, release), model
 
 
 def _apply_all(ctx: RankContext, machine: _Machine, label: str, ops: tuple[Op, ...]) -> str | None:
