@@ -29,19 +29,30 @@ gives the engine a placeholder ``torch.optim.SGD(lr=0)``
 without parameters gets none. The adapter's ``optimizer(model, cls,
 **kwargs)`` puts ``cls(**kwargs)`` in the placeholder's place inside the ZeRO
 optimizer, over the same flat fp32 partitions, and returns the ZeRO
-optimizer; ``step`` is ``engine.step()``. Backward is the user's
+optimizer; ``step`` is ``engine.step()``, which ends with the ZeRO optimizer's
+``zero_grad`` (``step_zeroes_grads``). Backward is the user's
 ``loss.backward()``: DeepSpeed 0.19 hooks the forward's outputs so that a
 plain backward reduces into the partitions as ``engine.backward`` does (loss
 scaling aside, which no fp32 config uses).
 
-Parameter resharding is DeepSpeed's parameter persistence: ZeRO-3 releases
-every gathered parameter after use when ``stage3_param_persistence_threshold``
-is 0 (set here; DeepSpeed's default keeps parameters under 100k elements
-whole). Accumulation is ``gradient_accumulation_steps`` in the config
-(``engine.no_sync`` refuses stages 2 and 3 by design; at stage 1 every row that
-uses it wraps with a sharding strategy, so ``NO_SYNC`` is not declared).
+Parameter resharding is DeepSpeed's parameter persistence, reuse distance and
+prefetch: ZeRO-3 releases a gathered parameter after its module's forward when
+``stage3_param_persistence_threshold`` is 0 (DeepSpeed's default keeps
+parameters under 100k elements whole) and ``stage3_max_reuse_distance`` is 0
+(its default keeps a parameter the traced module order uses again within 1e9
+elements); the adapter sets both. It keeps DeepSpeed's prefetch
+(``stage3_prefetch_bucket_size``, 5e7 elements "to fetch ahead of use"): once
+the module order is traced, the parameters the backward uses first are within
+that window at the end of the forward, so they stay gathered (for the suite's
+small models, every one; docs/findings/deepspeed-zero3-prefetch-keeps-gathered.md);
+without prefetch a forward overlaps nothing. ``release`` is
+``engine.destroy()``, DeepSpeed's way to let an engine go. Accumulation is
+``gradient_accumulation_steps`` in the config (``engine.no_sync`` refuses
+stages 2 and 3 by design; at stage 1 every row that uses it wraps with a
+sharding strategy, so ``NO_SYNC`` is not declared).
 Full parameters come from ``deepspeed.zero.GatheredParameters`` (stage 3) or
-the parameters themselves (stages 1, 2).
+the parameters themselves (stages 1, 2). Stages 1 and 2 report one unit, the
+engine's, whatever the auto-wrap policy (``units_per_module`` is ``False``).
 
 No ``THREAD_RANKS``: DeepSpeed keeps process-global state (its accelerator,
 its ``comm`` module's backend, ``deepspeed.utils.groups``), so ranks that are
@@ -105,12 +116,17 @@ class _DeepSpeedZeroAdapter:
     def supports_strategy(self, strategy: str | None) -> bool:
         return strategy in self.strategies
 
+    def units_per_module(self, strategy: str | None) -> bool:
+        """Stage 3 gathers per module owning parameters; stages 1 and 2 are one engine-wide unit."""
+        return self.stage == 3
+
     def config(self, spec: WrapSpec) -> dict[str, Any]:
         """The DeepSpeed config for one wrap: this stage, one micro-step per step, no gradient clipping,
-        every parameter released."""
+        every parameter released after its module's forward (see [Note: DeepSpeed mapping])."""
         zero: dict[str, Any] = {"stage": self.stage}
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
+            zero["stage3_max_reuse_distance"] = 0
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -156,9 +172,16 @@ class _DeepSpeedZeroAdapter:
         zero.optimizer = cls(groups, **kwargs)
         return zero
 
+    #: ``engine.step()`` ends with its ZeRO optimizer's ``zero_grad``: a DeepSpeed loop calls none itself.
+    step_zeroes_grads = True
+
     def step(self, model: nn.Module, optim: Any) -> None:
         """``engine.step()``: the ZeRO optimizer's step over the reduced partitions, then its zero_grad."""
         model.step()  # type: ignore[operator]
+
+    def release(self, model: nn.Module) -> None:
+        """``engine.destroy()``: DeepSpeed's way to release an engine, its optimizer and its model."""
+        model.destroy()  # type: ignore[operator]
 
     def units(self, model: nn.Module) -> list[UnitInfo]:
         """Stage 3: the root, then each module owning parameters (gathered per module); else one root unit."""
@@ -216,6 +239,17 @@ class _DeepSpeedZeroAdapter:
         user = _user_module(model)
         with self._gathered(user, modifier_rank=0):
             user.load_state_dict(state)
+        self._set_master_params(user)
+
+    def _set_master_params(self, user: nn.Module) -> None:
+        """Copy each parameter's loaded value into the ZeRO optimizer's fp32 partition, from which
+        ``engine.step()`` rewrites the parameters (``deepspeed.utils.safe_set_full_fp32_param``, DeepSpeed's
+        routine for "modifying the fp32 master parameters" outside the training loop)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        with self._gathered(user):
+            for param in user.parameters():
+                safe_set_full_fp32_param(param, param.detach())
 
     def optim_state_dict(self, model: nn.Module, optim: torch.optim.Optimizer, *, sharded: bool) -> dict[str, Any]:
         raise NotImplementedError(f"{self.name}: DeepSpeed owns the optimizer; its state goes through checkpoints")

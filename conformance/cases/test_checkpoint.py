@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.exposures import parameter_exposures, under_exposure
-from conformance.contract.optional import activation_checkpoint_wrapper
+from conformance.contract.optional import activation_checkpoint_wrapper, full_grads
 from fixtures.checkpointing import FFN, CheckpointBlock, CheckpointTower, ffn_layers
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator, rank_seed
@@ -307,12 +307,24 @@ def test_checkpoint_submodule(ctx: RankContext, impl: FSDPAdapter, use_reentrant
     x = torch.randn(2, 32, generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)
     model(x).sum().backward()
     checkpointed(x).sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = _tower_grads(impl, model)
     assert all(g is not None for g in grads.values()), (
         f"unused parameters: {[n for n, g in grads.items() if g is None]}"
     )
     assert_close_named(
-        {n: p.grad for n, p in checkpointed.named_parameters()},
+        _tower_grads(impl, checkpointed),
         grads,
         what=f"rank {ctx.rank}: grads with {'' if use_reentrant else 'non-'}reentrant checkpoint vs without",
     )
+
+
+def _tower_grads(impl: FSDPAdapter, tower: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each parameter's gradient after backward: the wrapped stages' full gradients where the adapter exposes
+    them (an implementation that keeps gradients in its own storage, DeepSpeed's ZeRO partitions), keyed
+    ``stage.name``; else every parameter's ``.grad``. Collective: every rank calls it."""
+    stages = {name: full_grads(impl, getattr(tower, name)) for name in ("stage1", "stage2")}
+    if any(grads is None for grads in stages.values()):
+        return {n: p.grad for n, p in tower.named_parameters()}
+    out = {f"{stage}.{n}": g for stage, grads in stages.items() for n, g in (grads or {}).items()}
+    out.update({n: p.grad for n, p in tower.named_parameters() if not n.startswith(("stage1.", "stage2."))})
+    return out

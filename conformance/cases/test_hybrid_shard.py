@@ -61,6 +61,7 @@ from fixtures.hybrid_shard import (
     node_layout,
     node_size,
     ranks,
+    resharded_while_computing,
     split_units,
 )
 from fixtures.models import ThreeLinear, TiedTransformer
@@ -148,9 +149,9 @@ def _basic_setup(ctx: RankContext, impl: FSDPAdapter, setup: Setup, node: int) -
     check_strategies(hybrid, full, setup.strategy)
     groups = check_groups(ctx, hybrid, node)
     inputs = io().get_input(ctx.device, generator(rank_seed(0, ctx.rank)))
-    with ctx.record_collectives() as forward:
+    with ctx.record_collectives() as forward, resharded_while_computing(impl, model) as computing:
         output = model(*inputs)
-        check_reshard_after_forward(impl, model, setup.strategy)
+        check_reshard_after_forward(impl, model, setup.strategy, computing)
     with ctx.record_collectives() as backward:
         io().get_loss(inputs, output).backward()
     check_collectives(ctx, forward, backward, hybrid, full, setup.strategy, groups)

@@ -28,7 +28,9 @@
   callbacks, registries) may keep it alive, with its parameters, gradients and
   process groups: a training loop that builds a model per trial (a sweep, a
   fuzzer, a notebook) would otherwise hold every earlier one, and each gloo
-  group keeps three threads until it is freed.
+  group keeps three threads until it is freed. Before dropping it the row makes
+  the call the implementation documents for letting a model go, if any
+  (``release``, optional: DeepSpeed's ``engine.destroy()``).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def test_dropped_model_freed(ctx: RankContext, impl: FSDPAdapter, api: str, last
     for _ in range(2):
         _step(impl, model, optim, torch.randn(BATCH, 8, generator=gen).to(ctx.device))
     output = model(torch.randn(BATCH, 8, generator=gen).to(ctx.device)).sum() if last == "forward" else None
+    optional.release(impl, model)  # the implementation's own way of letting a model go, if it has one
     del model, optim, output
     ctx.barrier()  # every rank past its collectives: a thread rank's peer may hold its tensors in one in flight
     kept = kept_alive(watched)

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from conformance.contract import optional
 from conformance.contract.adapter import HYBRID_STRATEGIES, STRATEGIES, AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import TWO_OR_MORE, Scalable, case
+from conformance.contract.case import TWO_OR_MORE, Scalable, case, not_applicable
 from fixtures.baselines import cached
 from fixtures.cpu_groups import cpu_world_group, hybrid_cpu_groups
 from fixtures.meshes import ranks_per_node
@@ -95,7 +96,10 @@ def test_module_no_compute_grad(
     ctx: RankContext, impl: FSDPAdapter, strategy: str | None, use_second_layer: bool
 ) -> None:
     """Over four steps, unit ``b`` outside the loss (unused, or used only for an ignored output) keeps every
-    local grad None while unit ``a``, in the loss, has them all."""
+    local grad None while unit ``a``, in the loss, has them all. ``n/a`` where the strategy makes no unit per
+    module (``units_per_module``)."""
+    if not optional.units_per_module(impl, strategy):
+        not_applicable(f"{impl.name} makes no unit per module under strategy {strategy}: no unit 'a' or 'b' to ask")
     spec = WrapSpec(strategy=strategy, auto_wrap=ALWAYS)
     model = impl.wrap(OptionalSecondOutputModel(use_second_layer, seed=0).to(ctx.device), spec)
     gen = generator(rank_seed(0, ctx.rank))

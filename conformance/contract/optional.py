@@ -31,6 +31,7 @@ adapter method (optional)                  default
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
+``step_zeroes_grads: bool`` (attribute)     ``False``: gradients outlive a step until ``zero_grad``
 ``supports_no_sync(strategy)``             whether ``NO_SYNC`` is declared
 ``full_optim_state_dict(m, o, ...)``, ``sharded_optim_state_dict``, ``shard_full_optim_state_dict``,
 ``scatter_full_optim_state_dict``, ``flatten_sharded_optim_state_dict``, ``rekey_optim_state_dict``
@@ -38,6 +39,8 @@ adapter method (optional)                  default
 ``set_state_dict_type(m, settings)``, ``get_state_dict_type(m)``, ``optim_state_dict_as_set(m, o)``,
 ``load_optim_state_dict_as_set(m, o, osd)``
                                            unsupported: the case is ``n/a``
+``release(model)``                         nothing: dropping the model frees it
+``units_per_module(strategy)``             ``True``: an auto-wrap policy makes a unit per module
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -77,6 +80,7 @@ from conformance.contract.module_controls import (
     set_reshard_after_forward,
     unshard,
 )
+from conformance.contract.optional_engine import release, step_zeroes_grads, units_per_module
 from conformance.contract.state_dict_api import (
     StateDictAPIUnsupported,
     flatten_sharded_optim_state_dict,
@@ -115,6 +119,7 @@ __all__ = [
     "optimizer",
     "performance_knobs",
     "protocol_version",
+    "release",
     "reshard",
     "set_modules_to_prefetch",
     "set_performance_knob",
@@ -127,8 +132,10 @@ __all__ = [
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
+    "step_zeroes_grads",
     "supports_no_sync",
     "takes_param_dtype",
+    "units_per_module",
     "unshard",
     "thread_rank_limits",
     "set_post_optim_event",
@@ -299,6 +306,9 @@ def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         method(model, optim)
     else:
         optim.step()
+
+
+
 
 
 def supports_no_sync(adapter: Any, strategy: str | None) -> bool:

@@ -171,7 +171,8 @@ class Machine:
             if self.controls is not None:
                 self.controls.before_update(self.config)
             optional.step(self.impl, self.model, self.optim)
-        self.shadow.step()
+        if self.shadow.step() and optional.step_zeroes_grads(self.impl):  # as the implementation's step does
+            self.shadow.optim.zero_grad(set_to_none=True)
 
     def train_iteration(self, op: Train) -> None:
         self.forward(Forward(batch=op.batch))

@@ -39,10 +39,10 @@ must behave so on every rank:
   first forward that is refused (``RuntimeError``); after a first iteration it
   is warned of, once, on each rank that changed and on no other, and an eval
   forward between iterations in the same order warns nobody;
-* a ``wrap`` program that is not hybrid: its strategy and parameter exposure with
-  an auto-wrap policy naming the model's block class make every block that holds
-  parameters, nested ones included, a unit, or a module holding units (a
-  per-parameter design);
+* a ``wrap`` program that is not hybrid, under a strategy that makes a unit per module
+  (``units_per_module``): its strategy and parameter exposure with an auto-wrap policy
+  naming the model's block class make every block that holds parameters, nested ones
+  included, a unit, or a module holding units (a per-parameter design);
 * every program that is not hybrid: a weight tied across two units refused or
   kept; a ``wrap`` one also ``sync_module_states`` and, with a policy,
   ``keep_low_precision_grads`` taking effect ([Note: options a neighbour sets] in
@@ -93,7 +93,7 @@ from conformance.contract.messages import (
     ORDER_WARNING,
     UNSAFE_SETATTR,
 )
-from conformance.contract.optional import capabilities_of, fully_shard
+from conformance.contract.optional import capabilities_of, fully_shard, units_per_module
 from conformance.fuzz.agreement import agree, attempt
 from conformance.fuzz.drawn_precision import dtype_of, mixed_precision_spec, wrapped_input
 from conformance.fuzz.example import Block
@@ -188,7 +188,7 @@ def _of_wrap(ctx: RankContext, impl: FSDPAdapter, config: WrapConfig,
                                                 OPTIM_IN_BACKWARD_ERROR,
                                                 lambda: _forward_with_optimizer_in_backward(ctx, impl, fresh(),
                                                                                             config))))
-    if not config.hybrid:
+    if not config.hybrid and units_per_module(impl, config.strategy):
         steps.append(("auto-wrap policy", lambda: _auto_wrap(ctx, impl, fresh(), config)))
     if Capability.UNSAFE_SETATTR in caps:
         steps.append((f"{UNSAFE_SETATTR}=1", lambda: _bypasses_setattr(ctx, impl, fresh(), config)))

@@ -13,8 +13,9 @@ registered with ``use_orig_params``; a full save is compared with the shadow's
 model and optimizer state. A unit none of whose parameters has a gradient in the
 shadow shows none either (``assert_no_grads_outside_the_loss`` in
 :mod:`conformance.fuzz.twin_checks`), and the rank holds no more memory than sharding allows
-([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); when the program ends its
-user drops the model, which must then be freed (:func:`~conformance.fuzz.held.left_alive`). Tolerances are
+([Note: memory held between iterations] in :mod:`conformance.fuzz.held`); at the program's end its
+user releases (``optional.release``) and drops the model, which must then be freed
+(:func:`~conformance.fuzz.held.left_alive`). Tolerances are
 ``torch.testing.assert_close``'s defaults for the dtype (under a mixed-precision policy, outputs,
 losses and gradients in the param dtype: see [Note: fuzz mixed-precision baseline]). A missing
 gradient and an all-zero one are otherwise alike, as in the parity fuzzer (see
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import not_applicable
 from conformance.contract.optional import takes_param_dtype
@@ -84,7 +86,9 @@ def _check_operations(verdicts: Verdicts, impl: FSDPAdapter,
             return f"before any operation, {failure}", model
         failure = _apply_all(verdicts, machine, "op", program.ops)
         # the closing operations: after the program's
-        return failure or _apply_all(verdicts, machine, "closing op", machine.closing()), model
+        failure = failure or _apply_all(verdicts, machine, "closing op", machine.closing())
+        release = attempt("release", optional.release, impl, machine.model)[1]  # the user's loop ends
+        return failure or held.untracked(verdicts.agree, None, raised=release, where="release"), model
 
 
 def _apply_all(verdicts: Verdicts, machine: Machine, label: str, ops: tuple[Op, ...]) -> str | None:

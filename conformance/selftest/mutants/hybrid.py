@@ -8,10 +8,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from conformance.contract.adapter import WrapSpec
+from conformance.contract.adapter import UnitInfo, WrapSpec
 from conformance.selftest.declare import Expect, _Mutant, _state_of
 
-__all__ = ["Zero2AsHybridShard", "RegroupsGivenGroups", "HybridDividesByShardOnly", "RootNotReplicated"]
+__all__ = ["Zero2AsHybridShard", "RegroupsGivenGroups", "HybridDividesByShardOnly", "RootNotReplicated",
+           "ReportsAlwaysResharded"]
 
 
 class Zero2AsHybridShard(_Mutant):
@@ -74,3 +75,15 @@ class RootNotReplicated(_Mutant):
         if groups.inter_node_pg is not None:
             groups.replicate_group = None
         return model
+
+
+class ReportsAlwaysResharded(_Mutant):
+    """Reports every unit resharded (``UnitInfo.resharded`` True wherever it reports one), whatever it holds."""
+
+    name = "mutant-reports-always-resharded"
+    breaks = "reporting the resharded state a unit is in rather than a constant"
+    expect = Expect("basic_setup and not _HYBRID_SHARD_ZERO2", "thread",
+                    ("hybrid_shard/basic_setup[strategy=HYBRID_SHARD]",))
+
+    def units(self, model: nn.Module) -> list[UnitInfo]:
+        return [u if u.resharded is None else replace(u, resharded=True) for u in super().units(model)]

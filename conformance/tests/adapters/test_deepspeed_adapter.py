@@ -45,10 +45,17 @@ def test_each_stage_is_a_column_with_its_own_strategies() -> None:
 
 def test_config_maps_the_stage_and_releases_every_parameter() -> None:
     zero3 = DeepSpeedZero3Adapter().config(WrapSpec(extra={"config": {"gradient_accumulation_steps": 4}}))
-    assert zero3["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    assert zero3["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                          "stage3_max_reuse_distance": 0}
     assert zero3["gradient_accumulation_steps"] == 4
     assert zero3["gradient_clipping"] == 0.0, "DeepSpeed's default clips to norm 1.0, which a torch step does not"
     assert DeepSpeedZero1Adapter().config(WrapSpec())["zero_optimization"] == {"stage": 1}
+
+
+def test_units_per_module_at_stage_3_only_and_every_step_zeroes_grads() -> None:
+    stages = (DeepSpeedZero1Adapter(), DeepSpeedZero2Adapter(), DeepSpeedZero3Adapter())
+    assert [optional.units_per_module(a, None) for a in stages] == [False, False, True]
+    assert all(optional.step_zeroes_grads(a) for a in stages)
 
 
 def test_wrap_refuses_what_it_cannot_express() -> None:
@@ -104,3 +111,30 @@ def _trained_vs_local(ctx: harness.RankContext, stage: int, name: str) -> list[f
 def test_the_engine_trains_through_the_adapter_optimizer_and_step(stage: int, name: str) -> None:
     gaps = harness.run(_trained_vs_local, world_size=2, mode="process", args=(stage, name))
     assert all(gap < 1e-6 for rank in gaps for gap in rank), gaps
+
+
+def _loaded_then_stepped(ctx: harness.RankContext) -> float:
+    """A ZeRO-3 model trained a step, loaded with another model's state dict and stepped again; the largest gap
+    to that other model stepped on the same gradients."""
+    adapter = DeepSpeedZero3Adapter()
+    torch.manual_seed(0)
+    engine = adapter.wrap(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), WrapSpec(strategy="FULL_SHARD"))
+    optim = optional.optimizer(adapter, engine, torch.optim.SGD, lr=0.1)
+    batch = torch.ones(2, 4)
+    engine(batch).sum().backward()
+    optional.step(adapter, engine, optim)
+    loaded = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    adapter.load_state_dict(engine, copy.deepcopy(loaded.state_dict()), sharded=False)
+    engine(batch).sum().backward()
+    optional.step(adapter, engine, optim)
+    loaded(batch).sum().backward()
+    torch.optim.SGD(loaded.parameters(), lr=0.1).step()
+    full = adapter.full_params(engine)
+    return max(float((full[n] - p).abs().max()) for n, p in loaded.named_parameters())
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is an optional extra (docs/USAGE.md, 'DeepSpeed ZeRO')")
+def test_a_loaded_state_survives_the_next_step() -> None:
+    """``load_state_dict`` sets the ZeRO optimizer's fp32 master partitions too, which the next step starts from."""
+    gaps = harness.run(_loaded_then_stepped, world_size=2, mode="process")
+    assert all(gap < 1e-6 for gap in gaps), gaps

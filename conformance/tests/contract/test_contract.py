@@ -66,6 +66,10 @@ def test_a_protocol_one_adapter_loads_with_defaults_and_warned_aliases(monkeypat
         optional.set_post_optim_event(adapter, module, torch.Event())
     with pytest.raises(optional.NoSyncUnsupported, match="protocol-one has no no_sync"):
         optional.no_sync(adapter, module)
+    optional.release(adapter, module)  # the default does nothing: the module stays usable
+    assert optional.units_per_module(adapter, "FULL_SHARD")
+    assert not optional.step_zeroes_grads(adapter)
+    assert module(torch.ones(1, 2)).shape == (1, 2)
 
 
 @pytest.mark.first_torch  # the suite's own plumbing: [Note: tests on the first torch]
@@ -204,3 +208,41 @@ def test_a_documented_finding_cites_its_documentation(tmp_path: Path, monkeypatc
         listed.write_text(json.dumps([bad]))
         with pytest.raises(ValueError, match=r"mine\.json: (kind must be|'documentation')"):
             annotate("my-fsdp", "checkpoint/x", "boom")
+
+
+def test_release_calls_the_adapters_method() -> None:
+    """``optional.release`` calls an adapter's ``release(model)`` once, with the model it is given."""
+    released: list[nn.Module] = []
+
+    class Releasing:
+        name = "releasing"
+
+        def release(self, model: nn.Module) -> None:
+            released.append(model)
+
+    module = nn.Linear(2, 2)
+    optional.release(Releasing(), module)
+    assert released == [module]
+
+
+def test_units_per_module_asks_the_adapter_per_strategy() -> None:
+    """``optional.units_per_module`` is the adapter's answer for the strategy it is given."""
+
+    class OneUnitUnsharded:
+        name = "one-unit-unsharded"
+
+        def units_per_module(self, strategy: str | None) -> bool:
+            return strategy == "FULL_SHARD"
+
+    assert optional.units_per_module(OneUnitUnsharded(), "FULL_SHARD")
+    assert not optional.units_per_module(OneUnitUnsharded(), None)
+
+
+def test_step_zeroes_grads_reads_the_adapters_attribute() -> None:
+    """``optional.step_zeroes_grads`` is the adapter's ``step_zeroes_grads``."""
+
+    class ZeroingStep:
+        name = "zeroing-step"
+        step_zeroes_grads = True
+
+    assert optional.step_zeroes_grads(ZeroingStep())

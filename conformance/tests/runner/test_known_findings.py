@@ -216,6 +216,38 @@ def _others() -> list[tuple[str, str, str, str]]:
               "never freed (world_size=2, mode=process)"),
              (ZERO3, "placement/no_params[use_device_id=False]", F + "deepspeed-zero3-no-params-indexerror.md",
               "rank 0 raised IndexError: list index out of range (world_size=2, mode=process)")]
+    stale, bucket = F + "deepspeed-zero3-stale-gradient-outside-loss.md", F + "deepspeed-zero3-reduce-bucket.md"
+    zero3 += [
+        (ZERO3, "unit_outputs/not_all_outputs_used_in_loss[strategy=FULL_SHARD]", stale,
+         f"rank 0 raised AssertionError: params after step 2 on rank 0[lin2.weight]: {NOT_CLOSE}"),
+        (ZERO3, "training/module_no_compute_grad[strategy=None,use_second_layer=True]", stale,
+         "rank 0 raised AssertionError: step 0, rank 0: unit 'b' grad present [True, True], expected all False "
+         "(world_size=2, mode=process)"),
+        (ZERO3, "grad_accumulation/accumulate[cpu_offload=False,set_to_none=True,no_sync=False]", stale,
+         "rank 0 raised AssertionError: rank 0: zero_grad(set_to_none=True) left grads on ['lin1.weight', "
+         "'lin1.bias'] (world_size=2, mode=process)"),
+        (ZERO3, "memory/peak_per_rank[use_orig_params=False]", bucket,
+         "rank 0 raised AssertionError: rank 0: peak 2001056777 B during a step exceeds the bound 491520 B by "
+         "2000565257 B (sharded parameters+gradients+state 393216 B, 5 units of 16384 B, activations 16384 B) "
+         "(world_size=2, mode=process)"),
+        *((f"deepspeed-zero{stage}", "fuzz/parity_ws2", F + "deepspeed-zero-float64-trains-in-float32.md",
+           "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: grads after backward: "
+           "grads[blocks.0.layers.0.weight]: The values for attribute 'dtype' do not match: torch.float32 != "
+           "torch.float64.") for stage in (1, 2, 3)),
+        *((f"deepspeed-zero{stage}", "fuzz/stateful_ws1", F + "deepspeed-zero-step-without-backward.md",
+           STATEFUL.format(under="", op="0 (Step())", what="raised: KeyError: 0")) for stage in (1, 2, 3)),
+        *((ZERO3, row, F + "deepspeed-zero3-prefetch-keeps-gathered.md", "rank 0 raised AssertionError: rank 0 step 1 "
+           f"with {what}: after forward, units ['head.a', 'head.b'] still hold their unsharded parameters "
+           "(world_size=2, mode=process)") for row, what in (
+            ("unit_outputs/caller_use[use=view]", "the head output used as 'view'"),
+            ("unit_outputs/structured_outputs[structure=dict]", "head's outputs in a dict"))),
+        (ZERO3, "fuzz/stateful_ws1", bucket, STATEFUL.format(
+            under="", op="0 (NoSync(batch=0))", what="memory held: since wrapping this rank holds 2000000145 B, "
+            "more than 224 B: 224 B of sharded parameters")),
+        (ZERO3, "fuzz/stateful_ws2", bucket, STATEFUL.format(
+            under="", op="0 (Train(batch=0))", what="memory held: since a synchronising backward this rank holds "
+            "2000000105 B, more than 168 B: 56 B of sharded parameters")),
+    ]
     return fairscale + zero3 + [
         (TITAN, "training/cpu_training_parity_vs_ddp[strategy=FULL_SHARD,optim=SGD]", sums,
          "rank 0 raised AssertionError: torchtitan-simple-fsdp vs ddp at step 1: loss: Scalars are not close!"),
