@@ -16,6 +16,7 @@ adapter method (optional)                  default
 ``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
 ``no_sync(model)``                         unsupported: the case is ``n/a``
 ``thread_rank_limits: Mapping[Capability, str]`` ``{}``: every capability holds on thread ranks too
+``thread_rank_load_limits: Mapping[Capability, str]`` ``{}``: a state dict that saves on thread ranks loads there too
 ``fully_shard(module, mesh=..., ...)``     unsupported: the case is ``n/a``
 ``set_modules_to_prefetch(m, forward, backward)`` unsupported: the case is ``n/a``
 ``unshard(m, async_op)``, ``reshard(m)``   unsupported: the case is ``n/a``
@@ -61,6 +62,7 @@ from conformance.contract.adapter import (
 
 __all__ = [
     "CAPABILITY_METHODS",
+    "LOADED_STATE_DICTS",
     "FullyShardUnsupported",
     "NoSyncUnsupported",
     "PostOptimEventUnsupported",
@@ -94,6 +96,7 @@ __all__ = [
     "supports_no_sync",
     "unshard",
     "thread_rank_limits",
+    "thread_rank_load_limits",
     "set_post_optim_event",
     "wrapped_module",
 ]
@@ -297,6 +300,30 @@ def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:
     if bad:
         raise TypeError(f"adapter {adapter.name!r}: thread_rank_limits keys must be capabilities it declares, "
                         f"got {bad!r}")
+    return limits
+
+
+#: The state-dict capabilities ``thread_rank_load_limits`` may name.
+LOADED_STATE_DICTS = (Capability.FULL_STATE_DICT, Capability.SHARDED_STATE_DICT)
+
+
+def thread_rank_load_limits(adapter: Any) -> Mapping[Capability, str]:
+    """State-dict capabilities whose save holds on thread ranks but whose load does not, each with the reason.
+
+    Optional part of the contract: an adapter may define
+    ``thread_rank_load_limits: Mapping[Capability, str]``, keys among
+    :data:`LOADED_STATE_DICTS`. It is narrower than :func:`thread_rank_limits`
+    (which takes the whole capability off thread ranks): a caller that loads
+    such a state dict on thread ranks treats the load as missing with that
+    reason, and the saves still run. Raises ``TypeError`` naming a key that is
+    not a declared state-dict capability.
+    """
+    limits = dict(getattr(adapter, "thread_rank_load_limits", {}))
+    declared = capabilities_of(adapter)
+    bad = [key for key in limits if key not in LOADED_STATE_DICTS or key not in declared]
+    if bad:
+        raise TypeError(f"adapter {adapter.name!r}: thread_rank_load_limits keys must be state-dict capabilities it "
+                        f"declares ({', '.join(map(str, LOADED_STATE_DICTS))}), got {bad!r}")
     return limits
 
 
