@@ -114,10 +114,18 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
          shadow.format(
             op="0 (Save(sharded=False, optim=False))",
             what=f"full model state dict: state_dict[blocks.0.layers.0.scale]: {NOT_CLOSE}")),
-        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-flat-parameter-keeps-modules.md", STATEFUL.format(
             under="", op="3 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
             "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo']): nothing frees its "
             "parameters, gradients or process groups")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-flat-parameter-keeps-modules.md", STATEFUL.format(
+            under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
+            "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo', 'set']): nothing frees its "
+            "parameters, gradients or process groups")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
+            under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
+            "alive after gc.collect(), a FullyShardedDataParallel (held by objects of types ['list', 'tuple']): "
+            "nothing frees its parameters, gradients or process groups")),
         (FSDP1, "fuzz/repro_no_grad_forward_before_step", F + "fsdp1-no-grad-forward-before-step-stale-params.md",
          shadow.format(
             op="3 (Step())", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
