@@ -122,6 +122,10 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
             under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
             "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo', 'set']): nothing frees its "
             "parameters, gradients or process groups")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-buffer-dtype-rounds-saved-buffers.md", STATEFUL.format(
+            under=", policy=Policy(param_dtype='float16', reduce_dtype='float32', buffer_dtype='float16', "
+            "cast_inputs=False, keep_low_precision_grads=False)", op="0 (Save(sharded=True, optim=False))",
+            what=f"buffers: buffers[blocks.1.layers.0.scale]: {NOT_CLOSE}")),
         (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
             under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
             "alive after gc.collect(), a FullyShardedDataParallel (held by objects of types ['list', 'tuple']): "
