@@ -128,6 +128,11 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
             what=f"buffers: buffers[blocks.1.layers.0.scale]: {NOT_CLOSE}")),
         (FSDP1, "fuzz/stateful_ws4", reentrant, "rank 0 raised AssertionError: stateful fuzzer (seed 0): after its "
          "operations, rank 0: neighbour (keeping form): RuntimeError: weight should have at least three dimensions"),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-keep-low-precision-grads.md", STATEFUL.format(
+            under=", policy=Policy(param_dtype='bfloat16', reduce_dtype=None, buffer_dtype=None, cast_inputs=False, "
+            "keep_low_precision_grads=True)", op="0 (Train(batch=0))", what="raised: RuntimeError: attempting to "
+            "assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'. The gradient must "
+            "match the tensor's grad_dtype (defaults to the tensor's dtype).")),
         (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
             under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
             "alive after gc.collect(), a FullyShardedDataParallel (held by objects of types ['list', 'tuple']): "
