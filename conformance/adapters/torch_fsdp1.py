@@ -74,6 +74,12 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         Capability.STATE_DICT_SETTINGS: "its optimizer state-dict sections are timed by SimpleProfiler, "
         "whose running sections are shared by every thread, so a second rank entering one raises",
     }
+    #: A SHARDED state dict saves on thread ranks, but its load hook all-gathers each parameter inside a
+    #: SimpleProfiler section, which the second rank to arrive finds already running and raises.
+    thread_rank_load_limits = {
+        Capability.SHARDED_STATE_DICT: "its SHARDED state-dict load hook all-gathers inside a SimpleProfiler "
+        "section, whose running sections are shared by every thread, so a second rank entering it raises",
+    }
 
     def _api(self) -> ModuleType:
         import torch.distributed.fsdp as api

@@ -16,6 +16,7 @@ adapter method (optional)                  default
 ``full_grads(model)``                      ``None`` (not exposed: callers compare what they can)
 ``no_sync(model)``                         unsupported: the case is ``n/a``
 ``thread_rank_limits: Mapping[Capability, str]`` ``{}``: every capability holds on thread ranks too
+``thread_rank_load_limits: Mapping[Capability, str]`` ``{}``: a state dict that saves on thread ranks loads there too
 ``fully_shard(module, mesh=..., ...)``     unsupported: the case is ``n/a``
 ``set_modules_to_prefetch(m, forward, backward)`` unsupported: the case is ``n/a``
 ``unshard(m, async_op)``, ``reshard(m)``   unsupported: the case is ``n/a``
@@ -44,9 +45,11 @@ adapter method (optional)                  default
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
-adapter sees no change. FSDP2's module controls are defined in :mod:`conformance.contract.module_controls`
-and FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`; this module exports them,
-so ``optional.X`` stays the one way to each. A capability that promises an optional method
+adapter sees no change. FSDP2's module controls are defined in :mod:`conformance.contract.module_controls`,
+FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`, the performance knobs in
+:mod:`conformance.contract.knobs` and an engine's release, step and units in
+:mod:`conformance.contract.optional_engine`; this module exports them, so ``optional.X`` stays the one way
+to each. A capability that promises an optional method
 (:data:`CAPABILITY_METHODS`) is refused at load without it.
 """
 
@@ -65,6 +68,7 @@ from conformance.contract.adapter import (
     PROTOCOL_VERSION,
     Capability,
 )
+from conformance.contract.knobs import performance_knobs, set_performance_knob
 from conformance.contract.module_controls import (
     FullyShardUnsupported,
     fully_shard,
@@ -97,6 +101,7 @@ from conformance.contract.state_dict_api import (
 
 __all__ = [
     "CAPABILITY_METHODS",
+    "LOADED_STATE_DICTS",
     "FullyShardUnsupported",
     "NoSyncUnsupported",
     "PostOptimEventUnsupported",
@@ -138,6 +143,7 @@ __all__ = [
     "units_per_module",
     "unshard",
     "thread_rank_limits",
+    "thread_rank_load_limits",
     "set_post_optim_event",
     "wrapped_module",
 ]
@@ -345,14 +351,28 @@ def thread_rank_limits(adapter: Any) -> Mapping[Capability, str]:
     return limits
 
 
-def performance_knobs(adapter: Any) -> frozenset[str]:
-    """The names of the performance knobs the adapter turns on itself, after a wrap ([Note: performance knobs]
-    in :mod:`conformance.cases.test_neutrality`, which lists every name a row exists for); none by default."""
-    knobs: Any = getattr(adapter, "performance_knobs", frozenset())
-    if not isinstance(knobs, (set, frozenset)) or not all(isinstance(knob, str) for knob in knobs):
-        raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: performance_knobs must be a set of "
-                        f"knob names, got {knobs!r}")
-    return frozenset(knobs)
+#: The state-dict capabilities ``thread_rank_load_limits`` may name.
+LOADED_STATE_DICTS = (Capability.FULL_STATE_DICT, Capability.SHARDED_STATE_DICT)
+
+
+def thread_rank_load_limits(adapter: Any) -> Mapping[Capability, str]:
+    """State-dict capabilities whose save holds on thread ranks but whose load does not, each with the reason.
+
+    Optional part of the contract: an adapter may define
+    ``thread_rank_load_limits: Mapping[Capability, str]``, keys among
+    :data:`LOADED_STATE_DICTS`. It is narrower than :func:`thread_rank_limits`
+    (which takes the whole capability off thread ranks): a caller that loads
+    such a state dict on thread ranks treats the load as missing with that
+    reason, and the saves still run. Raises ``TypeError`` naming a key that is
+    not a declared state-dict capability.
+    """
+    limits = dict(getattr(adapter, "thread_rank_load_limits", {}))
+    declared = capabilities_of(adapter)
+    bad = [key for key in limits if key not in LOADED_STATE_DICTS or key not in declared]
+    if bad:
+        raise TypeError(f"adapter {adapter.name!r}: thread_rank_load_limits keys must be state-dict capabilities it "
+                        f"declares ({', '.join(map(str, LOADED_STATE_DICTS))}), got {bad!r}")
+    return limits
 
 
 def takes_param_dtype(adapter: Any, dtype: torch.dtype) -> bool:
@@ -369,12 +389,3 @@ def takes_param_dtype(adapter: Any, dtype: torch.dtype) -> bool:
         raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: param_dtypes must be a set of "
                         f"torch dtypes, got {dtypes!r}")
     return dtype in dtypes
-
-
-def set_performance_knob(adapter: Any, model: nn.Module, knob: str) -> None:
-    """Turn ``knob`` (one of :func:`performance_knobs`) on for every unit of the wrapped ``model``."""
-    if knob not in performance_knobs(adapter):
-        raise ValueError(f"adapter {getattr(adapter, 'name', adapter)!r} offers no performance knob {knob!r}")
-    adapter.set_performance_knob(model, knob)
-
-

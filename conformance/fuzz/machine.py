@@ -250,7 +250,7 @@ class Machine:
         if self.saved is None:
             return
         state, optim, sharded = self.saved
-        if not sharded and "full load" in self.missing and self.controls is None:
+        if ("sharded load" if sharded else "full load") in self.missing and self.controls is None:
             return
         if self.pending is not None:  # an abandoned iteration
             self.pending = None

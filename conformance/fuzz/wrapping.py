@@ -30,6 +30,7 @@ from conformance.contract.optional import (
     capabilities_of,
     supports_no_sync,
     takes_param_dtype,
+    thread_rank_load_limits,
 )
 from conformance.fuzz.controls import fully_shard_features, fully_shard_requires
 from conformance.fuzz.drawn_precision import mixed_precision_spec, precision_features, required
@@ -68,9 +69,16 @@ def missing_operations(impl: FSDPAdapter, mode: RankMode, wrapped_with: str | No
              "sharded save": [Capability.SHARDED_STATE_DICT], "optimizer save": [Capability.OPTIM_STATE_DICT],
              "full load": [Capability.FULL_STATE_DICT]}
     reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
+    reasons["sharded load"] = reasons["sharded save"] or _load_limit(impl, Capability.SHARDED_STATE_DICT, mode)
     if reasons["no_sync"] is None and wrapped_with is not None and not supports_no_sync(impl, wrapped_with):
         reasons["no_sync"] = f"{impl.name} has no no_sync under strategy {wrapped_with}"
     return {op: reason for op, reason in reasons.items() if reason is not None}
+
+
+def _load_limit(impl: FSDPAdapter, capability: Capability, mode: RankMode) -> str | None:
+    """Why ``impl`` cannot load a ``capability`` state dict on ``mode`` ranks though it saves one there."""
+    limit = thread_rank_load_limits(impl).get(capability) if mode is RankMode.THREAD else None
+    return None if limit is None else f"{impl.name} loads {capability} state dicts on process ranks only: {limit}"
 
 
 def given_groups(ctx: RankContext, config: ProgramConfig) -> tuple[Any, Any] | None:

@@ -23,7 +23,9 @@ rank's position:
   the ranks in another are blamed for calling it.
 
 A rank that raised outside any collective, died, or skipped keeps the blame
-[Note: failure attribution] gives it. Only the ``torch.distributed``
+[Note: failure attribution] gives it; when the failure is reconsidered all the
+same (another rank's primary failure was a timeout or raised inside a
+collective) and that rank is the one behind, its blame carries what it raised. Only the ``torch.distributed``
 functions are counted: collectives issued through functional collectives
 (DTensor's) are invisible here, and counts are per rank, not per group, so
 two ranks legitimately issuing different numbers of subgroup collectives
@@ -174,7 +176,7 @@ def attributed(failure: RankFailure, positions: Mapping[int, Position]) -> RankF
     if found is None:
         return failure
     by_rank = {f.rank: f for f in failure.failures}
-    errors = [RankError(r, "collective", text, traceback=_kept(by_rank.get(r), "traceback"),
+    errors = [RankError(r, "collective", text + _own(by_rank.get(r)), traceback=_kept(by_rank.get(r), "traceback"),
                         stack=_kept(by_rank.get(r), "stack")) for r, text in found.culprits.items()]
     culprits = _ranks(sorted(found.culprits))
     for f in failure.failures:
@@ -184,6 +186,11 @@ def attributed(failure: RankFailure, positions: Mapping[int, Position]) -> RankF
         seen = f" ({f.headline()})" if f.kind in ("raised", "timed_out") else ""
         errors.append(RankError(f.rank, "aborted", what + seen, traceback=f.traceback, stack=f.stack))
     return make_failure(errors, world_size=failure.world_size, mode=failure.mode)
+
+
+def _own(error: RankError | None) -> str:
+    """A blamed rank's own exception, kept in its blame: what it raised is why it left the sequence."""
+    return f"; it raised {error.summary}" if error is not None and error.kind == "raised" else ""
 
 
 def _kept(error: RankError | None, field: str) -> str:

@@ -38,6 +38,37 @@ def _fsdp1_full_state_dict(ctx: harness.RankContext) -> list[str]:
     return sorted(state)
 
 
+def _fsdp1_sharded_state_dict(ctx: harness.RankContext) -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with ctx.rng(0):
+        model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = model.state_dict()
+        model.load_state_dict(state)
+    return sorted(state)
+
+
+def _fsdp1_sharded_save(ctx: harness.RankContext) -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with ctx.rng(0):
+        model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        return sorted(model.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_fsdp1_sharded_state_dict_load_collides_on_thread_ranks() -> None:
+    """FSDP1's SHARDED load hook all-gathers inside a SimpleProfiler section; its save runs on thread ranks."""
+    assert Capability.SHARDED_STATE_DICT in TorchFSDP1Adapter.thread_rank_load_limits
+    assert Capability.SHARDED_STATE_DICT not in TorchFSDP1Adapter.thread_rank_limits
+    assert harness.run(_fsdp1_sharded_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
+    assert harness.run(_fsdp1_sharded_save, world_size=2, mode="thread") == [["bias", "weight"]] * 2
+    with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
+        harness.run(_fsdp1_sharded_state_dict, world_size=2, mode="thread")
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_fsdp1_full_state_dict_collides_on_thread_ranks() -> None:
     """FSDP1's model state-dict load profiles its sections in the same class-level set."""

@@ -261,6 +261,18 @@ def test_budget_and_skipped_operations() -> None:
         "reference has optim_state_dict on process ranks only: a shared profiler")
 
 
+def test_a_load_limited_to_process_ranks_is_skipped_on_thread_ranks_only() -> None:
+    """``thread_rank_load_limits`` takes the sharded Load off thread ranks; the sharded save stays."""
+
+    class NoShardedLoadOnThreads(ReferenceAdapter):
+        thread_rank_load_limits = {Capability.SHARDED_STATE_DICT: "a shared profiler"}
+
+    adapter = NoShardedLoadOnThreads()
+    assert missing_operations(adapter, RankMode.PROCESS) == {}
+    assert missing_operations(adapter, RankMode.THREAD) == {
+        "sharded load": "reference loads sharded_state_dict state dicts on process ranks only: a shared profiler"}
+
+
 def test_fuzz_alone_verdicts() -> None:
     rows = [{"impl": "m1", "case": "fuzz/stateful_ws1", "outcome": "pass"},
             {"impl": "m1", "case": "fuzz/stateful_ws2", "outcome": "FAIL"},

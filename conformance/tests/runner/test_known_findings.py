@@ -120,10 +120,29 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
          shadow.format(
             op="0 (Save(sharded=False, optim=False))",
             what=f"full model state dict: state_dict[blocks.0.layers.0.scale]: {NOT_CLOSE}")),
-        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-flat-parameter-keeps-modules.md", STATEFUL.format(
             under="", op="3 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
             "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo']): nothing frees its "
             "parameters, gradients or process groups")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-flat-parameter-keeps-modules.md", STATEFUL.format(
+            under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
+            "alive after gc.collect(), a Linear (held by objects of types ['ParamInfo', 'set']): nothing frees its "
+            "parameters, gradients or process groups")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-buffer-dtype-rounds-saved-buffers.md", STATEFUL.format(
+            under=", policy=Policy(param_dtype='float16', reduce_dtype='float32', buffer_dtype='float16', "
+            "cast_inputs=False, keep_low_precision_grads=False)", op="0 (Save(sharded=True, optim=False))",
+            what=f"buffers: buffers[blocks.1.layers.0.scale]: {NOT_CLOSE}")),
+        (FSDP1, "fuzz/stateful_ws4", reentrant, "rank 0 raised AssertionError: stateful fuzzer (seed 0): after its "
+         "operations, rank 0: neighbour (keeping form): RuntimeError: weight should have at least three dimensions"),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-keep-low-precision-grads.md", STATEFUL.format(
+            under=", policy=Policy(param_dtype='bfloat16', reduce_dtype=None, buffer_dtype=None, cast_inputs=False, "
+            "keep_low_precision_grads=True)", op="0 (Train(batch=0))", what="raised: RuntimeError: attempting to "
+            "assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'. The gradient must "
+            "match the tensor's grad_dtype (defaults to the tensor's dtype).")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-abandoned-forward-keeps-model.md", STATEFUL.format(
+            under="", op="1 (End())", what="memory held: the wrapped model, dropped at the program's end, is still "
+            "alive after gc.collect(), a FullyShardedDataParallel (held by objects of types ['list', 'tuple']): "
+            "nothing frees its parameters, gradients or process groups")),
         (FSDP1, "fuzz/repro_no_grad_forward_before_step", F + "fsdp1-no-grad-forward-before-step-stale-params.md",
          shadow.format(
             op="3 (Step())", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),

@@ -96,3 +96,14 @@ def test_a_rank_raising_outside_collectives_keeps_the_blame() -> None:
     assert attributed(raised, positions) is raised
     timed_out = RankTimedOut([RankError(0, "timed_out", "no result after 5 s")], world_size=2, mode="process")
     assert isinstance(attributed(timed_out, positions), CollectiveMismatch)
+
+
+def test_a_blamed_rank_that_raised_keeps_its_exception_in_the_blame() -> None:
+    """Reconsidered for a peer that raised inside a collective, the rank behind it is blamed with what it raised."""
+    failures = [RankError(0, "raised", "RuntimeError: aborted"), RankError(1, "raised", "ValueError: bad")]
+    raised = harness.RankRaised(failures, world_size=2, mode="thread")
+    found = attributed(raised, {0: _at(0, 2), 1: _at(1, 1, inside=False)})
+    assert isinstance(found, CollectiveMismatch)
+    assert str(found).splitlines()[0] == ("rank 1 did not reach all_reduce #2, which rank 0 waits in (it is outside "
+                                          "any collective after 1 collective); it raised ValueError: bad "
+                                          "(world_size=2, mode=thread)")
