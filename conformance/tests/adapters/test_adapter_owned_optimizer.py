@@ -28,7 +28,7 @@ from conformance.adapters.reference import ReferenceAdapter
 
 
 class EngineOptimizer:
-    """A torch optimizer held by an engine: zero_grad and state as torch's; step refuses."""
+    """A torch optimizer held by an engine: zero_grad, state and its state dicts as torch's; step refuses."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -41,6 +41,9 @@ class EngineOptimizer:
 
     def state_dict(self):
         return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
 
     @property
     def param_groups(self):
