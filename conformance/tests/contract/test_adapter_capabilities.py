@@ -27,35 +27,17 @@ def _fsdp1_optim_state_dict(ctx: harness.RankContext) -> list[str]:
     return sorted(FullyShardedDataParallel.optim_state_dict(model, optim)["state"])
 
 
-def _fsdp1_full_state_dict(ctx: harness.RankContext) -> list[str]:
+def _fsdp1_state_dict(ctx: harness.RankContext, kind: str, load: bool) -> list[str]:
+    """The keys of an FSDP1 model's state dict of type ``kind``, saved and (with ``load``) loaded back."""
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
     with ctx.rng(0):
         model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
-    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType[kind]):
         state = model.state_dict()
-        model.load_state_dict(state)
+        if load:
+            model.load_state_dict(state)
     return sorted(state)
-
-
-def _fsdp1_sharded_state_dict(ctx: harness.RankContext) -> list[str]:
-    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
-
-    with ctx.rng(0):
-        model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
-    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = model.state_dict()
-        model.load_state_dict(state)
-    return sorted(state)
-
-
-def _fsdp1_sharded_save(ctx: harness.RankContext) -> list[str]:
-    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
-
-    with ctx.rng(0):
-        model = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
-    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        return sorted(model.state_dict())
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -63,19 +45,21 @@ def test_fsdp1_sharded_state_dict_load_collides_on_thread_ranks() -> None:
     """FSDP1's SHARDED load hook all-gathers inside a SimpleProfiler section; its save runs on thread ranks."""
     assert Capability.SHARDED_STATE_DICT in TorchFSDP1Adapter.thread_rank_load_limits
     assert Capability.SHARDED_STATE_DICT not in TorchFSDP1Adapter.thread_rank_limits
-    assert harness.run(_fsdp1_sharded_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
-    assert harness.run(_fsdp1_sharded_save, world_size=2, mode="thread") == [["bias", "weight"]] * 2
+    sharded, keys = "SHARDED_STATE_DICT", [["bias", "weight"]] * 2
+    assert harness.run(_fsdp1_state_dict, world_size=2, mode="process", args=(sharded, True)) == keys
+    assert harness.run(_fsdp1_state_dict, world_size=2, mode="thread", args=(sharded, False)) == keys
     with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
-        harness.run(_fsdp1_sharded_state_dict, world_size=2, mode="thread")
+        harness.run(_fsdp1_state_dict, world_size=2, mode="thread", args=(sharded, True))
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_fsdp1_full_state_dict_collides_on_thread_ranks() -> None:
     """FSDP1's model state-dict load profiles its sections in the same class-level set."""
     assert Capability.FULL_STATE_DICT in TorchFSDP1Adapter.thread_rank_limits
-    assert harness.run(_fsdp1_full_state_dict, world_size=2, mode="process") == [["bias", "weight"]] * 2
+    full = "FULL_STATE_DICT"
+    assert harness.run(_fsdp1_state_dict, world_size=2, mode="process", args=(full, True)) == [["bias", "weight"]] * 2
     with pytest.raises(harness.RankRaised, match=r"KeyError|already being profiled"):
-        harness.run(_fsdp1_full_state_dict, world_size=2, mode="thread")
+        harness.run(_fsdp1_state_dict, world_size=2, mode="thread", args=(full, True))
 
 
 # The collision also leaves a profiling generator that raises when it is closed.
