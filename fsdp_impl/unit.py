@@ -350,13 +350,8 @@ def _final_callback(state: RootState) -> None:
             handle.reshard()
         elif handle.use_orig_params:
             handle.install_sharded_params()
-        unit.ran_pre_backward = False
-        unit.backward_task = -1
-        unit.training_state = TrainingState.IDLE
-    state.prefetched.clear()
+    _iteration_over(state)
     state.exec_order.next_iter()
-    state.callback_queued = False
-
 
 
 def reset_iteration(root: UnitState) -> None:
@@ -374,9 +369,15 @@ def reset_iteration(root: UnitState) -> None:
             unit.handle.full.grad = None
             unit.handle.reshard()
         unit.unsynced_grad = unit.partial_reduce = None
+    _iteration_over(state)
+    state.exec_order.abort_iter()
+
+
+def _iteration_over(state: RootState) -> None:
+    """What every unit and the root forget when an iteration ends, finished or aborted."""
+    for unit in state.units:
         unit.ran_pre_backward = False
         unit.backward_task = -1
         unit.training_state = TrainingState.IDLE
     state.prefetched.clear()
-    state.exec_order.abort_iter()
     state.callback_queued = False

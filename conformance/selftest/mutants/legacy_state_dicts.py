@@ -48,20 +48,14 @@ class FullOptimStateSharded(_Mutant):
     patches = (Patch("fsdp_impl.state_dict:optim_state_in", _always_sharded),)
 
 
-def _keeping_keys(rekey: Fn) -> Fn:
-    def rekey_keeping_keys(osd: Any, key_type: Any, model: Any, optim: Any) -> Any:
-        return osd
-
-    return rekey_keeping_keys
-
-
 class RekeyKeepsKeys(_Mutant):
     """``rekey_optim_state_dict`` returns the state dict with the keys it had."""
 
     name = "mutant-rekey-keeps-keys"
     breaks = "re-keying an optimizer state dict by names or ids"
     expect = Expect("legacy_state_dicts and rekey", "thread", ("legacy_state_dicts/rekey",))
-    patches = (Patch("fsdp_impl.optim_state_api:rekey_optim_state_dict", _keeping_keys),)
+    patches = (Patch.instead("fsdp_impl.optim_state_api:rekey_optim_state_dict",
+                             lambda osd, key_type, model, optim: osd),)
 
 
 def _dropping_state(flatten: Fn) -> Fn:
@@ -80,17 +74,10 @@ class ShardedOptimLoadDropsState(_Mutant):
     patches = (Patch("fsdp_impl.optim_state_api:flatten_sharded_optim_state_dict", _dropping_state),)
 
 
-def _not_setting(set_settings: Fn) -> Fn:
-    def set_nothing(units: Any, settings: Any) -> None:
-        return None
-
-    return set_nothing
-
-
 class StateDictSettingsNotSet(_Mutant):
     """``set_state_dict_type`` (and the ``state_dict_type`` context) leaves the units' settings as they were."""
 
     name = "mutant-state-dict-settings-not-set"
     breaks = "setting the state-dict type and its options"
     expect = Expect("legacy_state_dicts and settings", "thread", ("legacy_state_dicts/settings",))
-    patches = (Patch("fsdp_impl.state_dict_settings:set_settings", _not_setting),)
+    patches = (Patch.instead("fsdp_impl.state_dict_settings:set_settings", lambda units, settings: None),)
