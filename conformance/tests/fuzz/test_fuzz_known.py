@@ -81,7 +81,7 @@ def test_an_unknown_failure_after_a_known_one_is_the_rows_failure_shrunk() -> No
     shrunk to a program whose ``NoSync`` fails and which no finding claims, and lists the known finding met."""
     result = _search(PlantedLoadAndNoSync(), _settings(("Load",), shrink=True))
     assert [m.run for m in result.met] == [3], result.met
-    assert result.failing is not None and result.message is not None, result
+    assert result.failing is not None and result.message is not None and not result.cut, result
     assert "raised: RuntimeError: planted: no_sync" in result.message, result.message
     assert any(isinstance(op, NoSync) for op in result.failing.ops), source(result.failing)
     assert not any(isinstance(op, Load) for op in result.failing.ops), source(result.failing)
@@ -119,3 +119,29 @@ def test_a_registration_passes_what_it_sets_aside_to_the_row(tmp_path: Path) -> 
     assert [f.known_failure() for f in load_file(listed)] == [KnownFailure("d.md", "r", ("Load",)),
                                                                KnownFailure("e.md", None, ())]
     assert Finding("x", "fuzz/*", "e.md").set_aside == ()
+
+
+def _fuzz_within(ctx: RankContext, impl: Any, settings: CaseSettings, shrink_s: float) -> Search:
+    """:func:`_fuzz` with the search's shrinking budget set to ``shrink_s`` for this call only."""
+    from conformance.fuzz import searching
+
+    kept = searching.SEARCH_S
+    searching.SEARCH_S = shrink_s
+    try:
+        return stateful_fuzz(ctx, impl, settings)
+    finally:
+        searching.SEARCH_S = kept
+
+
+def test_a_spent_shrinking_budget_reports_the_failure_so_far_and_says_so() -> None:
+    """[Note: shrinking within a budget]: with no time left to shrink, the row FAILs with the first failure no
+    finding claims, as drawn, and its text says it was not shrunk to a minimum (the test above, with the row's
+    own budget, shrinks to the end: its negative control)."""
+    settings = _settings(("Load",), shrink=True)
+    result: Search = run(_fuzz_within, world_size=1, mode="thread", timeout_s=240,
+                         args=(PlantedLoadAndNoSync(), settings, 0.0))[0]
+    assert result.cut and result.failing is not None and result.message is not None, result
+    assert "raised: RuntimeError: planted: no_sync" in result.message, result.message
+    text = failure_text(settings, result)
+    assert text is not None and "(the search's budget) but not to a minimum, after" in text, text
+    assert "minimal reproducer after" not in text, text
