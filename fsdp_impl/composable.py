@@ -355,6 +355,11 @@ class FSDPModule:
         (the failed one's gradients are dropped). Only on the root."""
         unit.reset_iteration(self._own())
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of its micro-batches (call it on the root): only the last one
+        waits for the gradient reductions still in flight; the next backward finishes them otherwise."""
+        self._own().controls.is_last_backward = is_last_backward
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters (``False``: the next forward reuses them)."""
         for state in self._units(recurse):

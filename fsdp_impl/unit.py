@@ -340,8 +340,11 @@ def _with_unsynced_grad(unit: UnitState, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _final_callback(state: RootState) -> None:
-    """End of backward: finish reductions, reshard everything, start the next iteration."""
-    reduction.finish_reductions(state)
+    """End of backward: finish reductions (unless the root's ``is_last_backward`` is off: the next backward
+    finishes them, as FSDP2 waits for pending reductions on the last backward only), reshard everything,
+    start the next iteration."""
+    if all(unit.controls.is_last_backward for unit in state.units if unit.is_root):
+        reduction.finish_reductions(state)
     for unit in state.units:
         handle = unit.handle
         if handle is None or not unit.controls.reshard_after_backward:

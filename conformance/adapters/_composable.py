@@ -93,3 +93,7 @@ class FullyShardMethods:
     def reset_iter_state(self, module: nn.Module) -> None:
         """``FSDPModule.reset_iter_state()`` on the root."""
         cast(Any, module).reset_iter_state()
+
+    def set_is_last_backward(self, module: nn.Module, on: bool) -> None:
+        """``FSDPModule.set_is_last_backward(on)`` on the root."""
+        cast(Any, module).set_is_last_backward(on)

@@ -67,6 +67,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.REDUCE_SCATTER_DIVIDE_FACTOR,
             Capability.ALL_REDUCE_CONTROLS,
             Capability.RESET_ITER_STATE,
+            Capability.IS_LAST_BACKWARD,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }

@@ -77,6 +77,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.REDUCE_SCATTER_DIVIDE_FACTOR,
             Capability.ALL_REDUCE_CONTROLS,
             Capability.RESET_ITER_STATE,
+            Capability.IS_LAST_BACKWARD,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
             Capability.COMPUTE_DEVICE,

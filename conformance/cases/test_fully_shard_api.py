@@ -36,7 +36,16 @@ from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
-from fixtures.sharded_blocks import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
+from fixtures.sharded_blocks import (
+    LR,
+    full_grads_of,
+    full_of,
+    local_grads,
+    local_step,
+    mesh_over,
+    shard_blocks,
+    sharded_step,
+)
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -69,27 +78,6 @@ def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
 HOOK_SCALE = 4.0
 
 
-def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, whole (a DTensor's ``full_tensor()``, collective)."""
-    out = {}
-    for name, param in model.named_parameters():
-        assert param.grad is not None, f"{name} has no gradient"
-        grad: Any = param.grad
-        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
-    return out
-
-
-def _local_grads(ctx: RankContext, steps: range, local: Blocks | None = None) -> dict[str, torch.Tensor]:
-    """``local``'s gradients (default: a fresh local model's) summed over ``steps``, each the mean over ranks of
-    their losses."""
-    local = Blocks(seed=0).to(ctx.device) if local is None else local
-    for step in steps:
-        loss = sum(local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size))
-        (loss / ctx.world_size).backward()  # type: ignore[operator]
-    return {name: param.grad.detach().clone() for name, param in local.named_parameters()
-            if param.grad is not None}
-
-
 @case("fully_shard_api/reduce_scatter_divide_factor", clause="C2", world_size=TWO_OR_MORE, strategies=(),
       requires=[Capability.FULLY_SHARD, Capability.REDUCE_SCATTER_DIVIDE_FACTOR])
 def test_reduce_scatter_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> None:
@@ -101,8 +89,8 @@ def test_reduce_scatter_divide_factor(ctx: RankContext, impl: FSDPAdapter) -> No
         optional.set_reduce_scatter_divide_factor(impl, model, 1.0)
     model(block_batch(0, ctx.rank, ctx.device)).sum().backward()
     expected = {name: grad * ctx.world_size if name.startswith("head.") else grad
-                for name, grad in _local_grads(ctx, range(1)).items()}
-    assert_close_named(_full_grads(model), expected, what=f"rank {ctx.rank}: gradients with divide factor 1")
+                for name, grad in local_grads(ctx, range(1)).items()}
+    assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients with divide factor 1")
 
 
 def _hybrid_blocks(ctx: RankContext, impl: FSDPAdapter) -> Blocks:
@@ -124,8 +112,8 @@ def test_requires_all_reduce(ctx: RankContext, impl: FSDPAdapter) -> None:
         for micro, on in enumerate((False, True)):
             optional.set_requires_all_reduce(impl, model, on)
             model(block_batch(2 * cycle + micro, ctx.rank, ctx.device)).sum().backward()
-        expected = _local_grads(ctx, range(2 * cycle, 2 * cycle + 2), local)
-        assert_close_named(_full_grads(model), expected, what=f"rank {ctx.rank}: gradients of cycle {cycle}")
+        expected = local_grads(ctx, range(2 * cycle, 2 * cycle + 2), local)
+        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of cycle {cycle}")
         optional.step(impl, model, optim)
         local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
@@ -150,8 +138,8 @@ def test_all_reduce_hook(ctx: RankContext, impl: FSDPAdapter) -> None:
         model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
         assert len(calls) == step + 1, f"rank {ctx.rank}: the hook ran {len(calls)} times in {step + 1} backwards"
         expected = {name: grad * HOOK_SCALE if name.startswith("b2.") else grad
-                    for name, grad in _local_grads(ctx, range(step, step + 1)).items()}
-        assert_close_named(_full_grads(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
+                    for name, grad in local_grads(ctx, range(step, step + 1)).items()}
+        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
 
 
 class _FailInBackward(torch.autograd.Function):

@@ -16,9 +16,9 @@ import torch.nn as nn
 from conformance.contract.adapter import MixedPrecisionSpec
 
 __all__ = ["FullyShardUnsupported", "fully_shard", "reset_iter_state", "reshard", "set_all_reduce_hook",
-           "set_gradient_divide_factor", "set_modules_to_prefetch", "set_reduce_scatter_divide_factor",
-           "set_requires_all_reduce", "set_requires_gradient_sync", "set_reshard_after_backward",
-           "set_reshard_after_forward", "unshard"]
+           "set_gradient_divide_factor", "set_is_last_backward", "set_modules_to_prefetch",
+           "set_reduce_scatter_divide_factor", "set_requires_all_reduce", "set_requires_gradient_sync",
+           "set_reshard_after_backward", "set_reshard_after_forward", "unshard"]
 
 
 class FullyShardUnsupported(NotImplementedError):
@@ -148,3 +148,10 @@ def reset_iter_state(adapter: Any, module: nn.Module) -> None:
     that the next iteration trains as a fresh one (FSDP2's ``reset_iter_state``;
     :attr:`Capability.RESET_ITER_STATE`)."""
     _control(adapter, "reset_iter_state")(module)
+
+
+def set_is_last_backward(adapter: Any, module: nn.Module, on: bool) -> None:
+    """Whether the root ``module``'s next backward is the last of its micro-batches: off, that backward need not
+    finish its gradient reductions (the gradients are read after the last one); FSDP2's ``set_is_last_backward``
+    (:attr:`Capability.IS_LAST_BACKWARD`)."""
+    _control(adapter, "set_is_last_backward")(module, on)

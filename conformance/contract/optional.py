@@ -27,6 +27,7 @@ adapter method (optional)                  default
 ``set_reduce_scatter_divide_factor(m, f)`` unsupported: the case is ``n/a``
 ``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
+``set_is_last_backward(m, on)``            unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
@@ -76,6 +77,7 @@ from conformance.contract.module_controls import (
     reshard,
     set_all_reduce_hook,
     set_gradient_divide_factor,
+    set_is_last_backward,
     set_modules_to_prefetch,
     set_reduce_scatter_divide_factor,
     set_requires_all_reduce,
@@ -134,6 +136,7 @@ __all__ = [
     "set_requires_all_reduce",
     "set_all_reduce_hook",
     "reset_iter_state",
+    "set_is_last_backward",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
@@ -162,6 +165,7 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.REDUCE_SCATTER_DIVIDE_FACTOR: ("set_reduce_scatter_divide_factor",),
     Capability.ALL_REDUCE_CONTROLS: ("set_requires_all_reduce", "set_all_reduce_hook"),
     Capability.RESET_ITER_STATE: ("reset_iter_state",),
+    Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
     Capability.OPTIM_STATE_DICT_FUNCTIONS: ("full_optim_state_dict", "sharded_optim_state_dict",
                                             "shard_full_optim_state_dict", "scatter_full_optim_state_dict",
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),

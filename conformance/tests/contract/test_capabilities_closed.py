@@ -86,7 +86,7 @@ def test_a_capability_new_to_the_enum_is_missing_for_every_adapter() -> None:
     """Add a member to Capability (in a fresh interpreter) and load every built-in adapter against it."""
     script = textwrap.dedent('''
         import importlib.util, json, sys, types
-        name = "conformance.contract.adapter"
+        name = "conformance.contract.capabilities"
         spec = importlib.util.find_spec(name)
         source = spec.loader.get_source(name)
         anchor = '    THREAD_RANKS = "thread_ranks"\\n'
