@@ -360,6 +360,11 @@ class FSDPModule:
         waits for the gradient reductions still in flight; the next backward finishes them otherwise."""
         self._own().controls.is_last_backward = is_last_backward
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this module's parameters (``False`` only for a module whose backward
+        reads none of them, an embedding: its gradients are computed all the same)."""
+        self._own().controls.unshard_in_backward = unshard_in_backward
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters (``False``: the next forward reuses them)."""
         for state in self._units(recurse):

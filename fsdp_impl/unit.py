@@ -260,6 +260,8 @@ def _prefetch(state: RootState, target: UnitState | None, limit: bool) -> None:
     """Issue ``target``'s all-gather without waiting, within the in-flight bound."""
     if target is None or target.handle is None or target.handle.state is not ShardedState.SHARDED:
         return
+    if in_backward() and not target.controls.unshard_in_backward:
+        return
     if limit and len(state.prefetched) >= MAX_PREFETCHED:
         return
     target.handle.start_unshard()
@@ -290,7 +292,7 @@ def _pre_backward_hook(unit: UnitState, grad: torch.Tensor) -> None:
     unit.backward_task = torch._C._current_graph_task_id()
     unit.training_state = TrainingState.BACKWARD_PRE
     handle = unit.handle
-    if handle is None:
+    if handle is None or not unit.controls.unshard_in_backward:
         return
     handle.drop_unviewed_grad()
     was_sharded = handle.state is not ShardedState.UNSHARDED

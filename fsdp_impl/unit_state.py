@@ -97,6 +97,7 @@ class UnitControls:
     gradient_divide_factor: float | None = None  # summed gradients are divided by it (None: dp_world_size)
     requires_all_reduce: bool = True  # False: keep the reduce-scattered sum for later ([Note: partial reduction])
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # run on the reduced piece before division
+    unshard_in_backward: bool = True  # False: backward never all-gathers (its backward reads no parameter)
     is_last_backward: bool = True  # the root's: False, backward leaves its last reductions to the next one
 
 

@@ -97,3 +97,7 @@ class FullyShardMethods:
     def set_is_last_backward(self, module: nn.Module, on: bool) -> None:
         """``FSDPModule.set_is_last_backward(on)`` on the root."""
         cast(Any, module).set_is_last_backward(on)
+
+    def set_unshard_in_backward(self, module: nn.Module, on: bool) -> None:
+        """``FSDPModule.set_unshard_in_backward(on)`` (the module's own parameters)."""
+        cast(Any, module).set_unshard_in_backward(on)

@@ -68,6 +68,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.ALL_REDUCE_CONTROLS,
             Capability.RESET_ITER_STATE,
             Capability.IS_LAST_BACKWARD,
+            Capability.UNSHARD_IN_BACKWARD,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }

@@ -78,6 +78,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.ALL_REDUCE_CONTROLS,
             Capability.RESET_ITER_STATE,
             Capability.IS_LAST_BACKWARD,
+            Capability.UNSHARD_IN_BACKWARD,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
             Capability.COMPUTE_DEVICE,

@@ -5,19 +5,26 @@
 - ``is_last_backward``: two micro-batches per step, the first backward marked as not the last: after the
   last one the full gradients are the local model's for both micro-batches (what a backward that is not the
   last leaves unfinished is the implementation's; only the last one's gradients are read).
+- ``unshard_in_backward``: an embedding (whose backward does not read its weight) in front of the blocks, with
+  ``set_unshard_in_backward(False)``: backward all-gathers every unit forward did but the embedding, and two
+  steps leave the local model's parameters, the embedding's included.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
-from fixtures.blocks import Blocks, block_batch
+from conformance.contract.optional import fully_shard
+from fixtures.blocks import DIM, Blocks, block_batch
 from fixtures.parity import assert_close_named
+from fixtures.seeding import generator, rank_seed, seeded_init_
 from fixtures.sharded_blocks import LR, full_grads_of, full_of, local_grads, mesh_over, shard_blocks
 
 if TYPE_CHECKING:
@@ -43,5 +50,61 @@ def test_is_last_backward(ctx: RankContext, impl: FSDPAdapter) -> None:
         expected = local_grads(ctx, range(2 * cycle, 2 * cycle + 2), local)
         assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of cycle {cycle}")
         optional.step(impl, model, optim)
+        local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+AG = "all_gather_into_tensor"
+#: Rows of the embedding: its all-gather's bytes differ from every block's and the head's.
+VOCAB = 6
+
+
+class _Embedded(nn.Module):
+    """An embedding feeding :class:`Blocks`: backward computes the embedding's gradient from the indices
+    alone, without its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = seeded_init_(nn.Embedding(VOCAB, DIM), 7)
+        self.blocks = Blocks(seed=0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.embed(ids))
+
+
+def _ids(step: int, rank: int, device: torch.device) -> torch.Tensor:
+    return torch.randint(VOCAB, (2,), generator=generator(rank_seed(step, rank))).to(device)
+
+
+@case("fully_shard_options/unshard_in_backward", clause="C11", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.UNSHARD_IN_BACKWARD])
+def test_unshard_in_backward(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """The embedding's ``set_unshard_in_backward(False)``: backward all-gathers what forward did but the
+    forward's first all-gather (the embedding's: it computes first, the root holds no parameters), and two
+    steps leave the local model's parameters."""
+    mesh = mesh_over(ctx)
+    model = _Embedded().to(ctx.device)
+    fully_shard(impl, model.embed, mesh=mesh)
+    shard_blocks(impl, model.blocks, mesh)
+    fully_shard(impl, model, mesh=mesh)
+    optional.set_unshard_in_backward(impl, model.embed, False)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = _Embedded().to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        with ctx.record_collectives() as forward:
+            loss = model(_ids(step, ctx.rank, ctx.device)).sum()
+        with ctx.record_collectives() as backward:
+            loss.backward()
+        optional.step(impl, model, optim)
+        gathered = [call.bytes for call in forward.require([AG], "forward's all-gathers")]
+        regathered = [call.bytes for call in backward.require([AG], "the blocks' all-gathers in backward")]
+        assert Counter(regathered) == Counter(gathered) - Counter(gathered[:1]), (
+            f"rank {ctx.rank}, step {step}: backward all-gathered {regathered} bytes, forward {gathered}: "
+            "want forward's but the embedding's (the first)")
+        local_optim.zero_grad(set_to_none=True)
+        local_loss = sum(local(_ids(step, rank, ctx.device)).sum() for rank in range(ctx.world_size))
+        (local_loss / ctx.world_size).backward()  # type: ignore[operator]
         local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

@@ -147,6 +147,9 @@ class Capability(str, enum.Enum):
     """``set_is_last_backward(module, on)`` on the root (FSDP2's ``FSDPModule`` method): off, a backward of a
     micro-batch need not finish its gradient reductions; the next backward with it on does, and the gradients
     are then those of every micro-batch."""
+    UNSHARD_IN_BACKWARD = "unshard_in_backward"
+    """``set_unshard_in_backward(module, on)`` (FSDP2's ``FSDPModule`` method): off, for a module whose
+    parameters backward does not read (an embedding), backward computes its gradients without all-gathering them."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""

@@ -18,7 +18,7 @@ from conformance.contract.adapter import MixedPrecisionSpec
 __all__ = ["FullyShardUnsupported", "fully_shard", "reset_iter_state", "reshard", "set_all_reduce_hook",
            "set_gradient_divide_factor", "set_is_last_backward", "set_modules_to_prefetch",
            "set_reduce_scatter_divide_factor", "set_requires_all_reduce", "set_requires_gradient_sync",
-           "set_reshard_after_backward", "set_reshard_after_forward", "unshard"]
+           "set_reshard_after_backward", "set_reshard_after_forward", "set_unshard_in_backward", "unshard"]
 
 
 class FullyShardUnsupported(NotImplementedError):
@@ -155,3 +155,10 @@ def set_is_last_backward(adapter: Any, module: nn.Module, on: bool) -> None:
     finish its gradient reductions (the gradients are read after the last one); FSDP2's ``set_is_last_backward``
     (:attr:`Capability.IS_LAST_BACKWARD`)."""
     _control(adapter, "set_is_last_backward")(module, on)
+
+
+def set_unshard_in_backward(adapter: Any, module: nn.Module, on: bool) -> None:
+    """Whether backward all-gathers the ``fully_shard``-ed ``module``'s own parameters: off for a module whose
+    parameters its backward does not read (an embedding), whose gradients are computed all the same (FSDP2's
+    ``set_unshard_in_backward``; :attr:`Capability.UNSHARD_IN_BACKWARD`)."""
+    _control(adapter, "set_unshard_in_backward")(module, on)

@@ -28,6 +28,7 @@ adapter method (optional)                  default
 ``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
 ``set_is_last_backward(m, on)``            unsupported: the case is ``n/a``
+``set_unshard_in_backward(m, on)``         unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
@@ -84,6 +85,7 @@ from conformance.contract.module_controls import (
     set_requires_gradient_sync,
     set_reshard_after_backward,
     set_reshard_after_forward,
+    set_unshard_in_backward,
     unshard,
 )
 from conformance.contract.optional_engine import release, step_zeroes_grads, units_per_module
@@ -137,6 +139,7 @@ __all__ = [
     "set_all_reduce_hook",
     "reset_iter_state",
     "set_is_last_backward",
+    "set_unshard_in_backward",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
@@ -166,6 +169,7 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.ALL_REDUCE_CONTROLS: ("set_requires_all_reduce", "set_all_reduce_hook"),
     Capability.RESET_ITER_STATE: ("reset_iter_state",),
     Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
+    Capability.UNSHARD_IN_BACKWARD: ("set_unshard_in_backward",),
     Capability.OPTIM_STATE_DICT_FUNCTIONS: ("full_optim_state_dict", "sharded_optim_state_dict",
                                             "shard_full_optim_state_dict", "scatter_full_optim_state_dict",
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),

@@ -1,5 +1,5 @@
-"""Mutants for ``fully_shard_options``: the reference's ``set_is_last_backward``, and, for what only torch's
-``fully_shard`` has, torch-fsdp2 with the option accepted and dropped."""
+"""Mutants for ``fully_shard_options``: the reference's ``FSDPModule`` methods and ``fully_shard`` options of
+that area, each broken alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["NotLastBackwardDropsReductions"]
+__all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored"]
 
 Fn = Callable[..., Any]
 
@@ -30,3 +30,12 @@ class NotLastBackwardDropsReductions(_Mutant):
     breaks = "finishing a non-last backward's reductions in a later backward"
     expect = Expect("is_last_backward", "thread", ("fully_shard_options/is_last_backward",))
     patches = (Patch("fsdp_impl.unit:_final_callback", _drops_pending),)
+
+
+class UnshardInBackwardIgnored(_Mutant):
+    """``set_unshard_in_backward(False)`` changes nothing: backward all-gathers the embedding as any unit."""
+
+    name = "mutant-unshard-in-backward-ignored"
+    breaks = "skipping the all-gather in backward of a module whose backward reads no parameter"
+    expect = Expect("unshard_in_backward", "thread", ("fully_shard_options/unshard_in_backward",))
+    patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_unshard_in_backward", lambda self, on: None),)
