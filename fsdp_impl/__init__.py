@@ -24,7 +24,7 @@ from fsdp_impl.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_impl.composable import FSDPModule, UnshardHandle, fully_shard
+from fsdp_impl.composable import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
 
 FSDP = FullyShardedDataParallel
@@ -47,6 +47,7 @@ __all__ = [
     "StateDictSettings",
     "fully_shard",
     "FSDPModule",
+    "register_fsdp_forward_method",
     "UnshardHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

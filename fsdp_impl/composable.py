@@ -38,6 +38,7 @@ parameter views its piece again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Iterable
@@ -65,7 +66,7 @@ from fsdp_impl.flat_param import FlatParamHandle
 from fsdp_impl.layout import MeshSharding
 from fsdp_impl.unit_state import STATE_ATTR, UnitConfig, UnitControls, UnitGroups, UnitState, is_unit, unit_state
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 #: Original class -> its ``FSDP<Class>``, made once per class.
 _FSDP_CLASSES: dict[type, type] = {}
@@ -394,3 +395,21 @@ def _states_of(modules: list[FSDPModule]) -> list[UnitState]:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
     return [module._own() for module in modules]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.method_name`` between the unit's pre- and post-forward, as ``forward`` runs: its parameters
+    are gathered for it (and freed after it as ``reshard_after_forward`` says). A no-op for a module that is
+    not a ``fully_shard``-ed one, so the same code runs sharded or not."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def as_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = unit.pre_forward_hook(module, args, kwargs)
+        return unit.post_forward_hook(module, args, kwargs, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward)

@@ -21,6 +21,10 @@ class FullyShardMethods:
     def _fully_shard_fn(self) -> Callable[..., nn.Module]:
         raise NotImplementedError
 
+    def _forward_method_fn(self) -> Callable[[nn.Module, str], None]:
+        """The implementation's ``register_fsdp_forward_method``."""
+        raise NotImplementedError
+
     def _mp_policy_cls(self) -> Callable[..., Any]:
         """The implementation's ``MixedPrecisionPolicy``."""
         raise NotImplementedError
@@ -101,3 +105,7 @@ class FullyShardMethods:
     def set_unshard_in_backward(self, module: nn.Module, on: bool) -> None:
         """``FSDPModule.set_unshard_in_backward(on)`` (the module's own parameters)."""
         cast(Any, module).set_unshard_in_backward(on)
+
+    def register_forward_method(self, module: nn.Module, method_name: str) -> None:
+        """``register_fsdp_forward_method(module, method_name)``."""
+        self._forward_method_fn()(module, method_name)

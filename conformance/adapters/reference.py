@@ -69,6 +69,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.RESET_ITER_STATE,
             Capability.IS_LAST_BACKWARD,
             Capability.UNSHARD_IN_BACKWARD,
+            Capability.FORWARD_METHODS,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }
@@ -83,6 +84,11 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
         import fsdp_impl
 
         return fsdp_impl.fully_shard
+
+    def _forward_method_fn(self) -> Callable[[nn.Module, str], None]:
+        import fsdp_impl
+
+        return fsdp_impl.register_fsdp_forward_method
 
     def _mp_policy_cls(self) -> Callable[..., Any]:
         import fsdp_impl

@@ -79,6 +79,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.RESET_ITER_STATE,
             Capability.IS_LAST_BACKWARD,
             Capability.UNSHARD_IN_BACKWARD,
+            Capability.FORWARD_METHODS,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
             Capability.COMPUTE_DEVICE,
@@ -185,6 +186,11 @@ class TorchFSDP2Adapter(FullyShardMethods):
         from torch.distributed.fsdp import fully_shard
 
         return cast(Callable[..., nn.Module], fully_shard)
+
+    def _forward_method_fn(self) -> Callable[[nn.Module, str], None]:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        return cast(Callable[[nn.Module, str], None], register_fsdp_forward_method)
 
     def _mp_policy_cls(self) -> Callable[..., Any]:
         from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -8,6 +8,8 @@
 - ``unshard_in_backward``: an embedding (whose backward does not read its weight) in front of the blocks, with
   ``set_unshard_in_backward(False)``: backward all-gathers every unit forward did but the embedding, and two
   steps leave the local model's parameters, the embedding's included.
+- ``forward_method``: a method other than ``forward`` of the sharded root, registered as a forward method,
+  computes the local model's values and, trained through, leaves the local model's parameters.
 """
 
 from __future__ import annotations
@@ -108,3 +110,39 @@ def test_unshard_in_backward(ctx: RankContext, impl: FSDPAdapter) -> None:
         (local_loss / ctx.world_size).backward()  # type: ignore[operator]
         local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+class _Readout(Blocks):
+    """:class:`Blocks` with a second entry point that reads out through the root's own ``head`` only."""
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x))
+
+
+@case("fully_shard_options/forward_method", clause="C1", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.FORWARD_METHODS])
+def test_forward_method(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """``readout`` of the sharded root, registered as a forward method and called before any ``forward``:
+    its outputs are the local model's, two SGD steps on its loss leave the local model's parameters, and
+    ``forward`` afterwards computes the local model's outputs."""
+    model = shard_blocks(impl, _Readout(seed=0).to(ctx.device), mesh_over(ctx))
+    optional.register_forward_method(impl, model, "readout")
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = _Readout(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        batch = block_batch(step, ctx.rank, ctx.device)
+        out = model.readout(batch)
+        assert_close_named({"readout": out.detach()}, {"readout": local.readout(batch).detach()},
+                           what=f"rank {ctx.rank}: readout of step {step}")
+        out.sum().backward()
+        optional.step(impl, model, optim)
+        local_optim.zero_grad(set_to_none=True)
+        loss = sum(local.readout(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size))
+        (loss / ctx.world_size).backward()  # type: ignore[operator]
+        local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+    batch = block_batch(9, ctx.rank, ctx.device)
+    assert_close_named({"forward": model(batch).detach()}, {"forward": local(batch).detach()},
+                       what=f"rank {ctx.rank}: forward after readout")

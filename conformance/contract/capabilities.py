@@ -150,6 +150,10 @@ class Capability(str, enum.Enum):
     UNSHARD_IN_BACKWARD = "unshard_in_backward"
     """``set_unshard_in_backward(module, on)`` (FSDP2's ``FSDPModule`` method): off, for a module whose
     parameters backward does not read (an embedding), backward computes its gradients without all-gathering them."""
+    FORWARD_METHODS = "forward_methods"
+    """``register_forward_method(module, name)`` (FSDP2's ``register_fsdp_forward_method``): calling that method
+    of a ``fully_shard``-ed module gathers its parameters as ``forward`` does, so it computes what the local
+    module's method computes, and backward through it reduces its gradients."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from conformance.contract.adapter import MixedPrecisionSpec
 
-__all__ = ["FullyShardUnsupported", "fully_shard", "reset_iter_state", "reshard", "set_all_reduce_hook",
-           "set_gradient_divide_factor", "set_is_last_backward", "set_modules_to_prefetch",
+__all__ = ["FullyShardUnsupported", "fully_shard", "register_forward_method", "reset_iter_state", "reshard",
+           "set_all_reduce_hook", "set_gradient_divide_factor", "set_is_last_backward", "set_modules_to_prefetch",
            "set_reduce_scatter_divide_factor", "set_requires_all_reduce", "set_requires_gradient_sync",
            "set_reshard_after_backward", "set_reshard_after_forward", "set_unshard_in_backward", "unshard"]
 
@@ -162,3 +162,9 @@ def set_unshard_in_backward(adapter: Any, module: nn.Module, on: bool) -> None:
     parameters its backward does not read (an embedding), whose gradients are computed all the same (FSDP2's
     ``set_unshard_in_backward``; :attr:`Capability.UNSHARD_IN_BACKWARD`)."""
     _control(adapter, "set_unshard_in_backward")(module, on)
+
+
+def register_forward_method(adapter: Any, module: nn.Module, method_name: str) -> None:
+    """Make ``module.method_name`` of a ``fully_shard``-ed ``module`` run as ``forward`` does: its parameters are
+    gathered for it (FSDP2's ``register_fsdp_forward_method``; :attr:`Capability.FORWARD_METHODS`)."""
+    _control(adapter, "register_forward_method")(module, method_name)

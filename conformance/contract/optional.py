@@ -29,6 +29,7 @@ adapter method (optional)                  default
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
 ``set_is_last_backward(m, on)``            unsupported: the case is ``n/a``
 ``set_unshard_in_backward(m, on)``         unsupported: the case is ``n/a``
+``register_forward_method(m, name)``       unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
@@ -74,6 +75,7 @@ from conformance.contract.knobs import performance_knobs, set_performance_knob
 from conformance.contract.module_controls import (
     FullyShardUnsupported,
     fully_shard,
+    register_forward_method,
     reset_iter_state,
     reshard,
     set_all_reduce_hook,
@@ -140,6 +142,7 @@ __all__ = [
     "reset_iter_state",
     "set_is_last_backward",
     "set_unshard_in_backward",
+    "register_forward_method",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",
@@ -170,6 +173,7 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.RESET_ITER_STATE: ("reset_iter_state",),
     Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
     Capability.UNSHARD_IN_BACKWARD: ("set_unshard_in_backward",),
+    Capability.FORWARD_METHODS: ("register_forward_method",),
     Capability.OPTIM_STATE_DICT_FUNCTIONS: ("full_optim_state_dict", "sharded_optim_state_dict",
                                             "shard_full_optim_state_dict", "scatter_full_optim_state_dict",
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),

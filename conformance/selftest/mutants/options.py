@@ -8,7 +8,7 @@ from typing import Any
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored"]
+__all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered"]
 
 Fn = Callable[..., Any]
 
@@ -39,3 +39,12 @@ class UnshardInBackwardIgnored(_Mutant):
     breaks = "skipping the all-gather in backward of a module whose backward reads no parameter"
     expect = Expect("unshard_in_backward", "thread", ("fully_shard_options/unshard_in_backward",))
     patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_unshard_in_backward", lambda self, on: None),)
+
+
+class ForwardMethodNotRegistered(_Mutant):
+    """``register_fsdp_forward_method`` registers nothing: the method computes on the sharded parameters."""
+
+    name = "mutant-forward-method-not-registered"
+    breaks = "gathering the parameters for a method registered as a forward method"
+    expect = Expect("forward_method", "thread", ("fully_shard_options/forward_method",))
+    patches = (Patch.instead("fsdp_impl:register_fsdp_forward_method", lambda module, method_name: None),)
