@@ -24,7 +24,8 @@ from fsdp_impl.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_impl.composable import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp_impl.composable import fully_shard
+from fsdp_impl.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp_impl.fully_sharded_data_parallel import FullyShardedDataParallel
 
 FSDP = FullyShardedDataParallel

@@ -13,13 +13,31 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import MixedPrecisionSpec
+from conformance.contract.adapter import Capability, MixedPrecisionSpec
 
-__all__ = ["FullyShardUnsupported", "fully_shard", "register_forward_method", "reset_iter_state", "reshard",
-           "set_all_reduce_hook", "set_gradient_divide_factor", "set_is_last_backward", "set_modules_to_prefetch",
-           "set_reduce_scatter_divide_factor", "set_requires_all_reduce", "set_requires_gradient_sync",
-           "set_reshard_after_backward", "set_reshard_after_forward", "set_unshard_in_backward", "unshard"]
+__all__ = ["CONTROL_METHODS", "FullyShardUnsupported", "fully_shard", "register_forward_method", "reset_iter_state",
+           "reshard", "set_all_reduce_hook", "set_gradient_divide_factor", "set_is_last_backward",
+           "set_modules_to_prefetch", "set_reduce_scatter_divide_factor", "set_requires_all_reduce",
+           "set_requires_gradient_sync", "set_reshard_after_backward", "set_reshard_after_forward",
+           "set_unshard_in_backward", "unshard"]
 
+
+#: A capability of FSDP2's module controls -> the optional methods an adapter declaring it must define (part of
+#: :data:`conformance.contract.optional.CAPABILITY_METHODS`, checked at load).
+CONTROL_METHODS: dict[Capability, tuple[str, ...]] = {
+    Capability.FULLY_SHARD: ("fully_shard",),
+    Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
+    Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
+                                      "set_reshard_after_backward"),
+    Capability.SET_RESHARD_AFTER_FORWARD: ("set_reshard_after_forward",),
+    Capability.GRADIENT_DIVIDE_FACTOR: ("set_gradient_divide_factor",),
+    Capability.REDUCE_SCATTER_DIVIDE_FACTOR: ("set_reduce_scatter_divide_factor",),
+    Capability.ALL_REDUCE_CONTROLS: ("set_requires_all_reduce", "set_all_reduce_hook"),
+    Capability.RESET_ITER_STATE: ("reset_iter_state",),
+    Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
+    Capability.UNSHARD_IN_BACKWARD: ("set_unshard_in_backward",),
+    Capability.FORWARD_METHODS: ("register_forward_method",),
+}
 
 class FullyShardUnsupported(NotImplementedError):
     """The adapter has no per-module sharding in FSDP2's shape, or no explicit prefetch (cases report ``n/a``)."""

@@ -27,9 +27,8 @@ adapter method (optional)                  default
 ``set_reduce_scatter_divide_factor(m, f)`` unsupported: the case is ``n/a``
 ``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
-``set_is_last_backward(m, on)``            unsupported: the case is ``n/a``
-``set_unshard_in_backward(m, on)``         unsupported: the case is ``n/a``
-``register_forward_method(m, name)``       unsupported: the case is ``n/a``
+``set_is_last_backward(m, on)``, ``set_unshard_in_backward(m, on)``, ``register_forward_method(m, name)``
+                                           unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
@@ -73,6 +72,7 @@ from conformance.contract.adapter import (
 )
 from conformance.contract.knobs import performance_knobs, set_performance_knob
 from conformance.contract.module_controls import (
+    CONTROL_METHODS,
     FullyShardUnsupported,
     fully_shard,
     register_forward_method,
@@ -162,18 +162,7 @@ __all__ = [
 CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.POST_OPTIM_EVENT: ("set_post_optim_event",),
     Capability.NO_SYNC: ("no_sync",),
-    Capability.FULLY_SHARD: ("fully_shard",),
-    Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
-    Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
-                                      "set_reshard_after_backward"),
-    Capability.SET_RESHARD_AFTER_FORWARD: ("set_reshard_after_forward",),
-    Capability.GRADIENT_DIVIDE_FACTOR: ("set_gradient_divide_factor",),
-    Capability.REDUCE_SCATTER_DIVIDE_FACTOR: ("set_reduce_scatter_divide_factor",),
-    Capability.ALL_REDUCE_CONTROLS: ("set_requires_all_reduce", "set_all_reduce_hook"),
-    Capability.RESET_ITER_STATE: ("reset_iter_state",),
-    Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
-    Capability.UNSHARD_IN_BACKWARD: ("set_unshard_in_backward",),
-    Capability.FORWARD_METHODS: ("register_forward_method",),
+    **CONTROL_METHODS,
     Capability.OPTIM_STATE_DICT_FUNCTIONS: ("full_optim_state_dict", "sharded_optim_state_dict",
                                             "shard_full_optim_state_dict", "scatter_full_optim_state_dict",
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),

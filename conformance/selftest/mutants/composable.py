@@ -172,7 +172,7 @@ class ReduceScatterDivideFactorIgnored(_Mutant):
     name = "mutant-reduce-scatter-divide-factor-ignored"
     breaks = "the deprecated alias of set_gradient_divide_factor"
     expect = Expect("reduce_scatter_divide_factor", "thread", ("fully_shard_api/reduce_scatter_divide_factor",))
-    patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_reduce_scatter_divide_factor",
+    patches = (Patch.instead("fsdp_impl.fsdp_module:FSDPModule.set_reduce_scatter_divide_factor",
                              lambda self, factor: None),)
 
 
@@ -199,7 +199,7 @@ class AllReduceHookIgnored(_Mutant):
     name = "mutant-all-reduce-hook-ignored"
     breaks = "running the all-reduce hook on the reduced gradient"
     expect = Expect("all_reduce_hook", "thread", ("fully_shard_api/all_reduce_hook",))
-    patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_all_reduce_hook",
+    patches = (Patch.instead("fsdp_impl.fsdp_module:FSDPModule.set_all_reduce_hook",
                              lambda self, hook, *, stream=None: None),)
 
 

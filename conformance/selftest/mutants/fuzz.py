@@ -116,7 +116,7 @@ class UnshardWithoutGather(_Mutant):
     name = "mutant-unshard-without-gather"
     breaks = "filling the unsharded parameters on unshard()"
     expect = _CONTROLS
-    patches = (Patch("fsdp_impl.composable:FSDPModule.unshard", _unshard_without_gather),)
+    patches = (Patch("fsdp_impl.fsdp_module:FSDPModule.unshard", _unshard_without_gather),)
 
 
 def _forgetting_kept_grads(set_sync: Fn) -> Fn:
@@ -138,7 +138,7 @@ class GradSyncForgetsKeptGrads(_Mutant):
     name = "mutant-grad-sync-forgets-kept-grads"
     breaks = "accumulating the gradients of backwards without gradient sync"
     expect = _CONTROLS
-    patches = (Patch("fsdp_impl.composable:FSDPModule.set_requires_gradient_sync", _forgetting_kept_grads),)
+    patches = (Patch("fsdp_impl.fsdp_module:FSDPModule.set_requires_gradient_sync", _forgetting_kept_grads),)
 
 
 def _reduce_kept_apart(add_kept: Fn) -> Fn:
@@ -205,7 +205,7 @@ class IgnoresGradientDivideFactor(_Mutant):
     name = "mutant-ignores-gradient-divide-factor"
     breaks = "dividing a module's summed gradients by its divide factor"
     expect = Expect("gradient_divide_factor", "thread", ("fuzz/gradient_divide_factor",))
-    patches = (Patch("fsdp_impl.composable:FSDPModule.set_gradient_divide_factor", _ignored),)
+    patches = (Patch("fsdp_impl.fsdp_module:FSDPModule.set_gradient_divide_factor", _ignored),)
 
 
 class ReshardsAfterForwardAnyway(_Mutant):
@@ -215,4 +215,4 @@ class ReshardsAfterForwardAnyway(_Mutant):
     name = "mutant-reshards-after-forward-anyway"
     breaks = "keeping the unsharded parameters after forward once set_reshard_after_forward(False)"
     expect = Expect("set_reshard_after_forward", "process", ("fuzz/set_reshard_after_forward",))
-    patches = (Patch("fsdp_impl.composable:FSDPModule.set_reshard_after_forward", _ignored),)
+    patches = (Patch("fsdp_impl.fsdp_module:FSDPModule.set_reshard_after_forward", _ignored),)

@@ -38,7 +38,7 @@ class UnshardInBackwardIgnored(_Mutant):
     name = "mutant-unshard-in-backward-ignored"
     breaks = "skipping the all-gather in backward of a module whose backward reads no parameter"
     expect = Expect("unshard_in_backward", "thread", ("fully_shard_options/unshard_in_backward",))
-    patches = (Patch.instead("fsdp_impl.composable:FSDPModule.set_unshard_in_backward", lambda self, on: None),)
+    patches = (Patch.instead("fsdp_impl.fsdp_module:FSDPModule.set_unshard_in_backward", lambda self, on: None),)
 
 
 class ForwardMethodNotRegistered(_Mutant):
