@@ -42,7 +42,7 @@ class FullyShardMethods:
         ``mp_policy`` from ``mixed_precision`` where given (its FSDP2 fields)."""
         policy = {} if mixed_precision is None else {"mp_policy": self._mp_policy_cls()(
             param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype,
-            cast_forward_inputs=mixed_precision.cast_forward_inputs)}
+            output_dtype=mixed_precision.output_dtype, cast_forward_inputs=mixed_precision.cast_forward_inputs)}
         return self._fully_shard_fn()(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(ignored_params) or None,
             **policy,

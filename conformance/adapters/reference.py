@@ -60,6 +60,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.FULLY_SHARD_MIXED_PRECISION,
+            Capability.MP_OUTPUT_DTYPE,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,

@@ -70,6 +70,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.FULLY_SHARD_MIXED_PRECISION,
+            Capability.MP_OUTPUT_DTYPE,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,
@@ -122,7 +123,8 @@ class TorchFSDP2Adapter(FullyShardMethods):
         if spec.ignored_modules:
             kwargs["ignored_params"] = {p for m in spec.ignored_modules for p in m.parameters()}
         if mp is not None:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                                                     output_dtype=mp.output_dtype)
         kwargs.update(spec.extra)
         if spec.auto_wrap is not None:
             for submodule in reversed(spec.auto_wrap.units_under(module, spec.ignored_modules)):

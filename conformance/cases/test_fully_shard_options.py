@@ -10,6 +10,8 @@
   steps leave the local model's parameters, the embedding's included.
 - ``forward_method``: a method other than ``forward`` of the sharded root, registered as a forward method,
   computes the local model's values and, trained through, leaves the local model's parameters.
+- ``output_dtype``: the root's ``MixedPrecisionPolicy(output_dtype=float64)``: the model's output is float64 with
+  the local model's values, and training through it leaves the local model's gradients and parameters.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract import optional
-from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.adapter import Capability, FSDPAdapter, MixedPrecisionSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.optional import fully_shard
 from fixtures.blocks import DIM, Blocks, block_batch
@@ -146,3 +148,35 @@ def test_forward_method(ctx: RankContext, impl: FSDPAdapter) -> None:
     batch = block_batch(9, ctx.rank, ctx.device)
     assert_close_named({"forward": model(batch).detach()}, {"forward": local(batch).detach()},
                        what=f"rank {ctx.rank}: forward after readout")
+
+
+@case("fully_shard_options/output_dtype", clause="C13", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.FULLY_SHARD_MIXED_PRECISION, Capability.MIXED_PRECISION,
+                Capability.MP_OUTPUT_DTYPE])
+def test_output_dtype(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """The root sharded with ``output_dtype=torch.float64`` (nothing else in its policy), the blocks without a
+    policy: over two SGD steps the output is float64 with the local model's float32 values, and the full
+    gradients and then the parameters are the local model's."""
+    mesh = mesh_over(ctx)
+    model = Blocks(seed=0).to(ctx.device)
+    for block in model.blocks():
+        fully_shard(impl, block, mesh=mesh)
+    policy = MixedPrecisionSpec(output_dtype=torch.float64, cast_forward_inputs=False)
+    fully_shard(impl, model, mesh=mesh, mixed_precision=policy)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = Blocks(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        batch = block_batch(step, ctx.rank, ctx.device)
+        out = model(batch)
+        assert out.dtype == torch.float64, f"rank {ctx.rank}: the output is {out.dtype}, want torch.float64"
+        assert_close_named({"output": out.detach().float()}, {"output": local(batch).detach()},
+                           what=f"rank {ctx.rank}: output of step {step}")
+        out.sum().backward()
+        local_optim.zero_grad(set_to_none=True)
+        expected = local_grads(ctx, range(step, step + 1), local)
+        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
+        optional.step(impl, model, optim)
+        local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

@@ -86,6 +86,8 @@ class MixedPrecisionSpec:
     (:attr:`Capability.MP_CAST_FORWARD_INPUTS`; the default, as torch's FSDP1 and FSDP2 do by
     default). ``False`` says the case feeds its inputs in ``param_dtype`` itself and relies on no
     cast: an implementation may then cast or not, which for such inputs is the same.
+    ``output_dtype`` (FSDP2's, given to ``fully_shard`` only; :attr:`Capability.MP_OUTPUT_DTYPE`): the module's
+    floating forward outputs are cast to it.
     """
 
     param_dtype: torch.dtype | None = None
@@ -93,9 +95,10 @@ class MixedPrecisionSpec:
     buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"MixedPrecisionSpec.{name} must be a floating torch.dtype or None, got {value!r}")
@@ -109,6 +112,8 @@ class MixedPrecisionSpec:
             caps.append(Capability.MP_KEEP_LOW_PRECISION_GRADS)
         if self.cast_forward_inputs:
             caps.append(Capability.MP_CAST_FORWARD_INPUTS)
+        if self.output_dtype is not None:
+            caps.append(Capability.MP_OUTPUT_DTYPE)
         return caps
 
 

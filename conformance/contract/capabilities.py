@@ -108,6 +108,9 @@ class Capability(str, enum.Enum):
     values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool. As torch's
     ``fully_shard``, each call groups the module's own parameters (those no nested call took) into one
     all-gather per unshard, which ``reshard/*`` reads to tell units apart."""
+    MP_OUTPUT_DTYPE = "mp_output_dtype"
+    """``MixedPrecisionSpec.output_dtype`` (FSDP2's ``MixedPrecisionPolicy.output_dtype``, given to ``fully_shard``):
+    the module's floating forward outputs come back in that dtype; backward through the cast is unchanged."""
     FULLY_SHARD_MIXED_PRECISION = "fully_shard_mixed_precision"
     """``fully_shard(..., mixed_precision=spec)`` takes a :class:`MixedPrecisionSpec` of ``param_dtype``,
     ``reduce_dtype`` and ``cast_forward_inputs`` (FSDP2's ``MixedPrecisionPolicy``; ``buffer_dtype`` and

@@ -4,11 +4,13 @@ that area, each broken alone."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered"]
+__all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered",
+           "OutputDtypeIgnored"]
 
 Fn = Callable[..., Any]
 
@@ -48,3 +50,19 @@ class ForwardMethodNotRegistered(_Mutant):
     breaks = "gathering the parameters for a method registered as a forward method"
     expect = Expect("forward_method", "thread", ("fully_shard_options/forward_method",))
     patches = (Patch.instead("fsdp_impl:register_fsdp_forward_method", lambda module, method_name: None),)
+
+
+def _no_output_cast(config: Fn) -> Fn:
+    def unit_config(*args: Any) -> Any:
+        return replace(config(*args), output_dtype=None)
+
+    return unit_config
+
+
+class OutputDtypeIgnored(_Mutant):
+    """``MixedPrecisionPolicy.output_dtype`` is dropped: outputs stay in the dtype the module computed in."""
+
+    name = "mutant-output-dtype-ignored"
+    breaks = "casting a fully_shard-ed module's floating outputs to output_dtype"
+    expect = Expect("output_dtype", "thread", ("fully_shard_options/output_dtype",))
+    patches = (Patch("fsdp_impl.composable:_config", _no_output_cast),)
