@@ -37,15 +37,17 @@ class FullyShardMethods:
         reshard_after_forward: bool | int,
         ignored_params: frozenset[nn.Parameter],
         mixed_precision: MixedPrecisionSpec | None = None,
+        shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     ) -> nn.Module:
         """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``, with
-        ``mp_policy`` from ``mixed_precision`` where given (its FSDP2 fields)."""
+        ``mp_policy`` from ``mixed_precision`` (its FSDP2 fields) and ``shard_placement_fn`` where given."""
+        placement = {} if shard_placement_fn is None else {"shard_placement_fn": shard_placement_fn}
         policy = {} if mixed_precision is None else {"mp_policy": self._mp_policy_cls()(
             param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype,
             output_dtype=mixed_precision.output_dtype, cast_forward_inputs=mixed_precision.cast_forward_inputs)}
         return self._fully_shard_fn()(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(ignored_params) or None,
-            **policy,
+            **policy, **placement,
         )
 
     def set_modules_to_prefetch(

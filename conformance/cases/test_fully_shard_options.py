@@ -12,15 +12,20 @@
   computes the local model's values and, trained through, leaves the local model's parameters.
 - ``output_dtype``: the root's ``MixedPrecisionPolicy(output_dtype=float64)``: the model's output is float64 with
   the local model's values, and training through it leaves the local model's gradients and parameters.
+- ``shard_placement_fn``: every weight whose columns split evenly over the ranks sharded on dim 1 (torch requires
+  even sharding off dim 0): each parameter's DTensor placement and local piece follow the function, and two
+  steps leave the local model's parameters.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter, MixedPrecisionSpec
@@ -29,7 +34,16 @@ from conformance.contract.optional import fully_shard
 from fixtures.blocks import DIM, Blocks, block_batch
 from fixtures.parity import assert_close_named
 from fixtures.seeding import generator, rank_seed, seeded_init_
-from fixtures.sharded_blocks import LR, full_grads_of, full_of, local_grads, mesh_over, shard_blocks
+from fixtures.sharded_blocks import (
+    LR,
+    full_grads_of,
+    full_of,
+    local_grads,
+    local_step,
+    mesh_over,
+    shard_blocks,
+    sharded_step,
+)
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -179,4 +193,43 @@ def test_output_dtype(ctx: RankContext, impl: FSDPAdapter) -> None:
         assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
         optional.step(impl, model, optim)
         local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+def _on_columns(world_size: int) -> Callable[[nn.Parameter], Shard | None]:
+    """``Shard(1)`` for a matrix whose columns split evenly over ``world_size`` ranks, else ``None`` (``Shard(0)``)."""
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if param.ndim == 2 and param.shape[1] % world_size == 0 else None
+
+    return placement
+
+
+@case("fully_shard_options/shard_placement_fn", clause="C1", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.SHARD_PLACEMENT_FN])
+def test_shard_placement_fn(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Every unit sharded with a function putting even-column weights on ``Shard(1)``: each parameter is a
+    DTensor placed as the function says, its local piece that dim's ``torch.chunk`` of the full one, and two
+    SGD steps leave the local model's parameters."""
+    mesh = mesh_over(ctx)
+    placement = _on_columns(ctx.world_size)
+    model = Blocks(seed=0).to(ctx.device)
+    for block in model.blocks():
+        fully_shard(impl, block, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(impl, model, mesh=mesh, shard_placement_fn=placement)
+    local = Blocks(seed=0).to(ctx.device)
+    assert any(placement(param) is not None for param in local.parameters()), "no parameter is sharded on dim 1"
+    for name, param in model.named_parameters():
+        want = placement(param) or Shard(0)
+        got: Any = param
+        assert tuple(got.placements) == (want,), f"rank {ctx.rank}: {name} is placed {got.placements}, want {want}"
+        full = local.get_parameter(name).detach()
+        pieces = torch.chunk(full, ctx.world_size, dim=want.dim)  # fewer than the ranks: the last ones hold none
+        piece = pieces[ctx.rank] if ctx.rank < len(pieces) else full.narrow(want.dim, 0, 0)
+        assert_close_named({name: got.to_local().detach()}, {name: piece}, what=f"rank {ctx.rank}: local piece")
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        sharded_step(ctx, impl, model, optim, step)
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

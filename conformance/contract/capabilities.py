@@ -108,6 +108,9 @@ class Capability(str, enum.Enum):
     values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool. As torch's
     ``fully_shard``, each call groups the module's own parameters (those no nested call took) into one
     all-gather per unshard, which ``reshard/*`` reads to tell units apart."""
+    SHARD_PLACEMENT_FN = "shard_placement_fn"
+    """``fully_shard(..., shard_placement_fn=fn)`` (FSDP2's argument): ``fn(param)`` returns a ``Shard(dim)``
+    (``None``: ``Shard(0)``) and the parameter is a DTensor sharded on that dim, training as the local model."""
     MP_OUTPUT_DTYPE = "mp_output_dtype"
     """``MixedPrecisionSpec.output_dtype`` (FSDP2's ``MixedPrecisionPolicy.output_dtype``, given to ``fully_shard``):
     the module's floating forward outputs come back in that dtype; backward through the cast is unchanged."""

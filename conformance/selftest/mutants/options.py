@@ -1,16 +1,19 @@
 """Mutants for ``fully_shard_options``: the reference's ``FSDPModule`` methods and ``fully_shard`` options of
-that area, each broken alone."""
+that area, each broken alone; for what only torch's ``fully_shard`` has, torch-fsdp2 with it accepted and dropped."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
+import torch.nn as nn
+
+from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
 __all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered",
-           "OutputDtypeIgnored"]
+           "OutputDtypeIgnored", "ShardPlacementFnDropped"]
 
 Fn = Callable[..., Any]
 
@@ -66,3 +69,15 @@ class OutputDtypeIgnored(_Mutant):
     breaks = "casting a fully_shard-ed module's floating outputs to output_dtype"
     expect = Expect("output_dtype", "thread", ("fully_shard_options/output_dtype",))
     patches = (Patch("fsdp_impl.composable:_config", _no_output_cast),)
+
+
+class ShardPlacementFnDropped(TorchFSDP2Adapter):
+    """torch-fsdp2 whose ``fully_shard`` drops ``shard_placement_fn``: every parameter is sharded on dim 0."""
+
+    name = "mutant-fsdp2-shard-placement-fn-dropped"
+    breaks = "sharding parameters on the dims shard_placement_fn gives"
+    # Only torch-fsdp2 takes a shard_placement_fn, so this mutant derives from its adapter.
+    expect: ClassVar[Expect] = Expect("shard_placement_fn", "thread", ("fully_shard_options/shard_placement_fn",))
+
+    def fully_shard(self, module: nn.Module, *, shard_placement_fn: Any = None, **kwargs: Any) -> nn.Module:
+        return super().fully_shard(module, **kwargs)
