@@ -111,3 +111,11 @@ class FullyShardMethods:
     def register_forward_method(self, module: nn.Module, method_name: str) -> None:
         """``register_fsdp_forward_method(module, method_name)``."""
         self._forward_method_fn()(module, method_name)
+
+    def set_custom_comms(self, module: nn.Module, *, all_gather: Any, reduce_scatter: Any) -> None:
+        """``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` for those given."""
+        owner: Any = module
+        if all_gather is not None:
+            owner.set_custom_all_gather(all_gather)
+        if reduce_scatter is not None:
+            owner.set_custom_reduce_scatter(reduce_scatter)

@@ -72,6 +72,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD_MIXED_PRECISION,
             Capability.MP_OUTPUT_DTYPE,
             Capability.SHARD_PLACEMENT_FN,
+            Capability.CUSTOM_COMMS,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,

@@ -15,15 +15,19 @@
 - ``shard_placement_fn``: every weight whose columns split evenly over the ranks sharded on dim 1 (torch requires
   even sharding off dim 0): each parameter's DTensor placement and local piece follow the function, and two
   steps leave the local model's parameters.
+- ``custom_comms``: ``b2`` given a custom all-gather and reduce-scatter that count their calls and delegate to
+  ``torch.distributed``: they carry all of ``b2``'s collectives (two all-gathers and one reduce-scatter a step,
+  as ``reshard_after_forward=True`` promises), and two steps leave the local model's parameters.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
@@ -232,4 +236,50 @@ def test_shard_placement_fn(ctx: RankContext, impl: FSDPAdapter) -> None:
     for step in range(2):
         sharded_step(ctx, impl, model, optim, step)
         local_step(ctx, local, local_optim, step, range(ctx.world_size))
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+class _CountingAllGather:
+    """torch's ``AllGather`` protocol (duck-typed: a case imports no FSDP), counting and delegating."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Any:
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountingReduceScatter(_CountingAllGather):
+    """torch's ``ReduceScatter`` protocol, counting and delegating."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+@case("fully_shard_options/custom_comms", clause="C1", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.CUSTOM_COMMS])
+def test_custom_comms(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """``b2``'s all-gathers and reduce-scatters through counting objects that delegate to ``torch.distributed``:
+    each of two SGD steps calls the all-gather twice (forward, and backward after resharding) and the
+    reduce-scatter once, and the parameters are then the local model's."""
+    model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
+    all_gather, reduce_scatter = _CountingAllGather(), _CountingReduceScatter()
+    optional.set_custom_comms(impl, model.b2, all_gather=all_gather, reduce_scatter=reduce_scatter)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = Blocks(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        sharded_step(ctx, impl, model, optim, step)
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
+        calls = (all_gather.calls, reduce_scatter.calls)
+        assert calls == (2 * (step + 1), step + 1), (
+            f"rank {ctx.rank}: after {step + 1} steps the custom all-gather and reduce-scatter ran {calls} times, "
+            f"want {(2 * (step + 1), step + 1)}")
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

@@ -160,6 +160,10 @@ class Capability(str, enum.Enum):
     """``register_forward_method(module, name)`` (FSDP2's ``register_fsdp_forward_method``): calling that method
     of a ``fully_shard``-ed module gathers its parameters as ``forward`` does, so it computes what the local
     module's method computes, and backward through it reduces its gradients."""
+    CUSTOM_COMMS = "custom_comms"
+    """``set_custom_comms(module, *, all_gather, reduce_scatter)`` (FSDP2's ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``): the module's all-gathers and reduce-scatters go through the given objects,
+    torch's protocol (``allocate(size, *, dtype, device)``; ``comm(output, input, group[, op], async_op)``)."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""

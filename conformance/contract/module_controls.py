@@ -16,7 +16,7 @@ import torch.nn as nn
 from conformance.contract.adapter import Capability, MixedPrecisionSpec
 
 __all__ = ["CONTROL_METHODS", "FullyShardUnsupported", "fully_shard", "register_forward_method", "reset_iter_state",
-           "reshard", "set_all_reduce_hook", "set_gradient_divide_factor", "set_is_last_backward",
+           "reshard", "set_all_reduce_hook", "set_custom_comms", "set_gradient_divide_factor", "set_is_last_backward",
            "set_modules_to_prefetch", "set_reduce_scatter_divide_factor", "set_requires_all_reduce",
            "set_requires_gradient_sync", "set_reshard_after_backward", "set_reshard_after_forward",
            "set_unshard_in_backward", "unshard"]
@@ -36,6 +36,7 @@ CONTROL_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.RESET_ITER_STATE: ("reset_iter_state",),
     Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
     Capability.UNSHARD_IN_BACKWARD: ("set_unshard_in_backward",),
+    Capability.CUSTOM_COMMS: ("set_custom_comms",),
     Capability.FORWARD_METHODS: ("register_forward_method",),
 }
 
@@ -190,3 +191,10 @@ def register_forward_method(adapter: Any, module: nn.Module, method_name: str) -
     """Make ``module.method_name`` of a ``fully_shard``-ed ``module`` run as ``forward`` does: its parameters are
     gathered for it (FSDP2's ``register_fsdp_forward_method``; :attr:`Capability.FORWARD_METHODS`)."""
     _control(adapter, "register_forward_method")(module, method_name)
+
+
+def set_custom_comms(adapter: Any, module: nn.Module, *, all_gather: Any = None, reduce_scatter: Any = None) -> None:
+    """Issue the ``fully_shard``-ed ``module``'s own all-gathers through ``all_gather`` and its reduce-scatters
+    through ``reduce_scatter`` (``None``: as before), objects of torch's ``AllGather`` / ``ReduceScatter`` protocol
+    (FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``; :attr:`Capability.CUSTOM_COMMS`)."""
+    _control(adapter, "set_custom_comms")(module, all_gather=all_gather, reduce_scatter=reduce_scatter)

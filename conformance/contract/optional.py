@@ -27,7 +27,8 @@ adapter method (optional)                  default
 ``set_reduce_scatter_divide_factor(m, f)`` unsupported: the case is ``n/a``
 ``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
-``set_is_last_backward(m, on)``, ``set_unshard_in_backward(m, on)``, ``register_forward_method(m, name)``
+``set_is_last_backward(m, on)``, ``set_unshard_in_backward(m, on)``, ``register_forward_method(m, name)``,
+``set_custom_comms(m, all_gather, reduce_scatter)``
                                            unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
@@ -79,6 +80,7 @@ from conformance.contract.module_controls import (
     reset_iter_state,
     reshard,
     set_all_reduce_hook,
+    set_custom_comms,
     set_gradient_divide_factor,
     set_is_last_backward,
     set_modules_to_prefetch,
@@ -143,6 +145,7 @@ __all__ = [
     "set_is_last_backward",
     "set_unshard_in_backward",
     "register_forward_method",
+    "set_custom_comms",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",

@@ -13,7 +13,8 @@ from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
 __all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered",
-           "OutputDtypeIgnored", "ShardPlacementFnDropped"]
+           "OutputDtypeIgnored", "ShardPlacementFnDropped",
+           "CustomCommsDropped"]
 
 Fn = Callable[..., Any]
 
@@ -81,3 +82,16 @@ class ShardPlacementFnDropped(TorchFSDP2Adapter):
 
     def fully_shard(self, module: nn.Module, *, shard_placement_fn: Any = None, **kwargs: Any) -> nn.Module:
         return super().fully_shard(module, **kwargs)
+
+
+class CustomCommsDropped(TorchFSDP2Adapter):
+    """torch-fsdp2 whose ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` are accepted and dropped: the
+    module's collectives stay torch's default ones."""
+
+    name = "mutant-fsdp2-custom-comms-dropped"
+    breaks = "issuing a module's collectives through the custom all-gather and reduce-scatter"
+    # Only torch-fsdp2 takes custom collectives, so this mutant derives from its adapter.
+    expect: ClassVar[Expect] = Expect("custom_comms", "thread", ("fully_shard_options/custom_comms",))
+
+    def set_custom_comms(self, module: nn.Module, *, all_gather: Any, reduce_scatter: Any) -> None:
+        return None
