@@ -113,6 +113,11 @@ class FSDPModule:
         reads none of them, an embedding: its gradients are computed all the same)."""
         self._own().controls.unshard_in_backward = unshard_in_backward
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2's API; nothing to set: a unit reduces its whole flat gradient, where a parameter this
+        rank's backward did not reach is zeros, so ranks using different parameters always issue matching
+        reductions (torch's ``True``)."""
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the unsharded parameters (``False``: the next forward reuses them)."""
         for state in self._units(recurse):

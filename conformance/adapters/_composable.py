@@ -119,3 +119,7 @@ class FullyShardMethods:
             owner.set_custom_all_gather(all_gather)
         if reduce_scatter is not None:
             owner.set_custom_reduce_scatter(reduce_scatter)
+
+    def set_reduce_scatter_unused_params(self, module: nn.Module, on: bool) -> None:
+        """``FSDPModule.set_reduce_scatter_unused_params(on)`` (recursive)."""
+        cast(Any, module).set_reduce_scatter_unused_params(on)

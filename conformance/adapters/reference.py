@@ -71,6 +71,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.IS_LAST_BACKWARD,
             Capability.UNSHARD_IN_BACKWARD,
             Capability.FORWARD_METHODS,
+            Capability.REDUCE_SCATTER_UNUSED_PARAMS,
             Capability.META_INIT,
             Capability.DCP_RESHARD,
         }

@@ -73,6 +73,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.MP_OUTPUT_DTYPE,
             Capability.SHARD_PLACEMENT_FN,
             Capability.CUSTOM_COMMS,
+            Capability.REDUCE_SCATTER_UNUSED_PARAMS,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,

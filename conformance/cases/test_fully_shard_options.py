@@ -18,6 +18,9 @@
 - ``custom_comms``: ``b2`` given a custom all-gather and reduce-scatter that count their calls and delegate to
   ``torch.distributed``: they carry all of ``b2``'s collectives (two all-gathers and one reduce-scatter a step,
   as ``reshard_after_forward=True`` promises), and two steps leave the local model's parameters.
+- ``reduce_scatter_unused_params``: a layer of the root's unit that only every other rank's forward uses (the
+  other ranks' backward gives it no gradient): the full gradients are the local model's mean over every rank's
+  loss, step by step, and so are the parameters.
 """
 
 from __future__ import annotations
@@ -282,4 +285,46 @@ def test_custom_comms(ctx: RankContext, impl: FSDPAdapter) -> None:
         assert calls == (2 * (step + 1), step + 1), (
             f"rank {ctx.rank}: after {step + 1} steps the custom all-gather and reduce-scatter ran {calls} times, "
             f"want {(2 * (step + 1), step + 1)}")
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+class _Gated(Blocks):
+    """:class:`Blocks` with an ``extra`` layer in the root's unit that a forward uses only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.extra = seeded_init_(nn.Linear(DIM, DIM), 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.extra(out) if use_extra else out
+
+
+def _uses_extra(step: int, rank: int) -> bool:
+    return (step + rank) % 2 == 1
+
+
+@case("fully_shard_options/reduce_scatter_unused_params", clause="C2", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.REDUCE_SCATTER_UNUSED_PARAMS])
+def test_reduce_scatter_unused_params(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """With ``set_reduce_scatter_unused_params(True)`` on the root, half the ranks use ``extra`` in a step (the other
+    half in the next): each step's full gradients are the local model's mean over every rank's loss, ``extra``'s
+    included, and the parameters after two steps are the local model's."""
+    model = _Gated().to(ctx.device)
+    shard_blocks(impl, model, mesh_over(ctx))
+    optional.set_reduce_scatter_unused_params(impl, model, True)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = _Gated().to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        model(block_batch(step, ctx.rank, ctx.device), _uses_extra(step, ctx.rank)).sum().backward()
+        local_optim.zero_grad(set_to_none=True)
+        loss = sum(local(block_batch(step, rank, ctx.device), _uses_extra(step, rank)).sum()
+                   for rank in range(ctx.world_size))
+        (loss / ctx.world_size).backward()  # type: ignore[operator]
+        expected = {name: param.grad for name, param in local.named_parameters() if param.grad is not None}
+        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
+        optional.step(impl, model, optim)
+        local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

@@ -164,6 +164,10 @@ class Capability(str, enum.Enum):
     """``set_custom_comms(module, *, all_gather, reduce_scatter)`` (FSDP2's ``set_custom_all_gather`` /
     ``set_custom_reduce_scatter``): the module's all-gathers and reduce-scatters go through the given objects,
     torch's protocol (``allocate(size, *, dtype, device)``; ``comm(output, input, group[, op], async_op)``)."""
+    REDUCE_SCATTER_UNUSED_PARAMS = "reduce_scatter_unused_params"
+    """``set_reduce_scatter_unused_params(module, on)`` (FSDP2's ``FSDPModule`` method, recursive): on, a parameter a
+    rank's backward gave no gradient is reduced as zeros, so ranks may use different parameters of a module in one
+    backward and the gradients are the mean over ranks as ever."""
     META_INIT = "meta_init"
     """``fully_shard`` accepts a module built on the meta device; ``to_empty(device=...)`` then gives
     every parameter local storage that user code fills (a ``reset_parameters``), and training reads it."""

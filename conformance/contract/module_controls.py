@@ -17,9 +17,9 @@ from conformance.contract.adapter import Capability, MixedPrecisionSpec
 
 __all__ = ["CONTROL_METHODS", "FullyShardUnsupported", "fully_shard", "register_forward_method", "reset_iter_state",
            "reshard", "set_all_reduce_hook", "set_custom_comms", "set_gradient_divide_factor", "set_is_last_backward",
-           "set_modules_to_prefetch", "set_reduce_scatter_divide_factor", "set_requires_all_reduce",
-           "set_requires_gradient_sync", "set_reshard_after_backward", "set_reshard_after_forward",
-           "set_unshard_in_backward", "unshard"]
+           "set_modules_to_prefetch", "set_reduce_scatter_divide_factor", "set_reduce_scatter_unused_params",
+           "set_requires_all_reduce", "set_requires_gradient_sync", "set_reshard_after_backward",
+           "set_reshard_after_forward", "set_unshard_in_backward", "unshard"]
 
 
 #: A capability of FSDP2's module controls -> the optional methods an adapter declaring it must define (part of
@@ -37,6 +37,7 @@ CONTROL_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.IS_LAST_BACKWARD: ("set_is_last_backward",),
     Capability.UNSHARD_IN_BACKWARD: ("set_unshard_in_backward",),
     Capability.CUSTOM_COMMS: ("set_custom_comms",),
+    Capability.REDUCE_SCATTER_UNUSED_PARAMS: ("set_reduce_scatter_unused_params",),
     Capability.FORWARD_METHODS: ("register_forward_method",),
 }
 
@@ -198,3 +199,10 @@ def set_custom_comms(adapter: Any, module: nn.Module, *, all_gather: Any = None,
     through ``reduce_scatter`` (``None``: as before), objects of torch's ``AllGather`` / ``ReduceScatter`` protocol
     (FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``; :attr:`Capability.CUSTOM_COMMS`)."""
     _control(adapter, "set_custom_comms")(module, all_gather=all_gather, reduce_scatter=reduce_scatter)
+
+
+def set_reduce_scatter_unused_params(adapter: Any, module: nn.Module, on: bool) -> None:
+    """Whether backward reduces, as zeros, the parameters of ``module`` and every ``fully_shard``-ed module under it
+    that got no gradient on this rank, so that ranks may use different parameters in one backward (FSDP2's
+    ``set_reduce_scatter_unused_params``; :attr:`Capability.REDUCE_SCATTER_UNUSED_PARAMS`)."""
+    _control(adapter, "set_reduce_scatter_unused_params")(module, on)

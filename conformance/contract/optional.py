@@ -28,7 +28,7 @@ adapter method (optional)                  default
 ``set_requires_all_reduce(m, on)``, ``set_all_reduce_hook(m, hook)`` unsupported: the case is ``n/a``
 ``reset_iter_state(m)``                    unsupported: the case is ``n/a``
 ``set_is_last_backward(m, on)``, ``set_unshard_in_backward(m, on)``, ``register_forward_method(m, name)``,
-``set_custom_comms(m, all_gather, reduce_scatter)``
+``set_custom_comms(m, all_gather, reduce_scatter)``, ``set_reduce_scatter_unused_params(m, on)``
                                            unsupported: the case is ``n/a``
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
@@ -85,6 +85,7 @@ from conformance.contract.module_controls import (
     set_is_last_backward,
     set_modules_to_prefetch,
     set_reduce_scatter_divide_factor,
+    set_reduce_scatter_unused_params,
     set_requires_all_reduce,
     set_requires_gradient_sync,
     set_reshard_after_backward,
@@ -146,6 +147,7 @@ __all__ = [
     "set_unshard_in_backward",
     "register_forward_method",
     "set_custom_comms",
+    "set_reduce_scatter_unused_params",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "step",

@@ -14,7 +14,7 @@ from conformance.selftest.declare import Expect, Patch, _Mutant
 
 __all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered",
            "OutputDtypeIgnored", "ShardPlacementFnDropped",
-           "CustomCommsDropped"]
+           "CustomCommsDropped", "UnusedParamsNotReduced"]
 
 Fn = Callable[..., Any]
 
@@ -94,4 +94,17 @@ class CustomCommsDropped(TorchFSDP2Adapter):
     expect: ClassVar[Expect] = Expect("custom_comms", "thread", ("fully_shard_options/custom_comms",))
 
     def set_custom_comms(self, module: nn.Module, *, all_gather: Any, reduce_scatter: Any) -> None:
+        return None
+
+
+class UnusedParamsNotReduced(TorchFSDP2Adapter):
+    """torch-fsdp2 whose ``set_reduce_scatter_unused_params`` is accepted and dropped: a rank whose backward gave a
+    parameter no gradient leaves it out of its reduce-scatter, which no longer matches the other ranks'."""
+
+    name = "mutant-fsdp2-unused-params-not-reduced"
+    breaks = "reducing, as zeros, the parameters a rank's backward gave no gradient"
+    expect: ClassVar[Expect] = Expect("reduce_scatter_unused_params", "thread",
+                                      ("fully_shard_options/reduce_scatter_unused_params",))
+
+    def set_reduce_scatter_unused_params(self, module: nn.Module, on: bool) -> None:
         return None
