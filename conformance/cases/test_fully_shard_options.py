@@ -148,7 +148,8 @@ def test_forward_method(ctx: RankContext, impl: FSDPAdapter) -> None:
     """``readout`` of the sharded root, registered as a forward method and called before any ``forward``:
     its outputs are the local model's, two SGD steps on its loss leave the local model's parameters, and
     ``forward`` afterwards computes the local model's outputs."""
-    model = shard_blocks(impl, _Readout(seed=0).to(ctx.device), mesh_over(ctx))
+    model = _Readout(seed=0).to(ctx.device)
+    shard_blocks(impl, model, mesh_over(ctx))
     optional.register_forward_method(impl, model, "readout")
     optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local = _Readout(seed=0).to(ctx.device)
@@ -162,8 +163,8 @@ def test_forward_method(ctx: RankContext, impl: FSDPAdapter) -> None:
         out.sum().backward()
         optional.step(impl, model, optim)
         local_optim.zero_grad(set_to_none=True)
-        loss = sum(local.readout(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size))
-        (loss / ctx.world_size).backward()  # type: ignore[operator]
+        losses = [local.readout(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
+        (torch.stack(losses).sum() / ctx.world_size).backward()
         local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
     batch = block_batch(9, ctx.rank, ctx.device)
@@ -242,8 +243,9 @@ def test_shard_placement_fn(ctx: RankContext, impl: FSDPAdapter) -> None:
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
 
 
-class _CountingAllGather:
-    """torch's ``AllGather`` protocol (duck-typed: a case imports no FSDP), counting and delegating."""
+class _CountingComm:
+    """What torch's ``AllGather`` and ``ReduceScatter`` protocols share (duck-typed: a case imports no FSDP): a
+    plain allocation, and a count of the collectives issued."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -251,17 +253,21 @@ class _CountingAllGather:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class _CountingAllGather(_CountingComm):
+    """torch's ``AllGather`` protocol, counting and delegating to ``torch.distributed``."""
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Any:
         self.calls += 1
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _CountingReduceScatter(_CountingAllGather):
-    """torch's ``ReduceScatter`` protocol, counting and delegating."""
+class _CountingReduceScatter(_CountingComm):
+    """torch's ``ReduceScatter`` protocol, counting and delegating to ``torch.distributed``."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
+                 op: Any, async_op: bool = False) -> Any:
         self.calls += 1
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
