@@ -220,6 +220,11 @@ class Capability(str, enum.Enum):
     ``get_state_dict_type(model)``, ``optim_state_dict_as_set(model, optim)`` and
     ``load_optim_state_dict_as_set(model, optim, osd)``; afterwards the model's own
     ``state_dict()`` and the optimizer state dict take the type and options set."""
+    LOCAL_STATE_DICT = "local_state_dict"
+    """:attr:`STATE_DICT_SETTINGS` also takes the type ``LOCAL_STATE_DICT`` (``StateDictSettingsSpec``'s
+    ``kind``): the model's ``state_dict()`` is each rank's local shard, which loads into a model wrapped the
+    same way on the same world, and the optimizer state dicts round trip with it (FSDP1's
+    ``LocalStateDictConfig`` / ``LocalOptimStateDictConfig``)."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
     ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""

@@ -167,6 +167,8 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),
     Capability.STATE_DICT_SETTINGS: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
                                      "load_optim_state_dict_as_set"),
+    Capability.LOCAL_STATE_DICT: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
+                                  "load_optim_state_dict_as_set"),
 }
 
 

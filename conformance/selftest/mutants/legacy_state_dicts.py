@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "RekeyKeepsKeys", "ShardedOptimLoadDropsState",
-           "StateDictSettingsNotSet"]
+__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "OffloadKeepsDevice", "OffloadWithoutCopy",
+           "RekeyKeepsKeys", "ShardedOptimLoadDropsState", "StateDictSettingsNotSet"]
 
 Fn = Callable[..., Any]
 
@@ -79,5 +81,35 @@ class StateDictSettingsNotSet(_Mutant):
 
     name = "mutant-state-dict-settings-not-set"
     breaks = "setting the state-dict type and its options"
-    expect = Expect("legacy_state_dicts and settings", "thread", ("legacy_state_dicts/settings",))
+    expect = Expect("legacy_state_dicts and settings", "thread",
+                    ("legacy_state_dicts/settings[kind=FULL]", "legacy_state_dicts/settings[kind=SHARDED]"))
     patches = (Patch.instead("fsdp_impl.state_dict_settings:set_settings", lambda units, settings: None),)
+
+
+def _zeros_on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value, device="cpu")
+    if isinstance(value, dict):
+        return {k: _zeros_on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_zeros_on_cpu(v) for v in value]
+    return value
+
+
+class OffloadWithoutCopy(_Mutant):
+    """``offload_to_cpu`` allocates each value's CPU tensor and never copies into it."""
+
+    name = "mutant-offload-without-copy"
+    breaks = "the values of a state dict offloaded to the CPU"
+    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload[kind=SHARDED]",))
+    patches = (Patch.instead("fsdp_impl.state_dict:to_cpu", _zeros_on_cpu),)
+
+
+class OffloadKeepsDevice(_Mutant):
+    """``offload_to_cpu`` leaves every value where it was (only a GPU tells this from a correct offload)."""
+
+    name = "mutant-offload-keeps-device"
+    breaks = "moving an offloaded state dict's values to the CPU"
+    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload[kind=SHARDED]",),
+                    accelerators=1)
+    patches = (Patch.instead("fsdp_impl.state_dict:to_cpu", lambda value: value),)
