@@ -70,6 +70,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.FULLY_SHARD_MIXED_PRECISION,
+            Capability.FULLY_SHARD_DP_MESH_DIMS,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,
@@ -188,6 +189,11 @@ class TorchFSDP2Adapter(FullyShardMethods):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return cast(Callable[..., Any], MixedPrecisionPolicy)
+
+    def _dp_mesh_dims_cls(self) -> Callable[..., Any]:
+        from torch.distributed.fsdp import DataParallelMeshDims
+
+        return cast(Callable[..., Any], DataParallelMeshDims)
 
     def wrapped_module(self, model: nn.Module) -> nn.Module:
         """``fully_shard`` shards in place: the model is the user's module."""

@@ -33,6 +33,7 @@ def fully_shard(
     reshard_after_forward: bool | int = True,
     ignored_params: Iterable[nn.Parameter] = (),
     mixed_precision: MixedPrecisionSpec | None = None,
+    dp_mesh_dims: tuple[str, str] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
     ``fully_shard``; call it bottom-up, the root last) and return the module.
@@ -41,12 +42,15 @@ def fully_shard(
     ``fully_shard(module, *, mesh, reshard_after_forward, ignored_params)``. ``ignored_params`` stay
     unsharded and unreduced. ``mixed_precision`` is passed on only when given (an adapter declaring
     :attr:`Capability.FULLY_SHARD_MIXED_PRECISION` takes it as a keyword), so an adapter without mixed
-    precision keeps its signature. Raises :class:`FullyShardUnsupported` when the adapter has no such method.
+    precision keeps its signature; so is ``dp_mesh_dims``, the names of ``mesh``'s shard and replicate dims
+    (:attr:`Capability.FULLY_SHARD_DP_MESH_DIMS`). Raises :class:`FullyShardUnsupported` when the adapter has
+    no such method.
     """
     method = getattr(adapter, "fully_shard", None)
     if method is None:
         raise FullyShardUnsupported(f"{adapter.name} has no fully_shard (per-module sharding)")
-    policy = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
+    policy: dict[str, Any] = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
+    policy.update({} if dp_mesh_dims is None else {"dp_mesh_dims": dp_mesh_dims})
     return method(  # type: ignore[no-any-return]
         module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozenset(ignored_params),
         **policy,

@@ -154,6 +154,7 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.POST_OPTIM_EVENT: ("set_post_optim_event",),
     Capability.NO_SYNC: ("no_sync",),
     Capability.FULLY_SHARD: ("fully_shard",),
+    Capability.FULLY_SHARD_DP_MESH_DIMS: ("fully_shard",),
     Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
     Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
                                       "set_reshard_after_backward"),
