@@ -30,6 +30,7 @@ adapter method (optional)                  default
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
+``wrap_knobs``, ``knob_specs(base, knob)`` none: each such knob's row is ``n/a`` (wrap-time knobs)
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
 ``step_zeroes_grads: bool`` (attribute)     ``False``: gradients outlive a step until ``zero_grad``
@@ -68,7 +69,7 @@ from conformance.contract.adapter import (
     PROTOCOL_VERSION,
     Capability,
 )
-from conformance.contract.knobs import performance_knobs, set_performance_knob
+from conformance.contract.knobs import knob_specs, performance_knobs, set_performance_knob, wrap_knobs
 from conformance.contract.module_controls import (
     FullyShardUnsupported,
     fully_shard,
@@ -123,6 +124,8 @@ __all__ = [
     "no_sync",
     "optimizer",
     "performance_knobs",
+    "knob_specs",
+    "wrap_knobs",
     "protocol_version",
     "release",
     "reshard",
