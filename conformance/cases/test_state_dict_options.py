@@ -32,8 +32,9 @@ promises of it, in values a user reads:
   ``StateDictOptions.dsd_fqn_modifiers`` names it (the method's name; ``_fqn_modifiers`` by default, which
   the wrapper does not define; the docstring does not describe the field, its source does): the unsharded
   model's own ``state_dict()``, loaded with the option into the sharded model, gives every parameter its
-  value (without the option the sharded model refuses the keys). Only loading is checked: torch 2.13's
-  ``get_model_state_dict`` reads the default method name whatever the option says
+  value (without the option the sharded model refuses the keys). Only loading is checked: the modifiers
+  were added for loading (pytorch/pytorch#146557, "Add fqn_modifier at loading_state_dict"), and torch
+  2.13's ``get_model_state_dict`` reads the default method name whatever the option says
   (``_get_model_state_dict`` calls ``_get_fqns`` without it), on any module.
 
 ``strict`` is checked on sharded state dicts: with ``full_state_dict=True`` torch 2.13's
