@@ -262,7 +262,7 @@ def _check_sharded_settings(ctx: RankContext, run: _Run, settings: StateDictSett
 
 @case("legacy_state_dicts/offload", clause="C4", world_size=TWO_OR_MORE, requires=_settings_requires)
 @pytest.mark.parametrize("kind", ["SHARDED", "LOCAL"])
-def test_offload(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+def test_offload(ctx: RankContext, impl: FSDPAdapter, kind: str) -> CaseReport | None:
     """With the type's ``offload_to_cpu`` on, the model's and the optimizer's local values equal those saved
     with it off, lie on the CPU (checked where the model is on a GPU), and load into a fresh model that then
     trains like the local model."""

@@ -94,8 +94,8 @@ def _pair(ctx: RankContext, impl: FSDPAdapter, base: WrapSpec, knob: str) -> tup
     if knob in SPEC_KNOBS:
         return _wrap(ctx, impl, base), _wrap(ctx, impl, replace(base, **SPEC_KNOBS[knob]))
     if knob in optional.wrap_knobs(impl):
-        off, on = optional.knob_specs(impl, base, knob)
-        return _wrap(ctx, impl, off), _wrap(ctx, impl, on)
+        spec_off, spec_on = optional.knob_specs(impl, base, knob)
+        return _wrap(ctx, impl, spec_off), _wrap(ctx, impl, spec_on)
     offered = optional.performance_knobs(impl) | optional.wrap_knobs(impl)
     if knob not in offered:
         not_applicable(f"{impl.name} offers no performance knob {knob!r} (it offers {sorted(offered) or 'none'})")
