@@ -9,8 +9,8 @@ import torch
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "OffloadKeepsDevice", "OffloadWithoutCopy",
-           "RekeyKeepsKeys", "ShardedOptimLoadDropsState", "StateDictSettingsNotSet"]
+__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "LocalShardsNotLoaded", "OffloadKeepsDevice",
+           "OffloadWithoutCopy", "RekeyKeepsKeys", "ShardedOptimLoadDropsState", "StateDictSettingsNotSet"]
 
 Fn = Callable[..., Any]
 
@@ -81,8 +81,7 @@ class StateDictSettingsNotSet(_Mutant):
 
     name = "mutant-state-dict-settings-not-set"
     breaks = "setting the state-dict type and its options"
-    expect = Expect("legacy_state_dicts and settings", "thread",
-                    ("legacy_state_dicts/settings[kind=FULL]", "legacy_state_dicts/settings[kind=SHARDED]"))
+    expect = Expect("legacy_state_dicts and settings", "thread", ("legacy_state_dicts/settings",))
     patches = (Patch.instead("fsdp_impl.state_dict_settings:set_settings", lambda units, settings: None),)
 
 
@@ -101,7 +100,7 @@ class OffloadWithoutCopy(_Mutant):
 
     name = "mutant-offload-without-copy"
     breaks = "the values of a state dict offloaded to the CPU"
-    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload[kind=SHARDED]",))
+    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload",))
     patches = (Patch.instead("fsdp_impl.state_dict:to_cpu", _zeros_on_cpu),)
 
 
@@ -110,6 +109,19 @@ class OffloadKeepsDevice(_Mutant):
 
     name = "mutant-offload-keeps-device"
     breaks = "moving an offloaded state dict's values to the CPU"
-    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload[kind=SHARDED]",),
-                    accelerators=1)
+    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload",), accelerators=1)
     patches = (Patch.instead("fsdp_impl.state_dict:to_cpu", lambda value: value),)
+
+
+def _flat_shards_dropped(root: Any, units: Any, state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if not key.endswith("_flat_param")}
+
+
+class LocalShardsNotLoaded(_Mutant):
+    """Loading a LOCAL state dict leaves the flat shards out: the units' parameters keep their values."""
+
+    name = "mutant-local-shards-not-loaded"
+    breaks = "loading a local state dict's flat shards"
+    expect = Expect("legacy_state_dicts and (settings or offload) and LOCAL", "thread",
+                    ("legacy_state_dicts/settings[kind=LOCAL]", "legacy_state_dicts/offload[kind=LOCAL]"))
+    patches = (Patch.instead("fsdp_impl.state_dict:_from_flat_shards", _flat_shards_dropped),)
