@@ -76,6 +76,8 @@ class StateDictType(enum.Enum):
     """Unflattened, unpadded original parameters on every rank, keyed as the unwrapped module."""
     SHARDED_STATE_DICT = enum.auto()
     """Each original parameter's local piece plus the metadata to place it (see state_dict.py)."""
+    LOCAL_STATE_DICT = enum.auto()
+    """Each unit's local flat shard as it is held (padding included), for a model of the same layout."""
 
 
 class OptimStateKeyType(enum.Enum):
@@ -107,6 +109,11 @@ class ShardedStateDictConfig(StateDictConfig):
 
 
 @dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """LOCAL_STATE_DICT's options."""
+
+
+@dataclass
 class OptimStateDictConfig:
     """Options of ``optim_state_dict()``; ``offload_to_cpu``: its tensors are moved to the CPU."""
 
@@ -123,6 +130,13 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
     """SHARDED_STATE_DICT's optimizer options."""
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """LOCAL_STATE_DICT's optimizer options (the state in SHARDED's form); not offloaded by default."""
+
+    offload_to_cpu: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Model state dicts (FULL / SHARDED) and optimizer state dicts.
+"""Model state dicts (FULL / SHARDED / LOCAL) and optimizer state dicts.
 
 [Note: state dict formats]
 Keys are always the unwrapped module's names (``_fsdp_wrapped_module.`` removed,
@@ -12,6 +12,9 @@ no ``_flat_param``), for both ``use_orig_params`` settings.
   parameters are full. The layout metadata is the model itself: load into a
   model wrapped the same way on the same world, and ``load_state_dict`` rejects
   mismatched pieces by shape.
+* LOCAL_STATE_DICT: each unit's local flat shard as held (padding included) under
+  ``<unit>._flat_param``, buffers and unmanaged parameters as SHARDED gives them; it
+  loads into a model of the same layout. Its optimizer state dict is SHARDED's.
 * ``optim_state_dict`` keys ``state`` by parameter name (FULL: per-parameter
   tensors in the parameter's shape; SHARDED: local pieces) and lists names in
   ``param_groups[i]["params"]``. ``optim_state_dict_to_load`` converts back to
@@ -38,9 +41,9 @@ import torch.nn as nn
 
 from fsdp_impl import collectives, summon
 from fsdp_impl.api import StateDictSettings, StateDictType
-from fsdp_impl.flat_param import FlatParamHandle
+from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_impl.layout import ParamSlot
-from fsdp_impl.unit_state import default_state_dict_settings, unit_state, unit_states
+from fsdp_impl.unit_state import UnitState, default_state_dict_settings, unit_state, unit_states
 
 __all__ = [
     "model_state_dict",
@@ -71,6 +74,10 @@ def _is_full(root: nn.Module) -> bool:
     return _settings(root).state_dict_type is StateDictType.FULL_STATE_DICT
 
 
+def _is_local(root: nn.Module) -> bool:
+    return _settings(root).state_dict_type is StateDictType.LOCAL_STATE_DICT
+
+
 def _as_configured(state: dict[str, Any], offload_to_cpu: bool, rank0_only: bool) -> dict[str, Any]:
     """``state`` as its options ask: empty on ranks other than 0 with ``rank0_only``, every tensor on the
     CPU with ``offload_to_cpu``."""
@@ -97,16 +104,16 @@ def model_state_dict(root: nn.Module) -> dict[str, Any]:
 
     built = _buffer_dtypes(root)
 
-    def snapshot() -> dict[str, Any]:
+    def snapshot(skip: frozenset[int] = frozenset()) -> dict[str, Any]:
         # Cloned inside the context: full views die with the unsharded storage. Buffers go out in
         # the dtype they were built in: a buffer_dtype casts them for compute, and FSDP1 documents
         # that checkpoints hold them "in full precision". They are found by identity, since state
-        # dict hooks (an activation-checkpoint wrapper's) may rename them.
+        # dict hooks (an activation-checkpoint wrapper's) may rename them. ``skip``: ids left out.
         raw = nn.Module.state_dict(root, keep_vars=True)
         return {
             clean_fqn(k): (v.detach().to(built.get(id(v), v.dtype), copy=True)
                            if isinstance(v, torch.Tensor) else v)
-            for k, v in raw.items()
+            for k, v in raw.items() if id(v) not in skip
         }
 
     config = _settings(root).state_dict_config
@@ -118,7 +125,8 @@ def model_state_dict(root: nn.Module) -> dict[str, Any]:
     for unit in units:
         summon.register_orig(unit, full=False)
     try:
-        return _as_configured(snapshot(), config.offload_to_cpu, rank0_only=False)
+        state = _with_flat_shards(root, units, snapshot(_managed_ids(units))) if _is_local(root) else snapshot()
+        return _as_configured(state, config.offload_to_cpu, rank0_only=False)
     finally:
         for unit in units:
             summon.unregister_orig(unit)
@@ -146,6 +154,8 @@ def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: b
             for unit in units:
                 summon.register_orig(unit, full=False)
         try:
+            if _is_local(root):
+                state_dict = _from_flat_shards(root, units, state_dict)
             names = {clean_fqn(k): k for k in nn.Module.state_dict(root, keep_vars=True)}
             remapped = {names.get(k, k): v for k, v in state_dict.items()}
             return nn.Module.load_state_dict(root, remapped, strict=strict)
@@ -153,6 +163,37 @@ def load_model_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: b
             if not full:
                 for unit in units:
                     summon.unregister_orig(unit)
+
+
+def _managed_ids(units: list[UnitState]) -> frozenset[int]:
+    return frozenset(id(slot.param) for unit in units if unit.handle is not None for slot in unit.handle.slots)
+
+
+def _flat_key(root: nn.Module, unit: UnitState) -> str:
+    """``<unit>._flat_param``: where a LOCAL state dict keeps ``unit``'s flat shard."""
+    name = next(n for n, m in root.named_modules() if m is unit.module)
+    return clean_fqn(f"{name}.{FLAT_PARAM_NAME}" if name else FLAT_PARAM_NAME)
+
+
+def _with_flat_shards(root: nn.Module, units: list[UnitState], state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (without the managed parameters) with every unit's local flat shard, cloned."""
+    flats = {_flat_key(root, u): u.handle.flat_param.detach().clone() for u in units if u.handle is not None}
+    return {**state, **flats}
+
+
+def _from_flat_shards(root: nn.Module, units: list[UnitState], state: dict[str, Any]) -> dict[str, Any]:
+    """A LOCAL ``state`` in SHARDED's form: each flat shard as the local pieces of its unit's parameters
+    (called with the original parameters registered over their pieces); a unit's missing shard is left
+    for a strict load to report as its parameters."""
+    raw, out = nn.Module.state_dict(root, keep_vars=True), dict(state)
+    for unit in units:
+        handle = unit.handle
+        flat = None if handle is None else out.pop(_flat_key(root, unit), None)
+        if handle is None or flat is None:
+            continue
+        slots = {id(slot.param): slot for slot in handle.slots}
+        out.update({clean_fqn(k): handle.sharded_view(slots[id(v)], flat) for k, v in raw.items() if id(v) in slots})
+    return out
 
 
 # -- optimizer state dicts ----------------------------------------------------------------------

@@ -15,6 +15,8 @@ from __future__ import annotations
 from fsdp_impl.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
@@ -30,6 +32,7 @@ __all__ = ["settings_for", "settings_of", "set_settings"]
 CONFIG_CLASSES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
 
 

@@ -29,6 +29,10 @@ class FullyShardMethods:
         """The implementation's ``MixedPrecisionPolicy``."""
         raise NotImplementedError
 
+    def _dp_mesh_dims_cls(self) -> Callable[..., Any]:
+        """The implementation's ``DataParallelMeshDims`` (:attr:`Capability.FULLY_SHARD_DP_MESH_DIMS`)."""
+        raise NotImplementedError
+
     def fully_shard(
         self,
         module: nn.Module,
@@ -38,13 +42,18 @@ class FullyShardMethods:
         ignored_params: frozenset[nn.Parameter],
         mixed_precision: MixedPrecisionSpec | None = None,
         shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+        dp_mesh_dims: tuple[str, str] | None = None,
     ) -> nn.Module:
         """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``, with
-        ``mp_policy`` from ``mixed_precision`` (its FSDP2 fields) and ``shard_placement_fn`` where given."""
+        ``mp_policy`` from ``mixed_precision`` (its FSDP2 fields), ``shard_placement_fn`` where given, and
+        ``dp_mesh_dims`` from the (shard, replicate) dim names where given."""
         placement = {} if shard_placement_fn is None else {"shard_placement_fn": shard_placement_fn}
-        policy = {} if mixed_precision is None else {"mp_policy": self._mp_policy_cls()(
+        policy: dict[str, Any] = {} if mixed_precision is None else {"mp_policy": self._mp_policy_cls()(
             param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype,
             output_dtype=mixed_precision.output_dtype, cast_forward_inputs=mixed_precision.cast_forward_inputs)}
+        if dp_mesh_dims is not None:
+            shard, replicate = dp_mesh_dims
+            policy["dp_mesh_dims"] = self._dp_mesh_dims_cls()(shard=shard, replicate=replicate)
         return self._fully_shard_fn()(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(ignored_params) or None,
             **policy, **placement,

@@ -222,13 +222,14 @@ class FSDP1LikeAdapter:
     # -- FSDP1's state-dict settings (Capability.STATE_DICT_SETTINGS) -------------------------------
     def set_state_dict_type(self, model: nn.Module, settings: StateDictSettingsSpec) -> StateDictSettingsSpec | None:
         api = self._api()
-        full = settings.kind == "FULL_STATE_DICT"
-        config = (api.FullStateDictConfig(offload_to_cpu=settings.offload_to_cpu, rank0_only=settings.rank0_only)
-                  if full else api.ShardedStateDictConfig(offload_to_cpu=settings.offload_to_cpu))
-        optim_config = (
-            api.FullOptimStateDictConfig(offload_to_cpu=settings.optim_offload_to_cpu,
-                                         rank0_only=settings.optim_rank0_only)
-            if full else api.ShardedOptimStateDictConfig(offload_to_cpu=settings.optim_offload_to_cpu))
+        if settings.kind == "FULL_STATE_DICT":
+            config = api.FullStateDictConfig(offload_to_cpu=settings.offload_to_cpu, rank0_only=settings.rank0_only)
+            optim_config = api.FullOptimStateDictConfig(offload_to_cpu=settings.optim_offload_to_cpu,
+                                                        rank0_only=settings.optim_rank0_only)
+        else:
+            prefix = "Sharded" if settings.kind == "SHARDED_STATE_DICT" else "Local"
+            config = getattr(api, f"{prefix}StateDictConfig")(offload_to_cpu=settings.offload_to_cpu)
+            optim_config = getattr(api, f"{prefix}OptimStateDictConfig")(offload_to_cpu=settings.optim_offload_to_cpu)
         previous = api.FullyShardedDataParallel.set_state_dict_type(
             model, api.StateDictType[settings.kind], config, optim_config)
         return _settings_spec(previous)

@@ -59,6 +59,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.THREAD_RANKS,
             Capability.OPTIM_STATE_DICT_FUNCTIONS,
             Capability.STATE_DICT_SETTINGS,
+            Capability.LOCAL_STATE_DICT,
         }
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,
@@ -72,6 +73,8 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         Capability.OPTIM_STATE_DICT_FUNCTIONS: "its optimizer state-dict sections are timed by SimpleProfiler, "
         "whose running sections are shared by every thread, so a second rank entering one raises",
         Capability.STATE_DICT_SETTINGS: "its optimizer state-dict sections are timed by SimpleProfiler, "
+        "whose running sections are shared by every thread, so a second rank entering one raises",
+        Capability.LOCAL_STATE_DICT: "its optimizer state-dict sections are timed by SimpleProfiler, "
         "whose running sections are shared by every thread, so a second rank entering one raises",
     }
     #: A SHARDED state dict saves on thread ranks, but its load hook all-gathers each parameter inside a

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -74,6 +75,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.SHARD_PLACEMENT_FN,
             Capability.CUSTOM_COMMS,
             Capability.REDUCE_SCATTER_UNUSED_PARAMS,
+            Capability.FULLY_SHARD_DP_MESH_DIMS,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,
@@ -93,7 +95,9 @@ class TorchFSDP2Adapter(FullyShardMethods):
     #: FSDP2's options that promise speed or memory only ([Note: performance knobs] in
     #: conformance.cases.test_neutrality), each turned on by :meth:`set_performance_knob`.
     performance_knobs = frozenset({"share_comm_ctx", "separate_reduce_scatter_group", "reduce_scatter_input_buffers",
-                                   "allocate_from_process_group", "force_sum_reduction"})
+                                   "allocate_from_process_group", "force_sum_reduction", "symm_mem_for_comm"})
+    #: Those given at construction (:meth:`knob_specs`): ``CPUOffloadPolicy.pin_memory``.
+    wrap_knobs = frozenset({"offload_pin_memory"})
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -202,6 +206,11 @@ class TorchFSDP2Adapter(FullyShardMethods):
 
         return cast(Callable[..., Any], MixedPrecisionPolicy)
 
+    def _dp_mesh_dims_cls(self) -> Callable[..., Any]:
+        from torch.distributed.fsdp import DataParallelMeshDims
+
+        return cast(Callable[..., Any], DataParallelMeshDims)
+
     def wrapped_module(self, model: nn.Module) -> nn.Module:
         """``fully_shard`` shards in place: the model is the user's module."""
         return model
@@ -236,11 +245,22 @@ class TorchFSDP2Adapter(FullyShardMethods):
             "reduce_scatter_input_buffers": lambda unit: unit.set_reduce_scatter_max_input_buffers(2, recurse=False),
             "allocate_from_process_group": lambda unit: unit.set_allocate_memory_from_process_group_for_comm(True),
             "force_sum_reduction": lambda unit: unit.set_force_sum_reduction_for_comms(True),
+            "symm_mem_for_comm": lambda unit: unit.set_symm_mem_for_comm(),
         }
         if knob not in turn_on:
             raise ValueError(f"torch-fsdp2 has no performance knob {knob!r}; it has {sorted(self.performance_knobs)}")
         for unit in units:
             turn_on[knob](unit)
+
+    def knob_specs(self, base: WrapSpec, knob: str) -> tuple[WrapSpec, WrapSpec]:
+        """``offload_pin_memory``: ``base`` offloaded to the CPU with ``CPUOffloadPolicy(pin_memory=False)``, then
+        with ``pin_memory=True`` (pinning needs an accelerator)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if knob != "offload_pin_memory":
+            raise ValueError(f"torch-fsdp2 has no wrap-time knob {knob!r}; it has {sorted(self.wrap_knobs)}")
+        off, on = ({**base.extra, "offload_policy": CPUOffloadPolicy(pin_memory=pin)} for pin in (False, True))
+        return replace(base, cpu_offload=True, extra=off), replace(base, cpu_offload=True, extra=on)
 
     def set_gradient_divide_factor(self, module: nn.Module, factor: float) -> None:
         """``FSDPModule.set_gradient_divide_factor(factor)``; on CPU over several ranks also

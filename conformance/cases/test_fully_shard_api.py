@@ -19,16 +19,26 @@ The rest exercise ``FSDPModule`` methods by what a user reads back, against the 
   backward, and ``b2``'s gradients are the local ones scaled, the other modules' unchanged.
 - ``reset_iter_state[when=...]``: after an exception raised in ``b2``'s forward or backward and
   ``reset_iter_state()`` on the root, training goes on as if the failed iteration never ran.
+- ``mesh_dims[select=...,ranks_on=...]``: a 2-D mesh of the world with every rank on its shard dim (a
+  ``1 x N`` mesh) or its replicate dim (``N x 1``). ``positional``: the mesh's dims are named
+  ``(replicate, shard)`` and ``fully_shard`` reads them by position; two SGD steps give the local model's
+  parameters. ``dp_mesh_dims``: the dims are named otherwise and selected through ``fully_shard``'s
+  ``dp_mesh_dims`` (``DataParallelMeshDims(shard=..., replicate=...)``); as its docstring asks, the mesh is
+  then the full SPMD mesh, the parameters are first replicated DTensors on it and the module computes on
+  DTensors (``distribute_module`` replicating the parameters and the inputs, each rank's batch its own).
+  After each step the parameters equal those of the positional mesh's model and of the local model.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
@@ -179,3 +189,61 @@ def test_reset_iter_state(ctx: RankContext, impl: FSDPAdapter, when: str) -> Non
         sharded_step(ctx, impl, model, optim, step)
         local_step(ctx, local, local_optim, step, range(ctx.world_size))
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: after a failed {when}")
+
+
+#: The dim names a ``dp_mesh_dims`` row gives its mesh: not the (replicate, shard) read by position.
+SPMD_DIMS = ("dp_replicate", "dp_shard")
+
+
+def _mesh_dims_requires(params: Mapping[str, Any]) -> list[Capability]:
+    return [Capability.FULLY_SHARD] + [Capability.FULLY_SHARD_DP_MESH_DIMS] * (params["select"] == "dp_mesh_dims")
+
+
+def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    """Each rank's own batch as a DTensor replicated over the data-parallel mesh (data parallelism's
+    convention: the ranks' batches differ, each is computed on where it is)."""
+    return tuple(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False) for x in inputs)
+
+
+def _as_local(module: nn.Module, output: Any, mesh: Any) -> torch.Tensor:
+    return output.to_local()  # type: ignore[no-any-return]
+
+
+def _spmd_blocks(ctx: RankContext, impl: FSDPAdapter, shape: tuple[int, int]) -> Blocks:
+    """``Blocks`` on a full SPMD mesh named :data:`SPMD_DIMS`, replicated there, then sharded through
+    ``dp_mesh_dims`` every block and the root."""
+    mesh = ctx.device_mesh(shape, SPMD_DIMS)
+    model = Blocks(seed=0).to(ctx.device)
+    # torch annotates both hooks as returning None; what they return replaces the inputs / the output.
+    distribute_module(model, mesh, input_fn=_as_replicated, output_fn=_as_local)  # type: ignore[arg-type]
+    dims = (SPMD_DIMS[1], SPMD_DIMS[0])
+    for block in model.blocks():
+        fully_shard(impl, block, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(impl, model, mesh=mesh, dp_mesh_dims=dims)
+    return model
+
+
+@case("fully_shard_api/mesh_dims", clause=("C15", "C1"), world_size=TWO_OR_MORE, strategies=(),
+      requires=_mesh_dims_requires)
+@pytest.mark.parametrize("ranks_on", ["shard", "replicate"])
+@pytest.mark.parametrize("select", ["positional", "dp_mesh_dims"])
+def test_mesh_dims(ctx: RankContext, impl: FSDPAdapter, select: str, ranks_on: str) -> None:
+    """On a 2-D mesh with every rank on its ``ranks_on`` dim, the dims read by position or selected through
+    ``dp_mesh_dims`` train alike, and like the local model, two SGD steps."""
+    shape = (1, ctx.world_size) if ranks_on == "shard" else (ctx.world_size, 1)
+    models = {"positional": shard_blocks(impl, Blocks(seed=0).to(ctx.device), ctx.device_mesh(shape, ("replicate",
+                                                                                                       "shard")))}
+    if select == "dp_mesh_dims":
+        models[select] = _spmd_blocks(ctx, impl, shape)
+    optims = {name: optional.optimizer(impl, model, torch.optim.SGD, lr=LR) for name, model in models.items()}
+    local = Blocks(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        for name, model in models.items():
+            sharded_step(ctx, impl, model, optims[name], step)
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
+        full = {name: full_of(model) for name, model in models.items()}
+        what = f"rank {ctx.rank}, step {step}, every rank on the {ranks_on} dim"
+        assert_close_named(full["positional"], dict(local.named_parameters()), what=f"{what}: positional dims")
+        if select == "dp_mesh_dims":
+            assert_close_named(full[select], full["positional"], what=f"{what}: dp_mesh_dims vs positional dims")

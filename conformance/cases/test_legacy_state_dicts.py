@@ -17,17 +17,25 @@ trains it and a local copy two Adam steps on the same batches on every rank ([No
   optimizer, which then steps like the original local one (the docstring's first example);
   ``[key_type=PARAM_NAME]``: a local optimizer's state dict re-keyed to names loads into a wrapped model
   through ``shard_full_optim_state_dict`` (its second example). The keys are the ids / names.
-- ``settings[kind=FULL|SHARDED]``: ``set_state_dict_type`` returns the settings held before (the type a
-  unit starts with is FULL_STATE_DICT, as ``StateDictType`` documents) and ``get_state_dict_type`` returns
+- ``settings[kind=FULL|SHARDED|LOCAL]``: ``set_state_dict_type`` returns the settings held before (the type
+  a unit starts with is FULL_STATE_DICT, as ``StateDictType`` documents) and ``get_state_dict_type`` returns
   what was set. FULL with ``offload_to_cpu`` and ``rank0_only`` for the model and the optimizer: the
   model's own ``state_dict()`` and ``optim_state_dict`` give rank 0 the local values on the CPU and the
-  other ranks an empty dict. SHARDED: the model's ``state_dict()`` / ``load_state_dict()`` and the
-  optimizer state dicts take the sharded type without a ``state_dict_type`` context, and a fresh model
-  loaded so trains on like the local model.
+  other ranks an empty dict. SHARDED and LOCAL: the model's ``state_dict()`` / ``load_state_dict()`` and
+  the optimizer state dicts take the type without a ``state_dict_type`` context, and a fresh model wrapped
+  the same way and loaded so trains on like the local model (``StateDictType``: a local state dict is each
+  rank's flat-parameter shard; ``optim_state_dict`` documents no form for LOCAL, "not supported yet", so
+  only its round trip is asserted).
+- ``offload[kind=SHARDED|LOCAL]``: the type's ``offload_to_cpu`` for the model and the optimizer
+  (``StateDictConfig`` / ``OptimStateDictConfig``: "offloads the state dict values to CPU"): every local
+  value equals the one saved with it off, and a fresh model loading what was saved trains on like the
+  local model. Where the values live is checked only where the model is on a GPU: on the CPU every value
+  is on the CPU with or without offloading, so that check could not fail there (the row says so).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -38,9 +46,10 @@ import torch.nn as nn
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
+from conformance.contract.results import CaseReport
 from conformance.contract.state_dict_api import StateDictSettingsSpec
 from fixtures.models import ThreeLinear
-from fixtures.parity import assert_close_named, assert_close_seq
+from fixtures.parity import COPIED, assert_close_named, assert_close_seq
 from fixtures.seeding import generator
 
 if TYPE_CHECKING:
@@ -50,6 +59,12 @@ LINEARS = AutoWrap((nn.Linear,))
 FUNCTIONS = [Capability.OPTIM_STATE_DICT_FUNCTIONS]
 LOADS = [Capability.OPTIM_STATE_DICT_FUNCTIONS, Capability.FULL_STATE_DICT]
 SETTINGS = [Capability.STATE_DICT_SETTINGS, Capability.FULL_STATE_DICT, Capability.SHARDED_STATE_DICT]
+#: A ``settings`` / ``offload`` row's ``kind`` -> the ``StateDictType`` member it sets.
+KINDS = {"FULL": "FULL_STATE_DICT", "SHARDED": "SHARDED_STATE_DICT", "LOCAL": "LOCAL_STATE_DICT"}
+
+
+def _settings_requires(params: Mapping[str, Any]) -> list[Capability]:
+    return SETTINGS + [Capability.LOCAL_STATE_DICT] * (params["kind"] == "LOCAL")
 
 
 class _Run:
@@ -193,8 +208,8 @@ def test_rekey(ctx: RankContext, impl: FSDPAdapter, key_type: str) -> None:
     run.assert_trains_like_local(model, optim, "loading the local optimizer's state re-keyed by names")
 
 
-@case("legacy_state_dicts/settings", clause="C4", world_size=TWO_OR_MORE, requires=SETTINGS)
-@pytest.mark.parametrize("kind", ["FULL", "SHARDED"])
+@case("legacy_state_dicts/settings", clause="C4", world_size=TWO_OR_MORE, requires=_settings_requires)
+@pytest.mark.parametrize("kind", ["FULL", "SHARDED", "LOCAL"])
 def test_settings(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     """``set_state_dict_type`` returns the settings held before and ``get_state_dict_type`` what was set;
     later ``state_dict()`` and optimizer state dicts take that type and its options."""
@@ -203,7 +218,7 @@ def test_settings(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
     full = kind == "FULL"
     settings = (StateDictSettingsSpec("FULL_STATE_DICT", offload_to_cpu=True, rank0_only=True,
                                       optim_offload_to_cpu=True, optim_rank0_only=True)
-                if full else StateDictSettingsSpec("SHARDED_STATE_DICT", optim_offload_to_cpu=False))
+                if full else StateDictSettingsSpec(KINDS[kind], optim_offload_to_cpu=False))
     previous = optional.set_state_dict_type(impl, run.model, settings)
     assert previous is not None and previous.kind == "FULL_STATE_DICT", (
         f"rank {ctx.rank}: set_state_dict_type returned {previous}, expected the FULL_STATE_DICT units start with")
@@ -234,11 +249,65 @@ def _check_full_settings(ctx: RankContext, run: _Run) -> None:
 
 
 def _check_sharded_settings(ctx: RankContext, run: _Run, settings: StateDictSettingsSpec) -> None:
-    """SHARDED: the model's own state dict calls and the optimizer state dicts round trip without a context."""
+    """SHARDED or LOCAL: the model's own state dict calls and the optimizer state dicts round trip without a
+    context."""
     model_state = run.model.state_dict()
     osd = optional.optim_state_dict_as_set(run.impl, run.model, run.optim)
     model, optim = run.fresh()
     optional.set_state_dict_type(run.impl, model, settings)
     model.load_state_dict(model_state)
     optional.load_optim_state_dict_as_set(run.impl, model, optim, osd)
-    run.assert_trains_like_local(model, optim, "a sharded round trip through the settings set")
+    run.assert_trains_like_local(model, optim, f"a {settings.kind} round trip through the settings set")
+
+
+@case("legacy_state_dicts/offload", clause="C4", world_size=TWO_OR_MORE, requires=_settings_requires)
+@pytest.mark.parametrize("kind", ["SHARDED", "LOCAL"])
+def test_offload(ctx: RankContext, impl: FSDPAdapter, kind: str) -> CaseReport | None:
+    """With the type's ``offload_to_cpu`` on, the model's and the optimizer's local values equal those saved
+    with it off, lie on the CPU (checked where the model is on a GPU), and load into a fresh model that then
+    trains like the local model."""
+    run = _Run(ctx, impl)
+    run.first_steps()
+    saved = {}
+    for offload in (False, True):
+        optional.set_state_dict_type(impl, run.model, StateDictSettingsSpec(
+            KINDS[kind], offload_to_cpu=offload, optim_offload_to_cpu=offload))
+        saved[offload] = (run.model.state_dict(), optional.optim_state_dict_as_set(impl, run.model, run.optim))
+    (model_off, osd_off), (model_on, osd_on) = saved[False], saved[True]
+    for what, on, off in (("model", _local_values(model_on), _local_values(model_off)),
+                          ("optimizer", _local_values(osd_on["state"]), _local_values(osd_off["state"]))):
+        assert_close_named({n: v.cpu() for n, v in on.items()}, {n: v.cpu() for n, v in off.items()},
+                           what=f"rank {ctx.rank}: {kind} {what} state dict with offload_to_cpu vs without",
+                           exact=COPIED)
+    placed = ctx.device.type != "cpu"
+    if placed:
+        off_cpu = {n: str(v.device) for n, v in {**_local_values(model_on), **_local_values(osd_on["state"])}.items()
+                   if v.device.type != "cpu"}
+        assert not off_cpu, f"rank {ctx.rank}: {kind} values not offloaded to the CPU: {off_cpu}"
+    model, optim = run.fresh()
+    optional.set_state_dict_type(impl, model, StateDictSettingsSpec(KINDS[kind], offload_to_cpu=True,
+                                                                    optim_offload_to_cpu=True))
+    model.load_state_dict(model_on)
+    optional.load_optim_state_dict_as_set(impl, model, optim, osd_on)
+    run.assert_trains_like_local(model, optim, f"loading a {kind} state dict saved with offload_to_cpu")
+    return None if placed else CaseReport(
+        reason="where offloaded values live is not checked: the model is on the CPU, so every value is there "
+               "with or without offload_to_cpu (the GPU job checks it)")
+
+
+def _local_values(state: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in ``state`` (nested dicts flattened as ``a/b``) as this rank holds it: a
+    ``ShardedTensor``'s local shards concatenated, a ``DTensor``'s local tensor, a tensor itself."""
+    values: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            values.update(_local_values(value, f"{name}/"))
+        elif callable(getattr(value, "local_shards", None)):
+            shards = [shard.tensor.reshape(-1) for shard in value.local_shards()]
+            values[name] = torch.cat(shards) if shards else torch.empty(0, dtype=value.dtype)
+        elif callable(getattr(value, "to_local", None)):
+            values[name] = value.to_local()
+        elif isinstance(value, torch.Tensor):
+            values[name] = value
+    return values

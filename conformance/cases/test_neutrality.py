@@ -21,13 +21,22 @@ lists them (``performance_knobs``) and turns one on after the wrap
 (``set_performance_knob``; :mod:`conformance.contract.optional`); a row whose
 knob the adapter does not list is ``n/a``.
 
+A few knobs are construction options (FSDP2's ``CPUOffloadPolicy.pin_memory``):
+the adapter lists them (``wrap_knobs``) and gives the specs the two models are
+wrapped with (``knob_specs``), alike but for the knob.
+
 Cases:
 
 - ``knob``: one row per knob of :data:`KNOBS`; three Linear units of uneven
   size (11 x 11 on two ranks), three SGD steps. Process ranks only: the knobs
   act on real process groups (one asks the group's backend for an allocator,
   which torch's threaded test group does not have), and whether a knob changes
-  values does not depend on how ranks are hosted.
+  values does not depend on how ranks are hosted. The knobs of
+  :data:`GPU_KNOBS` only act on a GPU, so their rows are GPU rows (skipped on a
+  CPU-only machine, never passed there): pinned host memory needs an
+  accelerator (without one the offloaded model could only be compared with
+  itself), and ``set_symm_mem_for_comm`` allocates NCCL symmetric memory, one
+  GPU per rank.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
-from conformance.contract.case import TWO_OR_MORE, case, not_applicable
+from conformance.contract.case import ANY_GPU, TWO_OR_MORE, GpuNeed, case, distinct_gpus, not_applicable
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator
@@ -50,7 +59,7 @@ from fixtures.seeding import generator
 if TYPE_CHECKING:
     from harness import RankContext
 
-__all__ = ["KNOBS", "SPEC_KNOBS"]
+__all__ = ["GPU_KNOBS", "KNOBS", "SPEC_KNOBS"]
 
 #: Knobs a :class:`WrapSpec` carries: the knob's name -> the spec's fields with it on.
 SPEC_KNOBS: dict[str, dict[str, Any]] = {
@@ -63,14 +72,36 @@ SPEC_KNOBS: dict[str, dict[str, Any]] = {
 #: (``set_performance_knob``). torch's FSDP2 offers the latter through ``FSDPModule`` and
 #: ``torch.distributed.fsdp.share_comm_ctx``.
 KNOBS = (*SPEC_KNOBS, "share_comm_ctx", "separate_reduce_scatter_group", "reduce_scatter_input_buffers",
-         "allocate_from_process_group", "force_sum_reduction")
+         "allocate_from_process_group", "force_sum_reduction", "offload_pin_memory", "symm_mem_for_comm")
+#: Knobs that act only on a GPU -> the GPUs their row needs.
+GPU_KNOBS: dict[str, GpuNeed] = {"offload_pin_memory": ANY_GPU, "symm_mem_for_comm": distinct_gpus(2)}
 STEPS = 3
 DIM = 11
 UNITS = AutoWrap((nn.Linear,))
 
 
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
-    return WrapSpec(**SPEC_KNOBS.get(params["knob"], {})).required()
+    offloaded = {"cpu_offload": True} if params["knob"] == "offload_pin_memory" else {}
+    return WrapSpec(**SPEC_KNOBS.get(params["knob"], offloaded)).required()
+
+
+def _gpus(params: Mapping[str, Any]) -> GpuNeed | None:
+    return GPU_KNOBS.get(params["knob"])
+
+
+def _pair(ctx: RankContext, impl: FSDPAdapter, base: WrapSpec, knob: str) -> tuple[nn.Module, nn.Module]:
+    """The model wrapped with ``knob`` off, and with it on."""
+    if knob in SPEC_KNOBS:
+        return _wrap(ctx, impl, base), _wrap(ctx, impl, replace(base, **SPEC_KNOBS[knob]))
+    if knob in optional.wrap_knobs(impl):
+        spec_off, spec_on = optional.knob_specs(impl, base, knob)
+        return _wrap(ctx, impl, spec_off), _wrap(ctx, impl, spec_on)
+    offered = optional.performance_knobs(impl) | optional.wrap_knobs(impl)
+    if knob not in offered:
+        not_applicable(f"{impl.name} offers no performance knob {knob!r} (it offers {sorted(offered) or 'none'})")
+    off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, base)
+    optional.set_performance_knob(impl, on, knob)
+    return off, on
 
 
 def _wrap(ctx: RankContext, impl: FSDPAdapter, spec: WrapSpec) -> nn.Module:
@@ -82,20 +113,12 @@ def _state(impl: FSDPAdapter, model: nn.Module) -> dict[str, Any]:
 
 
 @case("neutrality/knob", clause="C22", world_size=TWO_OR_MORE, modes=("process",), requires=_requires,
-      uses=[Capability.FULL_STATE_DICT])
+      uses=[Capability.FULL_STATE_DICT], gpus=_gpus)
 @pytest.mark.parametrize("knob", KNOBS)
 def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
     """With the knob on, three SGD steps give the losses, full gradients, parameters and full state dict of
     the same model wrapped with it off (float32 tolerances; [Note: performance knobs])."""
-    base = WrapSpec(auto_wrap=UNITS, use_orig_params=True)
-    if knob in SPEC_KNOBS:
-        off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, replace(base, **SPEC_KNOBS[knob]))
-    else:
-        offered = optional.performance_knobs(impl)
-        if knob not in offered:
-            not_applicable(f"{impl.name} offers no performance knob {knob!r} (it offers {sorted(offered) or 'none'})")
-        off, on = _wrap(ctx, impl, base), _wrap(ctx, impl, base)
-        optional.set_performance_knob(impl, on, knob)
+    off, on = _pair(ctx, impl, WrapSpec(auto_wrap=UNITS, use_orig_params=True), knob)
     optims = [optional.optimizer(impl, model, torch.optim.SGD, lr=0.1) for model in (off, on)]
     gen = generator(11)
     for step in range(STEPS):

@@ -120,6 +120,9 @@ class Capability(str, enum.Enum):
     ``keep_low_precision_grads`` are FSDP1's and are never given): the module computes in ``param_dtype``,
     reduces in ``reduce_dtype`` (``None``: ``param_dtype``) and, with gradient sync off, accumulates in
     ``reduce_dtype`` as torch documents; gradients reach the optimizer in the parameters' dtype."""
+    FULLY_SHARD_DP_MESH_DIMS = "fully_shard_dp_mesh_dims"
+    """``fully_shard(..., dp_mesh_dims=(shard, replicate))`` names the data-parallel dims of ``mesh``, a full SPMD
+    mesh whose parameters are DTensors replicated over it (FSDP2's ``DataParallelMeshDims``)."""
     RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
     """``fully_shard(..., reshard_after_forward=k)`` with ``k`` a factor of the mesh size: after forward
     each rank keeps its share for an all-gather over ``k`` ranks in backward."""
@@ -192,6 +195,9 @@ class Capability(str, enum.Enum):
     ``get_state_dict_type(model)``, ``optim_state_dict_as_set(model, optim)`` and
     ``load_optim_state_dict_as_set(model, optim, osd)``; afterwards the model's own
     ``state_dict()`` and the optimizer state dict take the type and options set."""
+    LOCAL_STATE_DICT = "local_state_dict"
+    """:attr:`STATE_DICT_SETTINGS` also takes ``kind="LOCAL_STATE_DICT"``: each rank's local shard, loaded into a
+    model wrapped the same way on the same world (FSDP1's ``LocalStateDictConfig`` / ``LocalOptimStateDictConfig``)."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
     ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["performance_knobs", "set_performance_knob"]
+from conformance.contract.adapter import WrapSpec
+
+__all__ = ["knob_specs", "performance_knobs", "set_performance_knob", "wrap_knobs"]
 
 
 def performance_knobs(adapter: Any) -> frozenset[str]:
@@ -26,3 +28,22 @@ def set_performance_knob(adapter: Any, model: nn.Module, knob: str) -> None:
     if knob not in performance_knobs(adapter):
         raise ValueError(f"adapter {getattr(adapter, 'name', adapter)!r} offers no performance knob {knob!r}")
     adapter.set_performance_knob(model, knob)
+
+
+def wrap_knobs(adapter: Any) -> frozenset[str]:
+    """The names of the performance knobs the adapter turns on while wrapping, a construction option
+    (:func:`knob_specs`); none by default."""
+    knobs: Any = getattr(adapter, "wrap_knobs", frozenset())
+    if not isinstance(knobs, (set, frozenset)) or not all(isinstance(knob, str) for knob in knobs):
+        raise TypeError(f"adapter {getattr(adapter, 'name', adapter)!r}: wrap_knobs must be a set of knob names, "
+                        f"got {knobs!r}")
+    return frozenset(knobs)
+
+
+def knob_specs(adapter: Any, base: WrapSpec, knob: str) -> tuple[WrapSpec, WrapSpec]:
+    """``base`` with ``knob`` (one of :func:`wrap_knobs`) off and on: what the two models of a neutrality row are
+    wrapped with (the knob may need other options, set alike in both, such as ``cpu_offload``)."""
+    if knob not in wrap_knobs(adapter):
+        raise ValueError(f"adapter {getattr(adapter, 'name', adapter)!r} offers no wrap-time knob {knob!r}")
+    off, on = adapter.knob_specs(base, knob)
+    return off, on

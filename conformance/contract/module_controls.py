@@ -26,6 +26,7 @@ __all__ = ["CONTROL_METHODS", "FullyShardUnsupported", "fully_shard", "register_
 #: :data:`conformance.contract.optional.CAPABILITY_METHODS`, checked at load).
 CONTROL_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.FULLY_SHARD: ("fully_shard",),
+    Capability.FULLY_SHARD_DP_MESH_DIMS: ("fully_shard",),
     Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
     Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
                                       "set_reshard_after_backward"),
@@ -54,6 +55,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] = (),
     mixed_precision: MixedPrecisionSpec | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    dp_mesh_dims: tuple[str, str] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
     ``fully_shard``; call it bottom-up, the root last) and return the module.
@@ -62,7 +64,8 @@ def fully_shard(
     ``fully_shard(module, *, mesh, reshard_after_forward, ignored_params)``. ``ignored_params`` stay
     unsharded and unreduced. ``mixed_precision`` is passed on only when given (an adapter declaring
     :attr:`Capability.FULLY_SHARD_MIXED_PRECISION` takes it as a keyword), so an adapter without mixed
-    precision keeps its signature; likewise ``shard_placement_fn`` (:attr:`Capability.SHARD_PLACEMENT_FN`).
+    precision keeps its signature; likewise ``shard_placement_fn`` (:attr:`Capability.SHARD_PLACEMENT_FN`) and
+    ``dp_mesh_dims``, the names of ``mesh``'s shard and replicate dims (:attr:`Capability.FULLY_SHARD_DP_MESH_DIMS`).
     Raises :class:`FullyShardUnsupported` when the adapter has no such method.
     """
     method = getattr(adapter, "fully_shard", None)
@@ -71,6 +74,8 @@ def fully_shard(
     policy: dict[str, Any] = {} if mixed_precision is None else {"mixed_precision": mixed_precision}
     if shard_placement_fn is not None:
         policy["shard_placement_fn"] = shard_placement_fn
+    if dp_mesh_dims is not None:
+        policy["dp_mesh_dims"] = dp_mesh_dims
     return method(  # type: ignore[no-any-return]
         module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozenset(ignored_params),
         **policy,

@@ -33,6 +33,7 @@ adapter method (optional)                  default
 ``performance_knobs: frozenset[str]``      none: each knob's row is ``n/a``
 ``param_dtypes: frozenset[torch.dtype]``   any: ``wrap`` takes a model's parameters in every dtype
 ``set_performance_knob(model, knob)``      (needed only with ``performance_knobs``)
+``wrap_knobs``, ``knob_specs(base, knob)`` none: each such knob's row is ``n/a`` (wrap-time knobs)
 ``optimizer(model, cls, **kwargs)``        ``cls(model.parameters(), **kwargs)``
 ``step(model, optim)``                     ``optim.step()``
 ``step_zeroes_grads: bool`` (attribute)     ``False``: gradients outlive a step until ``zero_grad``
@@ -66,12 +67,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import (
-    DEPRECATED_CAPABILITIES,
-    PROTOCOL_VERSION,
-    Capability,
-)
-from conformance.contract.knobs import performance_knobs, set_performance_knob
+from conformance.contract.adapter import DEPRECATED_CAPABILITIES, PROTOCOL_VERSION, Capability
+from conformance.contract.knobs import knob_specs, performance_knobs, set_performance_knob, wrap_knobs
 from conformance.contract.module_controls import (
     CONTROL_METHODS,
     FullyShardUnsupported,
@@ -132,6 +129,8 @@ __all__ = [
     "no_sync",
     "optimizer",
     "performance_knobs",
+    "knob_specs",
+    "wrap_knobs",
     "protocol_version",
     "release",
     "reshard",
@@ -173,6 +172,8 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),
     Capability.STATE_DICT_SETTINGS: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
                                      "load_optim_state_dict_as_set"),
+    Capability.LOCAL_STATE_DICT: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
+                                  "load_optim_state_dict_as_set"),
 }
 
 

@@ -24,7 +24,8 @@ __all__ = ["StateDictAPIUnsupported", "StateDictSettingsSpec", "flatten_sharded_
 class StateDictSettingsSpec:
     """A state-dict type and its options, in FSDP1's terms (``set_state_dict_type``'s arguments).
 
-    ``kind``: a ``StateDictType`` member's name (``FULL_STATE_DICT`` or ``SHARDED_STATE_DICT``);
+    ``kind``: a ``StateDictType`` member's name (``FULL_STATE_DICT``, ``SHARDED_STATE_DICT``, or
+    ``LOCAL_STATE_DICT`` where the adapter declares :attr:`Capability.LOCAL_STATE_DICT`);
     ``offload_to_cpu`` / ``rank0_only``: the model state dict's config (``rank0_only`` only for FULL);
     ``optim_offload_to_cpu`` / ``optim_rank0_only``: the optimizer state dict's, with torch's defaults.
     """
@@ -36,8 +37,8 @@ class StateDictSettingsSpec:
     optim_rank0_only: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            raise ValueError(f"kind must be FULL_STATE_DICT or SHARDED_STATE_DICT, got {self.kind!r}")
+        if self.kind not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+            raise ValueError(f"kind must be FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT, got {self.kind!r}")
         if self.kind != "FULL_STATE_DICT" and (self.rank0_only or self.optim_rank0_only):
             raise ValueError("rank0_only is an option of FULL_STATE_DICT only")
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "RekeyKeepsKeys", "ShardedOptimLoadDropsState",
-           "StateDictSettingsNotSet"]
+__all__ = ["FullOptimStateOnEveryRank", "FullOptimStateSharded", "LocalShardsNotLoaded", "OffloadKeepsDevice",
+           "OffloadWithoutCopy", "RekeyKeepsKeys", "ShardedOptimLoadDropsState", "StateDictSettingsNotSet"]
 
 Fn = Callable[..., Any]
 
@@ -81,3 +83,45 @@ class StateDictSettingsNotSet(_Mutant):
     breaks = "setting the state-dict type and its options"
     expect = Expect("legacy_state_dicts and settings", "thread", ("legacy_state_dicts/settings",))
     patches = (Patch.instead("fsdp_impl.state_dict_settings:set_settings", lambda units, settings: None),)
+
+
+def _zeros_on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value, device="cpu")
+    if isinstance(value, dict):
+        return {k: _zeros_on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_zeros_on_cpu(v) for v in value]
+    return value
+
+
+class OffloadWithoutCopy(_Mutant):
+    """``offload_to_cpu`` allocates each value's CPU tensor and never copies into it."""
+
+    name = "mutant-offload-without-copy"
+    breaks = "the values of a state dict offloaded to the CPU"
+    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload",))
+    patches = (Patch.instead("fsdp_impl.state_dict:to_cpu", _zeros_on_cpu),)
+
+
+class OffloadKeepsDevice(_Mutant):
+    """``offload_to_cpu`` leaves every value where it was (only a GPU tells this from a correct offload)."""
+
+    name = "mutant-offload-keeps-device"
+    breaks = "moving an offloaded state dict's values to the CPU"
+    expect = Expect("legacy_state_dicts and offload", "thread", ("legacy_state_dicts/offload",), accelerators=1)
+    patches = (Patch.instead("fsdp_impl.state_dict:to_cpu", lambda value: value),)
+
+
+def _flat_shards_dropped(root: Any, units: Any, state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if not key.endswith("_flat_param")}
+
+
+class LocalShardsNotLoaded(_Mutant):
+    """Loading a LOCAL state dict leaves the flat shards out: the units' parameters keep their values."""
+
+    name = "mutant-local-shards-not-loaded"
+    breaks = "loading a local state dict's flat shards"
+    expect = Expect("legacy_state_dicts and (settings or offload) and LOCAL", "thread",
+                    ("legacy_state_dicts/settings[kind=LOCAL]", "legacy_state_dicts/offload[kind=LOCAL]"))
+    patches = (Patch.instead("fsdp_impl.state_dict:_from_flat_shards", _flat_shards_dropped),)

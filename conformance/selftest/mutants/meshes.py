@@ -29,9 +29,10 @@ class ReplicasNotAllReduced(_Mutant):
 
     name = "mutant-replicas-not-all-reduced"
     breaks = "all-reducing hybrid gradients over the replicate group"
-    # A shape with one replica (4x1) has nothing to all-reduce, so it passes.
+    # A shape with one replica (4x1, every rank on the shard dim) has nothing to all-reduce, so it passes.
     expect = Expect(
-        "replicas_match_baseline and not 4x1", "thread",
-        ("hybrid_meshes/replicas_match_baseline[shape=2x2]", "hybrid_meshes/replicas_match_baseline[shape=1x4]"),
+        "(replicas_match_baseline and not 4x1) or (mesh_dims and positional and replicate)", "thread",
+        ("hybrid_meshes/replicas_match_baseline[shape=2x2]", "hybrid_meshes/replicas_match_baseline[shape=1x4]",
+         "fully_shard_api/mesh_dims[select=positional,ranks_on=replicate]"),
     )
     patches = (Patch("fsdp_impl.reduction:start_all_reduce", _skip_replicate_all_reduce),)

@@ -205,7 +205,8 @@ class ShardedParamsClaimReplicated(_Mutant):
     breaks = "the placements of fully_shard's DTensor parameters"
     expect = Expect("state_dict_options", "thread", (
         "state_dict_options/cpu_offload_full", "state_dict_options/broadcast_from_rank0",
-        "state_dict_options/strict[strict=False]"))
+        "state_dict_options/strict[strict=False]", "state_dict_options/submodules",
+        "state_dict_options/flatten_optimizer_state_dict", "state_dict_options/dsd_fqn_modifiers"))
     patches = (Patch("fsdp_impl.layout:ShardLayout.as_dtensor", _claiming_replicate),)
 
 
