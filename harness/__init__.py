@@ -19,7 +19,7 @@ and shares :mod:`harness.setting_sources` and :mod:`harness.environment` (settin
 the variables they are resolved from). Inside ``ranks``, imports point one way:
 ``runner`` (top) > ``launched``, ``process``, ``thread_host`` > ``_host_main``,
 ``_rank_main``, ``threads`` > ``context``, ``outcome``, ``reset``, ``errors``,
-``devices``, ``cpu_budget``, ``_rank_state`` (bottom). The package re-exports
+``devices``, ``cpu_budget``, ``_rank_state`` > ``kept_groups`` (bottom). The package re-exports
 the public names. Older module paths (``harness.process``)
 still import, with a ``DeprecationWarning`` naming the new one
 (:mod:`harness.moved`).

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import harness.ranks.warnings_capture as warnings_capture
+from harness.ranks.kept_groups import kept
 from harness.ranks.rank_mode import RankMode
 
 __all__ = ["RankContext"]
@@ -48,8 +49,12 @@ class RankContext:
         dist.barrier()
 
     def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
-        """A subgroup; every rank must call this with the same ``ranks`` in the same order."""
-        return dist.new_group(list(ranks))
+        """A subgroup; every rank must call this with the same ``ranks`` in the same order. Process and
+        launched ranks keep it for later cases ([Note: kept groups] in :mod:`harness.ranks.kept_groups`)."""
+        members = list(ranks)
+        if self.mode is RankMode.THREAD:
+            return dist.new_group(members)
+        return kept(("group", tuple(members)), lambda: dist.new_group(members))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -62,11 +67,15 @@ class RankContext:
         return all(v == values[0] for v in values[1:])
 
     def device_mesh(self, shape: Sequence[int], mesh_dim_names: Sequence[str] | None = None) -> Any:
-        """A DeviceMesh over the whole world on this run's device type."""
+        """A DeviceMesh over the whole world on this run's device type; process and launched ranks keep it
+        (and its groups) for later cases ([Note: kept groups] in :mod:`harness.ranks.kept_groups`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
-        return init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=names)
+        dims, kind = tuple(shape), self.device.type
+        if self.mode is RankMode.THREAD:
+            return init_device_mesh(kind, dims, mesh_dim_names=names)
+        return kept(("mesh", kind, dims, names), lambda: init_device_mesh(kind, dims, mesh_dim_names=names))
 
     def catch_warnings(self) -> AbstractContextManager[list[Any]]:
         """Warnings raised on this rank only, every occurrence (see [Note: per-rank warnings])."""

@@ -35,8 +35,11 @@ names, not by the process groups behind it. DTensor caches keyed by a mesh
 (sharding propagation, mesh topology) therefore hand a later case an *equal*
 mesh object from an earlier case, whose groups the reset has destroyed: the
 later case fails with "Could not resolve the process group registered under the
-name N" for a group it never made. The reset clears those caches with the
-groups. They are torch internals; ``harness/tests/ranks/test_reset.py`` pins them.
+name N" for a group it never made. The reset clears those caches whenever it
+destroys a group (and only then: a case that made none, or only groups its
+context keeps, [Note: kept groups] in :mod:`harness.ranks.kept_groups`, leaves
+them warm for the next). They are torch internals;
+``harness/tests/ranks/test_reset.py`` pins them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from harness.ranks.kept_groups import is_kept, request_scope
 
 __all__ = ["seed_everything", "case_scope", "groups_scope", "process_global_scope", "clear_mesh_keyed_caches",
            "on_case_end"]
@@ -131,8 +136,9 @@ def case_scope(seed: int, env: Mapping[str, str] | None) -> Iterator[None]:
 
 @contextmanager
 def groups_scope() -> Iterator[None]:
-    """Destroy on leaving every process group made inside (and DTensor's caches of their meshes), after a
-    barrier when it is left normally; collective: every rank enters and leaves alike.
+    """Destroy on leaving every process group made inside but those kept ([Note: kept groups]), and then
+    DTensor's caches of their meshes, after a barrier when it is left normally; collective: every rank
+    enters and leaves alike. Requests to keep a group or mesh are counted afresh inside.
 
     [Note: groups made per example]
     Every gloo group keeps a loop thread and two worker threads until it is
@@ -144,12 +150,13 @@ def groups_scope() -> Iterator[None]:
     before = set(c10d._world.pg_map)
     groups_made = c10d._world.group_count
     try:
-        yield
+        with request_scope():
+            yield
         if c10d._world.group_count != groups_made:
             dist.barrier()  # see [Note: groups outlive their handshake]
     finally:
-        clear_mesh_keyed_caches()
-        _destroy_new_groups(before)
+        if _destroy_new_groups(before):
+            clear_mesh_keyed_caches()  # a destroyed group may leave stale entries; kept ones do not
 
 
 def clear_mesh_keyed_caches() -> None:
@@ -167,10 +174,13 @@ def clear_mesh_keyed_caches() -> None:
     _redistribute.clear_redistribute_planner_cache()
 
 
-def _destroy_new_groups(before: set[Any]) -> None:
+def _destroy_new_groups(before: set[Any]) -> bool:
+    """Destroy every group made since ``before`` except those kept ([Note: kept groups]); whether any was."""
     default = c10d._world.default_pg
-    for group in [g for g in list(c10d._world.pg_map) if g not in before and g is not default]:
+    made = [g for g in list(c10d._world.pg_map) if g not in before and g is not default and not is_kept(g)]
+    for group in made:
         try:
             dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - a broken group must not poison the next case
             c10d._world.pg_map.pop(group, None)
+    return bool(made)

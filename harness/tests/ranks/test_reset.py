@@ -9,6 +9,7 @@ the earlier case's group is destroyed by the reset.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from harness.ranks import reset
 
 
 def _op_then_gather(ctx: harness.RankContext) -> list[float]:
-    group = ctx.new_group(range(ctx.world_size))
+    group = dist.new_group(list(range(ctx.world_size)))  # the case's own, destroyed at its end
     mesh = DeviceMesh.from_group(group, ctx.device.type)
     shard = DTensor.from_local(torch.full((2,), float(ctx.rank)), mesh, [Shard(0)], run_check=False)
     out = shard + 1.0  # a new DTensor whose spec (and so its mesh) may come from a cache
@@ -105,14 +106,14 @@ def test_a_group_some_ranks_are_not_in_still_ends_the_case(mode: str) -> None:
 
 def _groups_per_example(ctx: harness.RankContext) -> list[int]:
     """Five "examples" that each make a hybrid-like pair of groups inside ``groups_scope``; the group count
-    and the process's threads after each."""
+    and the process's threads before the first and after each."""
     import os
 
 
-    seen = []
+    seen = [len(c10d._world.pg_map) * 1000 + len(os.listdir(f"/proc/{os.getpid()}/task"))]  # before the first
     for _ in range(5):
         with harness.groups_scope():
-            low, high = ctx.new_group([0, 1]), ctx.new_group([2, 3])
+            low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
             dist.all_reduce(torch.ones(1), group=low if ctx.rank < 2 else high)
             del low, high
         seen.append(len(c10d._world.pg_map) * 1000 + len(os.listdir(f"/proc/{os.getpid()}/task")))
@@ -122,6 +123,51 @@ def _groups_per_example(ctx: harness.RankContext) -> list[int]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/<pid>/task (Linux)")
 def test_groups_made_per_example_are_freed_with_their_threads() -> None:
     """[Note: groups made per example]: leaving the scope destroys its groups, and each gloo group's threads
-    go with it, so the fifth example leaves the rank as the first did."""
+    go with it, so every example leaves the rank as it was before the first (groups a previous case's context
+    kept, [Note: kept groups], are counted in both)."""
     for seen in harness.run(_groups_per_example, world_size=4, mode="process"):
-        assert len(set(seen)) == 1 and seen[0] // 1000 == 1, f"groups*1000+threads after each example: {seen}"
+        assert len(set(seen)) == 1, f"groups*1000+threads before the first example and after each: {seen}"
+
+
+def _kept_per_example(ctx: harness.RankContext) -> list[tuple[int, int, int]]:
+    """Five examples asking the context for a pair of groups and a 2-D mesh: (groups, threads, distinct ids)."""
+    import os
+
+    seen, ids = [], set()
+    for _ in range(5):
+        with harness.groups_scope():
+            low, high = ctx.new_group([0, 1]), ctx.new_group([2, 3])
+            mesh = ctx.device_mesh((2, 2), ("replicate", "shard"))
+            dist.all_reduce(torch.ones(1), group=low if ctx.rank < 2 else high)
+            ids.add((id(low), id(high), id(mesh)))
+        seen.append((len(c10d._world.pg_map), len(os.listdir(f"/proc/{os.getpid()}/task")), len(ids)))
+    return seen
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/<pid>/task (Linux)")
+def test_groups_a_process_rank_keeps_are_reused_by_every_example() -> None:
+    """[Note: kept groups]: the context's groups and meshes are made by the first example and handed to the
+    next four, so nothing grows and every example gets the same objects."""
+    for seen in harness.run(_kept_per_example, world_size=4, mode="process"):
+        assert len(set(seen)) == 1 and seen[0][2] == 1, f"(groups, threads, distinct groups) after each: {seen}"
+
+
+def _two_requests_then_sharded_op(ctx: harness.RankContext) -> tuple[bool, bool, list[float], Any]:
+    first, second = ctx.new_group([0, 1]), ctx.new_group([0, 1])
+    mesh = ctx.device_mesh((ctx.world_size,))
+    before = torch._C._get_DTensor_sharding_propagator_cache_stats()  # (hits, misses)
+    shard = DTensor.from_local(torch.full((2,), float(ctx.rank)), mesh, [Shard(0)], run_check=False)
+    out = (shard * 3.0).full_tensor().tolist()
+    after = torch._C._get_DTensor_sharding_propagator_cache_stats()
+    stats = (after[0] - before[0], after[1] - before[1])
+    return first is second, dist.get_process_group_ranks(second) == [0, 1], out, stats
+
+
+def test_kept_groups_are_distinct_within_a_case_and_keep_dtensor_caches_warm() -> None:
+    """Two requests for the same ranks in one case are two groups; a later case gets the same ones back, and
+    a DTensor op the earlier case ran hits DTensor's cache (the reset cleared nothing: no group was destroyed)."""
+    first = harness.run(_two_requests_then_sharded_op, world_size=2, mode="process")
+    later = harness.run(_two_requests_then_sharded_op, world_size=2, mode="process")
+    for same, ranks_ok, out, _ in first + later:
+        assert not same and ranks_ok and out == [0.0, 0.0, 3.0, 3.0]
+    assert all(stats == (1, 0) for *_, stats in later), f"(cache hits, misses) in the later case, per rank: {later}"
