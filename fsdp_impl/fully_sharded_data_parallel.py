@@ -10,14 +10,14 @@ its state (see [Note: unit state]); nothing below imports this module.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_impl import construct, no_sync, summon, unit, wrap
+from fsdp_impl import construct, no_sync, summon, unit, unit_methods, wrap
 from fsdp_impl import optim_state_api as osa
 from fsdp_impl import state_dict as sd
 from fsdp_impl import state_dict_settings as settings
@@ -127,6 +127,31 @@ class FullyShardedDataParallel(nn.Module):
         """Inside, backwards accumulate unsharded gradients locally and communicate nothing; the
         first backward after it reduces them with its own (root only; see [Note: no_sync])."""
         return no_sync.no_sync(self)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with every unit's full parameters summoned, what ``fn`` writes kept."""
+        if self._state.training_state is TrainingState.SUMMON_FULL_PARAMS:  # a unit under the one applying
+            return super().apply(fn)
+        with summon.summon_full_params(self, writeback=True):
+            return super().apply(fn)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module.named_buffers``, named as the wrapped module names them inside ``summon_full_params``."""
+        clean = self._state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, buffer in super().named_buffers(*args, **kwargs):
+            yield (name.replace(f"{FSDP_WRAPPED_MODULE}.", "") if clean else name), buffer
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is a root (lazy init first: the unit asked before any forward becomes one)."""
+        return unit_methods.check_is_root(self)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter to total norm ``max_norm``, root only (collective)."""
+        return unit_methods.clip_grad_norm_(self, max_norm, norm_type)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """``hook`` reduces every unit's gradients instead ([Note: comm hook] in ``reduction.py``)."""
+        unit_methods.register_comm_hook(self, state, hook)
 
     # -- introspection (see README: "Introspection") ------------------------------------------
     @property

@@ -97,6 +97,7 @@ class UnitControls:
     gradient_divide_factor: float | None = None  # summed gradients are divided by it (None: dp_world_size)
     requires_all_reduce: bool = True  # False: keep the reduce-scattered sum for later ([Note: partial reduction])
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # run on the reduced piece before division
+    comm_hook: tuple[object, Callable[..., None]] | None = None  # (state, hook): reduces instead ([Note: comm hook])
 
 
 @dataclass
@@ -157,7 +158,7 @@ class Reduction:
 
     unit: UnitState
     pending: collectives.Pending | None
-    stage: str  # "reduce_scatter" -> "all_reduce" -> "done"
+    stage: str  # "reduce_scatter" -> "all_reduce" -> "done"; "kept" (partial), "hooked" (comm hook)
 
 
 @dataclass

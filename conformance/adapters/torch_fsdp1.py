@@ -59,6 +59,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.THREAD_RANKS,
             Capability.OPTIM_STATE_DICT_FUNCTIONS,
             Capability.STATE_DICT_SETTINGS,
+            Capability.WRAPPER_METHODS,
         }
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,

@@ -32,19 +32,8 @@ import torch.nn as nn
 from conformance.contract.plan import AutoWrap
 from conformance.contract.units import UnitInfo
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "DEPRECATED_CAPABILITIES",
-    "Capability",
-    "STRATEGIES",
-    "HYBRID_STRATEGIES",
-    "DEFAULT_STRATEGY",
-    "AutoWrap",
-    "MixedPrecisionSpec",
-    "WrapSpec",
-    "UnitInfo",
-    "FSDPAdapter",
-]
+__all__ = ["PROTOCOL_VERSION", "DEPRECATED_CAPABILITIES", "Capability", "STRATEGIES", "HYBRID_STRATEGIES",
+           "DEFAULT_STRATEGY", "AutoWrap", "MixedPrecisionSpec", "WrapSpec", "UnitInfo", "FSDPAdapter"]
 
 #: Version of the adapter protocol this suite speaks. 1: the methods of :class:`FSDPAdapter`.
 #: 2: optional methods (:mod:`conformance.contract.optional`), fine-grained capabilities.
@@ -220,6 +209,10 @@ class Capability(str, enum.Enum):
     ``get_state_dict_type(model)``, ``optim_state_dict_as_set(model, optim)`` and
     ``load_optim_state_dict_as_set(model, optim, osd)``; afterwards the model's own
     ``state_dict()`` and the optimizer state dict take the type and options set."""
+    WRAPPER_METHODS = "wrapper_methods"
+    """FSDP1's methods on a wrapped model: the adapter defines ``clip_grad_norm``, ``apply_with_full_params``,
+    ``check_is_root``, ``fsdp_modules``, ``named_buffers`` and ``register_comm_hook``
+    (:mod:`conformance.contract.wrapper_methods`), each as torch documents FSDP1's method."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
     ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""

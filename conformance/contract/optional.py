@@ -42,11 +42,15 @@ adapter method (optional)                  default
                                            unsupported: the case is ``n/a``
 ``release(model)``                         nothing: dropping the model frees it
 ``units_per_module(strategy)``             ``True``: an auto-wrap policy makes a unit per module
+``clip_grad_norm(m, max_norm, norm_type)``, ``apply_with_full_params(m, fn)``, ``check_is_root(unit)``,
+``fsdp_modules(m, root_only)``, ``named_buffers(m)``, ``register_comm_hook(m, state, hook)``
+                                           unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
 adapter sees no change. FSDP2's module controls are defined in :mod:`conformance.contract.module_controls`,
-FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`, the performance knobs in
+FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`, FSDP1's methods on a wrapped model
+in :mod:`conformance.contract.wrapper_methods`, the performance knobs in
 :mod:`conformance.contract.knobs` and an engine's release, step and units in
 :mod:`conformance.contract.optional_engine`; this module exports them, so ``optional.X`` stays the one way
 to each. A capability that promises an optional method
@@ -98,6 +102,15 @@ from conformance.contract.state_dict_api import (
     shard_full_optim_state_dict,
     sharded_optim_state_dict,
 )
+from conformance.contract.wrapper_methods import (
+    WrapperMethodUnsupported,
+    apply_with_full_params,
+    check_is_root,
+    clip_grad_norm,
+    fsdp_modules,
+    named_buffers,
+    register_comm_hook,
+)
 
 __all__ = [
     "CAPABILITY_METHODS",
@@ -106,16 +119,9 @@ __all__ = [
     "NoSyncUnsupported",
     "PostOptimEventUnsupported",
     "StateDictAPIUnsupported",
-    "flatten_sharded_optim_state_dict",
-    "full_optim_state_dict",
-    "get_state_dict_type",
-    "load_optim_state_dict_as_set",
-    "optim_state_dict_as_set",
-    "rekey_optim_state_dict",
-    "scatter_full_optim_state_dict",
-    "set_state_dict_type",
-    "shard_full_optim_state_dict",
-    "sharded_optim_state_dict",
+    "flatten_sharded_optim_state_dict", "full_optim_state_dict", "get_state_dict_type", "load_optim_state_dict_as_set",
+    "optim_state_dict_as_set", "rekey_optim_state_dict", "scatter_full_optim_state_dict", "set_state_dict_type",
+    "shard_full_optim_state_dict", "sharded_optim_state_dict",
     "activation_checkpoint_wrapper",
     "capabilities_of",
     "full_grads",
@@ -146,6 +152,8 @@ __all__ = [
     "thread_rank_load_limits",
     "set_post_optim_event",
     "wrapped_module",
+    "WrapperMethodUnsupported", "apply_with_full_params", "check_is_root", "clip_grad_norm", "fsdp_modules",
+    "named_buffers", "register_comm_hook",
 ]
 
 
@@ -167,6 +175,8 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
                                             "flatten_sharded_optim_state_dict", "rekey_optim_state_dict"),
     Capability.STATE_DICT_SETTINGS: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
                                      "load_optim_state_dict_as_set"),
+    Capability.WRAPPER_METHODS: ("clip_grad_norm", "apply_with_full_params", "check_is_root", "fsdp_modules",
+                                 "named_buffers", "register_comm_hook"),
 }
 
 
@@ -176,8 +186,6 @@ class PostOptimEventUnsupported(NotImplementedError):
 
 class NoSyncUnsupported(NotImplementedError):
     """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
-
-
 
 
 
@@ -312,9 +320,6 @@ def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         method(model, optim)
     else:
         optim.step()
-
-
-
 
 
 def supports_no_sync(adapter: Any, strategy: str | None) -> bool:
