@@ -232,11 +232,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every unit in ``module``'s tree (only roots with ``root_only``)."""
-        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if not root_only:
-            return units
-        inner = {id(m) for u in units for m in u.modules() if m is not u and isinstance(m, FullyShardedDataParallel)}
-        return [u for u in units if id(u) not in inner]
+        return [m for m in unit_methods.fsdp_modules(module, root_only) if isinstance(m, FullyShardedDataParallel)]
 
     @staticmethod
     def summon_full_params(

@@ -1,4 +1,4 @@
-"""FSDP1's methods on a wrapped model that act on every unit under its root: ``check_is_root``,
+"""FSDP1's methods on a wrapped model that act on every unit in its tree: ``fsdp_modules``, ``check_is_root``,
 ``clip_grad_norm_`` and ``register_comm_hook``.
 
 ``clip_grad_norm_`` takes the norm of every gradient the model's parameters hold as one vector: a sharded
@@ -19,11 +19,20 @@ import torch.nn as nn
 
 from fsdp_impl import collectives, unit
 from fsdp_impl.api import ShardingStrategy, TrainingState
-from fsdp_impl.unit_state import UnitState, unit_state, unit_states
+from fsdp_impl.unit_state import UnitState, is_unit, unit_state, unit_states
 
-__all__ = ["check_is_root", "clip_grad_norm_", "register_comm_hook"]
+__all__ = ["check_is_root", "clip_grad_norm_", "fsdp_modules", "register_comm_hook"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def fsdp_modules(module: nn.Module, root_only: bool) -> list[nn.Module]:
+    """Every unit in ``module``'s tree, ``module`` itself included; with ``root_only`` those under no other."""
+    units = [sub for sub in module.modules() if is_unit(sub)]
+    if not root_only:
+        return units
+    inner = {id(sub) for u in units for sub in u.modules() if sub is not u and is_unit(sub)}
+    return [u for u in units if id(u) not in inner]
 
 
 def check_is_root(module: nn.Module) -> bool:

@@ -7,9 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.nn as nn
+
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
-__all__ = ["ClipNormOfLocalShards", "ClipScalesNothing"]
+__all__ = ["ApplyKeepsNothing", "ClipNormOfLocalShards", "ClipScalesNothing", "CommHookIgnored", "EveryUnitIsRoot",
+           "FsdpModulesLeaveOutTheModule", "NamedBuffersKeepPrefixes"]
 
 Fn = Callable[..., Any]
 
@@ -48,3 +51,64 @@ class ClipScalesNothing(_Mutant):
     breaks = "scaling the gradients to max_norm"
     expect = Expect("grad_clip and wrapper_clip_grad_norm", "process", ("grad_clip/wrapper_clip_grad_norm",))
     patches = (Patch("fsdp_impl.unit_methods:clip_grad_norm_", _unclipped),)
+
+
+def _without_writeback(summon: Fn) -> Fn:
+    def summon_discarding(module: Any, writeback: bool = True, with_grads: bool = False) -> Any:
+        return summon(module, writeback=False, with_grads=with_grads)
+
+    return summon_discarding
+
+
+class ApplyKeepsNothing(_Mutant):
+    """``apply(fn)`` runs ``fn`` on the full parameters but writes nothing back into the shards (nor does any
+    other ``summon_full_params``)."""
+
+    name = "mutant-apply-keeps-nothing"
+    breaks = "writing what apply's fn changed back into the shards"
+    expect = Expect("wrapper_methods and apply", "thread", ("wrapper_methods/apply",))
+    patches = (Patch("fsdp_impl.summon:summon_full_params", _without_writeback),)
+
+
+class EveryUnitIsRoot(_Mutant):
+    """``check_is_root`` answers True for every unit."""
+
+    name = "mutant-every-unit-is-root"
+    breaks = "telling nested units from the root"
+    expect = Expect("wrapper_methods and check_is_root", "process", ("wrapper_methods/check_is_root",))
+    patches = (Patch.instead("fsdp_impl.unit_methods:check_is_root", lambda module: True),)
+
+
+def _without_itself(units: Fn) -> Fn:
+    def others(module: Any, root_only: bool) -> list[Any]:
+        return [unit for unit in units(module, root_only) if unit is not module]
+
+    return others
+
+
+class FsdpModulesLeaveOutTheModule(_Mutant):
+    """``fsdp_modules(module)`` leaves out ``module`` itself, a unit."""
+
+    name = "mutant-fsdp-modules-leave-out-the-module"
+    breaks = "including the module given, when it is a unit"
+    expect = Expect("wrapper_methods and fsdp_modules", "thread", ("wrapper_methods/fsdp_modules",))
+    patches = (Patch("fsdp_impl.unit_methods:fsdp_modules", _without_itself),)
+
+
+class NamedBuffersKeepPrefixes(_Mutant):
+    """The wrapper's ``named_buffers`` keeps its wrapper prefixes inside ``summon_full_params``."""
+
+    name = "mutant-named-buffers-keep-prefixes"
+    breaks = "removing the wrapper prefixes from buffer names inside summon_full_params"
+    expect = Expect("wrapper_methods and named_buffers", "process", ("wrapper_methods/named_buffers",))
+    patches = (Patch.instead("fsdp_impl.fully_sharded_data_parallel:FullyShardedDataParallel.named_buffers",
+                             nn.Module.named_buffers),)
+
+
+class CommHookIgnored(_Mutant):
+    """``register_comm_hook`` accepts the hook and registers nothing: the wrapper reduces as without one."""
+
+    name = "mutant-comm-hook-ignored"
+    breaks = "reducing gradients through the registered communication hook"
+    expect = Expect("wrapper_methods and comm_hook", "thread", ("wrapper_methods/comm_hook",))
+    patches = (Patch.instead("fsdp_impl.unit_methods:register_comm_hook", lambda module, state, hook: None),)
