@@ -60,6 +60,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_mesh: Any = None,
         mixed_precision: MixedPrecision | None = None,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         args = construct.UnitArgs(
@@ -74,6 +75,7 @@ class FullyShardedDataParallel(nn.Module):
             limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
             ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
             param_init_fn=param_init_fn,
             device_mesh=device_mesh,
             mixed_precision=mixed_precision,

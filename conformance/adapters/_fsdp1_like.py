@@ -97,6 +97,8 @@ class FSDP1LikeAdapter:
             kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
         if spec.ignored_modules:
             kwargs["ignored_modules"] = list(spec.ignored_modules)
+        if spec.ignored_states:
+            kwargs["ignored_states"] = list(spec.ignored_states)
         if spec.param_init_fn is not None:
             kwargs["param_init_fn"] = spec.param_init_fn
         if spec.mixed_precision is not None:

@@ -58,6 +58,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.OPTIM_STATE_DICT_FUNCTIONS,
             Capability.STATE_DICT_SETTINGS,
             Capability.WRAPPER_METHODS,
+            Capability.IGNORED_STATES,
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.FULLY_SHARD_MIXED_PRECISION,

@@ -60,6 +60,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.OPTIM_STATE_DICT_FUNCTIONS,
             Capability.STATE_DICT_SETTINGS,
             Capability.WRAPPER_METHODS,
+            Capability.IGNORED_STATES,
         }
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,

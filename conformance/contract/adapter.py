@@ -213,6 +213,9 @@ class Capability(str, enum.Enum):
     """FSDP1's methods on a wrapped model: the adapter defines ``clip_grad_norm``, ``apply_with_full_params``,
     ``check_is_root``, ``fsdp_modules``, ``named_buffers`` and ``register_comm_hook``
     (:mod:`conformance.contract.wrapper_methods`), each as torch documents FSDP1's method."""
+    IGNORED_STATES = "ignored_states"
+    """``WrapSpec.ignored_states`` (FSDP1's ``ignored_states``: parameters, or modules): they stay whole and
+    unreduced, each rank keeping its own gradient, as ``ignored_modules``'."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
     ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""
@@ -290,6 +293,7 @@ class WrapSpec:
     use_orig_params: bool = False
     sync_module_states: bool = False
     ignored_modules: Sequence[nn.Module] = ()
+    ignored_states: Sequence[nn.Parameter | nn.Module] = ()
     param_init_fn: Callable[[nn.Module], None] | None = None
     forward_prefetch: bool = False
     backward_prefetch: str | None = "BACKWARD_PRE"
@@ -322,6 +326,7 @@ class WrapSpec:
             Capability.PARAM_INIT_FUNCTION: self.param_init_fn is not None,
             Capability.CPU_OFFLOAD: self.cpu_offload,
             Capability.IGNORED_MODULES: bool(self.ignored_modules),
+            Capability.IGNORED_STATES: bool(self.ignored_states),
             Capability.DEVICE_MESH: self.device_mesh is not None,
             Capability.HYBRID_VIA_PG_TUPLE: isinstance(self.process_group, tuple),
             Capability.BACKWARD_PREFETCH: self.backward_prefetch != "BACKWARD_PRE",

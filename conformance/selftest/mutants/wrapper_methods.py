@@ -12,7 +12,7 @@ import torch.nn as nn
 from conformance.selftest.declare import Expect, Patch, _Mutant
 
 __all__ = ["ApplyKeepsNothing", "ClipNormOfLocalShards", "ClipScalesNothing", "CommHookIgnored", "EveryUnitIsRoot",
-           "FsdpModulesLeaveOutTheModule", "NamedBuffersKeepPrefixes"]
+           "FsdpModulesLeaveOutTheModule", "IgnoredStatesDropped", "NamedBuffersKeepPrefixes"]
 
 Fn = Callable[..., Any]
 
@@ -112,3 +112,12 @@ class CommHookIgnored(_Mutant):
     breaks = "reducing gradients through the registered communication hook"
     expect = Expect("wrapper_methods and comm_hook", "thread", ("wrapper_methods/comm_hook",))
     patches = (Patch.instead("fsdp_impl.unit_methods:register_comm_hook", lambda module, state, hook: None),)
+
+
+class IgnoredStatesDropped(_Mutant):
+    """The wrapper is built without the ``ignored_states`` given: those parameters are sharded and reduced."""
+
+    name = "mutant-ignored-states-dropped"
+    breaks = "leaving ignored_states unsharded and unreduced"
+    expect = Expect("param_kinds and ignored_states", "thread", ("param_kinds/ignored_states",))
+    spec_overrides = {"ignored_states": ()}
