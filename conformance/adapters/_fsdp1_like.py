@@ -108,6 +108,7 @@ class FSDP1LikeAdapter:
                 reduce_dtype=mp.reduce_dtype,
                 buffer_dtype=mp.buffer_dtype,
                 keep_low_precision_grads=mp.keep_low_precision_grads,
+                cast_forward_inputs=mp.cast_unit_forward_inputs,
             )
         kwargs.update(spec.extra)
         return kwargs

@@ -59,6 +59,7 @@ class ReferenceAdapter(FullyShardMethods, FSDP1LikeAdapter):
             Capability.STATE_DICT_SETTINGS,
             Capability.WRAPPER_METHODS,
             Capability.IGNORED_STATES,
+            Capability.MP_CAST_UNIT_FORWARD_INPUTS,
             Capability.FULLY_SHARD,
             Capability.RESHARD_AFTER_FORWARD_INT,
             Capability.FULLY_SHARD_MIXED_PRECISION,

@@ -61,6 +61,7 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.STATE_DICT_SETTINGS,
             Capability.WRAPPER_METHODS,
             Capability.IGNORED_STATES,
+            Capability.MP_CAST_UNIT_FORWARD_INPUTS,
         }
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,

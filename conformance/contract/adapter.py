@@ -216,6 +216,10 @@ class Capability(str, enum.Enum):
     IGNORED_STATES = "ignored_states"
     """``WrapSpec.ignored_states`` (FSDP1's ``ignored_states``: parameters, or modules): they stay whole and
     unreduced, each rank keeping its own gradient, as ``ignored_modules``'."""
+    MP_CAST_UNIT_FORWARD_INPUTS = "mp_cast_unit_forward_inputs"
+    """``MixedPrecisionSpec.cast_unit_forward_inputs`` is honoured (FSDP1's ``MixedPrecision.cast_forward_inputs``):
+    True, every unit casts the floating tensors of its forward inputs to ``param_dtype``; False, a nested unit
+    leaves them as its caller gave them."""
     THREAD_RANKS = "thread_ranks"
     """Runs under the harness's threaded process group (one process, N threads); every case needs it on thread
     ranks (:meth:`CaseSpec.required`): without it those rows are ``n/a``, not failures saying nothing of FSDP."""
@@ -248,6 +252,8 @@ class MixedPrecisionSpec:
     (:attr:`Capability.MP_CAST_FORWARD_INPUTS`; the default, as torch's FSDP1 and FSDP2 do by
     default). ``False`` says the case feeds its inputs in ``param_dtype`` itself and relies on no
     cast: an implementation may then cast or not, which for such inputs is the same.
+    ``cast_unit_forward_inputs``: every unit casts them too, not only the root (FSDP1's
+    ``cast_forward_inputs``; :attr:`Capability.MP_CAST_UNIT_FORWARD_INPUTS`); ``False`` relies on no such cast.
     """
 
     param_dtype: torch.dtype | None = None
@@ -255,6 +261,7 @@ class MixedPrecisionSpec:
     buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
+    cast_unit_forward_inputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -271,6 +278,8 @@ class MixedPrecisionSpec:
             caps.append(Capability.MP_KEEP_LOW_PRECISION_GRADS)
         if self.cast_forward_inputs:
             caps.append(Capability.MP_CAST_FORWARD_INPUTS)
+        if self.cast_unit_forward_inputs:
+            caps.append(Capability.MP_CAST_UNIT_FORWARD_INPUTS)
         return caps
 
 

@@ -10,9 +10,11 @@ from typing import Any
 import torch.nn as nn
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
+from fsdp_impl.precision import cast_floating
 
 __all__ = ["ApplyKeepsNothing", "ClipNormOfLocalShards", "ClipScalesNothing", "CommHookIgnored", "EveryUnitIsRoot",
-           "FsdpModulesLeaveOutTheModule", "IgnoredStatesDropped", "NamedBuffersKeepPrefixes"]
+           "FsdpModulesLeaveOutTheModule", "IgnoredStatesDropped", "NamedBuffersKeepPrefixes",
+           "UnitInputsAlwaysCast", "UnitInputsNotCast"]
 
 Fn = Callable[..., Any]
 
@@ -121,3 +123,38 @@ class IgnoredStatesDropped(_Mutant):
     breaks = "leaving ignored_states unsharded and unreduced"
     expect = Expect("param_kinds and ignored_states", "thread", ("param_kinds/ignored_states",))
     spec_overrides = {"ignored_states": ()}
+
+
+def _root_only(cast_inputs: Fn) -> Fn:
+    def cast_at_root(unit: Any, inputs: Any) -> Any:
+        return cast_inputs(unit, inputs) if unit.is_root else inputs
+
+    return cast_at_root
+
+
+class UnitInputsNotCast(_Mutant):
+    """Only the root casts its forward inputs, whatever ``MixedPrecision.cast_forward_inputs`` says."""
+
+    name = "mutant-unit-inputs-not-cast"
+    breaks = "casting a nested unit's inputs with cast_forward_inputs"
+    expect = Expect("mixed_precision and cast_unit_forward_inputs", "process",
+                    ("mixed_precision/cast_unit_forward_inputs[cast=True]",))
+    patches = (Patch("fsdp_impl.precision:cast_inputs", _root_only),)
+
+
+def _every_unit(cast_inputs: Fn) -> Fn:
+    def cast_everywhere(unit: Any, inputs: Any) -> Any:
+        policy = unit.config.low_precision(unit.training)
+        return inputs if policy is None else cast_floating(inputs, policy.param_dtype)
+
+    return cast_everywhere
+
+
+class UnitInputsAlwaysCast(_Mutant):
+    """Every unit casts its forward inputs under mixed precision, without ``MixedPrecision.cast_forward_inputs``."""
+
+    name = "mutant-unit-inputs-always-cast"
+    breaks = "leaving a nested unit's inputs alone without cast_forward_inputs"
+    expect = Expect("mixed_precision and cast_unit_forward_inputs", "process",
+                    ("mixed_precision/cast_unit_forward_inputs[cast=False]",))
+    patches = (Patch("fsdp_impl.precision:cast_inputs", _every_unit),)
