@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -56,7 +56,8 @@ class UnitArgs:
     mixed_precision: MixedPrecision | None = None
 
     def for_children(
-        self, groups: init.Groups, strategy: ShardingStrategy, ignored: set[nn.Module], params: list[nn.Parameter]
+        self, groups: init.Groups, strategy: ShardingStrategy, ignored: set[nn.Module],
+        params: Sequence[nn.Parameter] = (),
     ) -> UnitArgs:
         """What auto-wrapped children are built with: this unit's resolved groups and strategy, and what it
         ignores (modules, or parameters: torch takes one of the two)."""
@@ -66,7 +67,7 @@ class UnitArgs:
             sharding_strategy=strategy,
             auto_wrap_policy=None,
             ignored_modules=None if params else list(ignored),
-            ignored_states=params or None,
+            ignored_states=list(params) or None,
             device_mesh=None,
         )
 
