@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_impl import collectives, unit
@@ -86,7 +87,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float) -> tor
     rest = _local_norm(whole, norm_type, device)
     if norm_type == math.inf:
         total = torch.maximum(total, rest)
-        collectives.all_reduce(total, state.groups.process_group, op=torch.distributed.ReduceOp.MAX).wait()
+        collectives.all_reduce(total, state.groups.process_group, op=dist.ReduceOp.MAX).wait()
     else:
         total = total**norm_type
         collectives.all_reduce(total, state.groups.process_group).wait()

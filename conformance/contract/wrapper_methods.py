@@ -34,7 +34,7 @@ def clip_grad_norm(adapter: Any, model: nn.Module, max_norm: float, norm_type: f
     every parameter's gradient, every rank's shards together, as one vector) and return that total norm, the
     same on every rank (collective; FSDP1's ``model.clip_grad_norm_(max_norm, norm_type)``).
 
-    Optional part of the contract (:attr:`Capability.WRAPPER_METHODS`), as the four below. Each raises
+    Optional part of the contract (:attr:`Capability.WRAPPER_METHODS`), as the five below. Each raises
     :class:`WrapperMethodUnsupported` when the adapter lacks the method.
     """
     return _method(adapter, "clip_grad_norm")(model, max_norm, norm_type)  # type: ignore[no-any-return]
@@ -71,7 +71,6 @@ def register_comm_hook(adapter: Any, model: nn.Module, state: object, hook: Call
     the full flat gradient padded to a multiple of the shard group's size; ``output``: this rank's piece, which
     the hook fills). The gradient the optimizer sees is what the hook leaves, divided by nothing more.
 
-    Optional part of the contract (:attr:`Capability.COMM_HOOK`); raises :class:`WrapperMethodUnsupported`
-    when the adapter lacks the method.
+    Torch refuses it for hybrid strategies; the suite registers none there.
     """
     _method(adapter, "register_comm_hook")(model, state, hook)
