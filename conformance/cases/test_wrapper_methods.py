@@ -85,15 +85,20 @@ def test_apply(ctx: RankContext, impl: FSDPAdapter, use_orig_params: bool) -> No
 def test_check_is_root(ctx: RankContext, impl: FSDPAdapter) -> None:
     """The wrapped model is a root and every nested unit is not, before the first forward and after a step."""
     model, _ = _wrapped(ctx, impl)
+    _assert_one_root(ctx, impl, model, "before the first forward")
     optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
-    for when in ("before the first forward", "after a step"):
-        nested = [unit for unit in impl.units(model) if unit.module is not model]
-        assert len(nested) == 3, f"{when}: expected a unit per block, got {[u.fqn for u in nested]}"
-        assert optional.check_is_root(impl, model) is True, f"rank {ctx.rank} {when}: the root says it is no root"
-        roots = [unit.fqn for unit in nested if optional.check_is_root(impl, unit.module)]
-        assert not roots, f"rank {ctx.rank} {when}: nested units say they are roots: {roots}"
-        model(block_batch(0, ctx.rank, ctx.device)).sum().backward()
-        optional.step(impl, model, optim)
+    model(block_batch(0, ctx.rank, ctx.device)).sum().backward()
+    optional.step(impl, model, optim)
+    _assert_one_root(ctx, impl, model, "after a step")
+
+
+def _assert_one_root(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, when: str) -> None:
+    """``check_is_root`` on the wrapped model first (asked first, a unit becomes a root), then on each nested unit."""
+    assert optional.check_is_root(impl, model) is True, f"rank {ctx.rank} {when}: the wrapped model says it is no root"
+    nested = [unit for unit in impl.units(model) if unit.module is not model]
+    assert len(nested) == 3, f"rank {ctx.rank} {when}: expected a unit per block, got {[u.fqn for u in nested]}"
+    roots = [unit.fqn for unit in nested if optional.check_is_root(impl, unit.module)]
+    assert not roots, f"rank {ctx.rank} {when}: nested units say they are roots: {roots}"
 
 
 @case("wrapper_methods/fsdp_modules", clause=DocCitation(DOC, "fsdp_modules"), world_size=TWO_OR_MORE,
