@@ -90,9 +90,11 @@ def reduce_scatter(
     return Pending(work, output)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Pending:
-    """SUM ``tensor`` in place over ``group``."""
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> Pending:
+    """Reduce ``tensor`` in place over ``group`` (SUM unless ``op`` says otherwise)."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return Pending(work, tensor)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -50,20 +50,24 @@ class UnitArgs:
     limit_all_gathers: bool = True
     use_orig_params: bool = False
     ignored_modules: Iterable[nn.Module] | None = None
+    ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None
     param_init_fn: Callable[[nn.Module], None] | None = None
     device_mesh: Any = None
     mixed_precision: MixedPrecision | None = None
 
     def for_children(
-        self, groups: init.Groups, strategy: ShardingStrategy, ignored: set[nn.Module]
+        self, groups: init.Groups, strategy: ShardingStrategy, ignored: set[nn.Module],
+        params: Sequence[nn.Parameter] = (),
     ) -> UnitArgs:
-        """What auto-wrapped children are built with: this unit's resolved groups and strategy."""
+        """What auto-wrapped children are built with: this unit's resolved groups and strategy, and what it
+        ignores (modules, or parameters: torch takes one of the two)."""
         return replace(
             self,
             process_group=groups.as_arg(),
             sharding_strategy=strategy,
             auto_wrap_policy=None,
-            ignored_modules=list(ignored),
+            ignored_modules=None if params else list(ignored),
+            ignored_states=list(params) or None,
             device_mesh=None,
         )
 
@@ -86,7 +90,8 @@ def build_unit(
             f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
             stacklevel=3,
         )
-    ignored = init.collect_ignored(module, args.ignored_modules)
+    ignored_modules, ignored_params = _split_ignored(args.ignored_modules, args.ignored_states)
+    ignored = init.collect_ignored(module, ignored_modules)
     device = init.resolve_device_id(args.device_id)
     auto_wrapping = args.auto_wrap_policy is not None
     if args.auto_wrap_policy is not None:
@@ -95,10 +100,10 @@ def build_unit(
     groups = init.resolve_groups(args.process_group, strategy_asked, args.device_mesh, auto_wrapping)
     strategy = init.effective_strategy(args.sharding_strategy, groups)
     if args.auto_wrap_policy is not None:
-        children = args.for_children(groups, strategy, ignored)
+        children = args.for_children(groups, strategy, ignored, ignored_params)
         wrap.auto_wrap(module, args.auto_wrap_policy, ignored, lambda child: make_unit(child, children))
-    compute_device = init.place_module(module, ignored, device, args.param_init_fn)
-    params, buffers = init.managed_tensors(module, ignored)
+    compute_device = init.place_module(module, ignored, device, args.param_init_fn, ignored_params)
+    params, buffers = init.managed_tensors(module, ignored, ignored_params)
     init.check_not_shared_with_nested(module, params)
     if args.sync_module_states:
         init.sync_module_states(params, buffers, groups, compute_device)
@@ -107,6 +112,23 @@ def build_unit(
     handle = _build_handle(module, params, compute_device, config, unit_groups)
     controls = UnitControls(reshard_after_forward=None if strategy in RESHARD_AFTER_FORWARD else False)
     return UnitState(module, config, unit_groups, compute_device, handle, controls)
+
+
+def _split_ignored(
+    modules: Iterable[nn.Module] | None, states: Iterable[nn.Parameter] | Iterable[nn.Module] | None
+) -> tuple[list[nn.Module] | None, list[nn.Parameter]]:
+    """``ignored_modules`` and ``ignored_states`` (all parameters, or all modules) as ignored modules and
+    ignored parameters; torch refuses both arguments at once, and a mix of the two kinds."""
+    if modules is not None and states is not None:
+        raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. "
+                         "Please just pass ignored_states.")
+    given: list[Any] = list(states or [])
+    if all(isinstance(state, nn.Parameter) for state in given):
+        return (None if modules is None else list(modules)), given
+    if all(isinstance(state, nn.Module) for state in given):
+        return given, []
+    kinds = sorted({type(state).__name__ for state in given})
+    raise ValueError(f"ignored_states expects all nn.Parameter or all nn.Module list elements but got types {kinds}")
 
 
 def _config(args: UnitArgs, strategy: ShardingStrategy) -> UnitConfig:

@@ -10,14 +10,14 @@ its state (see [Note: unit state]); nothing below imports this module.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_impl import construct, no_sync, summon, unit, wrap
+from fsdp_impl import construct, no_sync, summon, unit, unit_methods, wrap
 from fsdp_impl import optim_state_api as osa
 from fsdp_impl import state_dict as sd
 from fsdp_impl import state_dict_settings as settings
@@ -60,6 +60,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_mesh: Any = None,
         mixed_precision: MixedPrecision | None = None,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         args = construct.UnitArgs(
@@ -74,6 +75,7 @@ class FullyShardedDataParallel(nn.Module):
             limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
             ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
             param_init_fn=param_init_fn,
             device_mesh=device_mesh,
             mixed_precision=mixed_precision,
@@ -127,6 +129,31 @@ class FullyShardedDataParallel(nn.Module):
         """Inside, backwards accumulate unsharded gradients locally and communicate nothing; the
         first backward after it reduces them with its own (root only; see [Note: no_sync])."""
         return no_sync.no_sync(self)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with every unit's full parameters summoned, what ``fn`` writes kept."""
+        if self._state.training_state is TrainingState.SUMMON_FULL_PARAMS:  # a unit under the one applying
+            return super().apply(fn)
+        with summon.summon_full_params(self, writeback=True):
+            return super().apply(fn)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module.named_buffers``, named as the wrapped module names them inside ``summon_full_params``."""
+        clean = self._state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, buffer in super().named_buffers(*args, **kwargs):
+            yield (name.replace(f"{FSDP_WRAPPED_MODULE}.", "") if clean else name), buffer
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is a root (lazy init first: the unit asked before any forward becomes one)."""
+        return unit_methods.check_is_root(self)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter to total norm ``max_norm``, root only (collective)."""
+        return unit_methods.clip_grad_norm_(self, max_norm, norm_type)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """``hook`` reduces every unit's gradients instead ([Note: comm hook] in ``reduction.py``)."""
+        unit_methods.register_comm_hook(self, state, hook)
 
     # -- introspection (see README: "Introspection") ------------------------------------------
     @property
@@ -207,11 +234,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every unit in ``module``'s tree (only roots with ``root_only``)."""
-        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if not root_only:
-            return units
-        inner = {id(m) for u in units for m in u.modules() if m is not u and isinstance(m, FullyShardedDataParallel)}
-        return [u for u in units if id(u) not in inner]
+        return [m for m in unit_methods.fsdp_modules(module, root_only) if isinstance(m, FullyShardedDataParallel)]
 
     @staticmethod
     def summon_full_params(

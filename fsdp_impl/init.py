@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -190,11 +190,11 @@ def collect_ignored(root: nn.Module, ignored_modules: Iterable[nn.Module] | None
 
 
 def managed_tensors(
-    root: nn.Module, ignored: set[nn.Module]
+    root: nn.Module, ignored: set[nn.Module], ignored_params: Sequence[nn.Parameter] = ()
 ) -> tuple[list[tuple[str, nn.Module, str, nn.Parameter]], list[tuple[nn.Module, str]]]:
     """This unit's own parameters (fqn, module, name, param) and buffers (module, name).
 
-    Walks ``root`` without entering nested units or ignored modules.
+    Walks ``root`` without entering nested units or ignored modules; ``ignored_params`` are left out.
     """
     params: list[tuple[str, nn.Module, str, nn.Parameter]] = []
     buffers: list[tuple[nn.Module, str]] = []
@@ -202,7 +202,7 @@ def managed_tensors(
     while stack:
         prefix, module = stack.pop(0)
         for name, param in module._parameters.items():
-            if param is not None:
+            if param is not None and not any(param is p for p in ignored_params):
                 params.append((f"{prefix}{name}", module, name, param))
         buffers.extend((module, name) for name, buf in module._buffers.items() if buf is not None)
         for child_name, child in module._modules.items():
@@ -268,13 +268,14 @@ def place_module(
     ignored: set[nn.Module],
     device: torch.device | None,
     param_init_fn: Callable[[nn.Module], None] | None,
+    ignored_params: Sequence[nn.Parameter] = (),
 ) -> torch.device:
     """Materialize meta modules, move managed tensors to ``device``; return the compute device."""
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(f"Expected param_init_fn to be a callable, but got {type(param_init_fn)}")
-    params, buffers = managed_tensors(root, ignored)
+    params, buffers = managed_tensors(root, ignored, ignored_params)
     _materialize(root, ignored, params, buffers, device, param_init_fn)
-    params, buffers = managed_tensors(root, ignored)
+    params, buffers = managed_tensors(root, ignored, ignored_params)
     devices = {param.device for _, _, _, param in params}
     cpu = torch.device("cpu")
     if len(devices) == 2 and cpu in devices and device is None:

@@ -13,9 +13,19 @@ piece once every reduction of the backward is done (the all-reduce output, or
 the reduce-scatter output without replicas), before the division by the world
 size ([Note: gradient averaging] in ``collectives.py``): a hook scaling it in
 place scales the gradient the optimizer sees.
+
+[Note: comm hook]
+FSDP1's ``register_comm_hook(state, hook)`` replaces the reduction of every
+unit under the root (``UnitControls.comm_hook``): ``hook(state, grad)``
+reduces a ``NO_SHARD`` unit's full flat gradient in place, ``hook(state,
+padded, output)`` fills this rank's piece ``output`` from the full flat
+gradient padded and laid out as reduce-scatter splits it. What the hook
+leaves is the gradient, divided by nothing more, as in torch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,11 +42,25 @@ def issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:
     policy = unit.config.low_precision(unit.training)
     if policy is not None:
         grad = grad.to(policy.reduce_dtype or policy.param_dtype or grad.dtype)
+    if unit.controls.comm_hook is not None:
+        return _hooked_reduction(unit, grad, *unit.controls.comm_hook)
     if handle.shard_size > 1:
         out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
         full = handle.layout.to_rank_major(grad)  # the order reduce-scatter splits in ([Note: shard layouts])
         return Reduction(unit, collectives.reduce_scatter(out, full, handle.shard_group), "reduce_scatter")
     return start_all_reduce(unit, grad)
+
+
+def _hooked_reduction(unit: UnitState, grad: torch.Tensor, state: object, hook: Callable[..., None]) -> Reduction:
+    """Reduce ``grad`` by the unit's communication hook, now ([Note: comm hook])."""
+    handle = unit.handle
+    assert handle is not None
+    if handle.shard_size == 1:
+        hook(state, grad)
+        return Reduction(unit, collectives.Pending(None, grad), "hooked")
+    out = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
+    hook(state, handle.layout.to_rank_major(grad), out)
+    return Reduction(unit, collectives.Pending(None, out), "hooked")
 
 
 def start_all_reduce(unit: UnitState, grad: torch.Tensor) -> Reduction:
@@ -68,9 +92,10 @@ def finish_reductions(state: RootState) -> None:
             continue
         assert reduction.pending is not None and reduction.unit.handle is not None
         grad = reduction.pending.wait()
-        if reduction.unit.controls.all_reduce_hook is not None:
-            reduction.unit.controls.all_reduce_hook(grad)
-        grad.div_(reduction.unit.controls.gradient_divide_factor or reduction.unit.groups.dp_world_size)
+        if reduction.stage != "hooked":  # a communication hook's result is the gradient as it left it
+            if reduction.unit.controls.all_reduce_hook is not None:
+                reduction.unit.controls.all_reduce_hook(grad)
+            grad.div_(reduction.unit.controls.gradient_divide_factor or reduction.unit.groups.dp_world_size)
         reduction.unit.handle.accumulate_sharded_grad(grad)
     state.reductions.clear()
 

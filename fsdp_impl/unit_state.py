@@ -99,6 +99,7 @@ class UnitControls:
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # run on the reduced piece before division
     unshard_in_backward: bool = True  # False: backward never all-gathers (its backward reads no parameter)
     is_last_backward: bool = True  # the root's: False, backward leaves its last reductions to the next one
+    comm_hook: tuple[object, Callable[..., None]] | None = None  # (state, hook): reduces instead ([Note: comm hook])
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Reduction:
 
     unit: UnitState
     pending: collectives.Pending | None
-    stage: str  # "reduce_scatter" -> "all_reduce" -> "done"
+    stage: str  # "reduce_scatter" -> "all_reduce" -> "done"; "kept" (partial), "hooked" (comm hook)
 
 
 @dataclass

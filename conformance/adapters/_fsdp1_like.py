@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any, cast
@@ -96,6 +97,8 @@ class FSDP1LikeAdapter:
             kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
         if spec.ignored_modules:
             kwargs["ignored_modules"] = list(spec.ignored_modules)
+        if spec.ignored_states:
+            kwargs["ignored_states"] = list(spec.ignored_states)
         if spec.param_init_fn is not None:
             kwargs["param_init_fn"] = spec.param_init_fn
         if spec.mixed_precision is not None:
@@ -105,6 +108,7 @@ class FSDP1LikeAdapter:
                 reduce_dtype=mp.reduce_dtype,
                 buffer_dtype=mp.buffer_dtype,
                 keep_low_precision_grads=mp.keep_low_precision_grads,
+                cast_forward_inputs=mp.cast_unit_forward_inputs,
             )
         kwargs.update(spec.extra)
         return kwargs
@@ -242,6 +246,27 @@ class FSDP1LikeAdapter:
 
     def load_optim_state_dict_as_set(self, model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
         optim.load_state_dict(self._api().FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd))
+
+    # -- FSDP1's methods on a wrapped model (Capability.WRAPPER_METHODS) ---------------------------
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        return cast(torch.Tensor, cast(Any, model).clip_grad_norm_(max_norm, norm_type))
+
+    def apply_with_full_params(self, model: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+        model.apply(fn)
+
+    def check_is_root(self, unit: nn.Module) -> bool:
+        return bool(cast(Any, unit).check_is_root())
+
+    def fsdp_modules(self, model: nn.Module, *, root_only: bool) -> list[nn.Module]:
+        return list(self._api().FullyShardedDataParallel.fsdp_modules(model, root_only=root_only))
+
+    def named_buffers(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """What the model's own ``named_buffers()`` yields inside ``summon_full_params``, names as given."""
+        with self._api().FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return [(name, buf.detach().clone()) for name, buf in model.named_buffers()]
+
+    def register_comm_hook(self, model: nn.Module, state: object, hook: Callable[..., None]) -> None:
+        cast(Any, model).register_comm_hook(state, hook)
 
     def _state_dict_type(self, model: nn.Module, *, sharded: bool) -> Any:
         api = self._api()

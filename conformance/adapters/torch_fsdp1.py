@@ -60,6 +60,9 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
             Capability.OPTIM_STATE_DICT_FUNCTIONS,
             Capability.STATE_DICT_SETTINGS,
             Capability.LOCAL_STATE_DICT,
+            Capability.WRAPPER_METHODS,
+            Capability.IGNORED_STATES,
+            Capability.MP_CAST_UNIT_FORWARD_INPUTS,
         }
     )
     #: FSDP1 times its state-dict sections with ``torch.distributed.fsdp._debug_utils.SimpleProfiler``,

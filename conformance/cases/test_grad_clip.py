@@ -8,6 +8,15 @@
   rank's shards, and the clipping scaled the gradients the optimizer reads. (The infinity norm is
   left out: torch's ``_foreach_norm`` refuses it on an empty tensor, and a rank whose piece of a
   parameter with fewer rows than ranks is empty gets one, whatever the implementation.)
+- ``wrapper_clip_grad_norm[strategy=...,norm_type=...,use_orig_params=...]``: FSDP1's own
+  ``clip_grad_norm_`` on the root of :class:`fixtures.blocks.Blocks` wrapped with a unit per block. Its
+  docstring (torch 2.13): the norm "is computed over all parameters' gradients as viewed as a single vector,
+  and the gradients are modified in-place", for sharded strategies too ("this method handles the fact that
+  gradients are sharded across ranks"). Each of two steps clips a local copy's gradients (the mean of every
+  rank's loss) with ``torch.nn.utils.clip_grad_norm_``: the total norm returned on every rank equals the
+  local model's, and after the SGD steps the parameters equal the local model's. The infinity norm runs
+  with flat parameters only: a rank's piece of a parameter can be empty with ``use_orig_params``, which
+  the infinity norm refuses (above).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import pytest
 import torch
 
 from conformance.contract import optional
-from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
@@ -55,3 +64,39 @@ def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> 
         optional.step(impl, model, optim)
         local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+WRAPPER_CLIPS = [("FULL_SHARD", "2", False), ("FULL_SHARD", "inf", False), ("NO_SHARD", "2", False),
+                 ("FULL_SHARD", "1", True)]
+
+
+@case("grad_clip/wrapper_clip_grad_norm", clause="C19", world_size=TWO_OR_MORE,
+      requires=[Capability.WRAPPER_METHODS])
+@pytest.mark.parametrize(("strategy", "norm_type", "use_orig_params"), WRAPPER_CLIPS)
+def test_wrapper_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, strategy: str, norm_type: str,
+                                use_orig_params: bool) -> None:
+    """The wrapper's own ``clip_grad_norm_`` returns the local model's total norm on every rank, and after
+    two clipped SGD steps the parameters equal the local model's."""
+    plain = Blocks(seed=0).to(ctx.device)
+    spec = WrapSpec(strategy=strategy, use_orig_params=use_orig_params,
+                    auto_wrap=AutoWrap.submodules(plain, plain.blocks()))
+    model = impl.wrap(plain, spec)
+    local = Blocks(seed=0).to(ctx.device)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    kind = float(norm_type)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        local_optim.zero_grad(set_to_none=True)
+        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
+        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
+        (torch.stack(losses).sum() / ctx.world_size).backward()
+        norm = optional.clip_grad_norm(impl, model, MAX_NORM, kind)
+        local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), MAX_NORM, norm_type=kind)
+        assert local_norm > MAX_NORM, f"step {step}: the local norm {local_norm} is not clipped; lower MAX_NORM"
+        label = f"rank {ctx.rank} step {step}: total norm"
+        torch.testing.assert_close(norm.to(local_norm.device), local_norm,
+                                   msg=lambda m, label=label: f"{label}: {m}")
+        optional.step(impl, model, optim)
+        local_optim.step()
+    assert_close_named(impl.full_params(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

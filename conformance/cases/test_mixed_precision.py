@@ -12,10 +12,16 @@ dtype of the sharded parameters and gradients the optimizer sees, and the
 values of losses, gradients and parameters against the emulation with
 ``torch.testing.assert_close``'s defaults for their dtype.
 
-Only ``cast_forward_inputs`` feeds float32 batches and relies on the implementation casting them
-(``Capability.MP_CAST_FORWARD_INPUTS``); every other case casts its batches to the param dtype
-itself (``MixedPrecisionSpec(cast_forward_inputs=False)``), so it needs no more than the dtypes it
-tests.
+``cast_unit_forward_inputs[cast=True|False]`` is FSDP1's ``MixedPrecision.cast_forward_inputs``
+(torch 2.13: "If ``True``, then this FSDP module casts its forward args and kwargs to
+``param_dtype``", where ``cast_root_forward_inputs`` covers the root alone): a root computing in
+bfloat16 hands its nested unit a float32 tensor; the nested module's forward sees it in bfloat16 with the
+option, in float32 without it.
+
+Only ``cast_forward_inputs`` and ``cast_unit_forward_inputs`` feed float32 inputs and rely on the
+implementation casting them (``Capability.MP_CAST_FORWARD_INPUTS``, and ``MP_CAST_UNIT_FORWARD_INPUTS``);
+every other case casts its batches to the param dtype itself
+(``MixedPrecisionSpec(cast_forward_inputs=False)``), so it needs no more than the dtypes it tests.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from conformance.fuzz.ops import FullyShardConfig, WrapConfig
 from conformance.fuzz.unsynced import keeps_unsynced_sums
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss
-from fixtures.seeding import generator, rank_seed
+from fixtures.seeding import generator, rank_seed, seeded_init_
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -269,3 +275,44 @@ def test_unsynced_sums(ctx: RankContext, impl: FSDPAdapter, api: str, param_dtyp
     kind = WrapConfig if api == "wrap" else FullyShardConfig
     keeps_unsynced_sums(ctx, impl, kind(world_size=ctx.world_size, model=ModelSpec(width=4),
                                         policy=Policy(param_dtype=param_dtype, reduce_dtype="float32")))
+
+
+class _RecordsInput(nn.Module):
+    """A ``Linear`` that records the dtype of each input its forward sees and computes in its weight's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+class _Upcasts(nn.Module):
+    """The root's own layer, its output upcast to float32 and handed to ``inner``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.inner = _RecordsInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.head(x).float())
+
+
+@case("mixed_precision/cast_unit_forward_inputs", clause="C13", world_size=TWO_OR_MORE,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS, Capability.MP_CAST_UNIT_FORWARD_INPUTS])
+@pytest.mark.parametrize("cast", [True, False])
+def test_cast_unit_forward_inputs(ctx: RankContext, impl: FSDPAdapter, cast: bool) -> None:
+    """A nested unit's forward sees the float32 tensor its caller hands it in bfloat16 with
+    ``cast_unit_forward_inputs``, in float32 without it."""
+    plain = _Upcasts().to(ctx.device)
+    seeded_init_(plain, 0)
+    policy = MixedPrecisionSpec(param_dtype=torch.bfloat16, cast_unit_forward_inputs=cast)
+    model = impl.wrap(plain, WrapSpec(mixed_precision=policy, auto_wrap=AutoWrap.submodules(plain, [plain.inner])))
+    model(torch.randn(2, 4, generator=generator(rank_seed(0, ctx.rank))).to(ctx.device)).sum().backward()
+    want = torch.bfloat16 if cast else torch.float32
+    assert plain.inner.seen == [want], (
+        f"rank {ctx.rank}: the nested unit's forward saw inputs in {plain.inner.seen}, expected [{want}]")

@@ -1,4 +1,5 @@
-"""param_kinds: frozen, ignored and shared parameters in each position a ``fully_shard`` unit can hold them.
+"""param_kinds: frozen, ignored and shared parameters in each position a ``fully_shard`` unit can hold them,
+and FSDP1's ``ignored_states``.
 
 The model is :class:`fixtures.blocks.Blocks` (three block units, the root keeps ``head``), trained
 three SGD steps against a local copy given the mean of every rank's loss.
@@ -14,6 +15,13 @@ three SGD steps against a local copy given the mean of every rank's loss.
   trains like the local model. Across units an implementation either trains like the local model
   too or refuses with an exception before the first step ends (torch's FSDP2 refuses: a parameter
   belongs to one unit); it never trains on silently different values.
+- ``ignored_states[kind=parameters|modules]``: FSDP1's wrapper, ``b1`` and ``b3`` its units, given
+  ``ignored_states`` of ``b2``'s parameters, or of ``b2`` itself. Torch 2.13's docstring: "Ignored
+  parameters or modules that will not be managed by this FSDP instance, meaning that the parameters are
+  not sharded and their gradients are not reduced across ranks". ``b2``'s parameters stay the very
+  parameters the model was built with, whole; after a backward on each rank's own batch their gradient
+  is this rank's own; after an SGD step they equal a local model's stepped on this rank's batch alone,
+  and every other parameter the local model's stepped on the mean over ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from conformance.contract import optional
-from conformance.contract.adapter import Capability, FSDPAdapter
+from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, case
 from conformance.contract.results import CaseReport
 from fixtures.blocks import Blocks, block_batch
@@ -145,3 +153,32 @@ def test_shared(ctx: RankContext, impl: FSDPAdapter, position: str) -> CaseRepor
     local_step(ctx, local, optims[1], 0, range(ctx.world_size))
     _train_alike(ctx, impl, model, local, first=1, optims=optims)
     return CaseReport(reason="trained like the local model")
+
+
+@case("param_kinds/ignored_states", clause="C18", world_size=TWO_OR_MORE, requires=[Capability.IGNORED_STATES])
+@pytest.mark.parametrize("kind", ["parameters", "modules"])
+def test_ignored_states(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
+    """``b2``'s parameters, ignored as parameters or through their module, stay the same whole parameters
+    and train on this rank's own gradient; every other parameter trains on the mean over ranks."""
+    plain = Blocks(seed=0).to(ctx.device)
+    ignored = dict(plain.b2.named_parameters(prefix="b2"))
+    states: list[nn.Parameter] | list[nn.Module] = list(ignored.values()) if kind == "parameters" else [plain.b2]
+    plan = AutoWrap.submodules(plain, [plain.b1, plain.b3])
+    model = impl.wrap(plain, WrapSpec(ignored_states=states, auto_wrap=plan))
+    for name, param in ignored.items():
+        held = plain.get_parameter(name)
+        assert held is param and held.shape == Blocks(seed=0).get_parameter(name).shape, (
+            f"rank {ctx.rank}: ignored {name} is no longer the whole parameter built: {tuple(held.shape)}")
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    model(block_batch(0, ctx.rank, ctx.device)).sum().backward()
+    own, mean = Blocks(seed=0).to(ctx.device), Blocks(seed=0).to(ctx.device)
+    own(block_batch(0, ctx.rank, ctx.device)).sum().backward()
+    (sum(mean(block_batch(0, r, ctx.device)).sum() for r in range(ctx.world_size)) / ctx.world_size).backward()
+    assert_close_named({name: p.grad for name, p in ignored.items()},
+                       {name: own.get_parameter(name).grad for name in ignored},
+                       what=f"rank {ctx.rank}: ignored gradients (this rank's own)")
+    optional.step(impl, model, optim)
+    for local in (own, mean):
+        torch.optim.SGD(local.parameters(), lr=LR).step()
+    expected = {name: (own if name in ignored else mean).get_parameter(name) for name, _ in mean.named_parameters()}
+    assert_close_named(impl.full_params(model), expected, what=f"rank {ctx.rank}: parameters after a step")

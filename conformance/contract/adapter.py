@@ -32,19 +32,8 @@ from conformance.contract.capabilities import Capability
 from conformance.contract.plan import AutoWrap
 from conformance.contract.units import UnitInfo
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "DEPRECATED_CAPABILITIES",
-    "Capability",
-    "STRATEGIES",
-    "HYBRID_STRATEGIES",
-    "DEFAULT_STRATEGY",
-    "AutoWrap",
-    "MixedPrecisionSpec",
-    "WrapSpec",
-    "UnitInfo",
-    "FSDPAdapter",
-]
+__all__ = ["PROTOCOL_VERSION", "DEPRECATED_CAPABILITIES", "Capability", "STRATEGIES", "HYBRID_STRATEGIES",
+           "DEFAULT_STRATEGY", "AutoWrap", "MixedPrecisionSpec", "WrapSpec", "UnitInfo", "FSDPAdapter"]
 
 #: Version of the adapter protocol this suite speaks. 1: the methods of :class:`FSDPAdapter`.
 #: 2: optional methods (:mod:`conformance.contract.optional`), fine-grained capabilities.
@@ -88,6 +77,8 @@ class MixedPrecisionSpec:
     cast: an implementation may then cast or not, which for such inputs is the same.
     ``output_dtype`` (FSDP2's, given to ``fully_shard`` only; :attr:`Capability.MP_OUTPUT_DTYPE`): the module's
     floating forward outputs are cast to it.
+    ``cast_unit_forward_inputs``: every unit casts them too, not only the root (FSDP1's
+    ``cast_forward_inputs``; :attr:`Capability.MP_CAST_UNIT_FORWARD_INPUTS`); ``False`` relies on no such cast.
     """
 
     param_dtype: torch.dtype | None = None
@@ -96,6 +87,7 @@ class MixedPrecisionSpec:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
     output_dtype: torch.dtype | None = None
+    cast_unit_forward_inputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
@@ -114,6 +106,8 @@ class MixedPrecisionSpec:
             caps.append(Capability.MP_CAST_FORWARD_INPUTS)
         if self.output_dtype is not None:
             caps.append(Capability.MP_OUTPUT_DTYPE)
+        if self.cast_unit_forward_inputs:
+            caps.append(Capability.MP_CAST_UNIT_FORWARD_INPUTS)
         return caps
 
 
@@ -136,6 +130,7 @@ class WrapSpec:
     use_orig_params: bool = False
     sync_module_states: bool = False
     ignored_modules: Sequence[nn.Module] = ()
+    ignored_states: Sequence[nn.Parameter | nn.Module] = ()
     param_init_fn: Callable[[nn.Module], None] | None = None
     forward_prefetch: bool = False
     backward_prefetch: str | None = "BACKWARD_PRE"
@@ -168,6 +163,7 @@ class WrapSpec:
             Capability.PARAM_INIT_FUNCTION: self.param_init_fn is not None,
             Capability.CPU_OFFLOAD: self.cpu_offload,
             Capability.IGNORED_MODULES: bool(self.ignored_modules),
+            Capability.IGNORED_STATES: bool(self.ignored_states),
             Capability.DEVICE_MESH: self.device_mesh is not None,
             Capability.HYBRID_VIA_PG_TUPLE: isinstance(self.process_group, tuple),
             Capability.BACKWARD_PREFETCH: self.backward_prefetch != "BACKWARD_PRE",

@@ -195,6 +195,17 @@ class Capability(str, enum.Enum):
     ``get_state_dict_type(model)``, ``optim_state_dict_as_set(model, optim)`` and
     ``load_optim_state_dict_as_set(model, optim, osd)``; afterwards the model's own
     ``state_dict()`` and the optimizer state dict take the type and options set."""
+    WRAPPER_METHODS = "wrapper_methods"
+    """FSDP1's methods on a wrapped model: the adapter defines ``clip_grad_norm``, ``apply_with_full_params``,
+    ``check_is_root``, ``fsdp_modules``, ``named_buffers`` and ``register_comm_hook``
+    (:mod:`conformance.contract.wrapper_methods`), each as torch documents FSDP1's method."""
+    IGNORED_STATES = "ignored_states"
+    """``WrapSpec.ignored_states`` (FSDP1's ``ignored_states``: parameters, or modules): they stay whole and
+    unreduced, each rank keeping its own gradient, as ``ignored_modules``'."""
+    MP_CAST_UNIT_FORWARD_INPUTS = "mp_cast_unit_forward_inputs"
+    """``MixedPrecisionSpec.cast_unit_forward_inputs`` is honoured (FSDP1's ``MixedPrecision.cast_forward_inputs``):
+    True, every unit casts the floating tensors of its forward inputs to ``param_dtype``; False, a nested unit
+    leaves them as its caller gave them."""
     LOCAL_STATE_DICT = "local_state_dict"
     """:attr:`STATE_DICT_SETTINGS` also takes ``kind="LOCAL_STATE_DICT"``: each rank's local shard, loaded into a
     model wrapped the same way on the same world (FSDP1's ``LocalStateDictConfig`` / ``LocalOptimStateDictConfig``)."""

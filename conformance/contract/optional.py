@@ -46,11 +46,15 @@ adapter method (optional)                  default
                                            unsupported: the case is ``n/a``
 ``release(model)``                         nothing: dropping the model frees it
 ``units_per_module(strategy)``             ``True``: an auto-wrap policy makes a unit per module
+``clip_grad_norm(m, max_norm, norm_type)``, ``apply_with_full_params(m, fn)``, ``check_is_root(unit)``,
+``fsdp_modules(m, root_only)``, ``named_buffers(m)``, ``register_comm_hook(m, state, hook)``
+                                           unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
 adapter sees no change. FSDP2's module controls are defined in :mod:`conformance.contract.module_controls`,
-FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`, the performance knobs in
+FSDP1's state-dict functions in :mod:`conformance.contract.state_dict_api`, FSDP1's methods on a wrapped model
+in :mod:`conformance.contract.wrapper_methods`, the performance knobs in
 :mod:`conformance.contract.knobs` and an engine's release, step and units in
 :mod:`conformance.contract.optional_engine`; this module exports them, so ``optional.X`` stays the one way
 to each. A capability that promises an optional method
@@ -104,61 +108,31 @@ from conformance.contract.state_dict_api import (
     shard_full_optim_state_dict,
     sharded_optim_state_dict,
 )
+from conformance.contract.wrapper_methods import (
+    WrapperMethodUnsupported,
+    apply_with_full_params,
+    check_is_root,
+    clip_grad_norm,
+    fsdp_modules,
+    named_buffers,
+    register_comm_hook,
+)
 
 __all__ = [
-    "CAPABILITY_METHODS",
-    "LOADED_STATE_DICTS",
-    "FullyShardUnsupported",
-    "NoSyncUnsupported",
-    "PostOptimEventUnsupported",
-    "StateDictAPIUnsupported",
-    "flatten_sharded_optim_state_dict",
-    "full_optim_state_dict",
-    "get_state_dict_type",
-    "load_optim_state_dict_as_set",
-    "optim_state_dict_as_set",
-    "rekey_optim_state_dict",
-    "scatter_full_optim_state_dict",
-    "set_state_dict_type",
-    "shard_full_optim_state_dict",
-    "sharded_optim_state_dict",
-    "activation_checkpoint_wrapper",
-    "capabilities_of",
-    "full_grads",
-    "fully_shard",
-    "no_sync",
-    "optimizer",
-    "performance_knobs",
-    "knob_specs",
-    "wrap_knobs",
-    "protocol_version",
-    "release",
-    "reshard",
-    "set_modules_to_prefetch",
-    "set_performance_knob",
-    "set_requires_gradient_sync",
-    "set_gradient_divide_factor",
-    "set_reduce_scatter_divide_factor",
-    "set_requires_all_reduce",
-    "set_all_reduce_hook",
-    "reset_iter_state",
-    "set_is_last_backward",
-    "set_unshard_in_backward",
-    "register_forward_method",
-    "set_custom_comms",
-    "set_reduce_scatter_unused_params",
-    "set_reshard_after_backward",
-    "set_reshard_after_forward",
-    "step",
-    "step_zeroes_grads",
-    "supports_no_sync",
-    "takes_param_dtype",
-    "units_per_module",
-    "unshard",
-    "thread_rank_limits",
-    "thread_rank_load_limits",
-    "set_post_optim_event",
-    "wrapped_module",
+    "CAPABILITY_METHODS", "LOADED_STATE_DICTS", "FullyShardUnsupported", "NoSyncUnsupported",
+    "PostOptimEventUnsupported", "StateDictAPIUnsupported", "flatten_sharded_optim_state_dict",
+    "full_optim_state_dict", "get_state_dict_type", "load_optim_state_dict_as_set", "optim_state_dict_as_set",
+    "rekey_optim_state_dict", "scatter_full_optim_state_dict", "set_state_dict_type", "shard_full_optim_state_dict",
+    "sharded_optim_state_dict", "activation_checkpoint_wrapper", "capabilities_of", "full_grads", "fully_shard",
+    "no_sync", "optimizer", "performance_knobs", "knob_specs", "wrap_knobs", "protocol_version", "release",
+    "reshard", "set_modules_to_prefetch", "set_performance_knob", "set_requires_gradient_sync",
+    "set_gradient_divide_factor", "set_reduce_scatter_divide_factor", "set_requires_all_reduce",
+    "set_all_reduce_hook", "reset_iter_state", "set_is_last_backward", "set_unshard_in_backward",
+    "register_forward_method", "set_custom_comms", "set_reduce_scatter_unused_params", "set_reshard_after_backward",
+    "set_reshard_after_forward", "step", "step_zeroes_grads", "supports_no_sync", "takes_param_dtype",
+    "units_per_module", "unshard", "thread_rank_limits", "thread_rank_load_limits", "set_post_optim_event",
+    "wrapped_module", "WrapperMethodUnsupported", "apply_with_full_params", "check_is_root", "clip_grad_norm",
+    "fsdp_modules", "named_buffers", "register_comm_hook",
 ]
 
 
@@ -174,6 +148,8 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
                                      "load_optim_state_dict_as_set"),
     Capability.LOCAL_STATE_DICT: ("set_state_dict_type", "get_state_dict_type", "optim_state_dict_as_set",
                                   "load_optim_state_dict_as_set"),
+    Capability.WRAPPER_METHODS: ("clip_grad_norm", "apply_with_full_params", "check_is_root", "fsdp_modules",
+                                 "named_buffers", "register_comm_hook"),
 }
 
 
@@ -183,8 +159,6 @@ class PostOptimEventUnsupported(NotImplementedError):
 
 class NoSyncUnsupported(NotImplementedError):
     """The adapter cannot accumulate gradients without communication (cases report ``n/a``)."""
-
-
 
 
 
@@ -319,9 +293,6 @@ def step(adapter: Any, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         method(model, optim)
     else:
         optim.step()
-
-
-
 
 
 def supports_no_sync(adapter: Any, strategy: str | None) -> bool:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 from fsdp_impl import FSDP, CPUOffload, ShardingStrategy
-from fsdp_impl.construct import UnitArgs
+from fsdp_impl.construct import UnitArgs, _split_ignored
 from fsdp_impl.init import Groups
 from fsdp_impl.unit_state import is_unit, named_unit_states, unit_state
 from fsdp_impl.wrap import ModuleWrapPolicy
@@ -74,6 +75,9 @@ def test_children_get_resolved_groups_and_no_policy() -> None:
     assert children.ignored_modules == [ignored]
     assert children.forward_prefetch is True
     assert set(children.as_kwargs()) == set(UnitArgs.__dataclass_fields__)
+    param = nn.Parameter(torch.zeros(1))
+    by_params = args.for_children(groups, ShardingStrategy.HYBRID_SHARD, set(), [param])
+    assert by_params.ignored_modules is None and by_params.ignored_states == [param]  # torch takes one of the two
 
 
 @one_rank
@@ -82,3 +86,15 @@ def test_construction_warnings_point_at_the_caller(ctx: RankContext) -> None:
         FSDP(nn.ModuleList([nn.Linear(2, 2)]), sharding_strategy=ShardingStrategy.NO_SHARD)
     [warning] = [w for w in record if "containers" in str(w.message)]
     assert warning.filename == __file__, warning.filename
+
+
+def test_ignored_states_are_parameters_or_modules_and_exclude_ignored_modules() -> None:
+    """As torch's ``_init_ignored_module_states``: one of the two arguments, one kind of state."""
+    lin = nn.Linear(1, 1)
+    assert _split_ignored(None, [lin.weight]) == (None, [lin.weight])
+    assert _split_ignored(None, [lin]) == ([lin], [])
+    assert _split_ignored([lin], None) == ([lin], [])
+    with pytest.raises(ValueError, match="Cannot pass both ignored_modules and ignored_states"):
+        _split_ignored([lin], [lin.weight])
+    with pytest.raises(ValueError, match=r"all nn.Parameter or all nn.Module .* \['Linear', 'Parameter'\]"):
+        _split_ignored(None, [lin, lin.weight])

@@ -189,9 +189,9 @@ class IgnoredModulesManaged(_Mutant):
 
 
 def _place_first_param(place: Fn) -> Fn:
-    def place_reading_first_param(root: Any, ignored: Any, device: Any, param_init_fn: Any) -> Any:
+    def place_reading_first_param(root: Any, ignored: Any, device: Any, param_init_fn: Any, *rest: Any) -> Any:
         next(root.parameters())  # StopIteration for a parameterless module
-        return place(root, ignored, device, param_init_fn)
+        return place(root, ignored, device, param_init_fn, *rest)
 
     return place_reading_first_param
 
