@@ -123,7 +123,7 @@ def _set_state(ctx: harness.RankContext) -> tuple[str | None, int, int, float]:
             int(dist.get_debug_level()), draw)
     ctx.barrier()  # thread ranks share the environment: read everything before anyone writes
     os.environ["HARNESS_LEAK"] = "1"
-    ctx.new_group([0, 1])
+    dist.new_group([0, 1])  # the case's own group (what the context keeps is [Note: kept groups]'s)
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     return seen
 
