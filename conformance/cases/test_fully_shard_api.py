@@ -53,6 +53,7 @@ from fixtures.sharded_blocks import (
     local_grads,
     local_step,
     mesh_over,
+    micro_batch_cycles,
     shard_blocks,
     sharded_step,
 )
@@ -113,20 +114,7 @@ def test_requires_all_reduce(ctx: RankContext, impl: FSDPAdapter) -> None:
     """On a 2x2 mesh, ``set_requires_all_reduce(False)`` for one backward, then ``True`` for the next: after
     the synchronizing backward the gradients are the local model's for both micro-batches, twice in a row."""
     model = _hybrid_blocks(ctx, impl)
-    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
-    local = Blocks(seed=0).to(ctx.device)
-    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
-    for cycle in range(2):
-        optim.zero_grad(set_to_none=True)
-        local_optim.zero_grad(set_to_none=True)
-        for micro, on in enumerate((False, True)):
-            optional.set_requires_all_reduce(impl, model, on)
-            model(block_batch(2 * cycle + micro, ctx.rank, ctx.device)).sum().backward()
-        expected = local_grads(ctx, range(2 * cycle, 2 * cycle + 2), local)
-        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of cycle {cycle}")
-        optional.step(impl, model, optim)
-        local_optim.step()
-    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+    micro_batch_cycles(ctx, impl, model, lambda last: optional.set_requires_all_reduce(impl, model, last))
 
 
 @case("fully_shard_api/all_reduce_hook", clause=("C15", "C2"), world_size=4, strategies=(),

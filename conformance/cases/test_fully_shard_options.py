@@ -48,6 +48,7 @@ from fixtures.sharded_blocks import (
     local_grads,
     local_step,
     mesh_over,
+    micro_batch_cycles,
     shard_blocks,
     sharded_step,
 )
@@ -63,20 +64,7 @@ def test_is_last_backward(ctx: RankContext, impl: FSDPAdapter) -> None:
     before the second: the full gradients are then the local model's for both, and two such steps leave the
     local model's parameters."""
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
-    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
-    local = Blocks(seed=0).to(ctx.device)
-    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
-    for cycle in range(2):
-        optim.zero_grad(set_to_none=True)
-        local_optim.zero_grad(set_to_none=True)
-        for micro, last in enumerate((False, True)):
-            optional.set_is_last_backward(impl, model, last)
-            model(block_batch(2 * cycle + micro, ctx.rank, ctx.device)).sum().backward()
-        expected = local_grads(ctx, range(2 * cycle, 2 * cycle + 2), local)
-        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of cycle {cycle}")
-        optional.step(impl, model, optim)
-        local_optim.step()
-    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+    micro_batch_cycles(ctx, impl, model, lambda last: optional.set_is_last_backward(impl, model, last))
 
 
 AG = "all_gather_into_tensor"
