@@ -171,6 +171,17 @@ class WrapSpec:
         return caps + [capability for capability, used in flags.items() if used]
 
 
+def optional_method(missing: type[Exception], adapter: Any, name: str, purpose: str = "") -> Callable[..., Any]:
+    """The adapter's optional method ``name``, or ``missing`` raised naming the adapter, the method and what
+    it is ``purpose``-d for (an ``n/a`` case): the one lookup behind each family of optional methods
+    (:mod:`conformance.contract.module_controls`, :mod:`~conformance.contract.state_dict_api`,
+    :mod:`~conformance.contract.wrapper_methods`)."""
+    method = getattr(adapter, name, None)
+    if method is None:
+        raise missing(f"{adapter.name} has no {name}{purpose}")
+    return method  # type: ignore[no-any-return]
+
+
 @runtime_checkable
 class FSDPAdapter(Protocol):
     """What the suite needs from an FSDP implementation."""

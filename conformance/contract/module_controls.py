@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from conformance.contract.adapter import Capability, MixedPrecisionSpec
+from conformance.contract.adapter import Capability, MixedPrecisionSpec, optional_method
 
 __all__ = ["CONTROL_METHODS", "FullyShardUnsupported", "fully_shard", "register_forward_method", "reset_iter_state",
            "reshard", "set_all_reduce_hook", "set_custom_comms", "set_gradient_divide_factor", "set_is_last_backward",
@@ -103,11 +103,8 @@ def set_modules_to_prefetch(
     method(module, forward=forward, backward=backward)
 
 
-def _control(adapter: Any, name: str) -> Any:
-    method = getattr(adapter, name, None)
-    if method is None:
-        raise FullyShardUnsupported(f"{adapter.name} has no {name} for a fully_shard-ed module")
-    return method
+def _control(adapter: Any, name: str) -> Callable[..., Any]:
+    return optional_method(FullyShardUnsupported, adapter, name, " for a fully_shard-ed module")
 
 
 def unshard(adapter: Any, module: nn.Module, *, async_op: bool = False) -> Any:

@@ -8,11 +8,14 @@ adapter has none, so the case is ``n/a``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from conformance.contract.adapter import optional_method
 
 __all__ = ["StateDictAPIUnsupported", "StateDictSettingsSpec", "flatten_sharded_optim_state_dict",
            "full_optim_state_dict", "get_state_dict_type", "load_optim_state_dict_as_set", "optim_state_dict_as_set",
@@ -47,11 +50,7 @@ class StateDictAPIUnsupported(NotImplementedError):
     """The adapter lacks one of FSDP1's state-dict functions or settings (cases report ``n/a``)."""
 
 
-def _state_dict_api(adapter: Any, name: str) -> Any:
-    method = getattr(adapter, name, None)
-    if method is None:
-        raise StateDictAPIUnsupported(f"{adapter.name} has no {name}")
-    return method
+_state_dict_api = functools.partial(optional_method, StateDictAPIUnsupported)
 
 
 def full_optim_state_dict(

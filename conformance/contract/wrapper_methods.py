@@ -8,11 +8,14 @@ rank starts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from conformance.contract.adapter import optional_method
 
 __all__ = ["WrapperMethodUnsupported", "apply_with_full_params", "check_is_root", "clip_grad_norm", "fsdp_modules",
            "named_buffers", "register_comm_hook"]
@@ -22,11 +25,7 @@ class WrapperMethodUnsupported(NotImplementedError):
     """The adapter lacks one of FSDP1's wrapper methods (cases report ``n/a``)."""
 
 
-def _method(adapter: Any, name: str) -> Any:
-    method = getattr(adapter, name, None)
-    if method is None:
-        raise WrapperMethodUnsupported(f"{adapter.name} has no {name}")
-    return method
+_method = functools.partial(optional_method, WrapperMethodUnsupported)
 
 
 def clip_grad_norm(adapter: Any, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
