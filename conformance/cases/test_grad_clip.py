@@ -21,10 +21,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+import torch.nn as nn
 
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
@@ -45,25 +47,39 @@ def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> 
     """``clip_grad_norm_`` over the sharded gradients returns the local model's total norm on every rank,
     and after three clipped SGD steps the parameters equal the local model's."""
     model = shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx))
+    kind = float(norm_type)
+
+    def clip() -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=kind)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    local = _clipped_steps(ctx, impl, model, 3, kind, clip)
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+def _clipped_steps(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, steps: int, kind: float,
+                   clip: Callable[[], torch.Tensor]) -> nn.Module:
+    """``steps`` SGD steps of the sharded ``model`` (its gradients clipped by ``clip``, which returns the total
+    norm) beside a local Blocks given the mean of every rank's loss and clipped by torch: every step is clipped,
+    and the total norm is the local model's on every rank. Returns the local model, for the caller's final
+    comparison of parameters."""
     local = Blocks(seed=0).to(ctx.device)
     optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
-    kind = float(norm_type)
-    for step in range(3):
+    for step in range(steps):
         optim.zero_grad(set_to_none=True)
         local_optim.zero_grad(set_to_none=True)
         model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
         losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
         (torch.stack(losses).sum() / ctx.world_size).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=kind)
+        norm = clip()
         local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), MAX_NORM, norm_type=kind)
-        total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         assert local_norm > MAX_NORM, f"step {step}: the local norm {local_norm} is not clipped; lower MAX_NORM"
         label = f"rank {ctx.rank} step {step}: total norm"
-        torch.testing.assert_close(total, local_norm, msg=lambda m, label=label: f"{label}: {m}")
+        torch.testing.assert_close(norm.to(local_norm.device), local_norm, msg=lambda m, label=label: f"{label}: {m}")
         optional.step(impl, model, optim)
         local_optim.step()
-    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+    return local
 
 
 WRAPPER_CLIPS = [("FULL_SHARD", "2", False), ("FULL_SHARD", "inf", False), ("NO_SHARD", "2", False),
@@ -81,22 +97,6 @@ def test_wrapper_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, strategy: s
     spec = WrapSpec(strategy=strategy, use_orig_params=use_orig_params,
                     auto_wrap=AutoWrap.submodules(plain, plain.blocks()))
     model = impl.wrap(plain, spec)
-    local = Blocks(seed=0).to(ctx.device)
-    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
-    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
     kind = float(norm_type)
-    for step in range(2):
-        optim.zero_grad(set_to_none=True)
-        local_optim.zero_grad(set_to_none=True)
-        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
-        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
-        (torch.stack(losses).sum() / ctx.world_size).backward()
-        norm = optional.clip_grad_norm(impl, model, MAX_NORM, kind)
-        local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), MAX_NORM, norm_type=kind)
-        assert local_norm > MAX_NORM, f"step {step}: the local norm {local_norm} is not clipped; lower MAX_NORM"
-        label = f"rank {ctx.rank} step {step}: total norm"
-        torch.testing.assert_close(norm.to(local_norm.device), local_norm,
-                                   msg=lambda m, label=label: f"{label}: {m}")
-        optional.step(impl, model, optim)
-        local_optim.step()
+    local = _clipped_steps(ctx, impl, model, 2, kind, lambda: optional.clip_grad_norm(impl, model, MAX_NORM, kind))
     assert_close_named(impl.full_params(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
