@@ -49,10 +49,10 @@ class RankContext:
         dist.barrier()
 
     def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
-        """A subgroup; every rank must call this with the same ``ranks`` in the same order. Process and
-        launched ranks keep it for later cases ([Note: kept groups] in :mod:`harness.ranks.kept_groups`)."""
+        """A subgroup; every rank must call this with the same ``ranks`` in the same order. Process ranks keep
+        it for later cases ([Note: kept groups] in :mod:`harness.ranks.kept_groups`)."""
         members = list(ranks)
-        if self.mode is RankMode.THREAD:
+        if self.mode is not RankMode.PROCESS:  # see [Note: kept groups]
             return dist.new_group(members)
         return kept(("group", tuple(members)), lambda: dist.new_group(members))
 
@@ -67,13 +67,13 @@ class RankContext:
         return all(v == values[0] for v in values[1:])
 
     def device_mesh(self, shape: Sequence[int], mesh_dim_names: Sequence[str] | None = None) -> Any:
-        """A DeviceMesh over the whole world on this run's device type; process and launched ranks keep it
-        (and its groups) for later cases ([Note: kept groups] in :mod:`harness.ranks.kept_groups`)."""
+        """A DeviceMesh over the whole world on this run's device type; process ranks keep it (and its groups)
+        for later cases ([Note: kept groups] in :mod:`harness.ranks.kept_groups`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
         dims, kind = tuple(shape), self.device.type
-        if self.mode is RankMode.THREAD:
+        if self.mode is not RankMode.PROCESS:  # see [Note: kept groups]
             return init_device_mesh(kind, dims, mesh_dim_names=names)
         return kept(("mesh", kind, dims, names), lambda: init_device_mesh(kind, dims, mesh_dim_names=names))
 

@@ -20,8 +20,10 @@ later cases of its pool, as a training job keeps one mesh for its whole life:
 * groups a case makes by other means (``dist.new_group``, an implementation's
   own) are destroyed when the case ends, and only then are the caches cleared.
 
-Thread ranks make a new world for every run, so their contexts keep nothing.
-A failed case replaces the pool, and what it kept goes with it.
+Only process ranks keep anything: a failed case replaces their pool, and what
+it kept goes with it, so no later case meets a group left mid-collective.
+Thread ranks make a new world for every run, and a launched job's ranks run
+on after a failed case, so their contexts keep nothing.
 """
 
 from __future__ import annotations
