@@ -33,7 +33,8 @@ issued on ``torch.distributed`` at call time ([Note: collectives are looked up
 at call time]), never through DTensor redistribution. When something replaces a
 parameter's local tensor (``to_empty``/``.to``, which go through
 ``nn.Module._apply``; ``param.data = ...``) the shard is refilled from it and the
-parameter views its piece again.
+parameter views its piece again; ``load_state_dict(..., assign=True)``, which
+replaces the parameter objects themselves, makes the new ones the unit's first.
 """
 
 from __future__ import annotations
@@ -107,11 +108,31 @@ def fully_shard(
     module.__dict__[STATE_ATTR] = UnitState(module, config, groups, device, handle, UnitControls(setting))
     module.register_forward_pre_hook(unit.pre_forward_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward_hook, with_kwargs=True)
+    module.register_load_state_dict_post_hook(_adopt_loaded_params)
     cls = type(module)
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
     module.__class__ = _FSDP_CLASSES[cls]
     return module
+
+
+def _adopt_loaded_params(module: nn.Module, incompatible_keys: Any) -> None:
+    """After ``load_state_dict(..., assign=True)``: the parameters it put on the unit's modules become the unit's
+    sharded parameters, and its shard is refilled from them, as after ``_apply``."""
+    state = unit_state(module)
+    if state is not None and state.handle is not None and _adopt_registered(state.handle):
+        state.handle.follow_moved_params()
+
+
+def _adopt_registered(handle: FlatParamHandle) -> bool:
+    """Take as each slot's parameter the one its first module now registers; whether any changed."""
+    changed = False
+    for slot in handle.slots:
+        owner, name = slot.registrations[0]
+        current = owner._parameters.get(name)
+        if current is not None and current is not slot.param:
+            slot.param, changed = current, True
+    return changed
 
 
 def _check_module(module: Any) -> None:

@@ -1,5 +1,5 @@
 """Mutants of the reference's ``fully_shard`` front door: resharding, prefetch lists, frozen, ignored
-and shared parameters, meta-device materialization, the DTensors a checkpoint is made of, and the
+and shared parameters, meta-device materialization and assigned loads, the DTensors a checkpoint is made of, and the
 ``FSDPModule`` methods of ``fully_shard_api`` (divide-factor alias, partial reduction, all-reduce hook, reset)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ __all__ = [
     "IgnoredParamsSharded",
     "SharedAcrossUnitsUnchecked",
     "MetaInitNotFollowed",
+    "AssignedParamsNotAdopted",
     "ShardsClaimReplicated",
     "MisuseUnchecked",
     "GradSyncKeepsGradInParamDtype",
@@ -114,6 +115,16 @@ class MetaInitNotFollowed(_Mutant):
     breaks = "materializing a meta-device model (to_empty)"
     expect = Expect("reset_parameters", "thread", ("meta_init/reset_parameters",))
     patches = (Patch.instead("fsdp_impl.flat_param:FlatParamHandle.follow_moved_params", lambda self: None),)
+
+
+class AssignedParamsNotAdopted(_Mutant):
+    """After ``load_state_dict(..., assign=True)`` the unit keeps its old sharded parameters and shard: the loaded
+    parameter objects are dropped at the next forward, and so is every value they brought."""
+
+    name = "mutant-assigned-params-not-adopted"
+    breaks = "taking the parameters load_state_dict(assign=True) puts in place as the sharded ones"
+    expect = Expect("load_state_dict_assign", "thread", ("meta_init/load_state_dict_assign",))
+    patches = (Patch.instead("fsdp_impl.composable:_adopt_registered", lambda handle: False),)
 
 
 def _replicated(as_dtensor: Fn) -> Fn:
