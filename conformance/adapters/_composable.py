@@ -42,7 +42,7 @@ class FullyShardMethods:
         ignored_params: frozenset[nn.Parameter],
         mixed_precision: MixedPrecisionSpec | None = None,
         shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
-        dp_mesh_dims: tuple[str, str] | None = None,
+        dp_mesh_dims: tuple[str, str | None] | None = None,
     ) -> nn.Module:
         """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``, with
         ``mp_policy`` from ``mixed_precision`` (its FSDP2 fields), ``shard_placement_fn`` where given, and

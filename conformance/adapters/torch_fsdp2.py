@@ -76,6 +76,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.CUSTOM_COMMS,
             Capability.REDUCE_SCATTER_UNUSED_PARAMS,
             Capability.FULLY_SHARD_DP_MESH_DIMS,
+            Capability.FULLY_SHARD_TENSOR_PARALLEL,
             Capability.EXPLICIT_PREFETCH,
             Capability.FULLY_SHARD_CONTROLS,
             Capability.SET_RESHARD_AFTER_FORWARD,

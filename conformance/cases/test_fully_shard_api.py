@@ -27,6 +27,16 @@ The rest exercise ``FSDPModule`` methods by what a user reads back, against the 
   then the full SPMD mesh, the parameters are first replicated DTensors on it and the module computes on
   DTensors (``distribute_module`` replicating the parameters and the inputs, each rank's batch its own).
   After each step the parameters equal those of the positional mesh's model and of the local model.
+- ``tensor_parallel[given=...]``: on a 2 x 2 (dp, tp) mesh, ``b2`` and ``b3`` tensor-parallel over tp (``up``
+  column-wise, ``down`` row-wise), then every block and the root sharded over dp. ``submeshes``: torch's
+  ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` on the tp submesh, ``fully_shard`` on the dp
+  submesh (the composition torch's tensor-parallel tutorial shows). ``dp_mesh_dims``: the parameters placed by
+  hand as DTensors on the whole mesh (replicated over dp), the batch sharded over dp, and ``fully_shard`` given
+  the whole mesh with only its dp dim named. Right after sharding every parameter's ``full_tensor()`` is the
+  local model's, bit for bit; after each of two SGD steps on each dp rank's own batch it still is (the local
+  model steps on the mean of the dp ranks' losses). A ``full_tensor()`` reads the layout ``fully_shard`` gives
+  the shards it took from the tensor-parallel pieces (``_StridedShard`` on dp in torch), so a wrong layout
+  shows as a permuted full parameter.
 """
 
 from __future__ import annotations
@@ -38,14 +48,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
-from conformance.contract.case import TWO_OR_MORE, case
+from conformance.contract.case import TWO_OR_MORE, Exact, case
 from conformance.contract.optional import fully_shard
 from fixtures.blocks import Blocks, block_batch
-from fixtures.parity import assert_close_named
+from fixtures.parity import COPIED, assert_close_named
 from fixtures.sharded_blocks import (
     LR,
     full_grads_of,
@@ -235,3 +246,77 @@ def test_mesh_dims(ctx: RankContext, impl: FSDPAdapter, select: str, ranks_on: s
         assert_close_named(full["positional"], dict(local.named_parameters()), what=f"{what}: positional dims")
         if select == "dp_mesh_dims":
             assert_close_named(full[select], full["positional"], what=f"{what}: dp_mesh_dims vs positional dims")
+
+
+#: A ``dp x tp`` mesh's dim names; the tp dim is the last, as tensor parallelism's usually is.
+TP_DIMS = ("dp", "tp")
+#: The blocks of ``Blocks`` whose hidden size splits over 2 ranks: their ``up`` is column-wise and their ``down``
+#: row-wise tensor-parallel (Megatron's split); every other parameter is replicated over tp.
+TP_BLOCKS = ("b2", "b3")
+#: Those parameters' placements on the tp dim, for the ``dp_mesh_dims`` rows, which place them by hand.
+TP_PLACEMENTS: dict[str, Shard] = {f"{block}.{name}": placement for block in TP_BLOCKS for name, placement in
+                                   (("up.weight", Shard(0)), ("up.bias", Shard(0)), ("down.weight", Shard(1)))}
+
+
+def _tensor_parallel(name: str, module: nn.Module, mesh: Any) -> None:
+    """``distribute_module``'s ``partition_fn``: ``module``'s own parameters as DTensors on ``mesh``, replicated over
+    dp and placed over tp as :data:`TP_PLACEMENTS` says (replicated if absent); every rank holds the full values."""
+    for attr, param in list(module.named_parameters(recurse=False)):
+        placement = TP_PLACEMENTS.get(f"{name}.{attr}".lstrip("."), Replicate())
+        dtensor = distribute_tensor(param.detach(), mesh, [Replicate(), placement], src_data_rank=None)
+        module.register_parameter(attr, nn.Parameter(dtensor))
+
+
+def _batch_sharded(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    """Each dp rank's own batch as its rows of a batch sharded over dp, replicated over tp."""
+    return tuple(DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False) for x in inputs)
+
+
+def _own_rows(module: nn.Module, output: Any, mesh: Any) -> torch.Tensor:
+    """This dp rank's rows of the output, whole over tp."""
+    return output.redistribute(mesh, [Shard(0), Replicate()]).to_local()  # type: ignore[no-any-return]
+
+
+def _tp_blocks(ctx: RankContext, impl: FSDPAdapter, given: str) -> tuple[Blocks, Any]:
+    """``Blocks`` tensor-parallel over the tp dim of a 2 x 2 (dp, tp) mesh, then sharded over its dp dim, every
+    block and the root; and the mesh. ``submeshes``: ``parallelize_module`` on the tp submesh, ``fully_shard`` on the
+    dp submesh. ``dp_mesh_dims``: DTensors on the whole mesh, which ``fully_shard`` gets with the dp dim named."""
+    mesh = ctx.device_mesh((2, 2), TP_DIMS)
+    model = Blocks(seed=0).to(ctx.device)
+    if given == "submeshes":
+        plan = {f"{block}.{name}": style for block in TP_BLOCKS
+                for name, style in (("up", ColwiseParallel()), ("down", RowwiseParallel()))}
+        parallelize_module(model, mesh[TP_DIMS[1]], plan)  # type: ignore[arg-type]
+        for module in [*model.blocks(), model]:
+            fully_shard(impl, module, mesh=mesh[TP_DIMS[0]])
+        return model, mesh
+    # torch annotates both hooks as returning None; what they return replaces the inputs / the output.
+    distribute_module(model, mesh, _tensor_parallel, input_fn=_batch_sharded, output_fn=_own_rows)  # type: ignore[arg-type]
+    for module in [*model.blocks(), model]:
+        fully_shard(impl, module, mesh=mesh, dp_mesh_dims=(TP_DIMS[0], None))
+    return model, mesh
+
+
+def _tp_requires(params: Mapping[str, Any]) -> list[Capability]:
+    dims = [Capability.FULLY_SHARD_DP_MESH_DIMS] * (params["given"] == "dp_mesh_dims")
+    return [Capability.FULLY_SHARD, Capability.FULLY_SHARD_TENSOR_PARALLEL, *dims]
+
+
+@case("fully_shard_api/tensor_parallel", clause=("C15", "C1"), world_size=Exact(4, reason="a 2 x 2 (dp, tp) mesh"),
+      strategies=(), requires=_tp_requires)
+@pytest.mark.parametrize("given", ["submeshes", "dp_mesh_dims"])
+def test_tensor_parallel(ctx: RankContext, impl: FSDPAdapter, given: str) -> None:
+    """Tensor-parallel blocks (column-wise ``up``, row-wise ``down``) on a 2 x 2 (dp, tp) mesh, sharded over dp:
+    the parameters' full values are the local model's, and stay so over two SGD steps on each dp rank's batch."""
+    model, mesh = _tp_blocks(ctx, impl, given)
+    local = Blocks(seed=0).to(ctx.device)
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: sharded", exact=COPIED)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    dp_rank = mesh.get_local_rank(TP_DIMS[0])
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        model(block_batch(step, dp_rank, ctx.device)).sum().backward()
+        optional.step(impl, model, optim)
+        local_step(ctx, local, local_optim, step, range(mesh.size(0)))
+        assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: step {step}")

@@ -123,6 +123,12 @@ class Capability(str, enum.Enum):
     FULLY_SHARD_DP_MESH_DIMS = "fully_shard_dp_mesh_dims"
     """``fully_shard(..., dp_mesh_dims=(shard, replicate))`` names the data-parallel dims of ``mesh``, a full SPMD
     mesh whose parameters are DTensors replicated over it (FSDP2's ``DataParallelMeshDims``)."""
+    FULLY_SHARD_TENSOR_PARALLEL = "fully_shard_tensor_parallel"
+    """``fully_shard`` takes parameters that are already DTensors sharded over a tensor-parallel dim of the same
+    device mesh (``torch.distributed.tensor.parallel``'s ``parallelize_module``, or placements of their own), given
+    the data-parallel submesh, or with :attr:`FULLY_SHARD_DP_MESH_DIMS` the full mesh with the tensor-parallel dim
+    left out of ``dp_mesh_dims``: it shards them over the data-parallel dim, each parameter's full value staying
+    the one tensor parallelism splits (FSDP2's composition with tensor parallelism)."""
     RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
     """``fully_shard(..., reshard_after_forward=k)`` with ``k`` a factor of the mesh size: after forward
     each rank keeps its share for an all-gather over ``k`` ranks in backward."""

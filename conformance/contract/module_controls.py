@@ -27,6 +27,7 @@ __all__ = ["CONTROL_METHODS", "FullyShardUnsupported", "fully_shard", "register_
 CONTROL_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.FULLY_SHARD: ("fully_shard",),
     Capability.FULLY_SHARD_DP_MESH_DIMS: ("fully_shard",),
+    Capability.FULLY_SHARD_TENSOR_PARALLEL: ("fully_shard",),
     Capability.EXPLICIT_PREFETCH: ("set_modules_to_prefetch",),
     Capability.FULLY_SHARD_CONTROLS: ("unshard", "reshard", "set_requires_gradient_sync",
                                       "set_reshard_after_backward"),
@@ -55,7 +56,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] = (),
     mixed_precision: MixedPrecisionSpec | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
-    dp_mesh_dims: tuple[str, str] | None = None,
+    dp_mesh_dims: tuple[str, str | None] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
     ``fully_shard``; call it bottom-up, the root last) and return the module.
