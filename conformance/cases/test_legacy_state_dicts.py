@@ -7,6 +7,12 @@ trains it and a local copy two Adam steps on the same batches on every rank ([No
 - ``full_optim_state_dict``: "the full optimizer state" keyed by "full parameter names ... instead of
   parameter IDs", so equal to the local optimizer's state under the local model's names, and every name in
   ``param_groups``; with ``rank0_only`` "all other ranks return an empty dict". ``group`` is the model's.
+- ``full_orig_params``: with ``use_orig_params=True`` the FULL ``optim_state_dict`` (``optim_state_dict``: "all
+  states are unflattened and not sharded") equals the local optimizer's state in the same way, on every rank.
+  ``ThreeLinear(dim=1)``'s parameters have one element each, so every rank holds none of some of them and
+  gets their state from the others. ``offload_to_cpu`` is off: with it on, on a CPU model, torch 2.13's
+  FSDP1 saves ``exp_avg`` as ``exp_avg_sq`` (docs/findings/fsdp1-full-optim-state-orig-params.md, measured
+  by ``state_dict/roundtrip[kind=FULL]``).
 - ``load_full[via=shard|scatter]``: ``shard_full_optim_state_dict`` (each rank holds the full dict) or
   ``scatter_full_optim_state_dict`` (only rank 0 does; "the argument is ignored on nonzero ranks") gives
   what a fresh wrapped model's optimizer loads; with the model's full state dict loaded, the next two
@@ -70,17 +76,18 @@ def _settings_requires(params: Mapping[str, Any]) -> list[Capability]:
 class _Run:
     """A wrapped model and a local copy, with their Adam optimizers and the same batches on every rank."""
 
-    def __init__(self, ctx: RankContext, impl: FSDPAdapter) -> None:
-        self.ctx, self.impl = ctx, impl
+    def __init__(self, ctx: RankContext, impl: FSDPAdapter, dim: int = 10, use_orig_params: bool = False) -> None:
+        self.ctx, self.impl, self.dim, self.use_orig_params = ctx, impl, dim, use_orig_params
         self.model = self.wrap(seed=0)
         self.optim = optional.optimizer(impl, self.model, torch.optim.Adam, lr=1e-2)
-        self.local = ThreeLinear(seed=0).to(ctx.device)
+        self.local = ThreeLinear(seed=0, dim=dim).to(ctx.device)
         self.local_optim = torch.optim.Adam(self.local.parameters(), lr=1e-2)
         gen = generator(17)
-        self.batches = [ThreeLinear().get_input(ctx.device, gen)[0] for _ in range(4)]
+        self.batches = [self.local.get_input(ctx.device, gen)[0] for _ in range(4)]
 
     def wrap(self, seed: int) -> nn.Module:
-        return self.impl.wrap(ThreeLinear(seed=seed).to(self.ctx.device), WrapSpec(auto_wrap=LINEARS))
+        return self.impl.wrap(ThreeLinear(seed=seed, dim=self.dim).to(self.ctx.device),
+                              WrapSpec(auto_wrap=LINEARS, use_orig_params=self.use_orig_params))
 
     def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = self.wrap(seed=1)
@@ -142,6 +149,19 @@ def test_full_optim_state_dict(ctx: RankContext, impl: FSDPAdapter, rank0_only: 
         assert osd == {}, f"rank {ctx.rank}: expected an empty dict with rank0_only, got keys {sorted(osd)}"
         return
     _assert_full(ctx, run, osd, f"full_optim_state_dict(rank0_only={rank0_only})")
+
+
+@case("legacy_state_dicts/full_orig_params", clause="C4", world_size=TWO_OR_MORE,
+      requires=[Capability.STATE_DICT_SETTINGS, Capability.FULL_STATE_DICT])
+def test_full_orig_params(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """With ``use_orig_params=True`` and one-element parameters (every rank holds none of some of them), the
+    FULL optimizer state dict equals the local optimizer's state keyed by names on every rank; it is not
+    loaded back."""
+    run = _Run(ctx, impl, dim=1, use_orig_params=True)
+    run.first_steps()
+    optional.set_state_dict_type(impl, run.model, StateDictSettingsSpec("FULL_STATE_DICT", optim_offload_to_cpu=False))
+    _assert_full(ctx, run, optional.optim_state_dict_as_set(impl, run.model, run.optim),
+                 "optim_state_dict under FULL_STATE_DICT with use_orig_params=True")
 
 
 @case("legacy_state_dicts/load_full", clause="C4", world_size=TWO_OR_MORE, requires=LOADS)

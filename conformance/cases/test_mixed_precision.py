@@ -86,14 +86,15 @@ class _Pair:
         return reduce if self.mp.keep_low_precision_grads else torch.float32
 
 
-def _pair(ctx: RankContext, impl: FSDPAdapter, mp: MixedPrecisionSpec, strategy: str) -> _Pair:
+def _pair(ctx: RankContext, impl: FSDPAdapter, mp: MixedPrecisionSpec, strategy: str,
+          auto_wrap: AutoWrap | None = LINEARS) -> _Pair:
     module = ScaledMLP(seed=0).to(ctx.device)
     master = ScaledMLP(seed=0).to(ctx.device)
     assert mp.param_dtype is not None
     local = LocalMixedPrecision(
         master, mp.param_dtype, mp.reduce_dtype or mp.param_dtype, mp.buffer_dtype, mp.keep_low_precision_grads
     )
-    spec = WrapSpec(strategy=strategy, auto_wrap=LINEARS, use_orig_params=True, mixed_precision=mp)
+    spec = WrapSpec(strategy=strategy, auto_wrap=auto_wrap, use_orig_params=True, mixed_precision=mp)
     return _Pair(impl, impl.wrap(module, spec), module, local, mp, strategy)
 
 
@@ -226,6 +227,29 @@ def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) ->
     mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=DTYPES[buffer_dtype],
                             cast_forward_inputs=False)
     _train(ctx, _pair(ctx, impl, mp, "FULL_SHARD"))
+
+
+@case("mixed_precision/buffer_dtype_state_dict", clause=("C13", "C4"), world_size=TWO_OR_MORE,
+      requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT])
+def test_buffer_dtype_state_dict(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """One unit holding the buffer and every parameter: after a step with ``buffer_dtype=bfloat16``, a full
+    state dict holds the buffer in float32, the dtype it was built in ("saved in full precision"), with the
+    values it computes with (cast at the first forward, "keeps them in that dtype thereafter"), and the
+    parameters' values; training then goes on as emulated, the buffer still computing in bfloat16."""
+    mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16,
+                            cast_forward_inputs=False)
+    pair = _pair(ctx, impl, mp, "FULL_SHARD", auto_wrap=None)
+    optim = optional.optimizer(impl, pair.model, torch.optim.SGD, lr=pair.local.lr)
+    train_step(ctx, pair, optim, 0)
+    state = impl.full_state_dict(pair.model)
+    master = pair.local.master
+    want = {n: p.detach() for n, p in master.named_parameters()}
+    want.update({n: b.to(torch.bfloat16).to(b.dtype) for n, b in master.named_buffers()})
+    dtypes = {n: v.dtype for n, v in state.items()}
+    assert dtypes == {n: v.dtype for n, v in want.items()}, f"full state dict dtypes {dtypes}, expected the built ones"
+    assert_close_named(state, want, what="full state dict after a step")
+    for step in range(1, STEPS):
+        train_step(ctx, pair, optim, step)
 
 
 @case("mixed_precision/full_precision_in_eval", clause="C13", world_size=TWO_OR_MORE, env={FULL_PRECISION_IN_EVAL: "1"},

@@ -44,9 +44,9 @@ class FullOptimStateSharded(_Mutant):
 
     name = "mutant-full-optim-state-sharded"
     breaks = "gathering the full optimizer state"
-    expect = Expect("legacy_state_dicts and (full_optim_state_dict or load_full or settings)", "thread",
-                    ("legacy_state_dicts/full_optim_state_dict", "legacy_state_dicts/load_full",
-                     "legacy_state_dicts/settings[kind=FULL]"))
+    expect = Expect("legacy_state_dicts and (full_optim_state_dict or full_orig_params or load_full or settings)",
+                    "thread", ("legacy_state_dicts/full_optim_state_dict", "legacy_state_dicts/full_orig_params",
+                               "legacy_state_dicts/load_full", "legacy_state_dicts/settings[kind=FULL]"))
     patches = (Patch("fsdp_impl.state_dict:optim_state_in", _always_sharded),)
 
 
