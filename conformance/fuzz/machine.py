@@ -21,12 +21,14 @@ from conformance.fuzz.configs import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.fuzz.drawn_optimizers import wrapped_optimizer
 from conformance.fuzz.drawn_precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
+from conformance.fuzz.full_value_ops import clip_grad_norm, scale_params
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.held import Held
 from conformance.fuzz.ops import (
     BATCHES,
     MODELLED_CONTROLS,
     Backward,
+    ClipGradNorm,
     Forward,
     GradSync,
     Load,
@@ -34,6 +36,7 @@ from conformance.fuzz.ops import (
     NoSync,
     Op,
     Save,
+    ScaleParams,
     SetReshardAfterForward,
     Step,
     Train,
@@ -96,6 +99,7 @@ class Machine:
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: self.forward, Backward: self.backward, Step: self.step, Train: self.train_iteration,
             ZeroGrad: self.zero_grad, Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync,
+            ClipGradNorm: lambda op: clip_grad_norm(self, op), ScaleParams: lambda op: scale_params(self, op),
         }
         handlers.get(type(op), self.control)(op)
 

@@ -53,6 +53,7 @@ __all__ = [
     "Config", "WrapConfig", "FullyShardConfig", "ProgramConfig", "Forward", "Backward", "Step", "ZeroGrad",
     "Mode", "Save", "Load", "NoSync", "Unshard", "Reshard", "GradSync", "ReshardAfterBackward", "Prefetch",
     "SetReshardAfterForward", "GradientDivideFactor", "CONTROL_OPS", "MODELLED_CONTROLS", "Op", "Program", "Train",
+    "ClipGradNorm", "ScaleParams",
 ]
 
 #: Distinct input batches a program draws from (per rank), so a repeated forward sees the same batch.
@@ -139,6 +140,48 @@ class NoSync:
 
 
 @dataclass(frozen=True)
+class ClipGradNorm:
+    """Clip the gradients to total norm ``max_norm``: a wrapped model's own ``clip_grad_norm_(max_norm,
+    norm_type)`` (the adapter's optional ``clip_grad_norm``), a ``fully_shard``-ed one's
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)``. On the shadow: the
+    ``norm_type``-norm of every full gradient as one vector is returned, and where it exceeds ``max_norm`` every
+    gradient is scaled by ``max_norm / (total + 1e-6)`` (torch's ``clip_grad_norm_``); the returned norm must
+    equal the shadow's. Nothing happens, on both sides, while a loss is pending, while gradients are kept
+    unsynchronised (``GradSync(on=False)``), when the shadow has no gradient, and in a ``wrap`` program of float64
+    parameters: FSDP1's method computes each norm in float32 (torch 2.13: "the returned norm is in FP32"), which
+    refuses a float64 gradient as narrowing, whatever shards it. The infinity norm is kept only
+    where no rank's piece of a gradient can be empty (a ``wrap`` program with flat parameters, or one rank):
+    torch's norms refuse it on an empty tensor whatever the implementation ("no identity"), so elsewhere the
+    2-norm stands for it."""
+
+    max_norm: float = 0.01
+    norm_type: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.max_norm > 0 or self.norm_type not in (2.0, float("inf")):
+            raise ValueError(f"ClipGradNorm(max_norm={self.max_norm}, norm_type={self.norm_type}): a positive "
+                             "max_norm, norm_type 2.0 or inf")
+
+
+@dataclass(frozen=True)
+class ScaleParams:
+    """Multiply every full parameter by ``scale`` in place, where a user writes full parameters: a wrapped model's
+    ``apply(fn)`` (the adapter's optional ``apply_with_full_params``; FSDP1's gathers the full parameters and
+    writes them back, ``summon_full_params(writeback=True)``), ``fn`` scaling each module's own parameters; a
+    ``fully_shard``-ed model's ``p.mul_(scale)`` on each of ``model.parameters()`` under ``torch.no_grad()``, after
+    ``reshard()`` on every sharded module, so that what is written is the sharded DTensors (a module holding its
+    unsharded parameters registers those, and resharding drops them). On the shadow: every parameter is
+    multiplied by ``scale``. The next forward's outputs and the full parameters must equal the shadow's. Nothing
+    happens, on both sides, while a loss is pending (its graph computed with the values before)."""
+
+    scale: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.scale == 0:
+            raise ValueError("ScaleParams(scale=0): a nonzero scale")
+
+
+@dataclass(frozen=True)
 class Unshard:
     """``unshard()`` of the ``fully_shard``-ed module at ``unit`` (``""``: the root), with ``async_op``
     waiting on the handle it returns, then a forward of ``batch`` with gradients (as :class:`Forward`)
@@ -220,8 +263,8 @@ class GradientDivideFactor:
             raise ValueError(f"GradientDivideFactor(factor={self.factor}): a positive factor")
 
 
-Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | Unshard | Reshard | GradSync | \
-    ReshardAfterBackward | Prefetch | SetReshardAfterForward | GradientDivideFactor
+Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | ClipGradNorm | ScaleParams | \
+    Unshard | Reshard | GradSync | ReshardAfterBackward | Prefetch | SetReshardAfterForward | GradientDivideFactor
 #: Operations only a ``fully_shard``-ed model has.
 CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch, SetReshardAfterForward, GradientDivideFactor)
 #: The controls whose effect the program's checks model ([Note: fully_shard programs]); the others end them.
