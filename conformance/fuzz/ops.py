@@ -10,20 +10,23 @@ activation checkpointing and frozen blocks; and a tuple of operations a
 user performs on the sharded model, in order: forwards with and without
 gradients, ``train()``/``eval()``, backward, optimizer step, a whole training iteration,
 ``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
-the last save, and a backward inside the adapter's optional ``no_sync``; on a
+the last save, a backward inside the adapter's optional ``no_sync``, clipping the
+gradients to a total norm and scaling the full parameters in place; on a
 ``fully_shard``-ed model also FSDP2's per-module controls ([Note: fully_shard
 programs] in :mod:`conformance.fuzz.controls`). Like a
 parity example ([Note: fuzz examples are plain data]) a program holds only
-ints, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
+ints, floats, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
 sent to every rank, and its ``source`` is the reproducer's body.
 
 Every operation is valid after any prefix, so hypothesis may delete any of them
 while shrinking: a backward with no loss pending, a load with nothing saved
 and an optimizer step between a forward and its backward (no training loop
 steps there, and the pending graph would see parameters it did not compute
-with) do nothing, on both sides. A load abandons a pending loss, as rolling
+with) do nothing, on both sides, as do a clip with no gradients (or
+with gradients kept unsynchronised) and a write to the parameters while a
+loss is pending. A load abandons a pending loss, as rolling
 back an iteration does. Operations an adapter lacks (``no_sync``, optimizer
-state dicts on thread ranks, ...) are skipped the same way and counted.
+state dicts on thread ranks, FSDP1's ``clip_grad_norm_`` and ``apply``, ...) are skipped the same way and counted.
 
 Configuration is drawn the way the parity fuzzer draws policies: every choice
 first, then what the implementation cannot express is dropped
@@ -168,9 +171,9 @@ class ScaleParams:
     """Multiply every full parameter by ``scale`` in place, where a user writes full parameters: a wrapped model's
     ``apply(fn)`` (the adapter's optional ``apply_with_full_params``; FSDP1's gathers the full parameters and
     writes them back, ``summon_full_params(writeback=True)``), ``fn`` scaling each module's own parameters; a
-    ``fully_shard``-ed model's ``p.mul_(scale)`` on each of ``model.parameters()`` under ``torch.no_grad()``, after
-    ``reshard()`` on every sharded module, so that what is written is the sharded DTensors (a module holding its
-    unsharded parameters registers those, and resharding drops them). On the shadow: every parameter is
+    ``fully_shard``-ed model's ``p.mul_(scale)`` on each of ``model.parameters()`` (DTensors) under
+    ``torch.no_grad()``, after ``reshard()`` on every module where a backward may have kept them unsharded, as before
+    a :class:`Step` ([Note: fully_shard programs]). On the shadow: every parameter is
     multiplied by ``scale``. The next forward's outputs and the full parameters must equal the shadow's. Nothing
     happens, on both sides, while a loss is pending (its graph computed with the values before)."""
 
