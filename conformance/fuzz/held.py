@@ -148,9 +148,11 @@ def kept_after_forward(model: nn.Module, config: ProgramConfig,
     ``after_forward``: a unit's ``set_reshard_after_forward``), each
     the shard count times its padded shard (a gather joins every rank's shard, padding included);
     under an int ``reshard_after_forward`` each other unit's shards over that many ranks too. Under a policy
-    they are gathered in its param dtype."""
+    they are gathered in its param dtype. On one rank a wrap keeps nothing gathered (its strategy is ``NO_SHARD``),
+    and a ``fully_shard``-ed module keeps its gathered copy beside the shard only where it does not reshard after
+    forward (the gather still writes a buffer of its own; the root is resharded as any other module)."""
     shards = _shards(config)
-    if shards == 1:
+    if shards == 1 and isinstance(config, WrapConfig):
         return 0
     default = config.strategy in RESHARDING if isinstance(config, WrapConfig) else config.reshard_after_forward
     size = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
@@ -159,7 +161,7 @@ def kept_after_forward(model: nn.Module, config: ProgramConfig,
         if unit in config.ignored:
             continue
         raf = (after_forward or {}).get(unit, default)
-        if unit == "" or raf is False:
+        if (unit == "" and shards > 1) or raf is False:
             kept += shards * _padded(params, shards, size)  # gathered: every rank's padded shard
         elif not isinstance(raf, bool):
             kept += _padded(params, raf, size)

@@ -235,7 +235,11 @@ class Machine:
         if self.pending is not None or (self.controls is None and "apply_with_full_params" in self.missing):
             return
         if self.controls is not None:
-            self.controls.before_update(self.config)  # nothing kept unsharded: the shards are what is written
+            if "reshard" in self.missing:
+                return
+            for unit in self.controls.units(self.config):  # what a forward or backward left gathered is dropped
+                optional.reshard(self.impl, unit)
+            self.controls.kept = False
         scale_params(self.impl, self.model, fully_sharded=self.controls is not None, scale=op.scale)
         self.shadow.scale_params(op.scale)
 

@@ -172,8 +172,9 @@ class ScaleParams:
     ``apply(fn)`` (the adapter's optional ``apply_with_full_params``; FSDP1's gathers the full parameters and
     writes them back, ``summon_full_params(writeback=True)``), ``fn`` scaling each module's own parameters; a
     ``fully_shard``-ed model's ``p.mul_(scale)`` on each of ``model.parameters()`` (DTensors) under
-    ``torch.no_grad()``, after ``reshard()`` on every module where a backward may have kept them unsharded, as before
-    a :class:`Step` ([Note: fully_shard programs]). On the shadow: every parameter is
+    ``torch.no_grad()``, after ``reshard()`` on every sharded module: one that does not reshard after forward (or
+    backward) keeps its gathered parameters and computes the next forward with them, so the user drops them first
+    (without FSDP2's ``reshard()`` in the adapter, the operation is skipped). On the shadow: every parameter is
     multiplied by ``scale``. The next forward's outputs and the full parameters must equal the shadow's. Nothing
     happens, on both sides, while a loss is pending (its graph computed with the values before)."""
 
