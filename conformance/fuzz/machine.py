@@ -223,7 +223,7 @@ class Machine:
         """Clip both sides' gradients and compare the total norms (when nothing happens: :class:`ClipGradNorm`)."""
         if self.pending is not None or self._unsynced() or not has_grads(self.shadow.local):
             return
-        if self.controls is None and ("clip_grad_norm" in self.missing or self.config.dtype == "float64"):
+        if self.controls is None and "clip_grad_norm" in self.missing:
             return
         norm_type = clipped_norm_type(self.config, op.norm_type)
         got = clip_grads(self.impl, self.model, fully_sharded=self.controls is not None, max_norm=op.max_norm,

@@ -150,9 +150,7 @@ class ClipGradNorm:
     ``norm_type``-norm of every full gradient as one vector is returned, and where it exceeds ``max_norm`` every
     gradient is scaled by ``max_norm / (total + 1e-6)`` (torch's ``clip_grad_norm_``); the returned norm must
     equal the shadow's. Nothing happens, on both sides, while a loss is pending, while gradients are kept
-    unsynchronised (``GradSync(on=False)``), when the shadow has no gradient, and in a ``wrap`` program of float64
-    parameters: FSDP1's method computes each norm in float32 (torch 2.13: "the returned norm is in FP32"), which
-    refuses a float64 gradient as narrowing, whatever shards it. The infinity norm is kept only
+    unsynchronised (``GradSync(on=False)``) and when the shadow has no gradient. The infinity norm is kept only
     where no rank's piece of a gradient can be empty (a ``wrap`` program with flat parameters, or one rank):
     torch's norms refuse it on an empty tensor whatever the implementation ("no identity"), so elsewhere the
     2-norm stands for it."""
