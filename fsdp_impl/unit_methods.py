@@ -6,6 +6,8 @@ unit's gradient is this rank's piece, so those norms are summed over the root's 
 for the infinity norm); a ``NO_SHARD`` unit's gradient, and a parameter no unit manages (an ignored module's),
 is whole on every rank and counted once, here. Every gradient is then scaled by
 ``max_norm / (total + 1e-6)`` where that is below 1, as :func:`torch.nn.utils.clip_grad_norm_` does.
+Norms are taken in float32, or in the parameters' widest dtype where that is wider: the total norm is
+returned in the gradients' promoted dtype (torch's docstring), and a float64 gradient is never narrowed.
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ def _grads(root: nn.Module, state: UnitState) -> tuple[list[torch.Tensor], list[
     return sharded, whole
 
 
-def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The ``norm_type``-norm of ``grads`` as one vector, in float32 (0 without any)."""
+def _local_norm(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The ``norm_type``-norm of ``grads`` as one vector, computed in ``dtype`` (0 without any)."""
     grads = [g for g in grads if g.numel()]  # an empty piece adds nothing (and the inf-norm refuses it)
     if not grads:
-        return torch.zeros((), device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
-                         for g in grads])
+        return torch.zeros((), device=device, dtype=dtype)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype).to(device) for g in grads])
     return torch.linalg.vector_norm(norms, norm_type)
 
 
@@ -83,8 +85,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float) -> tor
         raise RuntimeError(f"clip_grad_norm_ needs an idle root, got {state.training_state}")
     sharded, whole = _grads(module, state)
     norm_type, device = float(norm_type), state.compute_device
-    total = _local_norm(sharded, norm_type, device)
-    rest = _local_norm(whole, norm_type, device)
+    # float32, or the parameters' widest dtype where wider (never narrowing a gradient); the same on every rank,
+    # whichever gradients a rank's pieces hold, so the reduction below joins tensors of one dtype
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in module.parameters()], torch.float32)
+    total = _local_norm(sharded, norm_type, dtype, device)
+    rest = _local_norm(whole, norm_type, dtype, device)
     if norm_type == math.inf:
         total = torch.maximum(total, rest)
         collectives.all_reduce(total, state.groups.process_group, op=dist.ReduceOp.MAX).wait()

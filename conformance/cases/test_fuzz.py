@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, CaseSettings, Exact, case
 from conformance.contract.results import CaseReport
-from conformance.fuzz.drawn_precision import precision_note
-from conformance.fuzz.driver import FuzzSettings, found_example, fuzz, render_case
+from conformance.fuzz.driver import FuzzSettings, parity_row
 from conformance.fuzz.example import FUZZ_STRATEGIES, ONE_RANK, ONE_RANK_BF16, Block, Example, ModelSpec, Policy
 from conformance.fuzz.neighbours import NEIGHBOURS_USE
 from conformance.fuzz.ops import (
-    FEATURES,
     Backward,
+    ClipGradNorm,
     Forward,
     FullyShardConfig,
     GradientDivideFactor,
@@ -51,9 +50,8 @@ from conformance.fuzz.ops import (
     WrapConfig,
 )
 from conformance.fuzz.parity_run import run_example
-from conformance.fuzz.searching import budget, failure_text, stateful_fuzz
+from conformance.fuzz.searching import budget, stateful_row
 from conformance.fuzz.stateful import run_program
-from conformance.fuzz.wrapping import features_of, missing_operations
 
 #: What the parity fuzzer draws only where the adapter declares it (drawn_precision.precision_features).
 _DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE)
@@ -67,28 +65,12 @@ def _timeout_s(settings: CaseSettings) -> float:
     return 120.0 + 3.0 * FuzzSettings.of(settings).budget(2)
 
 
-def _parity(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
-    config = FuzzSettings.of(settings)
-    result = fuzz(ctx, impl, config)
-    if result.failing is not None:
-        raise AssertionError(
-            f"parity fuzzer (seed {config.seed}): {result.message}\n"
-            + found_example(config.shrink, result.runs, render_case(result.failing, result.message or ""))
-        )
-    note = precision_note(impl)
-    policies = note or f"{result.mixed_precision} under a mixed-precision policy"
-    return CaseReport(
-        reason=f"{config.budget(ctx.world_size)} examples from seed {config.seed} ({policies}), no mismatch",
-        metrics={"examples": result.runs, "mixed_precision_examples": result.mixed_precision},
-    )
-
-
 @case("fuzz/parity_ws1", clause=("C1", "C2"), world_size=1, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
       draws_strategies=FUZZ_STRATEGIES)
 def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random models, wrap plans and training loops on one rank give the local model's losses, grads and params;
     a mismatch fails with a shrunk reproducer."""
-    return _parity(ctx, impl, case_settings)
+    return parity_row(ctx, impl, case_settings)
 
 
 @case("fuzz/parity_ws2", clause=("C1", "C2"), world_size=2, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
@@ -96,7 +78,7 @@ def test_parity_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
 def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """As ``fuzz/parity_ws1`` on two ranks: losses, grads and params match the local model (uneven shards for
     odd widths)."""
-    return _parity(ctx, impl, case_settings)
+    return parity_row(ctx, impl, case_settings)
 
 
 @case("fuzz/parity_ws4", clause=("C1", "C2"), world_size=4, modes=("process",), timeout_s=_timeout_s, uses=_DRAWN,
@@ -104,7 +86,7 @@ def test_parity_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSett
 def test_parity_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """As ``fuzz/parity_ws1`` on four ranks: losses, grads and params match the local model (small units leave
     some ranks with empty shards)."""
-    return _parity(ctx, impl, case_settings)
+    return parity_row(ctx, impl, case_settings)
 
 
 # -- reproducers the fuzzer found ---------------------------------------------------------------
@@ -152,22 +134,6 @@ def _stateful_timeout_s(settings: CaseSettings) -> float:
     return 120.0 + 5.0 * budget(settings, 4)
 
 
-def _stateful(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
-    result = stateful_fuzz(ctx, impl, settings)
-    failure = failure_text(settings, result)
-    if failure is not None:
-        raise AssertionError(failure)
-    missing = missing_operations(impl, ctx.mode)
-    dropped = sorted(FEATURES - features_of(impl))
-    notes = [f"skipped {op} ({reason})" for op, reason in missing.items()]
-    notes += [f"not drawn: {', '.join(dropped)}"] * bool(dropped)
-    return CaseReport(
-        reason=f"{budget(settings, ctx.world_size)} programs ({result.counted} operations) from seed "
-               f"{settings.fuzz_seed}, no mismatch" + "".join(f"; {note}" for note in notes),
-        metrics={"programs": result.runs, "operations": result.counted},
-    )
-
-
 #: What the stateful fuzzer draws only where the adapter declares it (wrapping.features_of), and what its neighbours
 #: wrap with.
 _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.CPU_OFFLOAD,
@@ -182,7 +148,7 @@ _STATEFUL_DRAWN = (Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capab
       draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """Random sequences of a user's operations on one rank keep the wrapped model equal to the shadow."""
-    return _stateful(ctx, impl, case_settings)
+    return stateful_row(ctx, impl, case_settings)
 
 
 @case("fuzz/stateful_ws2", world_size=2, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
@@ -190,7 +156,7 @@ def test_stateful_ws1(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
       draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on two ranks (gradients averaged over them)."""
-    return _stateful(ctx, impl, case_settings)
+    return stateful_row(ctx, impl, case_settings)
 
 
 @case("fuzz/stateful_ws4", world_size=4, timeout_s=_stateful_timeout_s, uses=_STATEFUL_DRAWN,
@@ -198,7 +164,7 @@ def test_stateful_ws2(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSe
       draws_strategies=FUZZ_STRATEGIES)
 def test_stateful_ws4(ctx: RankContext, impl: FSDPAdapter, case_settings: CaseSettings) -> CaseReport:
     """... on four ranks (small units leave some ranks with empty shards)."""
-    return _stateful(ctx, impl, case_settings)
+    return stateful_row(ctx, impl, case_settings)
 
 
 #: A program using every control of a ``fully_shard``-ed module ([Note: fully_shard programs]): prefetch lists;
@@ -378,6 +344,18 @@ def test_repro_optim_state_dict_before_first_step_adam(ctx: RankContext, impl: F
     iteration after it leaves the parameters the shadow's."""
     run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, optimizer="adam"),
                                    ops=(Save(), Train())))
+
+
+# Written by hand from FSDP1's clip_grad_norm_, which the stateful fuzzer's ClipGradNorm reaches in a float64
+# wrap program on two or more ranks: with a sharded strategy it takes every local norm in float32, which
+# torch's vector_norm refuses for a float64 gradient (docs/findings/fsdp1-clip-grad-norm-float64.md).
+@case("fuzz/repro_clip_grad_norm_float64", clause="C19", world_size=TWO_OR_MORE,
+      requires=[Capability.WRAPPER_METHODS], uses=NEIGHBOURS_USE)
+def test_repro_clip_grad_norm_float64(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """Clipping a float64 model's gradients after one backward returns the shadow's total norm and leaves its
+    clipped gradients."""
+    run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, dtype="float64"),
+                                   ops=(Forward(), Backward(), ClipGradNorm())))
 
 
 # Written by hand as the smallest program with a reentrant block ([Note: reentrant blocks] in

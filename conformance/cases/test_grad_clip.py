@@ -17,6 +17,9 @@
   local model's, and after the SGD steps the parameters equal the local model's. The infinity norm runs
   with flat parameters only: a rank's piece of a parameter can be empty with ``use_orig_params``, which
   the infinity norm refuses (above).
+- ``wrapper_clip_grad_norm_float64``: the same on a float64 model, ``FULL_SHARD``, the 2-norm. The docstring:
+  "The total norm returned will have the 'largest' dtype across all parameters/gradients as defined by
+  PyTorch's type promotion semantics", so the norm is float64, equal to the local model's in float64.
 """
 
 from __future__ import annotations
@@ -58,19 +61,19 @@ def test_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, norm_type: str) -> 
 
 
 def _clipped_steps(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, steps: int, kind: float,
-                   clip: Callable[[], torch.Tensor]) -> nn.Module:
+                   clip: Callable[[], torch.Tensor], dtype: torch.dtype = torch.float32) -> nn.Module:
     """``steps`` SGD steps of the sharded ``model`` (its gradients clipped by ``clip``, which returns the total
     norm) beside a local Blocks given the mean of every rank's loss and clipped by torch: every step is clipped,
-    and the total norm is the local model's on every rank. Returns the local model, for the caller's final
-    comparison of parameters."""
-    local = Blocks(seed=0).to(ctx.device)
+    and the total norm is the local model's on every rank, in its dtype. ``dtype`` is the models' (inputs are
+    cast to it). Returns the local model, for the caller's final comparison of parameters."""
+    local = Blocks(seed=0).to(ctx.device, dtype)
     optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
     for step in range(steps):
         optim.zero_grad(set_to_none=True)
         local_optim.zero_grad(set_to_none=True)
-        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
-        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
+        model(block_batch(step, ctx.rank, ctx.device).to(dtype)).sum().backward()
+        losses = [local(block_batch(step, rank, ctx.device).to(dtype)).sum() for rank in range(ctx.world_size)]
         (torch.stack(losses).sum() / ctx.world_size).backward()
         norm = clip()
         local_norm = torch.nn.utils.clip_grad_norm_(local.parameters(), MAX_NORM, norm_type=kind)
@@ -99,4 +102,17 @@ def test_wrapper_clip_grad_norm(ctx: RankContext, impl: FSDPAdapter, strategy: s
     model = impl.wrap(plain, spec)
     kind = float(norm_type)
     local = _clipped_steps(ctx, impl, model, 2, kind, lambda: optional.clip_grad_norm(impl, model, MAX_NORM, kind))
+    assert_close_named(impl.full_params(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+@case("grad_clip/wrapper_clip_grad_norm_float64", clause="C19", world_size=TWO_OR_MORE,
+      requires=[Capability.WRAPPER_METHODS])
+def test_wrapper_clip_grad_norm_float64(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """On a float64 model sharded with ``FULL_SHARD``, the wrapper's own ``clip_grad_norm_`` returns the local
+    model's total norm, as a float64 tensor, on every rank, and after two clipped SGD steps the parameters
+    equal the local model's."""
+    plain = Blocks(seed=0).to(ctx.device, torch.float64)
+    model = impl.wrap(plain, WrapSpec(strategy="FULL_SHARD", auto_wrap=AutoWrap.submodules(plain, plain.blocks())))
+    local = _clipped_steps(ctx, impl, model, 2, 2.0, lambda: optional.clip_grad_norm(impl, model, MAX_NORM, 2.0),
+                           torch.float64)
     assert_close_named(impl.full_params(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

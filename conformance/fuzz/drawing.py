@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import replace
 from typing import get_args
@@ -16,6 +17,7 @@ from conformance.fuzz.ops import (
     FEATURES,
     HYBRID_OF,
     Backward,
+    ClipGradNorm,
     Forward,
     FullyShardConfig,
     GradientDivideFactor,
@@ -30,6 +32,7 @@ from conformance.fuzz.ops import (
     Reshard,
     ReshardAfterBackward,
     Save,
+    ScaleParams,
     SetReshardAfterForward,
     Step,
     Train,
@@ -65,6 +68,10 @@ _OPS = (
     st.just(Step()),
     st.builds(ZeroGrad, set_to_none=st.booleans().map(lambda b: not b)),
     st.builds(Mode, train=st.booleans()),
+    # gradient norms of the drawn models run from about 0.03 to 1: the first clips nearly always, the last seldom
+    st.builds(ClipGradNorm, max_norm=st.sampled_from((0.05, 0.2, 1.0)), norm_type=st.sampled_from((2.0, math.inf))),
+    # powers of two: the products are exact in every dtype, on both sides
+    st.builds(ScaleParams, scale=st.sampled_from((0.5, -2.0))),
 )
 
 

@@ -70,8 +70,9 @@ from hypothesis.strategies import SearchStrategy
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings
 from conformance.contract.optional import takes_param_dtype
+from conformance.contract.results import CaseReport
 from conformance.fuzz.agreement import RanksParted
-from conformance.fuzz.drawn_precision import dtype_of, precision_features, required
+from conformance.fuzz.drawn_precision import dtype_of, precision_features, precision_note, required
 from conformance.fuzz.example import DTYPES, FUZZ_STRATEGIES, Example, examples, source
 from conformance.fuzz.parity_run import check_example
 from harness import groups_scope
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
     from harness import RankContext
 
 __all__ = ["MAIN_JOB_EXAMPLES", "Claim", "FuzzSettings", "FuzzResult", "Met", "Search", "search", "found_example",
-           "fuzz", "hypothesis_home",
+           "fuzz", "hypothesis_home", "parity_row",
            "keep_hypothesis_out_of_cwd", "render_case"]
 
 #: Examples per world size in the main job, 30 in all; few at world size 4, where four
@@ -337,4 +338,21 @@ def render_case(example: Example, message: str) -> str:
         f'modes=("process",){requires})\n'
         f"def test_repro_{digest}(ctx: RankContext, impl: FSDPAdapter) -> None:\n"
         f"    run_example(ctx, impl, {source(example)})\n"
+    )
+
+
+def parity_row(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
+    """A ``fuzz/parity_ws*`` row: the examples at the context's world size; raises the first mismatch with its
+    reproducer, else reports the examples run and how many drew a mixed-precision policy."""
+    config = FuzzSettings.of(settings)
+    result = fuzz(ctx, impl, config)
+    if result.failing is not None:
+        raise AssertionError(
+            f"parity fuzzer (seed {config.seed}): {result.message}\n"
+            + found_example(config.shrink, result.runs, render_case(result.failing, result.message or ""))
+        )
+    policies = precision_note(impl) or f"{result.mixed_precision} under a mixed-precision policy"
+    return CaseReport(
+        reason=f"{config.budget(ctx.world_size)} examples from seed {config.seed} ({policies}), no mismatch",
+        metrics={"examples": result.runs, "mixed_precision_examples": result.mixed_precision},
     )

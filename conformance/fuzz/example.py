@@ -15,6 +15,7 @@ its first element, integers towards their minimum and booleans towards
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any
@@ -314,4 +315,6 @@ def source(value: Any) -> str:
     if isinstance(value, tuple):
         inner = ", ".join(source(item) for item in value)
         return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, float) and math.isinf(value):
+        return f"float({str(value)!r})"  # repr(inf) is no Python
     return repr(value)

@@ -148,10 +148,13 @@ def kept_after_forward(model: nn.Module, config: ProgramConfig,
     ``after_forward``: a unit's ``set_reshard_after_forward``), each
     the shard count times its padded shard (a gather joins every rank's shard, padding included);
     under an int ``reshard_after_forward`` each other unit's shards over that many ranks too. Under a policy
-    they are gathered in its param dtype."""
-    shards = _shards(config)
-    if shards == 1:
+    they are gathered in its param dtype. On one rank a unit keeps its gathered copy beside the shard only where
+    it does not reshard after forward (a gather still writes a buffer of its own; the root is resharded as any
+    other unit): FSDP1 switches a one-rank wrap to ``NO_SHARD`` and keeps nothing, FSDP2 does not, so a wrap's
+    strategy counts as it does on more ranks. A ``NO_SHARD`` wrap gathers nothing."""
+    if isinstance(config, WrapConfig) and config.strategy == "NO_SHARD":
         return 0
+    shards = _shards(config)
     default = config.strategy in RESHARDING if isinstance(config, WrapConfig) else config.reshard_after_forward
     size = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
     kept = 0
@@ -159,7 +162,7 @@ def kept_after_forward(model: nn.Module, config: ProgramConfig,
         if unit in config.ignored:
             continue
         raf = (after_forward or {}).get(unit, default)
-        if unit == "" or raf is False:
+        if (unit == "" and shards > 1) or raf is False:
             kept += shards * _padded(params, shards, size)  # gathered: every rank's padded shard
         elif not isinstance(raf, bool):
             kept += _padded(params, raf, size)

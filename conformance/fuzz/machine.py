@@ -21,12 +21,14 @@ from conformance.fuzz.configs import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.fuzz.drawn_optimizers import wrapped_optimizer
 from conformance.fuzz.drawn_precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
+from conformance.fuzz.full_value_ops import assert_norm, clip_grads, clipped_norm_type, has_grads, scale_params
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.held import Held
 from conformance.fuzz.ops import (
     BATCHES,
     MODELLED_CONTROLS,
     Backward,
+    ClipGradNorm,
     Forward,
     GradSync,
     Load,
@@ -34,6 +36,7 @@ from conformance.fuzz.ops import (
     NoSync,
     Op,
     Save,
+    ScaleParams,
     SetReshardAfterForward,
     Step,
     Train,
@@ -96,6 +99,7 @@ class Machine:
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: self.forward, Backward: self.backward, Step: self.step, Train: self.train_iteration,
             ZeroGrad: self.zero_grad, Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync,
+            ClipGradNorm: self.clip_grad_norm, ScaleParams: self.scale_params,
         }
         handlers.get(type(op), self.control)(op)
 
@@ -214,6 +218,30 @@ class Machine:
         self._forward((op.batch + 1) % BATCHES, grad=True, loss="all").backward()
         self.shadow.backward()
         self.held.synchronised()
+
+    def clip_grad_norm(self, op: ClipGradNorm) -> None:
+        """Clip both sides' gradients and compare the total norms (when nothing happens: :class:`ClipGradNorm`)."""
+        if self.pending is not None or self._unsynced() or not has_grads(self.shadow.local):
+            return
+        if self.controls is None and "clip_grad_norm" in self.missing:
+            return
+        norm_type = clipped_norm_type(self.config, op.norm_type)
+        got = clip_grads(self.impl, self.model, fully_sharded=self.controls is not None, max_norm=op.max_norm,
+                         norm_type=norm_type)
+        self.compare("total norm", assert_norm, got, self.shadow.clip_grad_norm(op.max_norm, norm_type))
+
+    def scale_params(self, op: ScaleParams) -> None:
+        """Scale both sides' full parameters (when nothing happens: :class:`ScaleParams`)."""
+        if self.pending is not None or (self.controls is None and "apply_with_full_params" in self.missing):
+            return
+        if self.controls is not None:
+            if "reshard" in self.missing:
+                return
+            for unit in self.controls.units(self.config):  # what a forward or backward left gathered is dropped
+                optional.reshard(self.impl, unit)
+            self.controls.kept = False
+        scale_params(self.impl, self.model, fully_sharded=self.controls is not None, scale=op.scale)
+        self.shadow.scale_params(op.scale)
 
     def save(self, op: Save) -> None:
         if self.controls is not None:

@@ -10,20 +10,23 @@ activation checkpointing and frozen blocks; and a tuple of operations a
 user performs on the sharded model, in order: forwards with and without
 gradients, ``train()``/``eval()``, backward, optimizer step, a whole training iteration,
 ``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
-the last save, and a backward inside the adapter's optional ``no_sync``; on a
+the last save, a backward inside the adapter's optional ``no_sync``, clipping the
+gradients to a total norm and scaling the full parameters in place; on a
 ``fully_shard``-ed model also FSDP2's per-module controls ([Note: fully_shard
 programs] in :mod:`conformance.fuzz.controls`). Like a
 parity example ([Note: fuzz examples are plain data]) a program holds only
-ints, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
+ints, floats, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
 sent to every rank, and its ``source`` is the reproducer's body.
 
 Every operation is valid after any prefix, so hypothesis may delete any of them
 while shrinking: a backward with no loss pending, a load with nothing saved
 and an optimizer step between a forward and its backward (no training loop
 steps there, and the pending graph would see parameters it did not compute
-with) do nothing, on both sides. A load abandons a pending loss, as rolling
+with) do nothing, on both sides, as do a clip with no gradients (or
+with gradients kept unsynchronised) and a write to the parameters while a
+loss is pending. A load abandons a pending loss, as rolling
 back an iteration does. Operations an adapter lacks (``no_sync``, optimizer
-state dicts on thread ranks, ...) are skipped the same way and counted.
+state dicts on thread ranks, FSDP1's ``clip_grad_norm_`` and ``apply``, ...) are skipped the same way and counted.
 
 Configuration is drawn the way the parity fuzzer draws policies: every choice
 first, then what the implementation cannot express is dropped
@@ -53,6 +56,7 @@ __all__ = [
     "Config", "WrapConfig", "FullyShardConfig", "ProgramConfig", "Forward", "Backward", "Step", "ZeroGrad",
     "Mode", "Save", "Load", "NoSync", "Unshard", "Reshard", "GradSync", "ReshardAfterBackward", "Prefetch",
     "SetReshardAfterForward", "GradientDivideFactor", "CONTROL_OPS", "MODELLED_CONTROLS", "Op", "Program", "Train",
+    "ClipGradNorm", "ScaleParams",
 ]
 
 #: Distinct input batches a program draws from (per rank), so a repeated forward sees the same batch.
@@ -139,6 +143,47 @@ class NoSync:
 
 
 @dataclass(frozen=True)
+class ClipGradNorm:
+    """Clip the gradients to total norm ``max_norm``: a wrapped model's own ``clip_grad_norm_(max_norm,
+    norm_type)`` (the adapter's optional ``clip_grad_norm``), a ``fully_shard``-ed one's
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)``. On the shadow: the
+    ``norm_type``-norm of every full gradient as one vector is returned, and where it exceeds ``max_norm`` every
+    gradient is scaled by ``max_norm / (total + 1e-6)`` (torch's ``clip_grad_norm_``); the returned norm must
+    equal the shadow's. Nothing happens, on both sides, while a loss is pending, while gradients are kept
+    unsynchronised (``GradSync(on=False)``) and when the shadow has no gradient. The infinity norm is kept only
+    where no rank's piece of a gradient can be empty (a ``wrap`` program with flat parameters, or one rank):
+    torch's norms refuse it on an empty tensor whatever the implementation ("no identity"), so elsewhere the
+    2-norm stands for it."""
+
+    max_norm: float = 0.01
+    norm_type: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.max_norm > 0 or self.norm_type not in (2.0, float("inf")):
+            raise ValueError(f"ClipGradNorm(max_norm={self.max_norm}, norm_type={self.norm_type}): a positive "
+                             "max_norm, norm_type 2.0 or inf")
+
+
+@dataclass(frozen=True)
+class ScaleParams:
+    """Multiply every full parameter by ``scale`` in place, where a user writes full parameters: a wrapped model's
+    ``apply(fn)`` (the adapter's optional ``apply_with_full_params``; FSDP1's gathers the full parameters and
+    writes them back, ``summon_full_params(writeback=True)``), ``fn`` scaling each module's own parameters; a
+    ``fully_shard``-ed model's ``p.mul_(scale)`` on each of ``model.parameters()`` (DTensors) under
+    ``torch.no_grad()``, after ``reshard()`` on every sharded module: one that does not reshard after forward (or
+    backward) keeps its gathered parameters and computes the next forward with them, so the user drops them first
+    (without FSDP2's ``reshard()`` in the adapter, the operation is skipped). On the shadow: every parameter is
+    multiplied by ``scale``. The next forward's outputs and the full parameters must equal the shadow's. Nothing
+    happens, on both sides, while a loss is pending (its graph computed with the values before)."""
+
+    scale: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.scale == 0:
+            raise ValueError("ScaleParams(scale=0): a nonzero scale")
+
+
+@dataclass(frozen=True)
 class Unshard:
     """``unshard()`` of the ``fully_shard``-ed module at ``unit`` (``""``: the root), with ``async_op``
     waiting on the handle it returns, then a forward of ``batch`` with gradients (as :class:`Forward`)
@@ -220,8 +265,8 @@ class GradientDivideFactor:
             raise ValueError(f"GradientDivideFactor(factor={self.factor}): a positive factor")
 
 
-Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | Unshard | Reshard | GradSync | \
-    ReshardAfterBackward | Prefetch | SetReshardAfterForward | GradientDivideFactor
+Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | ClipGradNorm | ScaleParams | \
+    Unshard | Reshard | GradSync | ReshardAfterBackward | Prefetch | SetReshardAfterForward | GradientDivideFactor
 #: Operations only a ``fully_shard``-ed model has.
 CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch, SetReshardAfterForward, GradientDivideFactor)
 #: The controls whose effect the program's checks model ([Note: fully_shard programs]); the others end them.

@@ -30,19 +30,20 @@ from typing import TYPE_CHECKING
 
 from conformance.contract.adapter import FSDPAdapter
 from conformance.contract.case import CaseSettings, KnownFailure
+from conformance.contract.results import CaseReport
 from conformance.fuzz.agreement import RanksParted
 from conformance.fuzz.drawing import SET_ASIDE, programs
 from conformance.fuzz.driver import FuzzSettings, Search, found_example, search
 from conformance.fuzz.example import FUZZ_STRATEGIES, source
-from conformance.fuzz.ops import Program
+from conformance.fuzz.ops import FEATURES, Program
 from conformance.fuzz.stateful import check_program
-from conformance.fuzz.wrapping import features_of, render_program
+from conformance.fuzz.wrapping import features_of, missing_operations, render_program
 
 if TYPE_CHECKING:
     from harness import RankContext
 
 __all__ = ["MAIN_JOB_PROGRAMS", "SEARCH_S", "SET_ASIDE", "KnownFindings", "budget", "failure_text", "headline",
-           "stateful_fuzz"]
+           "stateful_fuzz", "stateful_row"]
 
 #: Programs per world size in the main job (see docs/PERFORMANCE.md for what they cost).
 MAIN_JOB_PROGRAMS = {1: 5, 2: 5, 4: 2}
@@ -129,3 +130,20 @@ def failure_text(settings: CaseSettings, result: Search) -> str | None:
     return (headline(settings.fuzz_seed, first.value, first.failure)
             + f"\nonly known findings met, in {len(met)} of {result.runs} programs:\n" + "\n".join(met))
 
+
+def stateful_row(ctx: RankContext, impl: FSDPAdapter, settings: CaseSettings) -> CaseReport:
+    """A ``fuzz/stateful_ws*`` row: the search at the context's world size; raises the row's failure
+    (:func:`failure_text`), else reports the programs run and what the adapter left out."""
+    result = stateful_fuzz(ctx, impl, settings)
+    failure = failure_text(settings, result)
+    if failure is not None:
+        raise AssertionError(failure)
+    missing = missing_operations(impl, ctx.mode)
+    dropped = sorted(FEATURES - features_of(impl))
+    notes = [f"skipped {op} ({reason})" for op, reason in missing.items()]
+    notes += [f"not drawn: {', '.join(dropped)}"] * bool(dropped)
+    return CaseReport(
+        reason=f"{budget(settings, ctx.world_size)} programs ({result.counted} operations) from seed "
+               f"{settings.fuzz_seed}, no mismatch" + "".join(f"; {note}" for note in notes),
+        metrics={"programs": result.runs, "operations": result.counted},
+    )

@@ -24,7 +24,10 @@ ranks must look to a user:
   synchronizing backward adds its own gradient to the kept one on each rank
   and reduces the sum once ([Note: unsynced accumulation dtype]);
 * step, ``zero_grad``, ``train``/``eval``, saving and loading are the plain
-  module's and optimizer's own;
+  module's and optimizer's own, and so are clipping the gradients
+  (``torch.nn.utils.clip_grad_norm_`` on its reduced gradients: the norm of
+  them all as one vector, each scaled by ``max_norm / (total + 1e-6)`` where the
+  total exceeds ``max_norm``) and scaling the parameters (``mul_`` on each);
 * under a policy with ``keep_low_precision_grads`` the reduced gradients stay
   in the reduction dtype and accumulate in it: torch documents that FSDP then
   "keeps the gradients in the dtype used for gradient reduction" instead of
@@ -256,6 +259,17 @@ class Shadow:
             return False
         self.optim.step()
         return True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the reduced gradients: their total norm, each scaled by
+        ``max_norm / (total + 1e-6)`` where the total exceeds ``max_norm``."""
+        return torch.nn.utils.clip_grad_norm_(self.local.parameters(), max_norm, norm_type=norm_type)
+
+    def scale_params(self, scale: float) -> None:
+        """Every parameter multiplied by ``scale`` in place."""
+        with torch.no_grad():
+            for param in self.local.parameters():
+                param.mul_(scale)
 
     def save(self, optim: bool) -> None:
         self.saved = (copy.deepcopy(self.local.state_dict()), copy.deepcopy(self.optim.state_dict()) if optim else None)

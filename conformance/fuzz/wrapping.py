@@ -67,7 +67,8 @@ def missing_operations(impl: FSDPAdapter, mode: RankMode, wrapped_with: str | No
     of a program that wraps (``no_sync`` is missing where the adapter has none under it)."""
     needs = {"no_sync": [Capability.NO_SYNC], "full save": [Capability.FULL_STATE_DICT],
              "sharded save": [Capability.SHARDED_STATE_DICT], "optimizer save": [Capability.OPTIM_STATE_DICT],
-             "full load": [Capability.FULL_STATE_DICT]}
+             "full load": [Capability.FULL_STATE_DICT], "clip_grad_norm": [Capability.WRAPPER_METHODS],
+             "apply_with_full_params": [Capability.WRAPPER_METHODS], "reshard": [Capability.FULLY_SHARD_CONTROLS]}
     reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
     reasons["sharded load"] = reasons["sharded save"] or _load_limit(impl, Capability.SHARDED_STATE_DICT, mode)
     if reasons["no_sync"] is None and wrapped_with is not None and not supports_no_sync(impl, wrapped_with):

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from conformance.selftest.declare import Expect, Patch, _Mutant
 from fsdp_impl.precision import cast_floating
 
-__all__ = ["ApplyKeepsNothing", "ClipNormOfLocalShards", "ClipScalesNothing", "CommHookIgnored", "EveryUnitIsRoot",
-           "FsdpModulesLeaveOutTheModule", "IgnoredStatesDropped", "NamedBuffersKeepPrefixes",
+__all__ = ["ApplyKeepsNothing", "ClipNormInFloat32", "ClipNormOfLocalShards", "ClipScalesNothing", "CommHookIgnored",
+           "EveryUnitIsRoot", "FsdpModulesLeaveOutTheModule", "IgnoredStatesDropped", "NamedBuffersKeepPrefixes",
            "UnitInputsAlwaysCast", "UnitInputsNotCast"]
 
 Fn = Callable[..., Any]
@@ -37,6 +38,24 @@ class ClipNormOfLocalShards(_Mutant):
                     ("grad_clip/wrapper_clip_grad_norm[strategy=FULL_SHARD,norm_type=2]",
                      "grad_clip/wrapper_clip_grad_norm[strategy=FULL_SHARD,norm_type=1]"))
     patches = (Patch("fsdp_impl.unit_methods:_grads", _shards_counted_whole),)
+
+
+def _in_float32(local_norm: Fn) -> Fn:
+    def float32_norm(grads: list[Any], norm_type: float, dtype: Any, device: Any) -> Any:
+        return local_norm(grads, norm_type, torch.float32, device)
+
+    return float32_norm
+
+
+class ClipNormInFloat32(_Mutant):
+    """``clip_grad_norm_`` takes every norm in float32 whatever the gradients' dtype (narrowing a float64
+    gradient, which torch's ``vector_norm`` refuses)."""
+
+    name = "mutant-clip-norm-in-float32"
+    breaks = "taking a float64 model's norm in float64"
+    expect = Expect("grad_clip and wrapper_clip_grad_norm_float64", "thread",
+                    ("grad_clip/wrapper_clip_grad_norm_float64",))
+    patches = (Patch("fsdp_impl.unit_methods:_local_norm", _in_float32),)
 
 
 def _unclipped(clip: Fn) -> Fn:

@@ -29,6 +29,8 @@ ACCEL = ("rank 0 raised RuntimeError: Cannot access accelerator device when none
          "(world_size=2, mode=process)")
 NOT_CLOSE = "Tensor-likes are not close! |  | Mismatched elements: 4 / 4 (100.0%)"
 SHADOW = "rank 0 raised AssertionError: {impl} differs from the shadow model: op {op}, rank 0: {what}"
+NARROWED = ("linalg.vector_norm: the dtype of the input (Double) should be convertible without narrowing to the "
+            "specified dtype (Float)")
 STATEFUL = "rank 0 raised AssertionError: stateful fuzzer (seed 0{under}): op {op}, rank 0: {what}"
 POLICY = (", policy=Policy(param_dtype='bfloat16', reduce_dtype='float32', buffer_dtype=None, cast_inputs=False, "
           "keep_low_precision_grads=False)")
@@ -165,6 +167,10 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
         (FSDP1, "fuzz/stateful_ws1", F + "fsdp1-cpu-offload-pinning.md", STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="raised: RuntimeError: Cannot access accelerator device when none "
             "is available.")),
+        (FSDP1, "grad_clip/wrapper_clip_grad_norm_float64", F + "fsdp1-clip-grad-norm-float64.md",
+         f"rank 0 raised RuntimeError: {NARROWED}"),
+        (FSDP1, "fuzz/repro_clip_grad_norm_float64", F + "fsdp1-clip-grad-norm-float64.md", shadow.format(
+            op="2 (ClipGradNorm(max_norm=0.01, norm_type=2.0))", what=f"raised: RuntimeError: {NARROWED}")),
     ]
 
 
@@ -209,6 +215,21 @@ def _fsdp2() -> list[tuple[str, str, str, str]]:
             op="1 (Train(batch=0))", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
         (FSDP2, "fuzz/stateful_ws4", dcp_adam, STATEFUL.format(
             under="", op="1 (Train(batch=0))", what=f"params: params[embed.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws1", dcp_adam, STATEFUL.format(
+            under="", op="1 (Train(batch=0))", what=f"params: params[embed.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws1", dcp_adam, STATEFUL.format(
+            under="", op="1 (Train(batch=1))", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws2", dcp_adam, STATEFUL.format(
+            under="", op="1 (Train(batch=1))", what=f"params: params[embed.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws1", nograd, STATEFUL.format(
+            under="", op="3 (Forward(batch=0, grad=False, loss='all'))",
+            what=f"grads: grads[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/stateful_ws1", nograd, STATEFUL.format(
+            under="", op="2 (Load())", what="raised: RuntimeError: Error(s) in loading state_dict for FSDPFuzzModel: "
+            "| \tWhile copying the parameter named \"head.bias\", whose dimensions in the model are torch.Size([2]) "
+            "and whose dimensions in the checkpoint are torch.Size([2]), an exception occurred : ('aten.copy_.default "
+            "got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling "
+            "distributed operators!',).")),
     ]
 
 
