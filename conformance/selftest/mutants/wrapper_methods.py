@@ -53,8 +53,8 @@ class ClipNormInFloat32(_Mutant):
 
     name = "mutant-clip-norm-in-float32"
     breaks = "taking a float64 model's norm in float64"
-    expect = Expect("grad_clip and wrapper_clip_grad_norm_float64", "thread",
-                    ("grad_clip/wrapper_clip_grad_norm_float64",))
+    expect = Expect("wrapper_clip_grad_norm_float64 or repro_clip_grad_norm_float64", "thread",
+                    ("grad_clip/wrapper_clip_grad_norm_float64", "fuzz/repro_clip_grad_norm_float64"))
     patches = (Patch("fsdp_impl.unit_methods:_local_norm", _in_float32),)
 
 

@@ -10,7 +10,10 @@ In order, the first that holds:
                    in rank processes and thread hosts, forked from a forkserver that imports
                    it, or spawned.
 ``killed``         a cell (row x implementation x rank mode) whose outcome is ``FAIL`` or
-                   ``error`` where the baseline's is not: the killers. A run stopped for
+                   ``error`` where the baseline's is not, or whose ``FAIL`` no registered
+                   finding explains where the baseline's was a known finding's (a row such as
+                   a stateful fuzzer's goes past the findings it meets, so under a mutant it
+                   can fail for a reason of its own): the killers. A run stopped for
                    time still writes the cells it decided, and a kill among them counts.
 ``timed out``      the run exceeded its time limit with no such cell.
 ``killed``         a run that crashed: no report, an exit code other than the
@@ -64,14 +67,29 @@ class Verdict:
 
 
 def report_cells(report: dict[str, Any]) -> dict[Cell, str]:
-    """A schema-2 JSON report's cells (case, implementation, rank mode) -> outcome."""
-    return {(row["case"], row["impl"], row["rank_mode"]): row["outcome"] for row in report.get("rows", [])}
+    """A schema-2 JSON report's cells (case, implementation, rank mode) -> outcome, a ``FAIL`` a registered
+    finding explains written ``FAIL (known: <write-up>)``."""
+    return {(row["case"], row["impl"], row["rank_mode"]): _outcome(row) for row in report.get("rows", [])}
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    finding = row.get("finding")
+    return f"{row['outcome']} (known: {finding})" if row["outcome"] == "FAIL" and finding else row["outcome"]
 
 
 def _killed_by_rows(baseline: dict[Cell, str], run: dict[Cell, str]) -> tuple[str, ...]:
+    """The cells failing under the mutant for a reason the baseline's cell did not have: a failure where it
+    had none, or one no finding explains where it had a known finding's (a different known finding is none)."""
+    def known(outcome: str | None) -> bool:
+        return outcome is not None and outcome.startswith("FAIL (known")
+
+    def kills(before: str | None, outcome: str) -> bool:
+        if outcome in FAILING:
+            return before != outcome
+        return known(outcome) and before not in FAILING and not known(before)
+
     return tuple(f"{case} [{mode}]: {baseline.get((case, impl, mode), 'no cell')} -> {outcome}"
-                 for (case, impl, mode), outcome in run.items()
-                 if outcome in FAILING and baseline.get((case, impl, mode)) != outcome)
+                 for (case, impl, mode), outcome in run.items() if kills(baseline.get((case, impl, mode)), outcome))
 
 
 def _crash(baseline: RunResult, run: RunResult) -> str:

@@ -247,6 +247,27 @@ def test_verdicts(run: RunResult, verdict: str, killers: tuple[str, ...]) -> Non
     assert bool(got.detail) == (verdict != "survived" and (not killers or run.timed_out))
 
 
+def _known(case: str, outcome: str, finding: str | None) -> dict[str, object]:
+    return {"case": case, "impl": "torch-fsdp2", "rank_mode": "process", "outcome": outcome, "finding": finding}
+
+
+@pytest.mark.parametrize(("cells", "verdict", "killers"), [
+    ((("a/k", "FAIL", None), ("a/x", "pass", None)), "killed", ("a/k [process]: FAIL (known: f.md) -> FAIL",)),
+    ((("a/k", "FAIL", "f.md"), ("a/x", "pass", None)), "survived", ()),
+    ((("a/k", "FAIL", "g.md"), ("a/x", "pass", None)), "survived", ()),
+    ((("a/k", "FAIL", "f.md"), ("a/x", "FAIL", "f.md")), "killed", ("a/x [process]: pass -> FAIL (known: f.md)",)),
+])
+def test_a_row_past_a_known_finding_kills_with_a_failure_of_its_own(
+        cells: tuple[tuple[str, str, str | None], ...], verdict: str, killers: tuple[str, ...]) -> None:
+    """A cell FAILing for a registered finding in the baseline (a stateful row that met one) still kills when
+    the mutant makes it FAIL for a reason no finding explains; another known finding does not kill."""
+    baseline = RunResult(1, False, 9.0, {"schema_version": 2, "rows": [_known("a/k", "FAIL", "f.md"),
+                                                                        _known("a/x", "pass", None)]}, _LOADED)
+    run = RunResult(1, False, 9.0, {"schema_version": 2, "rows": [_known(*cell) for cell in cells]}, _LOADED)
+    got = classify(baseline, run)
+    assert (got.verdict, got.killers) == (verdict, killers)
+
+
 def test_no_verdict_without_a_baseline_report() -> None:
     with pytest.raises(ValueError, match="baseline"):
         classify(RunResult(3, False, 1.0, None, _LOADED), BASELINE)
