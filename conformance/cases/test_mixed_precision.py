@@ -231,14 +231,17 @@ def test_buffer_dtype(ctx: RankContext, impl: FSDPAdapter, buffer_dtype: str) ->
 
 @case("mixed_precision/buffer_dtype_state_dict", clause=("C13", "C4"), world_size=TWO_OR_MORE,
       requires=[Capability.MIXED_PRECISION, Capability.MP_BUFFER_DTYPE, Capability.FULL_STATE_DICT])
-def test_buffer_dtype_state_dict(ctx: RankContext, impl: FSDPAdapter) -> None:
-    """One unit holding the buffer and every parameter: after a step with ``buffer_dtype=bfloat16``, a full
-    state dict holds the buffer in float32, the dtype it was built in ("saved in full precision"), with the
-    values it computes with (cast at the first forward, "keeps them in that dtype thereafter"), and the
-    parameters' values; training then goes on as emulated, the buffer still computing in bfloat16."""
+@pytest.mark.parametrize("units", ["one", "nested"])
+def test_buffer_dtype_state_dict(ctx: RankContext, impl: FSDPAdapter, units: str) -> None:
+    """After a step with ``buffer_dtype=bfloat16``, a full state dict holds the buffer in float32, the dtype
+    it was built in ("saved in full precision"), with the values it computes with (cast at the first
+    forward, "keeps them in that dtype thereafter"), and the parameters' values; training then goes on as
+    emulated, the buffer still computing in bfloat16. ``one``: one unit holding the buffer and every
+    parameter. ``nested``: each ``Linear`` its own unit, so the unit holding the buffer (the root) manages
+    no parameter of its own; the documented contract names no layout."""
     mp = MixedPrecisionSpec(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16,
                             cast_forward_inputs=False)
-    pair = _pair(ctx, impl, mp, "FULL_SHARD", auto_wrap=None)
+    pair = _pair(ctx, impl, mp, "FULL_SHARD", auto_wrap=LINEARS if units == "nested" else None)
     optim = optional.optimizer(impl, pair.model, torch.optim.SGD, lr=pair.local.lr)
     train_step(ctx, pair, optim, 0)
     state = impl.full_state_dict(pair.model)

@@ -90,6 +90,11 @@ def _fsdp1() -> list[tuple[str, str, str, str]]:
         (FSDP1, "legacy_state_dicts/settings[kind=FULL]", F + "fsdp1-offload-to-cpu-on-cpu.md",
          "rank 0 raised RuntimeError: setStorage: sizes [100], strides [1], storage offset 0, and itemsize 4 "
          "requiring a storage size of 400 are out of bounds for storage of size 0 (world_size=2, mode=process)"),
+        (FSDP1, "mixed_precision/buffer_dtype_state_dict[units=nested]",
+         F + "fsdp1-buffer-dtype-saved-without-root-params.md",
+         "rank 0 raised AssertionError: full state dict dtypes {'scale': torch.bfloat16, 'lin1.weight': torch.float32, "
+         "'lin1.bias': torch.float32, 'lin2.weight': torch.float32, 'lin2.bias': torch.float32}, expected the built "
+         "ones (world_size=2, mode=process)"),
         (FSDP1, "memory/dropped_model_freed[units=root,last=forward,api=wrap]",
          F + "fsdp1-abandoned-forward-keeps-model.md",
          "rank 0 raised AssertionError: rank 0: the wrap model, dropped by its user after two training steps and a "
