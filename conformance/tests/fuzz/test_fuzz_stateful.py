@@ -437,10 +437,11 @@ def fuzz_and_replay(ctx: RankContext, mutant: FSDPAdapter, settings: CaseSetting
 def test_a_broken_control_is_found_and_shrunk() -> None:
     """Against a reference whose ``unshard()`` gathers nothing, the fuzzer finds a ``fully_shard`` program
     whose ``Unshard`` gives the wrong outputs; it fails on the mutant again and passes on the reference
-    (in fresh rank processes: the mutant's patches stay where it ran). Seed 5 finds it within 20 programs and
-    shrinks it to one ``Unshard`` in 106 runs in all (seeds 1 and 4 take 146 and 107; 0, 2, 3 find nothing in 20)."""
+    (in fresh rank processes: the mutant's patches stay where it ran). Seed 10 finds it within 20 programs and
+    shrinks it in 98 runs in all (seeds 0, 2, 3 and 5 take 205, 146, 150 and 159 runs; 4, 6, 7, 8 and 9 find
+    nothing in 20)."""
     results = run(fuzz_and_replay, world_size=2, mode="process", timeout_s=300, isolated=True,
-                  args=(UnshardWithoutGatherFullPrecision(), CaseSettings(fuzz_stateful_examples=20, fuzz_seed=5)))
+                  args=(UnshardWithoutGatherFullPrecision(), CaseSettings(fuzz_stateful_examples=20, fuzz_seed=10)))
     result, again = results[0]
     shrunk = result.failing
     assert shrunk.config.api == "fully_shard" and any(isinstance(op, Unshard) for op in shrunk.ops), source(shrunk)
