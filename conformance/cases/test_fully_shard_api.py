@@ -67,6 +67,7 @@ from fixtures.sharded_blocks import (
     micro_batch_cycles,
     shard_blocks,
     sharded_step,
+    trains_as_local,
 )
 
 if TYPE_CHECKING:
@@ -87,13 +88,7 @@ def test_misuse(ctx: RankContext, impl: FSDPAdapter, kind: str) -> None:
         container = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]).to(ctx.device)
         with pytest.raises(ValueError):
             fully_shard(impl, container, mesh=mesh)
-    local = Blocks(seed=0).to(ctx.device)
-    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
-    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
-    for step in range(2):
-        sharded_step(ctx, impl, model, optim, step)
-        local_step(ctx, local, local_optim, step, range(ctx.world_size))
-    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters after {kind}")
+    trains_as_local(ctx, impl, model, Blocks(seed=0).to(ctx.device), what=f"parameters after {kind}")
 
 
 #: The hook's scale: a power of two, so scaled gradients compare exactly.

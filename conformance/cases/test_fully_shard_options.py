@@ -51,6 +51,7 @@ from fixtures.sharded_blocks import (
     micro_batch_cycles,
     shard_blocks,
     sharded_step,
+    trains_as_local,
 )
 
 if TYPE_CHECKING:
@@ -223,12 +224,7 @@ def test_shard_placement_fn(ctx: RankContext, impl: FSDPAdapter) -> None:
         pieces = torch.chunk(full, ctx.world_size, dim=want.dim)  # fewer than the ranks: the last ones hold none
         piece = pieces[ctx.rank] if ctx.rank < len(pieces) else full.narrow(want.dim, 0, 0)
         assert_close_named({name: got.to_local().detach()}, {name: piece}, what=f"rank {ctx.rank}: local piece")
-    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
-    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
-    for step in range(2):
-        sharded_step(ctx, impl, model, optim, step)
-        local_step(ctx, local, local_optim, step, range(ctx.world_size))
-    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+    trains_as_local(ctx, impl, model, local)
 
 
 class _CountingComm:

@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from conformance.contract import optional
 from conformance.contract.adapter import Capability, FSDPAdapter
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks
 from fixtures.parity import COPIED, assert_close_named
 from fixtures.seeding import generator
-from fixtures.sharded_blocks import LR, full_of, local_step, mesh_over, shard_blocks, sharded_step
+from fixtures.sharded_blocks import full_of, mesh_over, shard_blocks, trains_as_local
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -45,17 +44,6 @@ def _reset(model: nn.Module) -> None:
         param.copy_(full)
 
 
-def _trains_as_local(ctx: RankContext, impl: FSDPAdapter, model: nn.Module, local: nn.Module) -> None:
-    """Two SGD steps with momentum, each rank on its own batch, leave the sharded ``model``'s parameters equal to
-    ``local``'s, stepped on the mean of every rank's loss."""
-    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR, momentum=0.9)
-    local_optim = torch.optim.SGD(local.parameters(), lr=LR, momentum=0.9)
-    for step in range(2):
-        sharded_step(ctx, impl, model, optim, step)
-        local_step(ctx, local, local_optim, step, range(ctx.world_size))
-    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: trained")
-
-
 @case("meta_init/reset_parameters", clause="C16", world_size=TWO_OR_MORE,
       requires=[Capability.FULLY_SHARD, Capability.META_INIT],
       strategies=())
@@ -71,7 +59,7 @@ def test_reset_parameters(ctx: RankContext, impl: FSDPAdapter) -> None:
     _reset(model)
     assert_close_named(full_of(model), dict(local.named_parameters()),
                        what=f"rank {ctx.rank}: parameters after to_empty and reset", exact=COPIED)
-    _trains_as_local(ctx, impl, model, local)
+    trains_as_local(ctx, impl, model, local, momentum=0.9, what="trained")
 
 
 def _sharded_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
@@ -99,4 +87,4 @@ def test_load_state_dict_assign(ctx: RankContext, impl: FSDPAdapter) -> None:
     model.load_state_dict(_sharded_state_dict(model, dict(local.named_parameters())), assign=True)
     assert_close_named(full_of(model), dict(local.named_parameters()),
                        what=f"rank {ctx.rank}: parameters after load_state_dict(assign=True)", exact=COPIED)
-    _trains_as_local(ctx, impl, model, local)
+    trains_as_local(ctx, impl, model, local, momentum=0.9, what="trained")
