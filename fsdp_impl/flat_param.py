@@ -297,11 +297,13 @@ class FlatParamHandle:
                     shard[lo:hi].copy_(data.reshape(-1))
 
     # -- views -------------------------------------------------------------------------
-    def unsharded_views(self) -> list[torch.Tensor]:
-        """One view of ``full`` per slot, in its original shape (autograd-linked in grad mode)."""
+    def unsharded_views(self, full: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One view of ``full`` (default: the gathered parameters) per slot, in its original shape
+        (autograd-linked in grad mode)."""
+        full = self.full if full is None else full
         views = []
         for slot in self.slots:
-            view = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if self.use_orig_params and not slot.param.requires_grad:
                 view = view.detach()
             views.append(view)

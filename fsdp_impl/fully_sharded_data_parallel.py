@@ -246,18 +246,8 @@ class FullyShardedDataParallel(nn.Module):
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
         """Expose full parameters inside the context (see :mod:`fsdp_impl.summon`)."""
-        unsupported = {
-            "recurse": not recurse,
-            "rank0_only": rank0_only,
-            "offload_to_cpu": offload_to_cpu,
-        }
-        if any(unsupported.values()):
-            raise NotImplementedError(
-                f"summon_full_params supports only recurse=True, rank0_only=False, "
-                f"offload_to_cpu=False; got recurse={recurse}, rank0_only={rank0_only}, "
-                f"offload_to_cpu={offload_to_cpu}"
-            )
-        return summon.summon_full_params(module, writeback=writeback, with_grads=with_grads)
+        return summon.summon_full_params(module, writeback=writeback, with_grads=with_grads, recurse=recurse,
+                                         rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
     @staticmethod
     @contextlib.contextmanager

@@ -11,12 +11,13 @@ import contextlib
 from collections.abc import Generator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_impl import collectives
 from fsdp_impl.api import ShardedState, TrainingState
 from fsdp_impl.flat_param import FLAT_PARAM_NAME, FlatParamHandle, _set_param, set_grad
-from fsdp_impl.unit_state import UnitState, unit_states
+from fsdp_impl.unit_state import UnitState, unit_state, unit_states
 
 __all__ = ["check_idle", "gather_shard_sized", "managing_units", "register_orig", "summon_full_params",
            "unregister_orig"]
@@ -39,15 +40,16 @@ def check_idle(units: list[UnitState]) -> None:
         raise RuntimeError(f"summon_full_params / state dicts need idle units, got states {busy}")
 
 
-def register_orig(unit: UnitState, full: bool) -> None:
-    """Register original params over full views (``full``) or local pieces."""
+def register_orig(unit: UnitState, full: bool, source: torch.Tensor | None = None) -> None:
+    """Register original params over full views (``full``: of the gathered parameters, or of ``source``, a copy
+    of them) or local pieces."""
     handle = unit.handle
     assert handle is not None
     if not handle.use_orig_params:
         unit.module._parameters.pop(FLAT_PARAM_NAME, None)
     shard = handle.flat_param.data
     for slot, view in zip(
-        handle.slots, handle.unsharded_views() if full else [None] * len(handle.slots), strict=True
+        handle.slots, handle.unsharded_views(source) if full else [None] * len(handle.slots), strict=True
     ):
         slot.param.data = view.detach() if view is not None else handle.sharded_view(slot, shard)
         for module, name in slot.registrations:
@@ -71,45 +73,44 @@ def unregister_orig(unit: UnitState) -> None:
 
 @contextlib.contextmanager
 def summon_full_params(
-    module: nn.Module, writeback: bool = True, with_grads: bool = False
+    module: nn.Module, writeback: bool = True, with_grads: bool = False, *, recurse: bool = True,
+    rank0_only: bool = False, offload_to_cpu: bool = False,
 ) -> Generator[None, None, None]:
     """Full original parameters (registered under their own names) inside the context.
 
     ``writeback`` copies in-place edits back into the local shards on exit;
-    ``with_grads`` also exposes the full (averaged) gradients as ``.grad``.
+    ``with_grads`` also exposes the full (averaged) gradients as ``.grad``;
+    ``recurse=False`` summons ``module``'s own unit alone (nothing where it is not a unit);
+    ``rank0_only``: only global rank 0 sees them; every rank gathers (a collective), the others drop
+    what they gathered at once and keep their shards registered;
+    ``offload_to_cpu``: a sharded unit's full parameters are a copy on the CPU, which the writeback reads.
     """
-    units = managing_units(module)
+    if writeback and rank0_only:
+        raise NotImplementedError("summon_full_params(writeback=True, rank0_only=True): ranks other than 0 "
+                                  "hold no full parameters to write back")
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError("summon_full_params(with_grads=True, offload_to_cpu=True) is not supported")
+    units = managing_units(module) if recurse else [u for u in [unit_state(module)] if u and u.handle]
     check_idle(units)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     # The dtype each unit computes in, back on exit: between forward and backward, backward
     # re-gathers into the low-precision leaf its saved views point at.
     precisions = [unit.handle.full.dtype == unit.handle.flat_param.dtype for unit in units]  # type: ignore[union-attr]
     for unit in units:
         unit.handle.set_full_precision(True)  # type: ignore[union-attr]
         unit.handle.start_unshard()  # type: ignore[union-attr]
-    saved_grads: list[list[torch.Tensor | None]] = []
-    for unit in units:
-        handle = unit.handle
-        assert handle is not None
-        handle.wait_unshard()
-        saved_grads.append([slot.param.grad for slot in handle.slots])
-        flat_grad = handle.flat_param.grad
-        register_orig(unit, full=True)
-        if with_grads:
-            _expose_full_grads(handle)
-        unit.saved_flat_grad = flat_grad
-        unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+    saved_grads = [_summon(unit, keep=keep, offload=offload_to_cpu, with_grads=with_grads) for unit in units]
     try:
         yield
     finally:
         for unit, grads, full_precision in zip(units, saved_grads, precisions, strict=True):
             handle = unit.handle
             assert handle is not None
-            if writeback:
+            if writeback and unit.summoned is not None:  # summoned on every rank: rank0_only refuses a writeback
                 start = handle.shard_rank * handle.shard_numel
                 with torch.no_grad():
-                    handle.flat_param.data.copy_(
-                        handle.full.data[start : start + handle.shard_numel]
-                    )
+                    handle.flat_param.data.copy_(unit.summoned[start : start + handle.shard_numel])
+            unit.summoned = None
             for slot in handle.slots:
                 slot.param.grad = None
             unregister_orig(unit)
@@ -120,6 +121,32 @@ def summon_full_params(
             _restore_grad(handle.flat_param, unit.saved_flat_grad)
             unit.saved_flat_grad = None  # not held past the block (a stale shard-sized gradient)
             unit.training_state = TrainingState.IDLE
+
+
+def _summon(unit: UnitState, *, keep: bool, offload: bool, with_grads: bool) -> list[torch.Tensor | None]:
+    """Wait for ``unit``'s gather and register its full parameters (and gradients) where ``keep``; elsewhere
+    free what was gathered, gradients gathered too (collective), and leave the shards registered. Returns the
+    gradients set aside."""
+    handle = unit.handle
+    assert handle is not None
+    handle.wait_unshard()
+    saved = [slot.param.grad for slot in handle.slots]
+    unit.saved_flat_grad = handle.flat_param.grad
+    full_grads = _gather_full_grads(handle) if with_grads else None
+    unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+    if not keep:
+        handle.reshard()
+        return saved
+    # Only a sharded unit is offloaded (unsharded, its full parameters are the ones it keeps).
+    unit.summoned = handle.full.detach().cpu() if offload and handle.shard_size > 1 else handle.full.detach()
+    register_orig(unit, full=True, source=unit.summoned if offload else None)
+    if full_grads is not None:
+        for slot, grad in zip(handle.slots, full_grads, strict=True):
+            if grad is None:
+                slot.param.grad = None
+            else:
+                set_grad(slot.param, grad)
+    return saved
 
 
 def _restore_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -139,9 +166,10 @@ def gather_shard_sized(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Te
     return collectives.all_gather(out, shard.contiguous(), handle.shard_group).wait()
 
 
-def _expose_full_grads(handle: FlatParamHandle) -> None:
-    """Full gradients on every rank; ranks agree whether there is one, since a rank whose shard
-    holds no parameter's elements (padding only) has no gradient of its own but takes part."""
+def _gather_full_grads(handle: FlatParamHandle) -> list[torch.Tensor | None]:
+    """Each slot's full gradient (collective); ``None`` for all where no rank has one. Ranks agree whether there
+    is one, since a rank whose shard holds no parameter's elements (padding only) has none of its own but takes
+    part."""
     local = handle.sharded_grad()
     flag = torch.tensor([0 if local is None else 1], device=handle.compute_device)
     if handle.shard_size > 1:
@@ -151,9 +179,5 @@ def _expose_full_grads(handle: FlatParamHandle) -> None:
     dtype = stale.dtype if stale is not None else handle.flat_param.dtype
     shard = local if local is not None else torch.zeros_like(handle.flat_param.data, dtype=dtype)
     full = gather_shard_sized(handle, shard)
-    for slot in handle.slots:
-        view = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        if has_grad:
-            set_grad(slot.param, view)
-        else:
-            slot.param.grad = None
+    return [full[slot.offset : slot.offset + slot.numel].view(slot.shape) if has_grad else None
+            for slot in handle.slots]

@@ -145,6 +145,7 @@ class UnitState:
     # the state-dict type and options (see [Note: state dict settings])
     state_dict_settings: StateDictSettings = field(default_factory=default_state_dict_settings)
     saved_flat_grad: torch.Tensor | None = None  # flat_param.grad set aside inside summon_full_params
+    summoned: torch.Tensor | None = None  # the full parameters summon_full_params exposes (maybe a CPU copy)
     unsynced_grad: torch.Tensor | None = None  # unsharded gradient kept by backwards inside no_sync()
     partial_reduce: torch.Tensor | None = None  # reduce-scattered sum kept without all-reduce (hybrid)
 

@@ -265,6 +265,19 @@ class FSDP1LikeAdapter:
         with self._api().FullyShardedDataParallel.summon_full_params(model, writeback=False):
             return [(name, buf.detach().clone()) for name, buf in model.named_buffers()]
 
+    def summoned_params(self, model: nn.Module, path: str, *, recurse: bool, rank0_only: bool, offload_to_cpu: bool,
+                        with_grads: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None] | None]:
+        """What the module at ``path`` yields inside ``summon_full_params`` on it with these options."""
+        fsdp_cls = self._api().FullyShardedDataParallel
+        module = next(m for fqn, m in model.named_modules() if clean_fqn(fqn) == path)  # the unit, before its module
+        prefix = f"{path}." if path else ""
+        with fsdp_cls.summon_full_params(module, recurse=recurse, writeback=False, rank0_only=rank0_only,
+                                         offload_to_cpu=offload_to_cpu, with_grads=with_grads):
+            named = [(prefix + clean_fqn(n), p) for n, p in module.named_parameters()]
+            params = {n: p.detach().clone() for n, p in named}
+            grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in named} if with_grads else None
+        return params, grads
+
     def register_comm_hook(self, model: nn.Module, state: object, hook: Callable[..., None]) -> None:
         cast(Any, model).register_comm_hook(state, hook)
 

@@ -108,6 +108,17 @@ class TorchFSDP1Adapter(FSDP1LikeAdapter):
         _refuse_mixed_dtype_gather(self._api().FullyShardedDataParallel, model)
         return super().full_grads(model)
 
+    def summoned_params(self, model: nn.Module, path: str, *, recurse: bool, rank0_only: bool, offload_to_cpu: bool,
+                        with_grads: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None] | None]:
+        """Raises where summoning would end the process (:func:`_refuse_mixed_dtype_gather`,
+        :func:`_refuse_offload_of_cpu_params`)."""
+        if with_grads:
+            _refuse_mixed_dtype_gather(self._api().FullyShardedDataParallel, model)
+        if offload_to_cpu:
+            _refuse_offload_of_cpu_params(model)
+        return super().summoned_params(model, path, recurse=recurse, rank0_only=rank0_only,
+                                       offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
     def _unit_info(self, fqn: str, module: nn.Module) -> UnitInfo:
         unit: Any = module  # FSDP1's attributes are untyped through nn.Module.__getattr__
         handle = getattr(unit, "_handle", None)
@@ -162,3 +173,22 @@ def _refuse_mixed_dtype_gather(fsdp_cls: Any, model: nn.Module) -> None:
                 f"gradient of dtype {sorted(dtypes - {None})} on some ranks and none on others, which FSDP1 "
                 f"all-gathers as zeros of the default dtype {default} (gloo: Received data size doesn't "
                 "match expected size)")
+
+
+def _refuse_offload_of_cpu_params(model: nn.Module) -> None:
+    """Raise ``RuntimeError`` on every rank where reading a parameter inside ``summon_full_params(offload_to_cpu=True)``
+    would read freed memory (a segmentation fault, as seen).
+
+    Before torch 2.14, FSDP1's ``FlatParamHandle.to_cpu`` moves the gathered flat parameter to the CPU and then
+    frees the gathered copy; when it is on the CPU already, the move is no copy, and what it frees is the storage
+    the summoned parameters view (pytorch/pytorch#188989, fixed by #188990 in torch 2.14;
+    docs/findings/fsdp1-summon-offload-to-cpu-on-cpu.md). With ``use_orig_params=False`` torch raises itself
+    ("setStorage: ... out of bounds for storage of size 0"); with ``use_orig_params=True`` the original parameters
+    view the freed storage, and reading them can end the process, so the adapter raises first."""
+    fixed = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+    if fixed or not getattr(model, "_use_orig_params", False) or getattr(model, "compute_device", None) is None:
+        return
+    if model.compute_device.type == "cpu":
+        raise RuntimeError(
+            "summon_full_params(offload_to_cpu=True) would read freed memory: FSDP1 (torch < 2.14) frees the "
+            "gathered parameters of a model computing on the CPU when it offloads them there (pytorch/pytorch#188989)")

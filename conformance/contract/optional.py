@@ -47,8 +47,8 @@ adapter method (optional)                  default
 ``release(model)``                         nothing: dropping the model frees it
 ``units_per_module(strategy)``             ``True``: an auto-wrap policy makes a unit per module
 ``clip_grad_norm(m, max_norm, norm_type)``, ``apply_with_full_params(m, fn)``, ``check_is_root(unit)``,
-``fsdp_modules(m, root_only)``, ``named_buffers(m)``, ``register_comm_hook(m, state, hook)``
-                                           unsupported: the case is ``n/a``
+``fsdp_modules(m, root_only)``, ``named_buffers(m)``, ``register_comm_hook(m, state, hook)``,
+``summoned_params(m, path, ...)``           unsupported: the case is ``n/a``
 ========================================== ====================================================
 
 Each default is what the suite did before the method existed, so an older
@@ -116,6 +116,7 @@ from conformance.contract.wrapper_methods import (
     fsdp_modules,
     named_buffers,
     register_comm_hook,
+    summoned_params,
 )
 
 __all__ = [
@@ -132,7 +133,7 @@ __all__ = [
     "set_reshard_after_forward", "step", "step_zeroes_grads", "supports_no_sync", "takes_param_dtype",
     "units_per_module", "unshard", "thread_rank_limits", "thread_rank_load_limits", "set_post_optim_event",
     "wrapped_module", "WrapperMethodUnsupported", "apply_with_full_params", "check_is_root", "clip_grad_norm",
-    "fsdp_modules", "named_buffers", "register_comm_hook",
+    "fsdp_modules", "named_buffers", "register_comm_hook", "summoned_params",
 ]
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from conformance.contract.adapter import optional_method
 
 __all__ = ["WrapperMethodUnsupported", "apply_with_full_params", "check_is_root", "clip_grad_norm", "fsdp_modules",
-           "named_buffers", "register_comm_hook"]
+           "named_buffers", "register_comm_hook", "summoned_params"]
 
 
 class WrapperMethodUnsupported(NotImplementedError):
@@ -73,3 +73,19 @@ def register_comm_hook(adapter: Any, model: nn.Module, state: object, hook: Call
     Torch refuses it for hybrid strategies; the suite registers none there.
     """
     _method(adapter, "register_comm_hook")(model, state, hook)
+
+
+def summoned_params(adapter: Any, model: nn.Module, path: str, *, recurse: bool, rank0_only: bool,
+                    offload_to_cpu: bool, with_grads: bool) -> tuple[dict[str, torch.Tensor],
+                                                                   dict[str, torch.Tensor | None] | None]:
+    """Copies of what the module at ``path`` of the wrapped root ``model`` (a path of the user's model; ``""``:
+    the root) yields from ``named_parameters()`` inside ``summon_full_params(module, recurse=recurse,
+    writeback=False, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)``, named as
+    :meth:`FSDPAdapter.full_params` names them (on the device they were on), and with ``with_grads`` their
+    gradients (else ``None``). Collective.
+
+    Optional beyond :attr:`Capability.WRAPPER_METHODS` (an adapter declaring it may lack this one): raises
+    :class:`WrapperMethodUnsupported` when the adapter has no such method.
+    """
+    return _method(adapter, "summoned_params")(  # type: ignore[no-any-return]
+        model, path, recurse=recurse, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)

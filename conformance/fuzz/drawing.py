@@ -16,6 +16,7 @@ from conformance.fuzz.ops import (
     CONTROL_OPS,
     FEATURES,
     HYBRID_OF,
+    WRAP_OPS,
     Backward,
     ClipGradNorm,
     Forward,
@@ -35,6 +36,7 @@ from conformance.fuzz.ops import (
     ScaleParams,
     SetReshardAfterForward,
     Step,
+    SummonFull,
     Train,
     Unshard,
     WrapConfig,
@@ -88,6 +90,12 @@ def _controls(config: ProgramConfig) -> st.SearchStrategy[Op]:
         # a factor other than the world size shows (at one rank, 1.0 is the default: 2.0 shows there)
         st.builds(GradientDivideFactor, factor=st.sampled_from((2.0 * config.world_size, 1.0)), unit=units),
     )
+
+
+def _summons(config: ProgramConfig) -> st.SearchStrategy[Op]:
+    """A wrapped model's :class:`SummonFull` of one of ``config``'s units, each option drawn."""
+    return st.builds(SummonFull, unit=st.sampled_from(config.units()), recurse=st.booleans().map(lambda b: not b),
+                     rank0_only=st.booleans(), offload_to_cpu=st.booleans(), with_grads=st.booleans())
 
 
 #: A control -> the feature it needs, where that is not ``fully_shard_controls``.
@@ -277,7 +285,8 @@ def programs(
     kept = frozenset(features) - frozenset(set_aside)
     config, drew_fully_shard = draw(_configs(world_size, allowed, kept))
     with_controls = drew_fully_shard and "fully_shard" in features  # set aside or not: the same draws
-    drawn = st.one_of(*_OPS, _controls(config)) if with_controls else st.one_of(*_OPS)
+    # a wrapped model's own operations: for a program that drew wrap, whatever the adapter then offers
+    drawn = st.one_of(*_OPS, _controls(config)) if with_controls else st.one_of(*_OPS, _summons(config))
     ops = draw(st.lists(drawn, min_size=1, max_size=max_ops))
     return Program(config, tuple(op for op in ops if _runs(op, config, kept) and type(op).__name__ not in set_aside))
 
@@ -286,6 +295,8 @@ def _runs(op: Op, config: ProgramConfig, features: Collection[str]) -> bool:
     """Whether ``op`` stays in a program on ``config``: a control only where the adapter has it (a
     ``fully_shard`` program draws every control, so a seed draws the same program for every adapter
     with ``fully_shard``)."""
+    if isinstance(op, WRAP_OPS):
+        return isinstance(config, WrapConfig)
     if not isinstance(op, CONTROL_OPS):
         return True
     return isinstance(config, FullyShardConfig) and _NEEDS.get(type(op), "fully_shard_controls") in features

@@ -1,10 +1,12 @@
 """What the wrapped model runs for the stateful operations whose semantics are stated in full values: clipping the
-gradients to a total norm and scaling the full parameters (:class:`~conformance.fuzz.ops.ClipGradNorm`,
-:class:`~conformance.fuzz.ops.ScaleParams`; the shadow's side is :class:`~conformance.fuzz.shadow.Shadow`'s)."""
+gradients to a total norm, scaling the full parameters and reading a unit's full parameters
+(:class:`~conformance.fuzz.ops.ClipGradNorm`, :class:`~conformance.fuzz.ops.ScaleParams`,
+:class:`~conformance.fuzz.ops.SummonFull`; the shadow's side is :class:`~conformance.fuzz.shadow.Shadow`'s)."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -14,8 +16,11 @@ from conformance.contract import optional
 from conformance.contract.adapter import FSDPAdapter
 from conformance.fuzz.configs import ProgramConfig, WrapConfig
 from conformance.fuzz.controls import full_value
+from conformance.fuzz.ops import SummonFull
+from fixtures.parity import assert_close_named
 
-__all__ = ["assert_norm", "clip_grads", "clipped_norm_type", "has_grads", "scale_params"]
+__all__ = ["assert_norm", "assert_summoned", "clip_grads", "clipped_norm_type", "has_grads", "scale_params",
+           "summon_options", "summoned_names"]
 
 
 def clipped_norm_type(config: ProgramConfig, norm_type: float) -> float:
@@ -75,3 +80,33 @@ def _scaling_own_params(scale: float) -> Callable[[nn.Module], None]:
                     param.mul_(scale)
 
     return scale_own
+
+
+def summon_options(config: WrapConfig, op: SummonFull) -> tuple[bool, bool]:
+    """``offload_to_cpu`` and ``with_grads`` as a :class:`~conformance.fuzz.ops.SummonFull` runs them on ``config``:
+    each dropped where torch leaves it unsupported (an offload of a unit that does not shard; gradients without
+    ``use_orig_params`` or beside an offload)."""
+    offload = op.offload_to_cpu and config.world_size > 1 and config.strategy != "NO_SHARD"
+    return offload, op.with_grads and config.use_orig_params and not offload
+
+
+def summoned_names(config: WrapConfig, local: nn.Module, unit: str, recurse: bool) -> list[str]:
+    """The parameters of ``local`` (the shadow's model) a summon on ``unit`` exposes full: those below it, without
+    ``recurse`` less those below a unit nested in it; a tied parameter (one module's, or another unit's, as the
+    implementation chose) left out."""
+    uses = Counter(id(param) for _, param in local.named_parameters(remove_duplicate=False))
+    prefix = f"{unit}." if unit else ""
+    nested = tuple(f"{path}." for path in config.units() if path != unit and path.startswith(prefix))
+    return [name for name, param in local.named_parameters()
+            if name.startswith(prefix) and uses[id(param)] == 1 and (recurse or not name.startswith(nested))]
+
+
+def assert_summoned(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, offloaded: bool) -> None:
+    """Every parameter in ``want`` was summoned, full, equal to the shadow's; on the CPU where ``offloaded``."""
+    absent = sorted(set(want) - set(got))
+    if absent:
+        raise AssertionError(f"not among the summoned parameters: {absent} (summoned: {sorted(got)})")
+    elsewhere = sorted(name for name in want if offloaded and got[name].device.type != "cpu")
+    if elsewhere:
+        raise AssertionError(f"offload_to_cpu=True left {elsewhere} on {got[elsewhere[0]].device}")
+    assert_close_named({name: got[name].to(want[name].device) for name in want}, want, what="summoned params")

@@ -21,7 +21,16 @@ from conformance.fuzz.configs import FullyShardConfig, ProgramConfig, WrapConfig
 from conformance.fuzz.controls import Controls, full_value, materialize, shard_config, user_buffers
 from conformance.fuzz.drawn_optimizers import wrapped_optimizer
 from conformance.fuzz.drawn_precision import as_compared, compared_outputs, in_compute_dtype, wrapped_input
-from conformance.fuzz.full_value_ops import assert_norm, clip_grads, clipped_norm_type, has_grads, scale_params
+from conformance.fuzz.full_value_ops import (
+    assert_norm,
+    assert_summoned,
+    clip_grads,
+    clipped_norm_type,
+    has_grads,
+    scale_params,
+    summon_options,
+    summoned_names,
+)
 from conformance.fuzz.gathers import Gathers
 from conformance.fuzz.held import Held
 from conformance.fuzz.ops import (
@@ -39,6 +48,7 @@ from conformance.fuzz.ops import (
     ScaleParams,
     SetReshardAfterForward,
     Step,
+    SummonFull,
     Train,
     Unshard,
     ZeroGrad,
@@ -99,7 +109,7 @@ class Machine:
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: self.forward, Backward: self.backward, Step: self.step, Train: self.train_iteration,
             ZeroGrad: self.zero_grad, Mode: self.mode, Save: self.save, Load: self.load, NoSync: self.no_sync,
-            ClipGradNorm: self.clip_grad_norm, ScaleParams: self.scale_params,
+            ClipGradNorm: self.clip_grad_norm, ScaleParams: self.scale_params, SummonFull: self.summon_full,
         }
         handlers.get(type(op), self.control)(op)
 
@@ -243,6 +253,25 @@ class Machine:
         scale_params(self.impl, self.model, fully_sharded=self.controls is not None, scale=op.scale)
         self.shadow.scale_params(op.scale)
 
+    def summon_full(self, op: SummonFull) -> None:
+        """Read a unit's full parameters (and gradients) and compare them with the shadow's on every rank that sees
+        them (when nothing happens: :class:`SummonFull`)."""
+        if self.pending is not None or "summoned_params" in self.missing or not isinstance(self.config, WrapConfig):
+            return
+        offload, with_grads = summon_options(self.config, op)
+        params, grads = optional.summoned_params(self.impl, self.model, op.unit, recurse=op.recurse,
+                                                 rank0_only=op.rank0_only, offload_to_cpu=offload,
+                                                 with_grads=with_grads)
+        if op.rank0_only and self.ctx.rank != 0:
+            return
+        names = summoned_names(self.config, self.shadow.local, op.unit, op.recurse)
+        local = dict(self.shadow.local.named_parameters())
+        self.compare("summoned params", assert_summoned, unwrapped_names(params), {n: local[n] for n in names},
+                     offloaded=offload)
+        if grads is not None:  # only those summoned: a nested unit's, not summoned, may show its shard's
+            summoned = {n: g for n, g in unwrapped_names(grads).items() if n in names}
+            self._compare_grads("summoned grads", summoned, names)
+
     def save(self, op: Save) -> None:
         if self.controls is not None:
             self._save_fully_sharded(op)
@@ -320,13 +349,18 @@ class Machine:
         self.compare("no gradient outside the loss", assert_no_grads_outside_the_loss, self.impl.units(self.model),
                      got_grads, local)
         if got_grads is not None:  # None: not exposed for this wrap; parameters still compared
-            want_grads = {n: None if p.grad is None else p.grad.detach() for n, p in local.named_parameters()}
-            policy = self.config.policy
-            if policy is not None and policy.keep_low_precision_grads:
-                self.compare("grad dtypes", assert_same_dtypes, got_grads, want_grads)
-            self.compare("grads", assert_close_named,
-                         in_compute_dtype(zeros_for_none(got_grads, want_grads), policy),
-                         in_compute_dtype(zeros_for_none(want_grads, got_grads), policy), what="grads")
+            self._compare_grads("grads", got_grads, [n for n, _ in local.named_parameters()])
+
+    def _compare_grads(self, label: str, got: dict[str, torch.Tensor | None], names: list[str]) -> None:
+        """The full gradients ``got`` of the parameters ``names`` equal the shadow's (``None`` standing for zeros
+        where the other side has one), in the dtype kept where the policy keeps low-precision gradients."""
+        local = dict(self.shadow.local.named_parameters())
+        want = {n: None if local[n].grad is None else local[n].grad.detach() for n in names}  # type: ignore[union-attr]
+        policy = self.config.policy
+        if policy is not None and policy.keep_low_precision_grads:
+            self.compare(label.replace("grads", "grad dtypes"), assert_same_dtypes, got, want)
+        self.compare(label, assert_close_named, in_compute_dtype(zeros_for_none(got, want), policy),
+                     in_compute_dtype(zeros_for_none(want, got), policy), what=label)
 
 
 def setup(ctx: RankContext, impl: FSDPAdapter, config: ProgramConfig, held: Held) -> Machine:

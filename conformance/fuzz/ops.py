@@ -11,8 +11,9 @@ user performs on the sharded model, in order: forwards with and without
 gradients, ``train()``/``eval()``, backward, optimizer step, a whole training iteration,
 ``zero_grad(set_to_none=...)``, saving model and optimizer state and loading
 the last save, a backward inside the adapter's optional ``no_sync``, clipping the
-gradients to a total norm and scaling the full parameters in place; on a
-``fully_shard``-ed model also FSDP2's per-module controls ([Note: fully_shard
+gradients to a total norm and scaling the full parameters in place; on a wrapped model
+also reading a unit's full parameters with ``summon_full_params``'s options, on a
+``fully_shard``-ed model FSDP2's per-module controls ([Note: fully_shard
 programs] in :mod:`conformance.fuzz.controls`). Like a
 parity example ([Note: fuzz examples are plain data]) a program holds only
 ints, floats, strings, booleans, tuples and dataclasses of them: it is drawn on rank 0,
@@ -56,7 +57,7 @@ __all__ = [
     "Config", "WrapConfig", "FullyShardConfig", "ProgramConfig", "Forward", "Backward", "Step", "ZeroGrad",
     "Mode", "Save", "Load", "NoSync", "Unshard", "Reshard", "GradSync", "ReshardAfterBackward", "Prefetch",
     "SetReshardAfterForward", "GradientDivideFactor", "CONTROL_OPS", "MODELLED_CONTROLS", "Op", "Program", "Train",
-    "ClipGradNorm", "ScaleParams",
+    "ClipGradNorm", "ScaleParams", "SummonFull", "WRAP_OPS",
 ]
 
 #: Distinct input batches a program draws from (per rank), so a repeated forward sees the same batch.
@@ -184,6 +185,29 @@ class ScaleParams:
 
 
 @dataclass(frozen=True)
+class SummonFull:
+    """Read the full parameters of the wrapped module at ``unit`` (``""``: the root) inside FSDP1's
+    ``summon_full_params(module, recurse, writeback=False, rank0_only, offload_to_cpu, with_grads)`` (the
+    adapter's optional ``summoned_params``), as a user inspects a submodule. torch 2.13 documents: the full
+    parameters of every unit in the module's tree (``recurse=False``: of the module's own unit alone); with
+    ``rank0_only`` on global rank 0 only ("the other ranks will have sharded parameters"); with
+    ``offload_to_cpu`` on the CPU where the unit is sharded; with ``with_grads`` their gradients too, "only
+    supported when passing use_orig_params=True ... and offload_to_cpu=False". Where torch leaves an option
+    unsupported (``with_grads`` without ``use_orig_params`` or beside an offload, ``offload_to_cpu`` on a unit
+    that does not shard: ``NO_SHARD`` or one rank) the program runs without it. On the shadow: each parameter
+    the call summons (below ``unit``, less any nested unit's without ``recurse``; a tied parameter, owned by
+    whichever unit the implementation chose, is left out) equals the shadow's, and with ``with_grads`` so does
+    its gradient, on every rank that sees full parameters; an offloaded one is on the CPU. Nothing happens, on
+    both sides, while a loss is pending (summoning inside forward and backward is refused by torch)."""
+
+    unit: str = ""
+    recurse: bool = True
+    rank0_only: bool = False
+    offload_to_cpu: bool = False
+    with_grads: bool = False
+
+
+@dataclass(frozen=True)
 class Unshard:
     """``unshard()`` of the ``fully_shard``-ed module at ``unit`` (``""``: the root), with ``async_op``
     waiting on the handle it returns, then a forward of ``batch`` with gradients (as :class:`Forward`)
@@ -266,13 +290,16 @@ class GradientDivideFactor:
 
 
 Op = Forward | Backward | Step | Train | ZeroGrad | Mode | Save | Load | NoSync | ClipGradNorm | ScaleParams | \
-    Unshard | Reshard | GradSync | ReshardAfterBackward | Prefetch | SetReshardAfterForward | GradientDivideFactor
+    SummonFull | Unshard | Reshard | GradSync | ReshardAfterBackward | Prefetch | SetReshardAfterForward | \
+    GradientDivideFactor
 #: Operations only a ``fully_shard``-ed model has.
 CONTROL_OPS = (Unshard, Reshard, GradSync, ReshardAfterBackward, Prefetch, SetReshardAfterForward, GradientDivideFactor)
 #: The controls whose effect the program's checks model ([Note: fully_shard programs]); the others end them.
 MODELLED_CONTROLS = (SetReshardAfterForward, GradientDivideFactor)
-#: Controls naming one sharded module.
-_ON_A_UNIT = (Unshard, Reshard, SetReshardAfterForward, GradientDivideFactor)
+#: Operations only a wrapped (``wrap``) model has.
+WRAP_OPS = (SummonFull,)
+#: Operations naming one sharded module.
+_ON_A_UNIT = (Unshard, Reshard, SetReshardAfterForward, GradientDivideFactor, SummonFull)
 
 
 @dataclass(frozen=True)
@@ -287,6 +314,8 @@ class Program:
         for op in self.ops:
             if isinstance(op, CONTROL_OPS) and not isinstance(self.config, FullyShardConfig):
                 raise ValueError(f"{op} needs a FullyShardConfig")
+            if isinstance(op, WRAP_OPS) and not isinstance(self.config, WrapConfig):
+                raise ValueError(f"{op} needs a WrapConfig")
             if isinstance(op, _ON_A_UNIT) and op.unit not in units:
                 raise ValueError(f"{op} names no sharded module; expected one of {units}")
 

@@ -71,6 +71,8 @@ def missing_operations(impl: FSDPAdapter, mode: RankMode, wrapped_with: str | No
              "apply_with_full_params": [Capability.WRAPPER_METHODS], "reshard": [Capability.FULLY_SHARD_CONTROLS]}
     reasons = {op: missing_reason(impl, caps, mode) for op, caps in needs.items()}
     reasons["sharded load"] = reasons["sharded save"] or _load_limit(impl, Capability.SHARDED_STATE_DICT, mode)
+    reasons["summoned_params"] = reasons["clip_grad_norm"] or (
+        None if callable(getattr(impl, "summoned_params", None)) else f"{impl.name} has no summoned_params")
     if reasons["no_sync"] is None and wrapped_with is not None and not supports_no_sync(impl, wrapped_with):
         reasons["no_sync"] = f"{impl.name} has no no_sync under strategy {wrapped_with}"
     return {op: reason for op, reason in reasons.items() if reason is not None}

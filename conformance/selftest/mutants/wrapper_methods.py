@@ -1,10 +1,11 @@
 """Mutants of FSDP1's methods on a wrapped model and of its wrapper-only arguments (``clip_grad_norm_``,
-``apply``, ``check_is_root``, ``fsdp_modules``, ``named_buffers``, ``register_comm_hook``, ``ignored_states``,
-``MixedPrecision.cast_forward_inputs``)."""
+``apply``, ``summon_full_params(recurse=False)``, ``check_is_root``, ``fsdp_modules``, ``named_buffers``,
+``register_comm_hook``, ``ignored_states``, ``MixedPrecision.cast_forward_inputs``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from fsdp_impl.precision import cast_floating
 
 __all__ = ["ApplyKeepsNothing", "ClipNormInFloat32", "ClipNormOfLocalShards", "ClipScalesNothing", "CommHookIgnored",
            "EveryUnitIsRoot", "FsdpModulesLeaveOutTheModule", "IgnoredStatesDropped", "NamedBuffersKeepPrefixes",
-           "UnitInputsAlwaysCast", "UnitInputsNotCast"]
+           "SummonOwnUnitSkipped", "UnitInputsAlwaysCast", "UnitInputsNotCast"]
 
 Fn = Callable[..., Any]
 
@@ -75,10 +76,18 @@ class ClipScalesNothing(_Mutant):
 
 
 def _without_writeback(summon: Fn) -> Fn:
-    def summon_discarding(module: Any, writeback: bool = True, with_grads: bool = False) -> Any:
-        return summon(module, writeback=False, with_grads=with_grads)
+    def summon_discarding(module: Any, writeback: bool = True, with_grads: bool = False, **options: Any) -> Any:
+        return summon(module, writeback=False, with_grads=with_grads, **options)
 
     return summon_discarding
+
+
+def _own_unit_skipped(summon: Fn) -> Fn:
+    def summon_recursing_only(module: Any, writeback: bool = True, with_grads: bool = False, *,
+                              recurse: bool = True, **options: Any) -> Any:
+        return summon(module, writeback, with_grads, recurse=recurse, **options) if recurse else nullcontext()
+
+    return summon_recursing_only
 
 
 class ApplyKeepsNothing(_Mutant):
@@ -89,6 +98,15 @@ class ApplyKeepsNothing(_Mutant):
     breaks = "writing what apply's fn changed back into the shards"
     expect = Expect("wrapper_methods and apply", "thread", ("wrapper_methods/apply",))
     patches = (Patch("fsdp_impl.summon:summon_full_params", _without_writeback),)
+
+
+class SummonOwnUnitSkipped(_Mutant):
+    """``summon_full_params(module, recurse=False)`` summons nothing, as if ``module`` were no unit."""
+
+    name = "mutant-summon-own-unit-skipped"
+    breaks = "summoning a unit's own parameters without recursing"
+    expect = Expect("stateful_ws2", "process", ("fuzz/stateful_ws2",))
+    patches = (Patch("fsdp_impl.summon:summon_full_params", _own_unit_skipped),)
 
 
 class EveryUnitIsRoot(_Mutant):

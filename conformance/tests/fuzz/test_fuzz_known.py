@@ -2,8 +2,8 @@
 
 A test adapter over the reference plants failures: a ``load_state_dict`` that raises (registered as a known
 finding that sets ``Load`` aside) and a ``no_sync`` that raises (registered nowhere). At world size 1 the search
-meets the load at its fifth program and again at its seventh at seed 29 (:data:`LOAD_SEED`), and at seed 0
-(:data:`NO_SYNC_SEED`) the load at its fourth and then the ``no_sync`` (with ``Load`` set aside).
+meets the load at its third program and again at its sixth and tenth at seed 19 (:data:`LOAD_SEED`), and at seed 2
+(:data:`NO_SYNC_SEED`) the load at its third and then the ``no_sync`` (with ``Load`` set aside).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class PlantedLoadAndNoSync(PlantedLoad):
 
 #: The seeds whose draws the tests below rely on: the planted load met twice without setting ``Load`` aside (and
 #: once with it), and met before the planted ``no_sync`` fails.
-LOAD_SEED, NO_SYNC_SEED = 29, 0
+LOAD_SEED, NO_SYNC_SEED = 19, 2
 
 
 def _settings(set_aside: tuple[str, ...], *, shrink: bool = False, seed: int = NO_SYNC_SEED) -> CaseSettings:
@@ -69,31 +69,31 @@ def test_a_known_finding_is_recorded_and_the_search_goes_on_without_its_trigger(
     failure of the row's; once ``Load`` is set aside no later program meets it, where without it one does."""
     aside = _search(PlantedLoad(), _settings(("Load",), seed=LOAD_SEED))
     assert aside.failing is None and aside.runs == 10, aside
-    assert [(m.run, m.doc) for m in aside.met] == [(5, LOAD_DOC)], aside.met
+    assert [(m.run, m.doc) for m in aside.met] == [(3, LOAD_DOC)], aside.met
     assert any(isinstance(op, Load) for op in aside.met[0].value.ops), source(aside.met[0].value)
     assert "(Load()), rank 0: raised: RuntimeError: planted: load" in aside.met[0].failure
     again = _search(PlantedLoad(), _settings((), seed=LOAD_SEED))
-    assert again.failing is None and [m.run for m in again.met] == [5, 7], again.met
+    assert again.failing is None and [m.run for m in again.met] == [3, 6, 10], again.met
     text = failure_text(_settings(("Load",), seed=LOAD_SEED), aside)
     assert text is not None, "a row that met only known findings still FAILs"
     first, *rest = text.splitlines()
     assert first.startswith(f"stateful fuzzer (seed {LOAD_SEED}") and first.endswith("planted: load"), first
     assert rest[0] == "only known findings met, in 1 of 10 programs:", rest
-    assert rest[1].startswith(f"program 5: {LOAD_DOC} claims op "), rest
+    assert rest[1].startswith(f"program 3: {LOAD_DOC} claims op "), rest
 
 
 def test_an_unknown_failure_after_a_known_one_is_the_rows_failure_shrunk() -> None:
     """After the known finding the search meets the unregistered ``no_sync`` failure: the row FAILs with it,
     shrunk to a program whose ``NoSync`` fails and which no finding claims, and lists the known finding met."""
     result = _search(PlantedLoadAndNoSync(), _settings(("Load",), shrink=True))
-    assert [m.run for m in result.met] == [4], result.met
+    assert [m.run for m in result.met] == [3], result.met
     assert result.failing is not None and result.message is not None and not result.cut, result
     assert "raised: RuntimeError: planted: no_sync" in result.message, result.message
     assert any(isinstance(op, NoSync) for op in result.failing.ops), source(result.failing)
     assert not any(isinstance(op, Load) for op in result.failing.ops), source(result.failing)
     text = failure_text(_settings(("Load",), shrink=True), result)
     assert text is not None and "planted: no_sync" in text.splitlines()[0], text
-    assert "minimal reproducer after" in text and f"known finding met before it, program 4: {LOAD_DOC}" in text
+    assert "minimal reproducer after" in text and f"known finding met before it, program 3: {LOAD_DOC}" in text
 
 
 def test_a_finding_setting_aside_what_the_fuzzer_does_not_draw_is_refused() -> None:

@@ -94,7 +94,7 @@ def test_drawing_is_deterministic_and_varied() -> None:
     kinds = {type(op).__name__ for program in first for op in program.ops}
     controls = {kind.__name__ for kind in CONTROL_OPS}
     plain = {"Forward", "Backward", "Step", "Train", "ZeroGrad", "Mode", "Save", "Load", "NoSync", "ClipGradNorm",
-             "ScaleParams"}
+             "ScaleParams", "SummonFull"}
     assert kinds - controls == plain, kinds
     assert kinds & controls, kinds  # every one of them: test_controls_are_drawn_only_where_declared
     configs = [p.config for p in first]

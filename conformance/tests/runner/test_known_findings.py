@@ -172,6 +172,15 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
         (FSDP1, "fuzz/stateful_ws1", F + "fsdp1-cpu-offload-pinning.md", STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="raised: RuntimeError: Cannot access accelerator device when none "
             "is available.")),
+        (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-summon-offload-to-cpu-on-cpu.md", STATEFUL.format(
+            under="", op="0 (SummonFull(unit='', recurse=True, rank0_only=False, offload_to_cpu=True, "
+            "with_grads=False))", what="raised: RuntimeError: summon_full_params(offload_to_cpu=True) would read freed "
+            "memory: FSDP1 (torch < 2.14) frees the gathered parameters of a model computing on the CPU when it "
+            "offloads them there (pytorch/pytorch#188989)")),
+        (FSDP1, "fuzz/stateful_ws4", F + "fsdp1-summon-offload-to-cpu-on-cpu.md", STATEFUL.format(  # flat parameters
+            under="", op="3 (SummonFull(unit='blocks.0', recurse=False, rank0_only=True, offload_to_cpu=True, "
+            "with_grads=False))", what="raised: RuntimeError: setStorage: sizes [16], strides [1], storage offset 0, "
+            "and itemsize 4 requiring a storage size of 64 are out of bounds for storage of size 0")),
         (FSDP1, "grad_clip/wrapper_clip_grad_norm_float64", F + "fsdp1-clip-grad-norm-float64.md",
          f"rank 0 raised RuntimeError: {NARROWED}"),
         (FSDP1, "fuzz/repro_clip_grad_norm_float64", F + "fsdp1-clip-grad-norm-float64.md", shadow.format(
