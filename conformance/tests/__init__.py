@@ -20,7 +20,10 @@ inside the job, a job that loses a rank), and the variants of a plumbing test wh
 takes the same path in every commit: the CLI's serial-against-``-n 2`` comparison
 (the pytest-level transport test compares them every commit), a lost row, a
 known FAIL and a shared deadline under ``-n 2`` (their serial tests), SIGHUP (SIGINT's
-serial path) and an unknown row under ``-n 2``. Each ``-n 2`` session pays for a
+serial path) and an unknown row under ``-n 2``, and the overlap case run by the CLI against
+the DTensor toy (a timing test, alone at a session's end: its measurement and the case's
+bound are checked every commit by the toy's own timing test and the main job's overlap
+rows). Each ``-n 2`` session pays for a
 controller, two workers and their forkservers importing torch before its first
 row (about 20 CPU-seconds). A
 plain ``pytest`` run, the README's test command and so a commit's CI, leaves

@@ -89,6 +89,7 @@ def test_overlap_without_any_delayed_collective_cannot_pass() -> None:
 
 
 @pytest.mark.timing
+@pytest.mark.nightly  # [Note: nightly tests]: 10 s alone at the end of each torch's session
 def test_overlap_case_fails_for_the_toy(tmp_path: Path) -> None:
     """The case itself, run by the CLI against the toy registered without packaging."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")}
