@@ -172,6 +172,10 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
         (FSDP1, "fuzz/stateful_ws1", F + "fsdp1-cpu-offload-pinning.md", STATEFUL.format(
             under="", op="0 (Train(batch=0))", what="raised: RuntimeError: Cannot access accelerator device when none "
             "is available.")),
+        (FSDP1, "fuzz/stateful_ws1", F + "fsdp1-cpu-offload-pinning.md", STATEFUL.format(  # a CUDA build, no driver
+            under="", op="0 (Train(batch=0))", what="raised: RuntimeError: Found no NVIDIA driver on your system. "
+            "Please check that you have an NVIDIA GPU and installed a driver from "
+            "http://www.nvidia.com/Download/index.aspx")),
         (FSDP1, "fuzz/stateful_ws2", F + "fsdp1-summon-offload-to-cpu-on-cpu.md", STATEFUL.format(
             under="", op="0 (SummonFull(unit='', recurse=True, rank0_only=False, offload_to_cpu=True, "
             "with_grads=False))", what="raised: RuntimeError: summon_full_params(offload_to_cpu=True) would read freed "
