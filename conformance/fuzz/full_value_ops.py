@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -101,12 +101,13 @@ def summoned_names(config: WrapConfig, local: nn.Module, unit: str, recurse: boo
             if name.startswith(prefix) and uses[id(param)] == 1 and (recurse or not name.startswith(nested))]
 
 
-def assert_summoned(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, offloaded: bool) -> None:
-    """Every parameter in ``want`` was summoned, full, equal to the shadow's; on the CPU where ``offloaded``."""
+def assert_summoned(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, offloaded: Sequence[str]) -> None:
+    """Every parameter in ``want`` was summoned, full, equal to the shadow's; those ``offloaded`` on the CPU (an
+    ignored module's parameters are the implementation's to leave where they are)."""
     absent = sorted(set(want) - set(got))
     if absent:
         raise AssertionError(f"not among the summoned parameters: {absent} (summoned: {sorted(got)})")
-    elsewhere = sorted(name for name in want if offloaded and got[name].device.type != "cpu")
+    elsewhere = sorted(name for name in offloaded if got[name].device.type != "cpu")
     if elsewhere:
         raise AssertionError(f"offload_to_cpu=True left {elsewhere} on {got[elsewhere[0]].device}")
     assert_close_named({name: got[name].to(want[name].device) for name in want}, want, what="summoned params")

@@ -266,8 +266,9 @@ class Machine:
             return
         names = summoned_names(self.config, self.shadow.local, op.unit, op.recurse)
         local = dict(self.shadow.local.named_parameters())
+        ignored = tuple(f"{path}." for path in self.config.ignored)
         self.compare("summoned params", assert_summoned, unwrapped_names(params), {n: local[n] for n in names},
-                     offloaded=offload)
+                     offloaded=[n for n in names if offload and not n.startswith(ignored)])
         if grads is not None:  # only those summoned: a nested unit's, not summoned, may show its shard's
             summoned = {n: g for n, g in unwrapped_names(grads).items() if n in names}
             self._compare_grads("summoned grads", summoned, names)
