@@ -139,18 +139,16 @@ def _summon(unit: UnitState, *, keep: bool, offload: bool, with_grads: bool) -> 
         return saved
     # Only a sharded unit is offloaded (unsharded, its full parameters are the ones it keeps).
     unit.summoned = handle.full.detach().cpu() if offload and handle.shard_size > 1 else handle.full.detach()
-    register_orig(unit, full=True, source=unit.summoned if offload else None)
+    register_orig(unit, full=True, source=unit.summoned)
     if full_grads is not None:
         for slot, grad in zip(handle.slots, full_grads, strict=True):
-            if grad is None:
-                slot.param.grad = None
-            else:
-                set_grad(slot.param, grad)
+            _restore_grad(slot.param, grad)
     return saved
 
 
 def _restore_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Put back a gradient set aside (it may be in a low-precision dtype, see ``set_grad``)."""
+    """Give ``param`` the gradient ``grad`` (set aside, or summoned; it may be in a low-precision dtype, see
+    ``set_grad``), or none."""
     if grad is None:
         param.grad = None
     else:

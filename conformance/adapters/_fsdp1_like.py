@@ -269,7 +269,9 @@ class FSDP1LikeAdapter:
                         with_grads: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None] | None]:
         """What the module at ``path`` yields inside ``summon_full_params`` on it with these options."""
         fsdp_cls = self._api().FullyShardedDataParallel
-        module = next(m for fqn, m in model.named_modules() if clean_fqn(fqn) == path)  # the unit, before its module
+        module = next((m for fqn, m in model.named_modules() if clean_fqn(fqn) == path), None)  # the unit first
+        if module is None:
+            raise ValueError(f"summoned_params: no module at path {path!r} of the wrapped model")
         prefix = f"{path}." if path else ""
         with fsdp_cls.summon_full_params(module, recurse=recurse, writeback=False, rank0_only=rank0_only,
                                          offload_to_cpu=offload_to_cpu, with_grads=with_grads):
