@@ -18,14 +18,21 @@ values of losses, gradients and parameters against the emulation with
 bfloat16 hands its nested unit a float32 tensor; the nested module's forward sees it in bfloat16 with the
 option, in float32 without it.
 
-Only ``cast_forward_inputs`` and ``cast_unit_forward_inputs`` feed float32 inputs and rely on the
-implementation casting them (``Capability.MP_CAST_FORWARD_INPUTS``, and ``MP_CAST_UNIT_FORWARD_INPUTS``);
+``non_floating_inputs[api=wrap|fully_shard]`` feeds the root float32 features, int64 token ids and a bool mask
+under a bfloat16 policy that casts inputs: its forward sees the features in bfloat16 and the others unchanged
+(both torch APIs document the cast as one of floating-point tensors), and computes the local bfloat16 model's
+output.
+
+Only ``cast_forward_inputs``, ``cast_unit_forward_inputs`` and ``non_floating_inputs`` feed float32 inputs and
+rely on the implementation casting them (``Capability.MP_CAST_FORWARD_INPUTS``, and ``MP_CAST_UNIT_FORWARD_INPUTS``;
+under ``fully_shard``, ``FULLY_SHARD_MIXED_PRECISION``, whose policy casts by default);
 every other case casts its batches to the param dtype itself
 (``MixedPrecisionSpec(cast_forward_inputs=False)``), so it needs no more than the dtypes it tests.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,13 +45,14 @@ from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, MixedPrecisionSpec, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, Exact, Scalable, case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
-from conformance.contract.optional import full_grads
+from conformance.contract.optional import full_grads, fully_shard
 from conformance.fuzz.example import ModelSpec, Policy
 from conformance.fuzz.ops import FullyShardConfig, WrapConfig
 from conformance.fuzz.unsynced import keeps_unsynced_sums
 from fixtures.parity import assert_close_named
 from fixtures.precision import LocalMixedPrecision, ScaledMLP, low_precision_loss
 from fixtures.seeding import generator, rank_seed, seeded_init_
+from fixtures.sharded_blocks import mesh_over
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -343,3 +351,49 @@ def test_cast_unit_forward_inputs(ctx: RankContext, impl: FSDPAdapter, cast: boo
     want = torch.bfloat16 if cast else torch.float32
     assert plain.inner.seen == [want], (
         f"rank {ctx.rank}: the nested unit's forward saw inputs in {plain.inner.seen}, expected [{want}]")
+
+
+class _TakesTokens(nn.Module):
+    """Features, token ids and a mask: records the dtypes its forward sees, adds the tokens' embedding to the
+    features' projection and masks the sum (what a model fed a tokenized batch does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.embed = nn.Embedding(5, 4)
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x.dtype, ids.dtype, mask.dtype))
+        return (self.lin(x) + self.embed(ids)) * mask.unsqueeze(-1)
+
+
+def _cast_requires(params: Mapping[str, Any]) -> list[Capability]:
+    if params.get("api") == "fully_shard":
+        return [Capability.FULLY_SHARD, Capability.FULLY_SHARD_MIXED_PRECISION]
+    return [Capability.MIXED_PRECISION, Capability.MP_CAST_FORWARD_INPUTS]
+
+
+@case("mixed_precision/non_floating_inputs", clause="C13", world_size=TWO_OR_MORE, requires=_cast_requires)
+@pytest.mark.parametrize("api", ["wrap", "fully_shard"])
+def test_non_floating_inputs(ctx: RankContext, impl: FSDPAdapter, api: str) -> None:
+    """The root casting its inputs to bfloat16 (FSDP1's ``cast_forward_inputs``/``cast_root_forward_inputs``,
+    FSDP2's ``MixedPrecisionPolicy.cast_forward_inputs``: torch documents both as casting the
+    floating-point tensors) casts a float32 positional input and leaves int64 token ids and a keyword bool
+    mask as they are; the output is the local model's computed in bfloat16 on the same inputs."""
+    plain = _TakesTokens().to(ctx.device)
+    seeded_init_(plain, 0)
+    local = copy.deepcopy(plain).to(torch.bfloat16)
+    policy = MixedPrecisionSpec(param_dtype=torch.bfloat16)
+    if api == "wrap":
+        model = impl.wrap(plain, WrapSpec(mixed_precision=policy))
+    else:
+        model = fully_shard(impl, plain, mesh=mesh_over(ctx), mixed_precision=policy)
+    gen = generator(rank_seed(0, ctx.rank))
+    x, ids = torch.randn(2, 3, 4, generator=gen), torch.randint(0, 5, (2, 3), generator=gen)
+    x, ids, mask = x.to(ctx.device), ids.to(ctx.device), (ids % 2 == 0).to(ctx.device)
+    out = model(x, ids, mask=mask)
+    want = (torch.bfloat16, torch.int64, torch.bool)
+    assert plain.seen == [want], f"rank {ctx.rank}: the root's forward saw {plain.seen}, expected [{want}]"
+    assert_close_named({"output": out.detach()}, {"output": local(x.to(torch.bfloat16), ids, mask=mask).detach()},
+                       what=f"rank {ctx.rank}: output")

@@ -1,9 +1,12 @@
-"""Mixed-precision mutants: one dtype of the policy ignored, or the root's inputs left uncast."""
+"""Mixed-precision mutants: one dtype of the policy ignored, or the root's inputs left uncast or all cast."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
 
 from conformance.contract.adapter import WrapSpec
 from conformance.selftest.declare import Expect, Patch, _Mutant
@@ -15,6 +18,7 @@ __all__ = [
     "LowPrecisionGradsUpcast",
     "EvalInLowPrecision",
     "RootInputsNotCast",
+    "EveryInputCast",
 ]
 
 _PARAM_REDUCE = "mixed_precision/param_and_reduce_dtypes"
@@ -105,3 +109,19 @@ class RootInputsNotCast(_Mutant):
     breaks = "casting the root's floating forward inputs to param_dtype"
     expect = Expect("cast_forward_inputs", "thread", ("mixed_precision/cast_forward_inputs",))
     patches = (Patch.instead("fsdp_impl.precision:cast_inputs", _uncast),)
+
+
+def _cast_every_tensor(unit: Any, inputs: Any) -> Any:
+    policy = unit.config.low_precision(unit.training)
+    if policy is None or not (policy.cast_forward_inputs or (unit.is_root and policy.cast_root_forward_inputs)):
+        return inputs
+    return tree_map(lambda x: x.to(policy.param_dtype) if isinstance(x, torch.Tensor) else x, inputs)
+
+
+class EveryInputCast(_Mutant):
+    """Casts every tensor among the forward inputs to ``param_dtype``, token ids and masks too."""
+
+    name = "mutant-every-input-cast"
+    breaks = "leaving non-floating forward inputs as they are when casting inputs"
+    expect = Expect("non_floating_inputs", "process", ("mixed_precision/non_floating_inputs",))
+    patches = (Patch.instead("fsdp_impl.precision:cast_inputs", _cast_every_tensor),)
