@@ -7,10 +7,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from conformance.fuzz.drawn_optimizers import STATEFUL_OPTIMIZERS
 from conformance.fuzz.example import (
     DTYPES,
     FUZZ_STRATEGIES,
-    OPTIMIZERS,
     ModelSpec,
     Policy,
     exact_low_precision_reduction,
@@ -93,7 +93,7 @@ class Config(metaclass=_Kinds):
             unknown = sorted(set(paths) - set(allowed))
             if unknown:
                 raise ValueError(f"{type(self).__name__}.{name} names {unknown}, not among {allowed}")
-        checks = {"optimizer": (self.optimizer, OPTIMIZERS), "dtype": (self.dtype, DTYPES)}
+        checks = {"optimizer": (self.optimizer, STATEFUL_OPTIMIZERS), "dtype": (self.dtype, DTYPES)}
         for name, (value, allowed_values) in checks.items():
             if value not in allowed_values:
                 raise ValueError(f"{type(self).__name__}.{name}={value!r}; expected one of {allowed_values}")

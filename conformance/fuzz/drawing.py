@@ -9,6 +9,7 @@ from typing import get_args
 
 from hypothesis import strategies as st
 
+from conformance.fuzz.drawn_optimizers import stateful_optimizer
 from conformance.fuzz.example import DTYPES, FUZZ_STRATEGIES, OPTIMIZERS, ModelSpec, Policy, models, policies
 from conformance.fuzz.ops import (
     APIS,
@@ -123,8 +124,9 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
     checkpoint = _subset(draw, tuple(f"blocks.{i}" for i in range(len(model.blocks))))
     frozen = _subset(draw, model.wrappable() if use_orig_params else wrap)
     seed = draw(st.integers(min_value=0, max_value=2**16))
+    trained_with = stateful_optimizer(optimizer, seed)  # [Note: drawn optimizers]
     config = WrapConfig(world_size=world_size, model=model, wrap=wrap, strategy=strategy,
-                        use_orig_params=use_orig_params, optimizer=optimizer, dtype=dtype,
+                        use_orig_params=use_orig_params, optimizer=trained_with, dtype=dtype,
                         policy=policy if dtype == "float32" else None,
                         cpu_offload=offload and "cpu_offload" in features, checkpoint=checkpoint, frozen=frozen,
                         seed=seed)
@@ -137,7 +139,8 @@ def _configs(draw: st.DrawFn, world_size: int, strategies: Collection[str],
                        policy=_unused_draw_options(config.policy, raf, optimizer, features),
                        saves_in_iteration=raf == 2), api == "fully_shard"
     # fully_shard has no strategy or offload to express, and keeps the original parameters
-    sharded = FullyShardConfig(world_size=world_size, model=config.model, wrap=wrap, optimizer=optimizer, dtype=dtype,
+    sharded = FullyShardConfig(world_size=world_size, model=config.model, wrap=wrap, optimizer=trained_with,
+                               dtype=dtype,
                                policy=_fully_shard_policy(drawn_policy if dtype == "float32" else None, features),
                                checkpoint=checkpoint, frozen=frozen, seed=seed,
                                reshard_after_forward=_reshard_after_forward(raf, world_size, features),

@@ -69,14 +69,17 @@ def scale_params(impl: FSDPAdapter, model: nn.Module, *, fully_sharded: bool, sc
 
 
 def _scaling_own_params(scale: float) -> Callable[[nn.Module], None]:
-    """A function for ``apply``: scale the module's own parameters by ``scale``, each parameter once."""
-    done: set[int] = set()
+    """A function for ``apply``: scale the module's own parameters by ``scale``, each parameter once (a tied one
+    is some modules' own parameter each). What it scaled is held until ``apply`` returns: a wrapper's summoned
+    parameters are new objects each summon, freed at its end, and a freed object's ``id`` may be given to the
+    next one, which a set of ids would then wrongly call scaled."""
+    done: dict[int, torch.Tensor] = {}
 
     def scale_own(module: nn.Module) -> None:
         with torch.no_grad():
             for param in module.parameters(recurse=False):
                 if id(param) not in done:
-                    done.add(id(param))
+                    done[id(param)] = param
                     param.mul_(scale)
 
     return scale_own

@@ -19,9 +19,10 @@ run (its gradients' shards) and 0 before (when the first ``S`` is what the rank
 held right after wrapping where that is more, up to ``2 * S``: room for an
 implementation's own bookkeeping),
 ``K`` the optimizer's copies
-of a parameter (SGD's momentum: 1; Adam's two moments: 2), ``N`` the parameters
+of a parameter (SGD's momentum: 1; Adam's two moments: 2;
+:data:`~conformance.fuzz.drawn_optimizers.COPIES`), ``N`` the parameters
 the optimizer holds (a step count each, a 4-byte tensor in Adam); ``K`` and ``N``
-are 0 while the optimizer holds no state (before its first step); ``B`` the
+are 0 while the optimizer holds no state (before its first step, except Adagrad's); ``B`` the
 model's buffers (kept, perhaps also cast). ``G`` is 0 after such a backward;
 after a forward no backward followed (one without gradients, or one a load
 abandoned) it is what torch lets a forward leave gathered
@@ -74,6 +75,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn as nn
 
+from conformance.fuzz.drawn_optimizers import COPIES
 from conformance.fuzz.drawn_precision import dtype_of
 from conformance.fuzz.ops import NODE, ProgramConfig, WrapConfig
 from fixtures.memory import StorageTracker, kept_alive, settle, storages_of
@@ -83,10 +85,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["COPIES", "Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "units_of"]
+__all__ = ["Held", "kept_after_forward", "left_alive", "shard_bound", "shard_sizes", "units_of"]
 
-#: A parameter's copies in the optimizer's state (its step count aside).
-COPIES = {"sgd": 1, "adam": 2}
 _STEP_BYTES = 8  # an optimizer's per-parameter step count, at most (Adam's: a float32 tensor)
 RESHARDING = ("FULL_SHARD", "HYBRID_SHARD")  # the strategies that reshard a unit after its forward
 _ALIGN = 16  # bytes a flat parameter aligns each original parameter to (torch FSDP1 with use_orig_params)

@@ -8,16 +8,19 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 from hypothesis import HealthCheck, Phase, find, given, settings
 
 import conformance.cases.test_fuzz as stateful_cases
 import conformance.fuzz.example as example_mod
+import conformance.fuzz.full_value_ops as full_value_ops
 import conformance.fuzz.ops as ops_mod
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import Capability, FSDPAdapter, UnitInfo
 from conformance.contract.case import CaseSettings
 from conformance.fuzz.drawing import programs
+from conformance.fuzz.drawn_optimizers import STATEFUL_OPTIMIZERS, stateful_optimizer
 from conformance.fuzz.driver import Search
 from conformance.fuzz.example import Block, ModelSpec, Policy, source
 from conformance.fuzz.ops import (
@@ -193,6 +196,22 @@ def test_reentrant_blocks_are_drawn_for_wrap_programs_with_an_odd_seed() -> None
     assert any(block.reentrant for p in drawn for block in p.config.model.blocks)
 
 
+def test_an_adam_draw_trains_with_the_normalising_optimizer_its_seed_names() -> None:
+    """[Note: drawn optimizers]: SGD stays SGD; an ``"adam"`` draw is Adam, Adam with amsgrad, RMSprop or
+    Adagrad by bits 1 and 2 of the seed, each of them drawn, and the programs are otherwise those a draw of
+    plain Adam gives (the same models and operations as before the variants)."""
+    drawn = _drawn(3, 100, FULLY_SHARD_FEATURES)
+    normalising = ("adam", "amsgrad", "rmsprop", "adagrad")
+    for program in drawn:
+        config = program.config
+        want = "sgd" if config.optimizer == "sgd" else normalising[(config.seed >> 1) % 4]
+        assert config.optimizer == want, config
+    assert {p.config.optimizer for p in drawn} == set(STATEFUL_OPTIMIZERS)
+    assert stateful_optimizer("adam", 0b110) == "adagrad" and stateful_optimizer("sgd", 0b110) == "sgd"
+    with pytest.raises(ValueError, match="'lamb'"):
+        stateful_optimizer("lamb", 0)
+
+
 @pytest.mark.parametrize(
     ("build", "message"),
     [
@@ -205,6 +224,7 @@ def test_reentrant_blocks_are_drawn_for_wrap_programs_with_an_odd_seed() -> None
         (lambda: WrapConfig(world_size=2, strategy="HYBRID_SHARD"), "strategy='HYBRID_SHARD'"),
         (lambda: WrapConfig(world_size=2, strategy="ZERO3"), r"WrapConfig.strategy='ZERO3'; expected one of"),
         (lambda: WrapConfig(world_size=0), "world_size must be >= 1, got 0"),
+        (lambda: FullyShardConfig(world_size=2, optimizer="lamb"), r"FullyShardConfig.optimizer='lamb'; expected one"),
         (lambda: WrapConfig(world_size=2, dtype="float64", policy=Policy()), "dtype='float64'"),
         (lambda: WrapConfig(world_size=4, policy=Policy()), "give reduce_dtype='float32'"),
         (lambda: WrapConfig(world_size=2, model=ModelSpec(unused=True), frozen=("unused",)), "frozen path must be"),
@@ -367,6 +387,29 @@ def test_every_control_keeps_the_shadows_values(impl: FSDPAdapter, mode: str) ->
     """Each control alone, and all of them in one program, pass on the reference and on torch's FSDP2."""
     results = run(check_programs, world_size=2, mode=mode, timeout_s=240, args=(impl, CONTROL_PROGRAMS))
     assert results[0] == [None] * len(CONTROL_PROGRAMS), results[0]
+
+
+def _trained_with(kind: str, api: type[Config]) -> Program:
+    """Saves before the first step, a sharded and a full save each loaded back, with ``kind``: a unit outside
+    the loss and (``wrap``, original parameters) a frozen block."""
+    model = ModelSpec(unused=True, blocks=(example_mod.Block(), example_mod.Block(("linear", "scale"))))
+    config: Config = (WrapConfig(world_size=2, model=model, wrap=("blocks.0", "unused"), optimizer=kind,
+                                 use_orig_params=True, frozen=("blocks.1",)) if api is WrapConfig
+                      else FullyShardConfig(world_size=2, model=model, wrap=("blocks.0", "unused"), optimizer=kind))
+    return Program(config, (Save(), Train(), Save(sharded=True), Train(), Load(), Train(), Save(), ZeroGrad(),
+                            Train(), Load(), Train()))
+
+
+@pytest.mark.parametrize(("impl", "mode", "api"), [(ReferenceAdapter(), "process", WrapConfig),
+                                                   (ReferenceAdapter(), "thread", FullyShardConfig),
+                                                   (TorchFSDP2Adapter(), "process", FullyShardConfig)],
+                         ids=["reference-process", "reference-thread", "torch-fsdp2"])
+def test_every_optimizer_keeps_the_shadows_values(impl: FSDPAdapter, mode: str, api: type[Config]) -> None:
+    """[Note: drawn optimizers]: each optimizer a program may train with, its state saved before its first step
+    and loaded back from sharded and full saves, passes on the reference and on torch's FSDP2."""
+    drawn = tuple(_trained_with(kind, api) for kind in STATEFUL_OPTIMIZERS)
+    results = run(check_programs, world_size=2, mode=mode, timeout_s=240, args=(impl, drawn))
+    assert results[0] == [None] * len(drawn), results[0]
 
 
 @pytest.mark.parametrize(("mutant", "program", "message"), [
@@ -580,3 +623,20 @@ def test_float64_is_drawn_only_where_the_adapter_takes_it() -> None:
     assert any(p.config.dtype == "float64" for p in both)
     assert all(p.config.dtype == "float32" for p in without)
     assert [p.config.model for p in both] == [p.config.model for p in without]
+
+
+def test_scaling_each_parameter_once_survives_freed_parameters() -> None:
+    """``ScaleParams`` on a wrapped model scales what each unit summons, parameters that are new objects each
+    summon and freed at its end; a freed parameter's ``id`` given to the next must not make that one look scaled
+    (torch-fsdp1's ``NO_SHARD`` programs failed at random on it)."""
+    scale_own = full_value_ops._scaling_own_params(2.0)
+    for _ in range(20):
+        module = nn.Linear(2, 2)  # the last one's parameters are freed here
+        before = module.weight.detach().clone()
+        scale_own(module)
+        assert torch.equal(module.weight.detach(), before * 2)
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    before = tied[0].weight.detach().clone()
+    tied.apply(full_value_ops._scaling_own_params(2.0))
+    assert torch.equal(tied[1].weight.detach(), before * 2)  # once, not squared
