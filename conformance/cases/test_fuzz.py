@@ -369,3 +369,18 @@ def test_repro_reentrant_checkpoint_root_params(ctx: RankContext, impl: FSDPAdap
     parameters (its input, the embedding's output, needs a gradient): one training iteration equals the shadow's."""
     model = ModelSpec(vocab=7, blocks=(Block(), Block(reentrant=True)))
     run_program(ctx, impl, Program(config=WrapConfig(world_size=ctx.world_size, model=model), ops=(Train(),)))
+
+
+# Found by the stateful fuzzer (seed 0, 20 programs, one rank; shrunk to GradSync(), Train(),
+# GradientDivideFactor(2.0) on float64 parameters) in torch-fsdp2, and written by hand with the float16 reduction
+# a user's mixed precision has: at a sharding degree of one FSDP2 divides by the factor twice wherever it splits the
+# division around the reduction (docs/findings/fsdp2-divide-factor-twice-at-one-rank.md).
+@case("fuzz/repro_divide_factor_one_rank", clause=("C2", "C13"),
+      world_size=Exact(1, reason="a sharding degree of one, where FSDP2 skips the reduce-scatter"),
+      requires=[Capability.FULLY_SHARD, Capability.GRADIENT_DIVIDE_FACTOR, Capability.FULLY_SHARD_MIXED_PRECISION],
+      uses=NEIGHBOURS_USE)
+def test_repro_divide_factor_one_rank(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """On one rank, reducing in float16, ``set_gradient_divide_factor(2.0)`` halves the gradient once: a
+    training iteration leaves the shadow's parameters (its gradient over the factor, stepped)."""
+    config = FullyShardConfig(world_size=1, policy=Policy(param_dtype="float16"))  # reducing in float16
+    run_program(ctx, impl, Program(config=config, ops=(GradientDivideFactor(factor=2.0), Train())))

@@ -204,7 +204,8 @@ class IgnoresGradientDivideFactor(_Mutant):
 
     name = "mutant-ignores-gradient-divide-factor"
     breaks = "dividing a module's summed gradients by its divide factor"
-    expect = Expect("gradient_divide_factor", "thread", ("fuzz/gradient_divide_factor",))
+    expect = Expect("gradient_divide_factor or divide_factor_one_rank", "thread",
+                    ("fuzz/gradient_divide_factor", "fuzz/repro_divide_factor_one_rank"))
     patches = (Patch("fsdp_impl.fsdp_module:FSDPModule.set_gradient_divide_factor", _ignored),)
 
 

@@ -231,6 +231,9 @@ def _fsdp2() -> list[tuple[str, str, str, str]]:
             "'unused.weight' in checkpoint. The parameter requires gradients but has no saved optimizer state.")),
         (FSDP2, "fuzz/repro_optim_state_dict_before_first_step_adam", dcp_adam, shadow.format(
             op="1 (Train(batch=0))", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")),
+        (FSDP2, "fuzz/repro_divide_factor_one_rank", F + "fsdp2-divide-factor-twice-at-one-rank.md", SHADOW.format(
+            impl=FSDP2, op="1 (Train(batch=0))", what=f"params: params[blocks.0.layers.0.weight]: {NOT_CLOSE}")
+         + " (world_size=1, mode=thread)"),
         (FSDP2, "fuzz/stateful_ws4", dcp_adam, STATEFUL.format(
             under="", op="1 (Train(batch=0))", what=f"params: params[embed.weight]: {NOT_CLOSE}")),
         (FSDP2, "fuzz/stateful_ws1", dcp_adam, STATEFUL.format(
