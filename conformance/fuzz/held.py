@@ -37,7 +37,8 @@ on again frees what a forward left gathered only at the next forward or backward
 ``S`` is what the rank holds right after wrapping (the implementation's own
 layout and padding), but never more than :func:`shard_bound` (every parameter's
 shard padded both ways a torch FSDP pads: to a multiple of the shard count along
-dim 0, or flattened per unit with each parameter aligned to 16 bytes) nor less
+dim 0, or flattened per unit with each parameter aligned to 16 bytes of the dtype it computes in, the
+policy's param dtype where there is one) nor less
 than the parameters over the shard count. An implementation that keeps a unit
 gathered, or a unit's unsharded gradient, after backward holds a whole unit more
 than that.
@@ -114,14 +115,17 @@ def _padded(params: list[nn.Parameter], shards: int, size: int | None = None) ->
     return max(shard_sizes(params, shards, size)[1:])
 
 
-def shard_sizes(params: list[nn.Parameter], shards: int, size: int | None = None) -> tuple[int, int, int]:
+def shard_sizes(params: list[nn.Parameter], shards: int, size: int | None = None, *,
+                aligned_in: int | None = None) -> tuple[int, int, int]:
     """Bytes of one of ``shards`` shards of one unit's ``params``: unpadded, and padded each of the note's two
     ways (per parameter to a multiple of the shard count along dim 0; flattened, each parameter aligned), with
-    ``size`` bytes an element (``None``: the parameters' own)."""
+    ``size`` bytes an element (``None``: the parameters' own). A flat parameter aligns each parameter to 16 bytes
+    of the dtype it computes in, ``aligned_in`` bytes an element (``None``: ``size``): torch's FSDP1 under a
+    policy pads its float32 shards by as many elements as 16 bytes of the low-precision dtype hold."""
     size = size or params[0].element_size()
     unpadded = math.ceil(sum(p.numel() for p in params) / shards)
     per_param = sum(math.ceil(_dim0(p) / shards) * (p.numel() // _dim0(p)) for p in params)
-    flat = math.ceil(sum(p.numel() + _ALIGN // size for p in params) / shards)
+    flat = math.ceil(sum(p.numel() + _ALIGN // (aligned_in or size) for p in params) / shards)
     return unpadded * size, per_param * size, flat * size
 
 
@@ -130,12 +134,13 @@ def shard_bound(model: nn.Module, config: ProgramConfig) -> tuple[int, int]:
     ``config``: the parameters over the shard count, and the larger of the two paddings in the note;
     ignored parameters count whole."""
     least = most = 0
+    aligned_in = None if config.policy is None else dtype_of(config.policy.param_dtype).itemsize
     for unit, params in units_of(model, config).items():
         if unit in config.ignored:
             whole = sum(p.numel() for p in params) * params[0].element_size()
             least, most = least + whole, most + whole
         else:
-            unpadded, *padded = shard_sizes(params, _shards(config))
+            unpadded, *padded = shard_sizes(params, _shards(config), aligned_in=aligned_in)
             least, most = least + unpadded, most + max(padded)
     return least, most
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from conformance.adapters.reference import ReferenceAdapter
+from conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from conformance.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from conformance.contract.adapter import FSDPAdapter
-from conformance.fuzz.example import Block, ModelSpec
+from conformance.fuzz.example import Block, ModelSpec, Policy
 from conformance.fuzz.held import Held, kept_after_forward, shard_bound
-from conformance.fuzz.ops import Forward, FullyShardConfig, Program, Train, WrapConfig
+from conformance.fuzz.ops import Forward, FullyShardConfig, NoSync, Program, Train, WrapConfig
 from conformance.fuzz.shadow import build
 from conformance.selftest.mutants import HooksHoldTheirUnit, KeepFullGradients, NeverReshard
 from harness import RankContext, run
@@ -42,6 +43,9 @@ def test_shard_and_forward_bounds_follow_the_layout() -> None:
     assert shard_bound(model, replace(wrapped, strategy="NO_SHARD")) == (80 * 4, (56 + 28 + 28) * 4)
     assert kept_after_forward(model, replace(wrapped, strategy="NO_SHARD")) == 0
     assert shard_bound(model, replace(wrapped, strategy="HYBRID_SHARD"))[0] == (20 + 10 + 10) * 4  # a node of 2
+    # under a float16 policy a flat parameter aligns to 16 bytes of float16, 8 elements a parameter: (40 + 32) / 4
+    low = replace(wrapped, policy=Policy(param_dtype="float16", reduce_dtype="float32"))
+    assert shard_bound(model, low) == ((10 + 5 + 5) * 4, (18 + 9 + 9) * 4)
 
 
 def test_a_storage_kept_past_a_backward_is_reported() -> None:
@@ -74,11 +78,16 @@ def test_a_storage_kept_past_a_backward_is_reported() -> None:
 def _verdicts(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -> list[str | None]:
     from conformance.fuzz.stateful import check_program
 
-    return [check_program(ctx, impl, program) for program in drawn]
+    return [check_program(ctx, impl, program, neighbours=False) for program in drawn]  # memory alone
 
 
 _TRAIN = Program(WrapConfig(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(inner=("linear",)))),
                         wrap=("blocks.1",), use_orig_params=True), (Train(), Train()))
+#: A backward without sync and one with it, the original parameters, a float16 policy: torch's FSDP1 pads each
+#: parameter of its float32 flat shard to 16 bytes of float16 (8 elements), more than 16 bytes of float32.
+_LOW_NO_SYNC = Program(WrapConfig(world_size=2, model=ModelSpec(blocks=(Block(), Block(inner=("linear",)))),
+                                  policy=Policy(param_dtype="float16", reduce_dtype="float32"), use_orig_params=True),
+                       (NoSync(),))
 _INT = Program(_FULLY_SHARD, (Forward(grad=False), Train(), Forward(grad=False)))
 #: One unit of 3 x 30 width-5 parameters kept gathered: 4 padded shards of 192 B, more than the parameters padded once.
 _GATHERED = Program(FullyShardConfig(world_size=4, model=ModelSpec(width=5, blocks=(Block(), Block(), Block())),
@@ -87,9 +96,9 @@ _GATHERED = Program(FullyShardConfig(world_size=4, model=ModelSpec(width=5, bloc
 
 @pytest.mark.parametrize(("impl", "program"), [(ReferenceAdapter(), _TRAIN), (ReferenceAdapter(), _INT),
                                                (TorchFSDP2Adapter(), _INT), (ReferenceAdapter(), _GATHERED),
-                                               (TorchFSDP2Adapter(), _GATHERED)],
+                                               (TorchFSDP2Adapter(), _GATHERED), (TorchFSDP1Adapter(), _LOW_NO_SYNC)],
                          ids=["reference-train", "reference-int", "torch-fsdp2-int", "reference-gathered",
-                              "torch-fsdp2-gathered"])
+                              "torch-fsdp2-gathered", "torch-fsdp1-low-no-sync"])
 def test_what_torch_and_the_reference_hold_passes(impl: FSDPAdapter, program: Program) -> None:
     """Training twice with the original parameters (the reference once kept a stale gradient across
     ``summon_full_params``), forwards without backward under an int ``reshard_after_forward``, and a unit
