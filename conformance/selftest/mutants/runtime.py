@@ -11,6 +11,7 @@ import torch
 from conformance.selftest.declare import Expect, Patch, _Mutant, _state_of, drop_grads
 
 __all__ = [
+    "UserHooksSkipped",
     "NoGradDivide",
     "WrongReplicateGroup",
     "NoReshardAfterBackward",
@@ -316,3 +317,20 @@ class AccumulationOverwrites(_Mutant):
     #: The parity fuzzer draws 1-3 backwards per step; shrinking ends at two.
     expect = Expect("parity_ws", "process", ("fuzz/parity_ws1", "fuzz/parity_ws2", "fuzz/parity_ws4"))
     patches = (Patch("fsdp_impl.flat_param:FlatParamHandle.accumulate_sharded_grad", _accumulate_into_nothing),)
+
+
+def _forward_without_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from fsdp_impl import unit
+
+    args, kwargs = unit.pre_forward_hook(module, args, kwargs)
+    return unit.post_forward_hook(module, args, kwargs, unit.unit_state(module).module.forward(*args, **kwargs))
+
+
+class UserHooksSkipped(_Mutant):
+    """A wrapper calls its wrapped module's ``forward`` directly, so the user's hooks on that module never run."""
+
+    name = "mutant-user-hooks-skipped"
+    breaks = "running the user's own hooks on a wrapped module"
+    expect = Expect("module_hooks", "thread", ("user_hooks/module_hooks[api=wrap]",))
+    patches = (Patch.instead("fsdp_impl.unit:run_forward", _forward_without_hooks),)
+
