@@ -11,7 +11,10 @@ size ([Note: accumulation baseline] in ``test_grad_accumulation``). Full
 gradients and, after each SGD-with-momentum step, parameters equal the
 baseline's (torch's float32 tolerances).
 
-Also: outputs returned in any structure (namedtuple, dict, list, dataclass,
+Also: a root holding no parameter of its own whose two outputs, each from a unit, both reach the loss, so its
+backward starts from each (torch's FSDP1 queues its end-of-backward callback once, on the first; found as the
+worklist of a torch mutant, docs/PERFORMANCE.md), trained against the local model the same way; outputs returned
+in any structure (namedtuple, dict, list, dataclass,
 nested containers), trained against the local model the same way; and outputs
 that the loss leaves unused, trained against a local model, with, for an
 implementation that reports it, every unit resharded after each backward
@@ -41,7 +44,7 @@ from fixtures.optimizers import make_optim, wrapped_optim
 from fixtures.parity import (
     assert_close_named,
 )
-from fixtures.seeding import generator, rank_seed
+from fixtures.seeding import generator, rank_seed, seeded_init_
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -211,3 +214,46 @@ def test_unused_outputs_resharded(ctx: RankContext, impl: FSDPAdapter, strategy:
         assert states == {"lin1": False}, f"while lin1's forward runs, its unit reports resharded {states}"
 
     _train_two_outputs(ctx, impl, strategy, all_resharded, None if strategy == "NO_SHARD" else gathered)
+
+
+class _TwoOutputRoot(nn.Module):
+    """A root without parameters of its own returning two tensors, each from a unit: ``a(x)`` and
+    ``b(tanh(a(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        seeded_init_(self, 0)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.a(x)
+        return first, self.b(torch.tanh(first))
+
+
+@case("unit_outputs/root_outputs", clause=("C20", "C2"), world_size=TWO_OR_MORE)
+def test_root_outputs(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A root holding no parameter of its own (each ``Linear`` its own unit) whose two outputs both reach the
+    loss, so the root's backward starts from each of them: over two SGD steps the full gradients after backward
+    and then the parameters equal the local model's (stepped on the mean of every rank's loss)."""
+    plain = _TwoOutputRoot().to(ctx.device)
+    model = impl.wrap(plain, WrapSpec(use_orig_params=True, auto_wrap=AutoWrap.submodules(plain, [plain.a, plain.b])))
+    local = _TwoOutputRoot().to(ctx.device)
+    optims = (wrapped_optim(impl, model, "SGD"), make_optim("SGD", local.parameters()))
+    for step in range(STEPS):
+        batches = [torch.randn(2, 4, generator=generator(rank_seed(step, r))).to(ctx.device)
+                   for r in range(ctx.world_size)]
+        sum(out.square().sum() for out in model(batches[ctx.rank])).backward()
+        for batch in batches:
+            (sum(out.square().sum() for out in local(batch)) / ctx.world_size).backward()
+        grads = full_grads(impl, model)
+        if grads is None:
+            not_applicable(f"{impl.name} cannot expose full gradients for this wrap")
+        assert_close_named({n: None if g is None else g.to(ctx.device) for n, g in grads.items()},
+                           {n: p.grad for n, p in local.named_parameters()}, what=f"rank {ctx.rank} step {step}: grads")
+        optional.step(impl, model, optims[0])
+        optims[1].step()
+        for optim in optims:
+            optim.zero_grad(set_to_none=True)
+        assert_close_named(impl.full_params(model), dict(local.named_parameters()),
+                           what=f"rank {ctx.rank}: params after step {step}")

@@ -47,8 +47,9 @@ class NoGradDivide(_Mutant):
     # And the stateful fuzzer at world sizes 2 and 4 with the main job's budget (seed 0): its first programs train.
     expect = Expect(
         "not_all_outputs_used_in_loss or (cpu_training_parity_vs_ddp and SGD) "
-        "or repro_summon_grads_float64_padding_shard or stateful_ws2 or stateful_ws4", "thread",
-        ("unit_outputs/not_all_outputs_used_in_loss", "training/cpu_training_parity_vs_ddp[optim=SGD]",
+        "or repro_summon_grads_float64_padding_shard or stateful_ws2 or stateful_ws4 or root_outputs", "thread",
+        ("unit_outputs/not_all_outputs_used_in_loss", "unit_outputs/root_outputs",
+         "training/cpu_training_parity_vs_ddp[optim=SGD]",
          "fuzz/repro_summon_grads_float64_padding_shard", "fuzz/stateful_ws2", "fuzz/stateful_ws4"),
     )
 

@@ -157,8 +157,8 @@ def _fsdp1_fuzz() -> list[tuple[str, str, str, str]]:
             op="0 (Train(batch=0))", what="raised: RuntimeError: setStorage: sizes [2, 2], strides [2, 1], storage "
             "offset 14, and itemsize 4 requiring a storage size of 72 are out of bounds for storage of size 0")),
         (FSDP1, "fuzz/stateful_ws2", reentrant, STATEFUL.format(
-            under=", policy=Policy(param_dtype='float16', reduce_dtype='float32', buffer_dtype=None, cast_inputs=False, "
-            "keep_low_precision_grads=False)", op="0 (Train(batch=0))",
+            under=", policy=Policy(param_dtype='float16', reduce_dtype='float32', buffer_dtype=None, "
+            "cast_inputs=False, keep_low_precision_grads=False)", op="0 (Train(batch=0))",
             what="raised: RuntimeError: mat1 and mat2 must have the same dtype, but got Half and Float")),
         (FSDP1, "fuzz/stateful_ws4", reentrant, STATEFUL.format(
             under="", op="2 (Backward())", what="raised: RuntimeError: setStorage: sizes [3, 3], strides [3, 1], "
