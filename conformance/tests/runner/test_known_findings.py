@@ -266,7 +266,8 @@ def _others() -> list[tuple[str, str, str, str]]:
     fairscale = [(FAIRSCALE, row, cuda, CUDA_KEY) for row in (
         "checkpoint/basic_checkpoint_end_to_end", "grad_accumulation/accumulate", "placement/no_params",
         "training/cpu_training_parity_vs_ddp", "training/module_no_compute_grad", "overlap/training_overlap",
-        "unit_outputs/caller_use[use=view]", "memory/peak_per_rank[use_orig_params=True]")]
+        "unit_outputs/caller_use[use=view]", "memory/peak_per_rank[use_orig_params=True]",
+        "user_hooks/module_hooks[api=wrap]")]
     fairscale += [
         (FAIRSCALE, "uneven_shared/train[tie=within_unit]", cuda,
          "rank 0 raised AssertionError: use_orig_params=True: Torch not compiled with CUDA enabled"),
@@ -334,6 +335,10 @@ def _others() -> list[tuple[str, str, str, str]]:
          "torchtitan-simple-fsdp -> torch-fsdp1 vs the local model[1]: Scalars are not close!"),
         (TITAN, "unit_outputs/not_all_outputs_used_in_loss[strategy=NO_SHARD]", sums,
          f"rank 0 raised AssertionError: params after step 0 on rank 0[lin1.weight]: {NOT_CLOSE}"),
+        (TITAN, "unit_outputs/root_outputs", sums,
+         f"rank 0 raised AssertionError: rank 0 step 0: grads[a.weight]: {GRADS_2X}"),
+        (TITAN, "user_hooks/module_hooks[api=wrap]", sums,
+         "rank 0 raised AssertionError: rank 0: output of step 1[output]: Tensor-likes are not close!"),
         (TITAN, "fuzz/parity_ws4", sums, "rank 0 raised AssertionError: parity fuzzer (seed 0): step 0, rank 0: grads "
          f"after backward: grads[blocks.0.layers.0.weight]: {GRADS_2X.replace('2 x', '4 x')}"),
         (TITAN, "uneven_shared/train[tie=within_unit]", untie, "rank 0 raised AssertionError: use_orig_params=True: "
