@@ -32,7 +32,8 @@ import torch
 from fsdp_impl import collectives
 from fsdp_impl.unit_state import Reduction, RootState, UnitState
 
-__all__ = ["issue_reduction", "start_all_reduce", "finish_reductions", "discard_reductions"]
+__all__ = ["issue_reduction", "start_all_reduce", "finish_reductions", "discard_reductions",
+           "run_post_accumulate_grad_hooks"]
 
 
 def issue_reduction(unit: UnitState, grad: torch.Tensor) -> Reduction:
@@ -84,6 +85,14 @@ def _advance_reductions(state: RootState) -> None:
             state.reductions[index] = start_all_reduce(reduction.unit, reduction.pending.wait())
 
 
+def run_post_accumulate_grad_hooks(params: list[torch.Tensor]) -> None:
+    """Each parameter's post-accumulate-grad hooks, as autograd runs them after accumulating into a leaf: the
+    exposed parameters are not the tensors autograd accumulates into (FSDP2 runs them likewise, pytorch#129450)."""
+    for param in params:
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
+
+
 def finish_reductions(state: RootState) -> None:
     """Wait for every reduction, run the units' hooks and add the averaged gradients to the exposed grads."""
     _advance_reductions(state)
@@ -97,6 +106,8 @@ def finish_reductions(state: RootState) -> None:
                 reduction.unit.controls.all_reduce_hook(grad)
             grad.div_(reduction.unit.controls.gradient_divide_factor or reduction.unit.groups.dp_world_size)
         reduction.unit.handle.accumulate_sharded_grad(grad)
+        if reduction.unit.handle.use_orig_params:
+            run_post_accumulate_grad_hooks([slot.param for slot in reduction.unit.handle.slots])
     state.reductions.clear()
 
 

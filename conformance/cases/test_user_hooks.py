@@ -1,12 +1,15 @@
-"""user_hooks: the user's own module hooks on a sharded model run as they do on the unwrapped one.
+"""user_hooks: the user's own hooks on a sharded model run as they do on the unwrapped one.
 
 ``module_hooks[api=wrap|fully_shard]`` registers, before sharding, a forward pre-hook doubling ``b1``'s input, a
 forward hook adding 1 to ``b2``'s output and a full backward hook halving the gradient ``b3`` passes back to its
 input, on :class:`~fixtures.blocks.Blocks`, each block its own unit (FSDP1's ``wrap`` with the original
 parameters, or ``fully_shard`` on each block and the root). Over two SGD steps, each rank on its own batch, every
 output is the local model's with the same hooks, and then the full parameters are (stepped on the mean of every
-rank's loss). A hook is the model's own code: torch documents ``nn.Module``'s hooks for any module, and neither
-FSDP API documents an exception, so a sharded model must run them where the unwrapped one does.
+rank's loss). ``post_accumulate_grad_hooks`` registers, after ``fully_shard``, a hook halving the gradient on the
+sharded parameters of ``b2`` and the root's ``head``: full gradients after each backward and parameters after each
+step are the local model's with the same hooks. A hook is the model's own code: torch documents ``nn.Module``'s
+hooks for any module, and neither FSDP API documents an exception, so a sharded model must run them where the
+unwrapped one does.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, Wrap
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
-from fixtures.sharded_blocks import LR, full_of, mesh_over, shard_blocks
+from fixtures.sharded_blocks import LR, full_grads_of, full_of, mesh_over, shard_blocks
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -68,3 +71,43 @@ def test_module_hooks(ctx: RankContext, impl: FSDPAdapter, api: str) -> None:
     assert_close_named(full, dict(local.named_parameters()),
                        what=f"rank {ctx.rank}: parameters after two steps")
 
+
+
+def _halving_grads(model: Blocks, paths: tuple[str, ...]) -> Blocks:
+    """``model`` with a post-accumulate-grad hook halving the gradient of every parameter under ``paths``."""
+    def halve(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        param.grad.mul_(0.5)
+
+    for name, param in model.named_parameters():
+        if name.startswith(paths):
+            param.register_post_accumulate_grad_hook(halve)
+    return model
+
+
+@case("user_hooks/post_accumulate_grad_hooks", clause=("C1", "C2"), world_size=TWO_OR_MORE,
+      requires=[Capability.FULLY_SHARD])
+def test_post_accumulate_grad_hooks(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """A post-accumulate-grad hook halving the gradient, registered after ``fully_shard`` on ``b2``'s parameters
+    and the root's ``head`` (the sharded parameters that replaced the module's own): once a backward has reduced a
+    parameter's gradient, the hook sees it (FSDP2 runs such hooks itself after the reduction,
+    pytorch/pytorch#129450) and halves it, so the
+    full gradients after each backward and the parameters after each SGD step are the local model's with the same
+    hooks. FSDP1's wrap is not checked: its original parameters are not the tensors autograd accumulates into, and
+    torch documents nothing of such hooks under it."""
+    paths = ("b2.", "head.")
+    model = _halving_grads(shard_blocks(impl, Blocks(seed=0).to(ctx.device), mesh_over(ctx)), paths)
+    local = _halving_grads(Blocks(seed=0).to(ctx.device), paths)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
+        local_optim.zero_grad(set_to_none=True)
+        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
+        (torch.stack(losses).sum() / ctx.world_size).backward()
+        assert_close_named(full_grads_of(model), {n: p.grad for n, p in local.named_parameters()},
+                           what=f"rank {ctx.rank}: gradients of step {step}")
+        optional.step(impl, model, optim)
+        local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

@@ -12,6 +12,7 @@ from conformance.selftest.declare import Expect, Patch, _Mutant, _state_of, drop
 
 __all__ = [
     "UserHooksSkipped",
+    "PostAccumulateGradHooksSkipped",
     "NoGradDivide",
     "WrongReplicateGroup",
     "NoReshardAfterBackward",
@@ -324,7 +325,7 @@ def _forward_without_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str,
     from fsdp_impl import unit
 
     args, kwargs = unit.pre_forward_hook(module, args, kwargs)
-    return unit.post_forward_hook(module, args, kwargs, unit.unit_state(module).module.forward(*args, **kwargs))
+    return unit.post_forward_hook(module, args, kwargs, unit._state(module).module.forward(*args, **kwargs))
 
 
 class UserHooksSkipped(_Mutant):
@@ -335,3 +336,15 @@ class UserHooksSkipped(_Mutant):
     expect = Expect("module_hooks", "thread", ("user_hooks/module_hooks[api=wrap]",))
     patches = (Patch.instead("fsdp_impl.unit:run_forward", _forward_without_hooks),)
 
+
+def _no_hooks(_params: list[torch.Tensor]) -> None:
+    return None
+
+
+class PostAccumulateGradHooksSkipped(_Mutant):
+    """The parameters' post-accumulate-grad hooks never run once a reduced gradient is accumulated."""
+
+    name = "mutant-post-accumulate-grad-hooks-skipped"
+    breaks = "running the user's post-accumulate-grad hooks on the sharded parameters"
+    expect = Expect("post_accumulate_grad_hooks", "thread", ("user_hooks/post_accumulate_grad_hooks",))
+    patches = (Patch.instead("fsdp_impl.reduction:run_post_accumulate_grad_hooks", _no_hooks),)
