@@ -24,7 +24,7 @@ from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, Wrap
 from conformance.contract.case import TWO_OR_MORE, case
 from fixtures.blocks import Blocks, block_batch
 from fixtures.parity import assert_close_named
-from fixtures.sharded_blocks import LR, full_grads_of, full_of, mesh_over, shard_blocks
+from fixtures.sharded_blocks import LR, full_grads_of, full_of, local_step, mesh_over, shard_blocks, sharded_step
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -63,14 +63,10 @@ def test_module_hooks(ctx: RankContext, impl: FSDPAdapter, api: str) -> None:
         assert_close_named({"output": out.detach()}, {"output": want}, what=f"rank {ctx.rank}: output of step {step}")
         out.sum().backward()
         optional.step(impl, model, optim)
-        local_optim.zero_grad(set_to_none=True)
-        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
-        (torch.stack(losses).sum() / ctx.world_size).backward()
-        local_optim.step()
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
     full = impl.full_params(model) if api == "wrap" else full_of(model)
     assert_close_named(full, dict(local.named_parameters()),
                        what=f"rank {ctx.rank}: parameters after two steps")
-
 
 
 def _halving_grads(model: Blocks, paths: tuple[str, ...]) -> Blocks:
@@ -100,14 +96,9 @@ def test_post_accumulate_grad_hooks(ctx: RankContext, impl: FSDPAdapter) -> None
     local = _halving_grads(Blocks(seed=0).to(ctx.device), paths)
     optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
     local_optim = torch.optim.SGD(local.parameters(), lr=LR)
-    for step in range(2):
-        optim.zero_grad(set_to_none=True)
-        model(block_batch(step, ctx.rank, ctx.device)).sum().backward()
-        local_optim.zero_grad(set_to_none=True)
-        losses = [local(block_batch(step, rank, ctx.device)).sum() for rank in range(ctx.world_size)]
-        (torch.stack(losses).sum() / ctx.world_size).backward()
+    for step in range(2):  # a step leaves the gradients it took
+        sharded_step(ctx, impl, model, optim, step)
+        local_step(ctx, local, local_optim, step, range(ctx.world_size))
         assert_close_named(full_grads_of(model), {n: p.grad for n, p in local.named_parameters()},
                            what=f"rank {ctx.rank}: gradients of step {step}")
-        optional.step(impl, model, optim)
-        local_optim.step()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

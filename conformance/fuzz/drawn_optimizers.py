@@ -35,8 +35,8 @@ __all__ = ["ADAM_EPS", "COPIES", "STATEFUL_OPTIMIZERS", "make_optimizer", "state
 #: aside): what a rank's optimizer may hold ([Note: memory held between iterations] in :mod:`conformance.fuzz.held`).
 COPIES = {"sgd": 1, "adam": 2, "amsgrad": 3, "rmsprop": 3, "adagrad": 1}
 STATEFUL_OPTIMIZERS = tuple(COPIES)
-#: What bits 1 and 2 of a stateful program's seed make of an ``"adam"`` draw (the note).
-_NORMALISING = ("adam", "amsgrad", "rmsprop", "adagrad")
+#: What bits 1 and 2 of a stateful program's seed make of an ``"adam"`` draw (the note): every optimizer but SGD.
+_NORMALISING = tuple(kind for kind in STATEFUL_OPTIMIZERS if kind != "sgd")
 #: The ``eps`` of every normalising optimizer. With torch's 1e-8 (Adagrad's 1e-10) a gradient at
 #: rounding-noise level (1e-9: a LayerNorm over two features passes back exactly zero in theory, and what
 #: flows through it is rounding) takes a step of a tenth of the learning rate, so two correct implementations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -111,11 +112,14 @@ class RootInputsNotCast(_Mutant):
     patches = (Patch.instead("fsdp_impl.precision:cast_inputs", _uncast),)
 
 
-def _cast_every_tensor(unit: Any, inputs: Any) -> Any:
-    policy = unit.config.low_precision(unit.training)
-    if policy is None or not (policy.cast_forward_inputs or (unit.is_root and policy.cast_root_forward_inputs)):
-        return inputs
-    return tree_map(lambda x: x.to(policy.param_dtype) if isinstance(x, torch.Tensor) else x, inputs)
+def _every_tensor_cast(cast_inputs: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def cast_every_tensor(unit: Any, inputs: Any) -> Any:
+        if cast_inputs(unit, inputs) is inputs:  # the unit casts nothing
+            return inputs
+        dtype = unit.config.low_precision(unit.training).param_dtype
+        return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) else x, inputs)
+
+    return cast_every_tensor
 
 
 class EveryInputCast(_Mutant):
@@ -124,4 +128,4 @@ class EveryInputCast(_Mutant):
     name = "mutant-every-input-cast"
     breaks = "leaving non-floating forward inputs as they are when casting inputs"
     expect = Expect("non_floating_inputs", "process", ("mixed_precision/non_floating_inputs",))
-    patches = (Patch.instead("fsdp_impl.precision:cast_inputs", _cast_every_tensor),)
+    patches = (Patch("fsdp_impl.precision:cast_inputs", _every_tensor_cast),)

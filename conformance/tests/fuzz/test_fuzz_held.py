@@ -78,7 +78,9 @@ def test_a_storage_kept_past_a_backward_is_reported() -> None:
 def _verdicts(ctx: RankContext, impl: FSDPAdapter, drawn: tuple[Program, ...]) -> list[str | None]:
     from conformance.fuzz.stateful import check_program
 
-    return [check_program(ctx, impl, program, neighbours=False) for program in drawn]  # memory alone
+    # torch-fsdp1's neighbours meet its documented refusal of sync_module_states on a CPU: its memory alone
+    neighbours = not isinstance(impl, TorchFSDP1Adapter)
+    return [check_program(ctx, impl, program, neighbours=neighbours) for program in drawn]
 
 
 _TRAIN = Program(WrapConfig(world_size=2, model=ModelSpec(vocab=7, blocks=(Block(), Block(inner=("linear",)))),
