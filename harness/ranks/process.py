@@ -14,6 +14,12 @@ failure or timeout the pool is torn down (ranks may be stuck in a collective
 or hold a broken group) and the next case starts a fresh one; nothing
 poisons later cases. Teardown kills survivors and removes the directory;
 ranks also exit on their own if the parent dies.
+
+A rank that dies names the tasks its process ran before (the last
+:data:`HISTORY_SHOWN`, by test id and function): a task that ends cleanly can
+still leave its process broken for a later one (a collective writing into
+memory already freed corrupts the heap, and the crash comes at a later
+allocation), so the failing task is not always the one at fault.
 """
 
 from __future__ import annotations
@@ -39,12 +45,15 @@ from harness.ranks.errors import RankError, RankFailure, make_failure
 from harness.ranks.outcome import Outcome, as_error, resolve
 from harness.ranks.rank_mode import RankMode
 
-__all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text",
-           "FAILURE_GRACE_S", "START_METHOD_ENV", "START_METHODS", "start_method", "start_method_setting"]
+__all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text", "task_label",
+           "FAILURE_GRACE_S", "HISTORY_SHOWN", "START_METHOD_ENV", "START_METHODS", "start_method",
+           "start_method_setting"]
 
 #: After the first rank fails, how long the others get to report before they
 #: are counted as aborted (they are usually blocked in a collective).
 FAILURE_GRACE_S = 0.5
+#: How many of the tasks a pool ran before are named when one of its ranks dies ([Note: process pool lifecycle]).
+HISTORY_SHOWN = 3
 
 # [Note: process start]
 # Rank processes never inherit the test process's state: they come from
@@ -109,6 +118,7 @@ class ProcessPool:
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.closed = False
+        self.history: list[str] = []  # the tasks run to completion, oldest first
         try:
             self._start(gpus)
         except BaseException:  # e.g. a stop signal while starting: leave no process or directory behind
@@ -153,10 +163,12 @@ class ProcessPool:
         for conn in self.conns:
             conn.send(task)
         try:
-            return self._results(timeout_s)
+            results = self._results(timeout_s)
         except RankFailure as failure:
             positions = {r: read_slot_file(r, self._path("slot", r)) for r in range(self.world_size)}
             raise attributed(failure, positions) from None
+        self.history.append(task_label(task))
+        return results
 
     def _results(self, timeout_s: float) -> list[Any]:
         arrivals, pending = self._collect(timeout_s)
@@ -219,8 +231,13 @@ class ProcessPool:
         code = proc.exitcode
         signal_name = signal.Signals(-code).name if code is not None and code < 0 else None
         crash = read_text(self._path("crash", rank))
-        return RankError(rank, "died", "process exited without reporting a result", exitcode=code,
-                         signal_name=signal_name, stack=crash, detected_at=detected_at)
+        summary = "process exited without reporting a result"
+        if self.history:  # [Note: process pool lifecycle]
+            summary += (f"; its process had run {len(self.history)} earlier task(s), the last: "
+                        f"{'; '.join(self.history[-HISTORY_SHOWN:])} (an earlier task can leave a process broken "
+                        "for a later one)")
+        return RankError(rank, "died", summary, exitcode=code, signal_name=signal_name, stack=crash,
+                         detected_at=detected_at)
 
     def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
         for rank in ranks:
@@ -260,6 +277,14 @@ def mp_context() -> Any:
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def task_label(task: Task) -> str:
+    """What ran ``task``, for a later death's message: the pytest test (or case) and the function, or the
+    function alone outside pytest."""
+    module, qualname = task.fn_ref
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    return f"{test} ({qualname})" if test else f"{module}.{qualname}"
 
 
 def _is_failure(arrival: Outcome | RankError) -> bool:

@@ -104,6 +104,21 @@ def _noop(ctx: harness.RankContext) -> int:
     return ctx.rank
 
 
+def test_a_death_names_the_tasks_its_process_ran_before() -> None:
+    """A task that ended cleanly can leave its process broken for a later one, so a death names what ran before
+    it in the same pool ([Note: process pool lifecycle])."""
+    assert harness.run(_noop, world_size=2, mode="process") == [0, 1]
+    with pytest.raises(harness.RankDied) as info:
+        harness.run(_segfault_on_rank_1, world_size=2, mode="process", timeout_s=60)
+    summary = info.value.failures[0].summary
+    assert summary.startswith("process exited without reporting a result; its process had run "), summary
+    assert "test_a_death_names_the_tasks_its_process_ran_before (_noop) (an earlier task" in summary, summary
+    # A fresh pool has run nothing before: its death names no earlier task.
+    with pytest.raises(harness.RankDied) as info:
+        harness.run(_segfault_on_rank_1, world_size=2, mode="process", timeout_s=60)
+    assert info.value.failures[0].summary == "process exited without reporting a result"
+
+
 def _rank_1_skips_a_collective(ctx: harness.RankContext) -> None:
     if ctx.rank != 1:
         dist.all_reduce(torch.ones(1))
