@@ -233,16 +233,19 @@ class TorchFSDP2Adapter(FullyShardMethods):
 
     def set_performance_knob(self, model: nn.Module, knob: str) -> None:
         """Turn one of :attr:`performance_knobs` on for every ``fully_shard``-ed module of ``model``:
-        ``share_comm_ctx`` over them all, or the ``FSDPModule`` setter on each (two reduce-scatter input
-        buffers for ``reduce_scatter_input_buffers``)."""
+        ``share_comm_ctx`` over them all, ``set_separate_reduce_scatter_group(True)`` on the root (recursive by
+        default: every unit's reduce-scatter on one group of its own, as a user turns it on), or the
+        ``FSDPModule`` setter on each (two reduce-scatter input buffers for ``reduce_scatter_input_buffers``)."""
         from torch.distributed.fsdp import FSDPModule, share_comm_ctx
 
         units = [cast(Any, unit) for unit in model.modules() if isinstance(unit, FSDPModule)]
         if knob == "share_comm_ctx":
             share_comm_ctx(units)
             return
+        if knob == "separate_reduce_scatter_group":
+            units[0].set_separate_reduce_scatter_group(True)  # the outermost unit: the root
+            return
         turn_on: dict[str, Callable[[Any], None]] = {
-            "separate_reduce_scatter_group": lambda unit: unit.set_separate_reduce_scatter_group(True, recurse=False),
             "reduce_scatter_input_buffers": lambda unit: unit.set_reduce_scatter_max_input_buffers(2, recurse=False),
             "allocate_from_process_group": lambda unit: unit.set_allocate_memory_from_process_group_for_comm(True),
             "force_sum_reduction": lambda unit: unit.set_force_sum_reduction_for_comms(True),

@@ -25,6 +25,14 @@ A few knobs are construction options (FSDP2's ``CPUOffloadPolicy.pin_memory``):
 the adapter lists them (``wrap_knobs``) and gives the specs the two models are
 wrapped with (``knob_specs``), alike but for the knob.
 
+A knob that no value can show is still checked for doing what it says where
+the collectives it issues can show it (:data:`EFFECTS`), so that an ignored
+knob cannot pass as a neutral one: with ``separate_reduce_scatter_group`` on
+(the root's ``set_separate_reduce_scatter_group(True)``, recursive by
+default), every reduce-scatter of each step runs on a process group that
+carries none of the model's all-gathers, as its docstring promises ("gives
+reduce-scatter its own process group").
+
 Cases:
 
 - ``knob``: one row per knob of :data:`KNOBS`; three Linear units of uneven
@@ -41,7 +49,7 @@ Cases:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +63,7 @@ from conformance.contract.case import ANY_GPU, TWO_OR_MORE, GpuNeed, case, disti
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator
+from harness.collectives.recorder import Trace
 
 if TYPE_CHECKING:
     from harness import RankContext
@@ -78,6 +87,25 @@ GPU_KNOBS: dict[str, GpuNeed] = {"offload_pin_memory": ANY_GPU, "symm_mem_for_co
 STEPS = 3
 DIM = 11
 UNITS = AutoWrap((nn.Linear,))
+
+
+def _reduce_scatters_on_their_own_group(calls: Trace) -> str | None:
+    """Why the step's reduce-scatters do not all run on groups that carry none of its all-gathers (``None``:
+    they do)."""
+    gathers = calls.require(["all_gather_into_tensor", "all_gather"], "the step's all-gathers")
+    scatters = calls.require(["reduce_scatter_tensor", "reduce_scatter"], "the step's reduce-scatters")
+    gathering = {call.group_name for call in gathers}
+    shared = [call for call in scatters if call.group_name in gathering or not call.group_name]
+    if not shared:
+        return None
+    return (f"{len(shared)} of {len(scatters)} reduce-scatters ran on the all-gathers' group "
+            f"({sorted(gathering)}), not on one of their own")
+
+
+#: Knobs whose effect the step's collectives show -> why they do not show it (``None``: they do).
+EFFECTS: dict[str, Callable[[Trace], str | None]] = {
+    "separate_reduce_scatter_group": _reduce_scatters_on_their_own_group,
+}
 
 
 def _requires(params: Mapping[str, Any]) -> list[Capability]:
@@ -125,10 +153,13 @@ def test_knob(ctx: RankContext, impl: FSDPAdapter, knob: str) -> None:
         batch = torch.randn((4, DIM), generator=gen).to(ctx.device)
         losses = []
         for model in (off, on):
-            loss = model(batch).square().mean()
-            loss.backward()
+            with ctx.record_collectives() as calls:
+                loss = model(batch).square().mean()
+                loss.backward()
             losses.append(loss.detach())
         what = f"rank {ctx.rank}, {knob} on against off, step {step}"
+        effect = EFFECTS.get(knob, lambda _calls: None)(calls)  # the knob's model's step
+        assert effect is None, f"{what}: {knob} had no effect: {effect}"
         assert_close_seq(losses[1:], losses[:1], what=f"{what}: loss")
         grads = [optional.full_grads(impl, model) for model in (off, on)]
         if grads[0] is not None and grads[1] is not None:

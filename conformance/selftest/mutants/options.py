@@ -14,7 +14,7 @@ from conformance.selftest.declare import Expect, Patch, _Mutant
 
 __all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered",
            "OutputDtypeIgnored", "ShardPlacementFnDropped",
-           "CustomCommsDropped", "UnusedParamsNotReduced"]
+           "CustomCommsDropped", "UnusedParamsNotReduced", "SeparateReduceScatterGroupIgnored"]
 
 Fn = Callable[..., Any]
 
@@ -108,3 +108,17 @@ class UnusedParamsNotReduced(TorchFSDP2Adapter):
 
     def set_reduce_scatter_unused_params(self, module: nn.Module, on: bool) -> None:
         return None
+
+
+class SeparateReduceScatterGroupIgnored(TorchFSDP2Adapter):
+    """torch-fsdp2 whose ``separate_reduce_scatter_group`` knob is accepted and dropped: every reduce-scatter stays on
+    the all-gathers' group, which changes no value, so only the knob's effect check can tell."""
+
+    name = "mutant-fsdp2-separate-reduce-scatter-group-ignored"
+    breaks = "running the reduce-scatters on a process group of their own"
+    expect: ClassVar[Expect] = Expect("neutrality", "process",
+                                      ("neutrality/knob[knob=separate_reduce_scatter_group]",))
+
+    def set_performance_knob(self, model: nn.Module, knob: str) -> None:
+        if knob != "separate_reduce_scatter_group":
+            super().set_performance_knob(model, knob)
