@@ -146,7 +146,18 @@ def groups_scope() -> Iterator[None]:
     programs each wrap a model over a mesh or hybrid groups of their own) ran
     350 threads per rank half a minute into a world-size-4 row, and the load
     average of a 2-core box past 900; ranks then missed their timeouts. A case
-    scopes each example's groups with this, as the reset scopes a case's."""
+    scopes each example's groups with this, as the reset scopes a case's.
+
+    Destroying them has one hazard on torch 2.13: a group with a hashed name
+    (``new_group(..., use_local_synchronization=True)``, which FSDP2's
+    ``set_separate_reduce_scatter_group`` makes) is named after its ranks and the
+    size of c10d's group table, which shrinks again when the group is destroyed.
+    The next such group over the same ranks in the pool takes the same name and
+    reads the destroyed one's rendezvous keys from the pool's store: a hang, or
+    gloo's "Connection refused" (measured standalone on one ``FileStore``: the
+    second creation hangs). torch 2.14 salts the name with the group count, which
+    only grows. So on torch 2.13 at most one scope a pool may make a hashed-name
+    group over a given set of ranks."""
     before = set(c10d._world.pg_map)
     groups_made = c10d._world.group_count
     try:
