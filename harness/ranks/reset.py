@@ -156,7 +156,7 @@ def groups_scope() -> Iterator[None]:
     reads the destroyed one's rendezvous keys from the pool's store: a hang, or
     gloo's "Connection refused" (measured standalone on one ``FileStore``: the
     second creation hangs). torch 2.14 salts the name with the group count, which
-    only grows. So on torch 2.13 at most one scope a pool may make a hashed-name
+    only grows. So on torch 2.13 only one scope per pool may make a hashed-name
     group over a given set of ranks."""
     before = set(c10d._world.pg_map)
     groups_made = c10d._world.group_count
