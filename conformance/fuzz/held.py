@@ -239,7 +239,7 @@ class Held:
         """``fn(*args, **kwargs)`` outside the tracker (popped, not only paused, so the fuzzer's own collectives
         run under no Python dispatch mode): the fuzzer's own work, its comparisons and its verdict collectives.
         On torch 2.14.1 a rank has still aborted, rarely, inside such a collective (``DTensor.full_tensor`` in the
-        state check: a malloc abort or SIGSEGV, seen in CI and once in about 60 runs of ten passes over the control and
+        state check: a malloc abort or SIGSEGV, seen in CI and once in about 85 runs of ten passes over the control and
         optimizer programs beside a test-suite run); the dispatch mode was ruled out, the cause is not known."""
         if self.outside or not self.tracking:
             return fn(*args, **kwargs)
