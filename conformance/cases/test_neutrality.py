@@ -60,6 +60,7 @@ import torch.nn as nn
 from conformance.contract import optional
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import ANY_GPU, TWO_OR_MORE, GpuNeed, case, distinct_gpus, not_applicable
+from conformance.fuzz.gathers import GATHERS, REDUCTIONS
 from fixtures.models import ThreeLinear
 from fixtures.parity import assert_close_named, assert_close_seq
 from fixtures.seeding import generator
@@ -92,8 +93,8 @@ UNITS = AutoWrap((nn.Linear,))
 def _reduce_scatters_on_their_own_group(calls: Trace) -> str | None:
     """Why the step's reduce-scatters do not all run on groups that carry none of its all-gathers (``None``:
     they do)."""
-    gathers = calls.require(["all_gather_into_tensor", "all_gather"], "the step's all-gathers")
-    scatters = calls.require(["reduce_scatter_tensor", "reduce_scatter"], "the step's reduce-scatters")
+    gathers = calls.require(GATHERS, "the step's all-gathers")
+    scatters = calls.require(REDUCTIONS, "the step's reduce-scatters")
     gathering = {call.group_name for call in gathers}
     shared = [call for call in scatters if call.group_name in gathering or not call.group_name]
     if not shared:
