@@ -47,6 +47,7 @@ from conformance.contract.case import TWO_OR_MORE, Exact, Scalable, case
 from conformance.contract.messages import FULL_PRECISION_IN_EVAL
 from conformance.contract.optional import full_grads, fully_shard
 from conformance.fuzz.example import ModelSpec, Policy
+from conformance.fuzz.gathers import GATHERS
 from conformance.fuzz.ops import FullyShardConfig, WrapConfig
 from conformance.fuzz.unsynced import keeps_unsynced_sums
 from fixtures.parity import assert_close_named
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LINEARS = AutoWrap(module_classes=(nn.Linear,))
-GATHERS = ("all_gather_into_tensor", "all_gather")
 REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter", "all_reduce")
 #: A reduction in a low-precision dtype equals the local baseline's bit for bit only at 2 ranks
 #: ([Note: local mixed precision]): at 3 its division rounds, at 4 its sum depends on the order.
