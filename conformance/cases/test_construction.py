@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.optim import _apply_optimizer_in_backward
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.case import TWO_OR_MORE, Exact, case
@@ -52,8 +53,6 @@ def test_optim_in_backward_requires_orig_params(ctx: RankContext, impl: FSDPAdap
     """With ``use_orig_params=False``, parameters given an optimizer-in-backward
     (``_apply_optimizer_in_backward``) make the first forward raise a RuntimeError saying it is
     "only supported with use_orig_params=True"."""
-    from torch.distributed.optim import _apply_optimizer_in_backward
-
     model = impl.wrap(SumOfInputsModel(seed=0).to(ctx.device), WrapSpec(auto_wrap=ALWAYS, use_orig_params=False))
     _apply_optimizer_in_backward(
         optimizer_class=torch.optim.SGD,

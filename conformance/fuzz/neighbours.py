@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.optim import _apply_optimizer_in_backward
 
 from conformance.contract.adapter import AutoWrap, Capability, FSDPAdapter, WrapSpec
 from conformance.contract.messages import (
@@ -354,8 +355,6 @@ def _order_warnings(caught: list[Any], expected: str, when: str) -> None:
 
 def _forward_with_optimizer_in_backward(ctx: RankContext, impl: FSDPAdapter, model: nn.Module,
                                         config: WrapConfig) -> Any:
-    from torch.distributed.optim import _apply_optimizer_in_backward
-
     groups = given_groups(ctx, config)
     with ctx.catch_warnings():  # at world size 1 the wrap warns of its switch to NO_SHARD
         wrapped = impl.wrap(model, WrapSpec(strategy=config.strategy, use_orig_params=False, process_group=groups))

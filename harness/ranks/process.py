@@ -33,7 +33,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -45,9 +45,9 @@ from harness.ranks.errors import RankError, RankFailure, make_failure
 from harness.ranks.outcome import Outcome, as_error, resolve
 from harness.ranks.rank_mode import RankMode
 
-__all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "read_text", "task_label",
-           "FAILURE_GRACE_S", "HISTORY_SHOWN", "START_METHOD_ENV", "START_METHODS", "start_method",
-           "start_method_setting"]
+__all__ = ["ProcessPool", "get_pool", "discard_pool", "shutdown_pools", "mp_context", "preload_task_modules",
+           "read_text", "task_label", "FAILURE_GRACE_S", "HISTORY_SHOWN", "START_METHOD_ENV", "START_METHODS",
+           "start_method", "start_method_setting"]
 
 #: After the first rank fails, how long the others get to report before they
 #: are counted as aborted (they are usually blocked in a collective).
@@ -103,6 +103,47 @@ def check_socket_path() -> None:
 #: What the forkserver imports once; none of it may probe CUDA (a ``cpu`` placement hides it later).
 #: ``torch._dynamo`` is imported by the first optimizer a rank builds (seconds per process otherwise).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "harness.ranks._rank_main", "harness.ranks._host_main"]
+_task_modules: list[str] | None = None  # named once per process ([Note: preloaded task modules])
+
+
+def preload_task_modules(names: Iterable[str]) -> list[str]:
+    """Have the forkserver also import ``names``, the modules the coming tasks' functions live in, when it
+    starts ([Note: preloaded task modules]); returns the names taken: those this process has imported, on the
+    first call in a process (a later call, from a session nested in another, takes none). A forkserver already running
+    keeps what it has.
+
+    [Note: preloaded task modules]
+    A rank resolves its task's function by importing the function's module, and with it whatever that
+    module imports (for a conformance case: the fuzzer and hypothesis, torch's checkpointing and
+    ``torch.distributed.optim``): about 0.3 CPU-seconds in each rank process and thread host, paid by every
+    one of them, and made after the rank froze its imports ([Note: frozen imports]), so that every
+    ``gc.collect()`` a case makes walks it. A session knows its tests' modules once it has collected them;
+    imported by the forkserver, they are imported once, before the forks, and frozen with torch. Three
+    guards keep the forkserver a clean parent:
+
+    - CUDA. A module that probes CUDA as it is imported (``torch.cuda.is_available()`` in a skip marker)
+      would initialize the driver in the process every rank forks from. The forkserver imports the task
+      modules between ``harness.ranks._preload_begin`` and ``_preload_end``, which make torch's CUDA
+      probes raise an ``ImportError``: the forkserver skips such a module, and the rank imports it itself
+      after its placement, as it would without preloading.
+    - Failures. The forkserver skips a module that raises ``ImportError`` but dies of any other exception,
+      so only modules this process has already imported are named.
+    - Stale modules. A module imported by the forkserver is what every later pool's ranks resolve, so
+      the modules are named once per process, by its first session; a session nested in a test (whose
+      test files pytester writes anew, under names a later nested session reuses) names none."""
+    global _task_modules
+    if _task_modules is not None:
+        return []
+    _task_modules = sorted({name for name in names if name in sys.modules and name not in PRELOAD})
+    return list(_task_modules)
+
+
+def _forkserver_preload() -> list[str]:
+    """What the forkserver imports: :data:`PRELOAD`, then the task modules behind the CUDA fence."""
+    if not _task_modules:
+        return list(PRELOAD)
+    return [*PRELOAD, "harness.ranks._preload_begin", *_task_modules, "harness.ranks._preload_end"]
+
 
 _pools: dict[tuple[int, str], ProcessPool] = {}
 
@@ -275,7 +316,7 @@ def mp_context() -> Any:
     ctx = mp.get_context(method)
     check_socket_path()
     if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(_forkserver_preload())
     return ctx
 
 
