@@ -35,7 +35,7 @@ class FullyShardMethods:
 
     def fully_shard(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         *,
         mesh: Any,
         reshard_after_forward: bool | int,
@@ -44,7 +44,8 @@ class FullyShardMethods:
         shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
         dp_mesh_dims: tuple[str, str | None] | None = None,
     ) -> nn.Module:
-        """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)``, with
+        """``fully_shard(module, mesh=..., reshard_after_forward=..., ignored_params=...)`` (``module`` a module
+        or a list of them, one group), with
         ``mp_policy`` from ``mixed_precision`` (its FSDP2 fields), ``shard_placement_fn`` where given, and
         ``dp_mesh_dims`` from the (shard, replicate) dim names where given."""
         placement = {} if shard_placement_fn is None else {"shard_placement_fn": shard_placement_fn}

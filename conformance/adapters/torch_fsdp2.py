@@ -73,6 +73,7 @@ class TorchFSDP2Adapter(FullyShardMethods):
             Capability.FULLY_SHARD_MIXED_PRECISION,
             Capability.MP_OUTPUT_DTYPE,
             Capability.SHARD_PLACEMENT_FN,
+            Capability.FULLY_SHARD_MODULE_GROUPS,
             Capability.CUSTOM_COMMS,
             Capability.REDUCE_SCATTER_UNUSED_PARAMS,
             Capability.FULLY_SHARD_DP_MESH_DIMS,

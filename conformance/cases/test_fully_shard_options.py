@@ -21,6 +21,9 @@
 - ``reduce_scatter_unused_params``: a layer of the root's unit that only every other rank's forward uses (the
   other ranks' backward gives it no gradient): the full gradients are the local model's mean over every rank's
   loss, step by step, and so are the parameters.
+- ``module_group``: ``fully_shard([b2, b3])`` with a float64 ``param_dtype`` and a float32 ``output_dtype``: one
+  all-gather a forward for the group, each grouped block computing in float64 and returning float32 (torch
+  documents both casts per module of a group), and the local model's outputs, gradients and parameters.
 """
 
 from __future__ import annotations
@@ -317,4 +320,59 @@ def test_reduce_scatter_unused_params(ctx: RankContext, impl: FSDPAdapter) -> No
         assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
         optional.step(impl, model, optim)
         local_optim.step()
+    assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")
+
+
+def _dtypes_seen(model: Blocks) -> tuple[dict[str, torch.dtype], Callable[[], None]]:
+    """Hooks recording the dtype ``b2`` and ``b3`` compute in (their ``up`` layer's input) and hand on (their
+    output, after the implementation's own hooks); the dict they fill, and a function removing them."""
+    seen: dict[str, torch.dtype] = {}
+    handles = []
+    for name in ("b2", "b3"):
+        block = getattr(model, name)
+        handles.append(block.up.register_forward_pre_hook(
+            lambda _m, args, name=name: seen.__setitem__(f"{name} computes in", args[0].dtype)))
+        handles.append(block.register_forward_hook(
+            lambda _m, _args, out, name=name: seen.__setitem__(f"{name} returns", out.dtype)))
+    return seen, lambda: [handle.remove() for handle in handles]  # type: ignore[func-returns-value]
+
+
+@case("fully_shard_options/module_group", clause="C1", world_size=TWO_OR_MORE, strategies=(),
+      requires=[Capability.FULLY_SHARD, Capability.FULLY_SHARD_MODULE_GROUPS, Capability.FULLY_SHARD_MIXED_PRECISION,
+                Capability.MP_OUTPUT_DTYPE])
+def test_module_group(ctx: RankContext, impl: FSDPAdapter) -> None:
+    """``b2`` and ``b3`` sharded by one call as one group, with ``param_dtype=float64, output_dtype=float32``,
+    between ``b1`` and the root (neither casting): each forward all-gathers once per unit (``b1``, the group,
+    the root: three), each grouped block computes in float64 on its float32 input and returns float32 (torch
+    documents both casts per module of a group), and over two SGD steps the outputs, the full gradients and
+    then the parameters are the local model's (float32 tolerances: the group computes more precisely)."""
+    mesh = mesh_over(ctx)
+    model = Blocks(seed=0).to(ctx.device)
+    fully_shard(impl, model.b1, mesh=mesh)
+    fully_shard(impl, [model.b2, model.b3], mesh=mesh,
+                mixed_precision=MixedPrecisionSpec(param_dtype=torch.float64, output_dtype=torch.float32))
+    fully_shard(impl, model, mesh=mesh)
+    optim = optional.optimizer(impl, model, torch.optim.SGD, lr=LR)
+    local = Blocks(seed=0).to(ctx.device)
+    local_optim = torch.optim.SGD(local.parameters(), lr=LR)
+    seen, remove_hooks = _dtypes_seen(model)
+    for step in range(2):
+        optim.zero_grad(set_to_none=True)
+        batch = block_batch(step, ctx.rank, ctx.device)
+        with ctx.record_collectives() as forward:
+            out = model(batch)
+        gathers = len(forward.require([AG], "forward's all-gathers"))
+        assert gathers == 3, f"rank {ctx.rank}, step {step}: forward all-gathered {gathers} times, want 3 (one a unit)"
+        want = {"b2 computes in": torch.float64, "b2 returns": torch.float32,
+                "b3 computes in": torch.float64, "b3 returns": torch.float32}
+        assert seen == want, f"rank {ctx.rank}, step {step}: {seen}, want {want}"
+        assert_close_named({"output": out.detach()}, {"output": local(batch).detach()},
+                           what=f"rank {ctx.rank}: output of step {step}")
+        out.sum().backward()
+        local_optim.zero_grad(set_to_none=True)
+        expected = local_grads(ctx, range(step, step + 1), local)
+        assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
+        optional.step(impl, model, optim)
+        local_optim.step()
+    remove_hooks()
     assert_close_named(full_of(model), dict(local.named_parameters()), what=f"rank {ctx.rank}: parameters")

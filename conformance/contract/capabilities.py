@@ -108,6 +108,10 @@ class Capability(str, enum.Enum):
     values) are DTensors sharded on dim 0 over ``mesh``; ``reshard_after_forward`` is a bool. As torch's
     ``fully_shard``, each call groups the module's own parameters (those no nested call took) into one
     all-gather per unshard, which ``reshard/*`` reads to tell units apart."""
+    FULLY_SHARD_MODULE_GROUPS = "fully_shard_module_groups"
+    """``fully_shard([a, b, ...], ...)`` (FSDP2's list form): the modules' own parameters are one unit,
+    all-gathered in one collective per unshard, and a mixed-precision policy casts each grouped module's
+    inputs to ``param_dtype`` and its outputs to ``output_dtype``, as torch documents."""
     SHARD_PLACEMENT_FN = "shard_placement_fn"
     """``fully_shard(..., shard_placement_fn=fn)`` (FSDP2's argument): ``fn(param)`` returns a ``Shard(dim)``
     (``None``: ``Shard(0)``) and the parameter is a DTensor sharded on that dim, training as the local model."""

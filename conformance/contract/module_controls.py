@@ -49,7 +49,7 @@ class FullyShardUnsupported(NotImplementedError):
 
 def fully_shard(
     adapter: Any,
-    module: nn.Module,
+    module: nn.Module | Sequence[nn.Module],
     *,
     mesh: Any,
     reshard_after_forward: bool | int = True,
@@ -59,7 +59,8 @@ def fully_shard(
     dp_mesh_dims: tuple[str, str | None] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters not owned by an already sharded submodule over ``mesh`` (FSDP2's
-    ``fully_shard``; call it bottom-up, the root last) and return the module.
+    ``fully_shard``; call it bottom-up, the root last) and return the module; a list of modules is one
+    group (:attr:`Capability.FULLY_SHARD_MODULE_GROUPS`).
 
     Optional part of the contract (:attr:`Capability.FULLY_SHARD`): the adapter defines
     ``fully_shard(module, *, mesh, reshard_after_forward, ignored_params)``. ``ignored_params`` stay

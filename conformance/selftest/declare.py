@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -191,7 +191,7 @@ class _Mutant(PatchedAdapter, ReferenceAdapter):
             self._mutate_unit(unit)
         return model
 
-    def fully_shard(self, module: nn.Module, **kwargs: Any) -> nn.Module:
+    def fully_shard(self, module: nn.Module | Sequence[nn.Module], **kwargs: Any) -> nn.Module:
         apply_patches(self.patches)
         return super().fully_shard(module, **kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch.nn as nn
@@ -52,7 +52,8 @@ class TensorParallelDimTakenForData(TorchFSDP2Adapter):
     # rows are n/a (the rows also kill generated mutants of torch's own code: docs/PERFORMANCE.md).
     expect: ClassVar[Expect] = Expect("tensor_parallel", "thread", ("fully_shard_api/tensor_parallel",))
 
-    def fully_shard(self, module: nn.Module, *, mesh: Any, dp_mesh_dims: Any = None, **kwargs: Any) -> nn.Module:
+    def fully_shard(self, module: nn.Module | Sequence[nn.Module], *, mesh: Any, dp_mesh_dims: Any = None,
+                    **kwargs: Any) -> nn.Module:
         if dp_mesh_dims is not None and dp_mesh_dims[1] is None:
             dp_mesh_dims = (dp_mesh_dims[0], next(name for name in mesh.mesh_dim_names if name != dp_mesh_dims[0]))
         elif dp_mesh_dims is None:

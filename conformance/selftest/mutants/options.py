@@ -3,7 +3,7 @@ that area, each broken alone; for what only torch's ``fully_shard`` has, torch-f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -14,7 +14,7 @@ from conformance.selftest.declare import Expect, Patch, _Mutant
 
 __all__ = ["NotLastBackwardDropsReductions", "UnshardInBackwardIgnored", "ForwardMethodNotRegistered",
            "OutputDtypeIgnored", "ShardPlacementFnDropped",
-           "CustomCommsDropped", "UnusedParamsNotReduced", "SeparateReduceScatterGroupIgnored"]
+           "CustomCommsDropped", "UnusedParamsNotReduced", "SeparateReduceScatterGroupIgnored", "ModuleGroupSplit"]
 
 Fn = Callable[..., Any]
 
@@ -80,7 +80,8 @@ class ShardPlacementFnDropped(TorchFSDP2Adapter):
     # Only torch-fsdp2 takes a shard_placement_fn, so this mutant derives from its adapter.
     expect: ClassVar[Expect] = Expect("shard_placement_fn", "thread", ("fully_shard_options/shard_placement_fn",))
 
-    def fully_shard(self, module: nn.Module, *, shard_placement_fn: Any = None, **kwargs: Any) -> nn.Module:
+    def fully_shard(self, module: nn.Module | Sequence[nn.Module], *, shard_placement_fn: Any = None,
+                    **kwargs: Any) -> nn.Module:
         return super().fully_shard(module, **kwargs)
 
 
@@ -122,3 +123,19 @@ class SeparateReduceScatterGroupIgnored(TorchFSDP2Adapter):
     def set_performance_knob(self, model: nn.Module, knob: str) -> None:
         if knob != "separate_reduce_scatter_group":
             super().set_performance_knob(model, knob)
+
+
+class ModuleGroupSplit(TorchFSDP2Adapter):
+    """torch-fsdp2 whose ``fully_shard`` of a list shards each module on its own: the values are the same, but
+    the group's parameters travel in one collective per module instead of one for the group."""
+
+    name = "mutant-fsdp2-module-group-split"
+    breaks = "all-gathering a group of modules sharded by one fully_shard call in one collective"
+    # Only torch-fsdp2 shards a list of modules as one group, so this mutant derives from its adapter.
+    expect: ClassVar[Expect] = Expect("module_group", "thread", ("fully_shard_options/module_group",))
+
+    def fully_shard(self, module: Any, **kwargs: Any) -> Any:
+        if isinstance(module, nn.Module):
+            return super().fully_shard(module, **kwargs)
+        return [super(ModuleGroupSplit, self).fully_shard(each, **kwargs) for each in module]
+
