@@ -22,8 +22,9 @@
   other ranks' backward gives it no gradient): the full gradients are the local model's mean over every rank's
   loss, step by step, and so are the parameters.
 - ``module_group``: ``fully_shard([b2, b3])`` with a float64 ``param_dtype`` and a float32 ``output_dtype``: one
-  all-gather a forward for the group, each grouped block computing in float64 and returning float32 (torch
-  documents both casts per module of a group), and the local model's outputs, gradients and parameters.
+  all-gather a forward for the group and one a backward (resharded after forward), each grouped block
+  computing in float64 and returning float32 (torch documents both casts per module of a group), and the
+  local model's outputs, gradients and parameters.
 """
 
 from __future__ import annotations
@@ -343,9 +344,10 @@ def _dtypes_seen(model: Blocks) -> tuple[dict[str, torch.dtype], Callable[[], No
 def test_module_group(ctx: RankContext, impl: FSDPAdapter) -> None:
     """``b2`` and ``b3`` sharded by one call as one group, with ``param_dtype=float64, output_dtype=float32``,
     between ``b1`` and the root (neither casting): each forward all-gathers once per unit (``b1``, the group,
-    the root: three), each grouped block computes in float64 on its float32 input and returns float32 (torch
-    documents both casts per module of a group), and over two SGD steps the outputs, the full gradients and
-    then the parameters are the local model's (float32 tolerances: the group computes more precisely)."""
+    the root: three) and each backward again (all three resharded after forward, the default); each grouped
+    block computes in float64 on its float32 input and returns float32 (torch documents both casts per module
+    of a group); over two SGD steps the outputs, the full gradients and then the parameters are the local
+    model's (float32 tolerances: the group computes more precisely)."""
     mesh = mesh_over(ctx)
     model = Blocks(seed=0).to(ctx.device)
     fully_shard(impl, model.b1, mesh=mesh)
@@ -368,7 +370,11 @@ def test_module_group(ctx: RankContext, impl: FSDPAdapter) -> None:
         assert seen == want, f"rank {ctx.rank}, step {step}: {seen}, want {want}"
         assert_close_named({"output": out.detach()}, {"output": local(batch).detach()},
                            what=f"rank {ctx.rank}: output of step {step}")
-        out.sum().backward()
+        with ctx.record_collectives() as backward:
+            out.sum().backward()
+        regathers = len(backward.require([AG], "backward's all-gathers"))
+        assert regathers == 3, (f"rank {ctx.rank}, step {step}: backward all-gathered {regathers} times, want 3: "
+                                "every unit resharded after forward (the default) is gathered again")
         local_optim.zero_grad(set_to_none=True)
         expected = local_grads(ctx, range(step, step + 1), local)
         assert_close_named(full_grads_of(model), expected, what=f"rank {ctx.rank}: gradients of step {step}")
