@@ -10,7 +10,8 @@ trains it and a local copy two Adam steps on the same batches on every rank ([No
 - ``full_orig_params``: with ``use_orig_params=True`` the FULL ``optim_state_dict`` (``optim_state_dict``: "all
   states are unflattened and not sharded") equals the local optimizer's state in the same way, on every rank.
   ``ThreeLinear(dim=1)``'s parameters have one element each, so every rank holds none of some of them and
-  gets their state from the others. ``offload_to_cpu`` is off: with it on, on a CPU model, torch 2.13's
+  gets their state from the others; with ``rank0_only``, the model's ``state_dict()`` gives rank 0 the local
+  values and the other ranks an empty dict. ``offload_to_cpu`` is off: with it on, on a CPU model, torch 2.13's
   FSDP1 saves ``exp_avg`` as ``exp_avg_sq`` (docs/findings/fsdp1-full-optim-state-orig-params.md, measured
   by ``state_dict/roundtrip[kind=FULL]``).
 - ``load_full[via=shard|scatter]``: ``shard_full_optim_state_dict`` (each rank holds the full dict) or
@@ -156,12 +157,21 @@ def test_full_optim_state_dict(ctx: RankContext, impl: FSDPAdapter, rank0_only: 
 def test_full_orig_params(ctx: RankContext, impl: FSDPAdapter) -> None:
     """With ``use_orig_params=True`` and one-element parameters (every rank holds none of some of them), the
     FULL optimizer state dict equals the local optimizer's state keyed by names on every rank; it is not
-    loaded back."""
+    loaded back. With ``rank0_only`` (and no offload), the model's ``state_dict()`` gives rank 0 the local
+    model's values and the other ranks an empty dict."""
     run = _Run(ctx, impl, dim=1, use_orig_params=True)
     run.first_steps()
     optional.set_state_dict_type(impl, run.model, StateDictSettingsSpec("FULL_STATE_DICT", optim_offload_to_cpu=False))
     _assert_full(ctx, run, optional.optim_state_dict_as_set(impl, run.model, run.optim),
                  "optim_state_dict under FULL_STATE_DICT with use_orig_params=True")
+    optional.set_state_dict_type(impl, run.model, StateDictSettingsSpec("FULL_STATE_DICT", rank0_only=True,
+                                                                        optim_offload_to_cpu=False))
+    model_state = run.model.state_dict()
+    if ctx.rank != 0:
+        assert model_state == {}, f"rank {ctx.rank}: expected an empty dict with rank0_only, got {sorted(model_state)}"
+        return
+    assert_close_named(dict(model_state), dict(run.local.state_dict()),
+                       what="rank 0: state_dict() under FULL_STATE_DICT with rank0_only and use_orig_params=True")
 
 
 @case("legacy_state_dicts/load_full", clause="C4", world_size=TWO_OR_MORE, requires=LOADS)
