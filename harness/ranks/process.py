@@ -123,11 +123,13 @@ def preload_task_modules(names: Iterable[str]) -> list[str]:
 
     - CUDA. A module that probes CUDA as it is imported (``torch.cuda.is_available()`` in a skip marker)
       would initialize the driver in the process every rank forks from. The forkserver imports the task
-      modules between ``harness.ranks._preload_begin`` and ``_preload_end``, which make torch's CUDA
-      probes raise an ``ImportError``: the forkserver skips such a module, and the rank imports it itself
+      modules between ``harness.ranks._preload_begin`` and ``_preload_end`` (the fence), which make torch's
+      CUDA probes raise an ``ImportError``: the forkserver skips such a module, and the rank imports it itself
       after its placement, as it would without preloading.
     - Failures. The forkserver skips a module that raises ``ImportError`` but dies of any other exception,
-      so only modules this process has already imported are named.
+      so only modules this process has already imported are named, and between the two fence modules a
+      task module's import that raises anything else raises an ``ImportError`` instead: such a module, too,
+      is left to the ranks, which report what goes wrong.
     - Stale modules. A module imported by the forkserver is what every later pool's ranks resolve, so
       the modules are named once per process, by its first session; a session nested in a test (whose
       test files pytester writes anew, under names a later nested session reuses) names none."""
