@@ -335,7 +335,12 @@ def _dtypes_seen(model: Blocks) -> tuple[dict[str, torch.dtype], Callable[[], No
             lambda _m, args, name=name: seen.__setitem__(f"{name} computes in", args[0].dtype)))
         handles.append(block.register_forward_hook(
             lambda _m, _args, out, name=name: seen.__setitem__(f"{name} returns", out.dtype)))
-    return seen, lambda: [handle.remove() for handle in handles]  # type: ignore[func-returns-value]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return seen, remove
 
 
 @case("fully_shard_options/module_group", clause="C1", world_size=TWO_OR_MORE, strategies=(),

@@ -138,4 +138,3 @@ class ModuleGroupSplit(TorchFSDP2Adapter):
         if isinstance(module, nn.Module):
             return super().fully_shard(module, **kwargs)
         return [super(ModuleGroupSplit, self).fully_shard(each, **kwargs) for each in module]
-

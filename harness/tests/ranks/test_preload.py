@@ -66,10 +66,9 @@ def test_rank_test_modules_are_imported_once_by_the_forkserver(pytester: pytest.
     probes CUDA at import is, on a CUDA build, left to each rank, and so is one whose import raises in the
     forkserver (which would otherwise end it, and every rank start after); the session's processes end frozen."""
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_plain=PLAIN, test_probing=PROBING, test_failing=FAILING)
-    if not CUDA_BUILD:
-        pytester.path.joinpath("test_probing.py").write_text(PROBING.replace("IMPORTED_BY == os.getpid()",
-                                                                             "IMPORTED_BY == os.getppid()"))
+    # On a CPU build nothing is refused, so the probing module is preloaded like the plain one.
+    probing = PROBING if CUDA_BUILD else PROBING.replace("IMPORTED_BY == os.getpid()", "IMPORTED_BY == os.getppid()")
+    pytester.makepyfile(test_plain=PLAIN, test_probing=probing, test_failing=FAILING)
     report = pytester.path / "freeze.txt"
     monkeypatch.setenv("FREEZE_REPORT", str(report))
     result = pytester.runpytest_subprocess("-q", "-p", "conformance.pytest_plugin", "-p", "no:cacheprovider")
